@@ -1,0 +1,36 @@
+# The two commands the README gives: `make serve` and `make test`. Both create .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned here, not in pyproject.toml, so that the package works with any recent torch
+# while the set-up installs the build this project is tested with.
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install serve test lint typecheck unit clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+serve: install
+	$(BIN)/batchserve serve
+
+lint: install
+	$(BIN)/ruff check service tests loadtests scripts
+	$(BIN)/ruff format --check service tests loadtests scripts
+
+typecheck: install
+	$(BIN)/mypy service
+
+unit: install
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

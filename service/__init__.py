@@ -1,0 +1,1 @@
+"""batchserve: serve PyTorch models over HTTP with dynamic batching."""

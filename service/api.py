@@ -1,0 +1,159 @@
+"""HTTP routes. Each reads the running service from ``request.app.state.service``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from service.errors import ModelNotFoundError, NotReadyError, PayloadTooLargeError
+from service.inputs import check_content_type, parse_json_instances
+from service.metrics import METRICS_CONTENT_TYPE
+from service.model_store import manifest_summary
+from service.schemas import (
+    ErrorResponse,
+    HealthResponse,
+    ModelsResponse,
+    PredictRequest,
+    PredictResponse,
+    ReadinessResponse,
+)
+from service.state import ServiceState
+
+router = APIRouter()
+
+JSON = "application/json"
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 404, 413, 415, 422, 429, 500, 503, 504)
+}
+
+
+def _service(request: Request) -> ServiceState:
+    state: ServiceState = request.app.state.service
+    return state
+
+
+def json_response(
+    content: object, status_code: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    body = orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status_code, media_type=JSON, headers=headers)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing more than ``max_bytes`` before reading it whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(
+            f"the body is {int(declared)} bytes; at most {max_bytes} bytes are accepted"
+        )
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > max_bytes:
+            raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post(
+    "/predict",
+    summary="Predict one or more instances",
+    response_model=PredictResponse,
+    responses=_ERRORS,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {JSON: {"schema": PredictRequest.model_json_schema()}},
+        }
+    },
+)
+async def predict(request: Request) -> Response:
+    """Queue the instances for the next batch and answer with one prediction row each."""
+    service = _service(request)
+    batcher, manifest = service.batcher, service.manifest
+    if batcher is None or manifest is None or service.load_error is not None:
+        raise NotReadyError("the model is not loaded yet; retry when /readyz answers 200")
+    check_content_type(request.headers.get("content-type"))
+    body = await read_body(request, service.settings.max_body_bytes)
+    instances = parse_json_instances(
+        body, manifest.input, max_instances=service.settings.max_instances_per_request
+    )
+    chunks = await batcher.submit(
+        instances, group=instances.shape[1:], request_id=request.state.request_id
+    )
+    predictions = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+    return json_response(
+        {"model": manifest.name, "version": manifest.version, "predictions": predictions},
+        headers={"X-Model-Version": f"{manifest.name}@{manifest.version}"},
+    )
+
+
+@router.get("/healthz", response_model=HealthResponse, summary="Liveness")
+async def healthz() -> Response:
+    """200 while the process is alive and its event loop answers."""
+    return json_response({"status": "alive"})
+
+
+@router.get(
+    "/readyz",
+    response_model=ReadinessResponse,
+    responses={503: {"model": ReadinessResponse}},
+    summary="Readiness",
+)
+async def readyz(request: Request) -> Response:
+    """200 once the model is loaded and warmed up; 503 while loading, draining or failed."""
+    service = _service(request)
+    manifest = service.manifest
+    content = {
+        "status": service.phase,
+        "model": manifest.name if manifest else None,
+        "version": manifest.version if manifest else None,
+    }
+    return json_response(content, status_code=200 if service.ready else 503)
+
+
+@router.get("/models", response_model=ModelsResponse, responses=_ERRORS, summary="Models")
+async def models(request: Request) -> Response:
+    """The loaded model with its manifest, and every version of it in the repository."""
+    service = _service(request)
+    manifest, runner = service.manifest, service.runner
+    loaded = None
+    if manifest is not None and runner is not None:
+        loaded = {
+            "name": manifest.name,
+            "version": manifest.version,
+            "device": str(runner.device),
+            "precision": runner.precision,
+            "compiled": runner.compiled,
+            "manifest": manifest_summary(manifest),
+        }
+    try:
+        versions = [
+            manifest_summary(version)
+            for version in service.store.versions(service.settings.model_name)
+        ]
+    except ModelNotFoundError:
+        versions = []
+    return json_response({"loaded": loaded, "versions": versions})
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {METRICS_CONTENT_TYPE: {}}}},
+)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format; aggregated over all workers under gunicorn."""
+    service = _service(request)
+    if service.runner is not None:
+        allocated, reserved = service.runner.device_memory_bytes()
+        device = str(service.runner.device)
+        service.metrics.device_memory_allocated.labels(device).set(allocated)
+        service.metrics.device_memory_reserved.labels(device).set(reserved)
+    return Response(service.metrics.render(), media_type=METRICS_CONTENT_TYPE)

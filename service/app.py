@@ -1,0 +1,258 @@
+"""``create_app(settings)``: the one place where store, runner, batcher and routes are wired.
+
+The model loads in a background task started by the lifespan, so ``/healthz`` answers while
+weights are verified, the model is compiled and warmed up; ``/readyz`` turns 200 only then.
+On shutdown readiness turns off first, then the batcher drains and the device is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import api
+from service.batching import DynamicBatcher
+from service.config import Settings
+from service.errors import ServiceError
+from service.metrics import ServiceMetrics
+from service.model_store import ModelStore
+from service.runner import TorchRunner, resolve_device
+from service.state import Array, ServiceState
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_ROUTES_WITH_METRICS = frozenset({"/predict", "/healthz", "/readyz", "/models", "/metrics"})
+
+try:
+    __version__ = version("batchserve")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0"
+
+
+def create_app(settings: Settings, on_load_failure: Callable[[], None] | None = None) -> FastAPI:
+    """Build the ASGI app for ``settings``; nothing is loaded until its lifespan starts.
+
+    ``on_load_failure`` is called if the model cannot be loaded (the CLI uses it to stop the
+    server and exit non-zero); ``app.state.loading`` is the loading task, for tests to await.
+    """
+    metrics = ServiceMetrics()
+    service = ServiceState(
+        settings=settings, metrics=metrics, store=ModelStore(settings.model_repository)
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loading = asyncio.create_task(_load_and_start(service, on_load_failure))
+        try:
+            yield
+        finally:
+            await _shut_down(service, app.state.loading)
+
+    app = FastAPI(
+        title="batchserve",
+        version=__version__,
+        summary="PyTorch model serving with dynamic batching.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.include_router(api.router)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error_response)
+    return app
+
+
+async def _load_and_start(
+    service: ServiceState, on_load_failure: Callable[[], None] | None
+) -> None:
+    """Verify and load the model, warm it up, then start the batcher (readiness follows)."""
+    settings = service.settings
+    started_s = time.perf_counter()
+    try:
+        loaded = await asyncio.to_thread(
+            service.store.load, settings.model_name, settings.model_version
+        )
+        device = resolve_device(settings.device)
+        runner = await asyncio.to_thread(
+            TorchRunner,
+            loaded.module,
+            device=device,
+            precision=settings.precision,
+            compile_mode=settings.compile_mode,
+            max_batch_size=settings.max_batch_size,
+        )
+        service.runner = runner
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            runner.executor,
+            runner.warm_up,
+            loaded.manifest.input.example_instance(),
+            settings.warmup_batch_sizes,
+        )
+        batcher = DynamicBatcher[Array, Array](
+            runner.run_batch,
+            executor=runner.executor,
+            metrics=service.metrics,
+            max_batch_size=settings.max_batch_size,
+            max_wait_ms=settings.max_wait_ms,
+            max_queue_size=settings.max_queue_size,
+            request_timeout_ms=settings.request_timeout_ms,
+        )
+        batcher.start()
+    except Exception as error:
+        service.load_error = str(error)
+        logger.error(
+            "model_load_failed",
+            extra={
+                "model": settings.model_name,
+                "version": settings.model_version,
+                "error": str(error),
+            },
+        )
+        if on_load_failure is not None:
+            on_load_failure()
+        return
+    manifest = loaded.manifest
+    service.manifest = manifest
+    service.batcher = batcher
+    service.metrics.model_info.labels(
+        manifest.name, manifest.version, str(device), settings.precision, str(runner.compiled)
+    ).set(1)
+    service.metrics.ready.set(0 if service.draining else 1)
+    logger.info(
+        "model_ready",
+        extra={
+            "model": manifest.name,
+            "version": manifest.version,
+            "device": str(device),
+            "precision": settings.precision,
+            "compile_mode": settings.compile_mode,
+            "seconds": round(time.perf_counter() - started_s, 3),
+        },
+    )
+
+
+async def _shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None:
+    """Readiness off, finish every queued request, stop the collector, free the device."""
+    service.draining = True
+    service.metrics.ready.set(0)
+    if not loading.done():
+        loading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loading
+    if service.batcher is not None:
+        await service.batcher.drain()
+    if service.runner is not None:
+        await asyncio.to_thread(service.runner.close)
+    logger.info("shutdown_complete")
+
+
+class RequestContextMiddleware:
+    """Gives every request an id (echoed in ``X-Request-ID``) and records request metrics.
+
+    A plain ASGI middleware: ``BaseHTTPMiddleware`` would cost a task per request.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        path: str = scope["path"]
+        route = path if path in _ROUTES_WITH_METRICS else "other"
+        status = 500
+        started_s = time.perf_counter()
+
+        async def send_with_request_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).append("X-Request-ID", request_id)
+            await send(message)
+
+        predicting = route == "/predict"
+        if predicting:
+            self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_with_request_id)
+        finally:
+            if predicting:
+                self.metrics.in_flight.dec()
+            status_label = str(status)
+            self.metrics.requests.labels(route, status_label).inc()
+            self.metrics.request_latency.labels(route, status_label).observe(
+                time.perf_counter() - started_s
+            )
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's ``X-Request-ID`` when it is a plain token, else a fresh one."""
+    for name, value in scope["headers"]:
+        if name == REQUEST_ID_HEADER.encode():
+            candidate: str = value.decode("latin-1")
+            if _CLIENT_REQUEST_ID.match(candidate):
+                return candidate
+            break
+    return uuid.uuid4().hex
+
+
+def error_response(
+    request: Request,
+    status_code: int,
+    code: str,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    request_id = getattr(request.state, "request_id", "-")
+    return api.json_response(
+        {"error": {"code": code, "message": message, "request_id": request_id}},
+        status_code=status_code,
+        headers=headers,
+    )
+
+
+async def _service_error_response(request: Request, error: ServiceError) -> Response:
+    return error_response(request, error.status_code, error.code, error.message, error.headers)
+
+
+async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    return error_response(request, error.status_code, code, str(error.detail), error.headers)
+
+
+async def _validation_error_response(request: Request, error: RequestValidationError) -> Response:
+    problems = "; ".join(
+        f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+        for problem in error.errors()
+    )
+    return error_response(request, 422, "invalid_input", problems)
+
+
+async def _unexpected_error_response(request: Request, error: Exception) -> Response:
+    logger.error(
+        "unhandled_error",
+        exc_info=error,
+        extra={"request_id": getattr(request.state, "request_id", "-"), "path": request.url.path},
+    )
+    return error_response(request, 500, "internal_error", "internal server error")

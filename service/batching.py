@@ -1,0 +1,366 @@
+"""Dynamic batching: many concurrent requests, one forward pass.
+
+Pure asyncio: no torch, no web framework. One collector task owns the queue. It waits until
+the device is free (the previous batch has returned), then takes the oldest queued request's
+group (requests whose instances have the same shape) and more requests of that group, up to
+``max_batch_size`` rows, waiting at most ``max_wait_ms`` counted from the oldest request's
+arrival. The batch runs in the runner's single executor thread, so the event loop never runs
+model code.
+
+Each request's future is resolved exactly once, by whichever comes first: its result, its
+error, its deadline, or its caller going away. A request whose caller has gone, or whose
+deadline has passed, is removed from the queue and never computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, Self, TypeVar
+
+from service.errors import (
+    DeadlineExceededError,
+    InferenceError,
+    InvalidInputError,
+    NotReadyError,
+    QueueFullError,
+    ServiceError,
+)
+from service.metrics import DropReason, ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Rows(Protocol):
+    """A payload of one or more rows that can be sliced along its first axis (e.g. an array)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice, /) -> Self: ...
+
+
+PayloadT = TypeVar("PayloadT", bound=Rows)
+OutputT = TypeVar("OutputT")
+
+#: Runs one batch in the executor thread: one output per payload, in order; raises if it fails.
+BatchFunction = Callable[[list[PayloadT]], Sequence[OutputT]]
+
+
+@dataclass(eq=False)
+class _Entry(Generic[PayloadT, OutputT]):
+    """One queued piece of work: a whole request, or one chunk of a request split by size."""
+
+    payload: PayloadT
+    rows: int
+    group: Hashable
+    arrival_s: float
+    request_id: str
+    future: asyncio.Future[OutputT]
+    queued: bool = True
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class DynamicBatcher(Generic[PayloadT, OutputT]):
+    """Queues requests and runs them in batches through ``run_batch`` on ``executor``.
+
+    ``submit`` returns the outputs of the request's chunks, in order: one chunk unless the
+    request had more rows than ``max_batch_size``.
+    """
+
+    def __init__(
+        self,
+        run_batch: BatchFunction[PayloadT, OutputT],
+        *,
+        executor: Executor,
+        metrics: ServiceMetrics,
+        max_batch_size: int,
+        max_wait_ms: float,
+        max_queue_size: int,
+        request_timeout_ms: float,
+    ) -> None:
+        if max_batch_size < 1 or max_queue_size < 1:
+            raise ValueError(
+                f"max_batch_size and max_queue_size must be at least 1, "
+                f"got {max_batch_size} and {max_queue_size}"
+            )
+        self._run_batch = run_batch
+        self._executor = executor
+        self._metrics = metrics
+        self.max_batch_size = max_batch_size
+        self._max_wait_s = max_wait_ms / 1000.0
+        self._max_queue_size = max_queue_size
+        self._request_timeout_s = request_timeout_ms / 1000.0
+        self._groups: dict[Hashable, deque[_Entry[PayloadT, OutputT]]] = {}
+        self._group_rows: dict[Hashable, int] = {}
+        self._queued_entries = 0
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._collector: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the collector task; call from inside the running event loop."""
+        if self._collector is None:
+            self._collector = asyncio.get_running_loop().create_task(
+                self._collect_forever(), name="batchserve-collector"
+            )
+
+    async def drain(self) -> None:
+        """Refuse new requests (503), finish every queued and running one, stop the collector."""
+        self._closing = True
+        self._wakeup.set()
+        if self._collector is not None:
+            await self._collector
+
+    @property
+    def queue_depth(self) -> int:
+        """Queued entries (a request larger than ``max_batch_size`` counts once per chunk)."""
+        return self._queued_entries
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closing
+
+    # ----------------------------------------------------------------- submitting
+
+    async def submit(
+        self, payload: PayloadT, *, group: Hashable, request_id: str = "-"
+    ) -> list[OutputT]:
+        """Queue one request and wait for its outputs (one per chunk of ``max_batch_size`` rows).
+
+        Raises ``QueueFullError`` at once when the queue is full, ``NotReadyError`` while
+        draining, ``DeadlineExceededError`` past the request timeout, and ``InferenceError``
+        when the model fails on this request's input.
+        """
+        if self._closing or self._collector is None:
+            self._metrics.dropped.labels(DropReason.DRAINING).inc()
+            raise NotReadyError("the server is not accepting requests (starting or draining)")
+        total_rows = len(payload)
+        if total_rows < 1:
+            raise InvalidInputError("a request needs at least one instance")
+        chunks = [
+            payload[start : start + self.max_batch_size]
+            for start in range(0, total_rows, self.max_batch_size)
+        ]
+        if self._queued_entries + len(chunks) > self._max_queue_size:
+            self._metrics.dropped.labels(DropReason.QUEUE_FULL).inc()
+            raise QueueFullError(
+                f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
+            )
+
+        loop = asyncio.get_running_loop()
+        arrival_s = time.monotonic()
+        deadline = loop.time() + self._request_timeout_s
+        entries = [
+            _Entry[PayloadT, OutputT](
+                payload=chunk,
+                rows=len(chunk),
+                group=group,
+                arrival_s=arrival_s,
+                request_id=request_id,
+                future=loop.create_future(),
+            )
+            for chunk in chunks
+        ]
+        for entry in entries:
+            entry.timer = loop.call_at(deadline, self._expire, entry)
+            self._enqueue(entry)
+        try:
+            return [await entry.future for entry in entries]
+        except BaseException:  # cancelled, expired or failed: drop the chunks still queued
+            self._abandon(entries, DropReason.CANCELLED)
+            raise
+        finally:
+            for entry in entries:
+                if entry.timer is not None:
+                    entry.timer.cancel()
+
+    def _enqueue(self, entry: _Entry[PayloadT, OutputT]) -> None:
+        queue = self._groups.get(entry.group)
+        if queue is None:
+            queue = self._groups[entry.group] = deque()
+            self._group_rows[entry.group] = 0
+        queue.append(entry)
+        self._group_rows[entry.group] += entry.rows
+        self._queued_entries += 1
+        self._metrics.queue_depth.set(self._queued_entries)
+        # Wake the collector only when its decision can change: the queue was empty (it sleeps
+        # without a timer) or this group just reached a full batch (it may stop waiting early).
+        if self._queued_entries == 1 or self._group_rows[entry.group] >= self.max_batch_size:
+            self._wakeup.set()
+
+    def _dequeue(self, entry: _Entry[PayloadT, OutputT]) -> None:
+        """Remove a queued entry from anywhere in its group's queue."""
+        queue = self._groups[entry.group]
+        queue.remove(entry)
+        self._forget_queued(entry)
+        if not queue:
+            del self._groups[entry.group]
+            del self._group_rows[entry.group]
+
+    def _forget_queued(self, entry: _Entry[PayloadT, OutputT]) -> None:
+        entry.queued = False
+        if entry.group in self._group_rows:
+            self._group_rows[entry.group] -= entry.rows
+        self._queued_entries -= 1
+        self._metrics.queue_depth.set(self._queued_entries)
+
+    def _expire(self, entry: _Entry[PayloadT, OutputT]) -> None:
+        """Deadline timer: answer 504 now, even while another batch is running."""
+        if entry.future.done():
+            return
+        if entry.queued:
+            self._dequeue(entry)
+        self._metrics.dropped.labels(DropReason.EXPIRED).inc()
+        entry.future.set_exception(
+            DeadlineExceededError(
+                f"the request was not answered within {self._request_timeout_s * 1000:.0f} ms"
+            )
+        )
+
+    def _abandon(self, entries: list[_Entry[PayloadT, OutputT]], reason: DropReason) -> None:
+        """The caller stopped waiting: drop its queued chunks so they are never computed."""
+        for entry in entries:
+            if entry.queued:
+                self._dequeue(entry)
+                self._metrics.dropped.labels(reason).inc()
+            if not entry.future.done():
+                entry.future.cancel()
+            elif not entry.future.cancelled():
+                entry.future.exception()  # mark a sibling chunk's error as retrieved
+
+    # ----------------------------------------------------------------- collecting
+
+    async def _collect_forever(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            if batch is None:
+                return
+            try:
+                await self._run(batch)
+            except Exception:  # never let one batch stop the collector
+                logger.exception("batch_failed_unexpectedly")
+                for entry in batch:
+                    _set_exception_if_pending(
+                        entry.future, InferenceError("internal error while running the batch")
+                    )
+
+    async def _next_batch(self) -> list[_Entry[PayloadT, OutputT]] | None:
+        """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
+        while True:
+            oldest = self._oldest_entry()
+            if oldest is None:
+                if self._closing:
+                    return None
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            full_group = self._full_group()
+            if full_group is not None:
+                return self._take(full_group)
+            remaining_s = oldest.arrival_s + self._max_wait_s - time.monotonic()
+            if remaining_s <= 0 or self._closing:
+                return self._take(oldest.group)
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=remaining_s)
+
+    def _oldest_entry(self) -> _Entry[PayloadT, OutputT] | None:
+        heads = [queue[0] for queue in self._groups.values()]
+        return min(heads, key=lambda entry: entry.arrival_s, default=None)
+
+    def _full_group(self) -> Hashable | None:
+        """The group with a full batch queued whose head waited longest, if any."""
+        full = [
+            queue[0]
+            for group, queue in self._groups.items()
+            if self._group_rows[group] >= self.max_batch_size
+        ]
+        if not full:
+            return None
+        return min(full, key=lambda entry: entry.arrival_s).group
+
+    def _take(self, group: Hashable) -> list[_Entry[PayloadT, OutputT]]:
+        """Pop entries of ``group`` in arrival order while they fit in one batch."""
+        queue = self._groups[group]
+        batch: list[_Entry[PayloadT, OutputT]] = []
+        rows = 0
+        while queue and rows + queue[0].rows <= self.max_batch_size:
+            entry = queue.popleft()
+            self._forget_queued(entry)
+            if entry.future.done():  # answered already (deadline or cancel): never compute it
+                continue
+            batch.append(entry)
+            rows += entry.rows
+        if not queue:
+            del self._groups[group]
+            del self._group_rows[group]
+        return batch
+
+    # ----------------------------------------------------------------- running
+
+    async def _run(self, batch: list[_Entry[PayloadT, OutputT]]) -> None:
+        if not batch:
+            return
+        started_s = time.monotonic()
+        for entry in batch:
+            self._metrics.queue_wait.observe(started_s - entry.arrival_s)
+        await self._run_isolating_failures(batch)
+
+    async def _run_isolating_failures(self, batch: list[_Entry[PayloadT, OutputT]]) -> None:
+        """Run ``batch``; if the forward raises, retry each half so only the culprit fails."""
+        batch = [entry for entry in batch if not entry.future.done()]
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        payloads = [entry.payload for entry in batch]
+        self._metrics.batch_size.observe(sum(entry.rows for entry in batch))
+        started_s = time.perf_counter()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self._run_batch, payloads)
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)}")
+        except Exception as error:
+            self._metrics.inference_latency.observe(time.perf_counter() - started_s)
+            if len(batch) == 1:
+                self._fail(batch[0], error)
+                return
+            self._metrics.batch_failures.inc()
+            middle = len(batch) // 2
+            await self._run_isolating_failures(batch[:middle])
+            await self._run_isolating_failures(batch[middle:])
+            return
+        self._metrics.inference_latency.observe(time.perf_counter() - started_s)
+        for entry, output in zip(batch, outputs, strict=True):
+            _set_result_if_pending(entry.future, output)
+
+    def _fail(self, entry: _Entry[PayloadT, OutputT], error: Exception) -> None:
+        if isinstance(error, ServiceError):
+            _set_exception_if_pending(entry.future, error)
+            return
+        logger.error(
+            "inference_failed",
+            extra={"request_id": entry.request_id, "error": f"{type(error).__name__}: {error}"},
+        )
+        failure = InferenceError(
+            f"the model failed on this request's input ({type(error).__name__})"
+        )
+        failure.__cause__ = error
+        _set_exception_if_pending(entry.future, failure)
+
+
+def _set_result_if_pending(future: asyncio.Future[OutputT], result: OutputT) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception_if_pending(future: asyncio.Future[OutputT], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,149 @@
+"""Typed settings, read once from ``BATCHSERVE_*`` environment variables.
+
+Every field states its unit in its name and its accepted range in its constraints, so a bad
+value fails at start-up with a message naming the variable, the value and the range.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "BATCHSERVE_"
+
+#: The repository of the source checkout, holding the embedded demo models.
+BUNDLED_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
+
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+Precision = Literal["fp32", "fp16", "bf16"]
+CompileMode = Literal[
+    "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class Settings(BaseSettings):
+    """All configuration of one batchserve process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        protected_namespaces=(),
+        use_attribute_docstrings=True,
+    )
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds to; use 0.0.0.0 in a container."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """TCP port of the HTTP server."""
+
+    model_repository: Path = BUNDLED_MODEL_REPOSITORY
+    """Folder holding ``<name>/<version>/manifest.json``; defaults to the embedded demo models."""
+
+    model_name: str = Field(default="digits", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+    """Name of the model to serve (a plain identifier)."""
+
+    model_version: str = Field(default="latest", pattern=r"^(latest|[0-9a-f]{12})$")
+    """``latest`` (newest manifest by creation time) or a 12-hex-character version id."""
+
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+
+    precision: Precision = "fp32"
+    """``fp32``, or autocast to ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA only)."""
+
+    compile_mode: CompileMode = "off"
+    """``off``, or a ``torch.compile`` mode; compiling happens at load, before readiness."""
+
+    max_batch_size: int = Field(default=64, ge=1, le=4096)
+    """Most rows (instances) run in one forward pass."""
+
+    max_wait_ms: float = Field(default=5.0, ge=0.0, le=1000.0)
+    """Longest a queued request waits for batch-mates, counted from the oldest queued request."""
+
+    max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
+    """Most requests waiting in the queue; one more is answered 429 at once."""
+
+    request_timeout_ms: float = Field(default=10_000.0, ge=1.0, le=600_000.0)
+    """Deadline of a request from its arrival; past it the request is answered 504."""
+
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    """Largest accepted request body; a larger one is answered 413 before it is read whole."""
+
+    max_instances_per_request: int = Field(default=1024, ge=1, le=1_000_000)
+    """Most instances in one request; requests above ``max_batch_size`` are split and rejoined."""
+
+    drain_delay_s: float = Field(default=0.0, ge=0.0, le=300.0)
+    """After SIGTERM, how long ``/readyz`` answers 503 while still serving, before the listening
+    socket closes (lets a load balancer stop sending first). Queued requests finish either way."""
+
+    warmup_batch_sizes: tuple[int, ...] = ()
+    """Batch sizes run once at load; empty means powers of two up to ``max_batch_size``."""
+
+    log_level: LogLevel = "info"
+    """Level of the JSON log lines written to stdout."""
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE_PATTERN.match(value):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("warmup_batch_sizes", mode="before")
+    @classmethod
+    def _split_warmup_sizes(cls, value: object) -> object:
+        if isinstance(value, str) and not value.lstrip().startswith("["):
+            return tuple(part for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("warmup_batch_sizes")
+    @classmethod
+    def _check_warmup_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in value):
+            raise ValueError(f"every warm-up batch size must be at least 1, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> Settings:
+        if any(size > self.max_batch_size for size in self.warmup_batch_sizes):
+            raise ValueError(
+                f"warmup_batch_sizes {self.warmup_batch_sizes} must not exceed "
+                f"max_batch_size {self.max_batch_size}"
+            )
+        return self
+
+
+class SettingsError(Exception):
+    """Settings that failed validation, rendered with the environment variable names."""
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings from the environment plus explicit overrides (command-line flags).
+
+    Raises ``SettingsError`` whose message names every bad variable, its value and what is
+    accepted, so the process can print it and exit instead of showing a traceback.
+    """
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as error:
+        raise SettingsError(describe_validation_error(error)) from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    lines = ["invalid batchserve settings:"]
+    for problem in error.errors():
+        field = ".".join(str(part) for part in problem["loc"]) or "settings"
+        variable = ENV_PREFIX + field.upper().replace(".", "__")
+        value = problem.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  {variable}{shown}: {problem['msg']}")
+    return "\n".join(lines)

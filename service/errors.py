@@ -1,0 +1,90 @@
+"""Errors the service answers with, each carrying its HTTP status and a stable code.
+
+Messages are written for the client: they say what was wrong and what is accepted, and never
+contain file-system paths or secrets.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of every error that maps to an HTTP answer."""
+
+    status_code: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class BadRequestError(ServiceError):
+    """The body could not be parsed at all (malformed JSON, wrong content type)."""
+
+    status_code = 400
+    code = "bad_request"
+
+
+class InvalidInputError(ServiceError):
+    """The body parsed but does not match the model's input spec."""
+
+    status_code = 422
+    code = "invalid_input"
+
+
+class PayloadTooLargeError(ServiceError):
+    status_code = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(ServiceError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class ModelNotFoundError(ServiceError):
+    """Unknown model name or version in the repository."""
+
+    status_code = 404
+    code = "model_not_found"
+
+
+class QueueFullError(ServiceError):
+    """The batcher's queue is full; the client should retry after ``Retry-After`` seconds."""
+
+    status_code = 429
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class DeadlineExceededError(ServiceError):
+    status_code = 504
+    code = "deadline_exceeded"
+
+
+class NotReadyError(ServiceError):
+    """No model is loaded yet, or the server is draining for shutdown."""
+
+    status_code = 503
+    code = "not_ready"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class InferenceError(ServiceError):
+    """The model raised on this request's input; its batch-mates are unaffected."""
+
+    status_code = 500
+    code = "inference_failed"
+
+
+class ModelIntegrityError(Exception):
+    """A model's files do not match the hashes in its manifest, or cannot be read; never served."""
+
+
+class ModelLoadError(Exception):
+    """A model's manifest is valid but the model cannot be built (architecture, format, device)."""

@@ -1,0 +1,1 @@
+"""Built-in architectures of the embedded demo models."""

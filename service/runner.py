@@ -1,0 +1,181 @@
+"""Runs a model on its device: precision, compilation, warm-up, collation and splitting.
+
+Everything here runs in ``TorchRunner.executor``, one dedicated thread per device, so autocast
+(thread-local state) is entered in the thread that runs the model and the event loop never
+runs model code. No asyncio here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from service.config import CompileMode, Precision
+from service.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+_AUTOCAST_DTYPES: dict[Precision, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+Array = npt.NDArray[np.generic]
+
+
+def resolve_device(requested: str) -> torch.device:
+    """Turn the ``device`` setting into a torch device, refusing CUDA where there is none."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(
+                f"device {requested!r} was requested but CUDA is not available; "
+                "use device=cpu or device=auto"
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {requested!r} does not exist: {torch.cuda.device_count()} CUDA "
+                "device(s) are visible"
+            )
+    return device
+
+
+def check_precision(precision: Precision, device: torch.device) -> None:
+    """Refuse precisions the device cannot autocast to, with what to use instead."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ModelLoadError(
+            "precision fp16 needs a CUDA device (fp16 autocast on CPU is slow and inexact); "
+            "use precision=bf16 or fp32 on CPU"
+        )
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ModelLoadError(f"device {device} does not support bf16; use precision=fp16")
+
+
+def batch_sizes_to_warm(max_batch_size: int) -> list[int]:
+    """Powers of two below ``max_batch_size``, and ``max_batch_size`` itself."""
+    sizes = [1 << exponent for exponent in range(max_batch_size.bit_length())]
+    return sorted({size for size in sizes if size < max_batch_size} | {max_batch_size})
+
+
+class TorchRunner:
+    """Owns a model on one device and runs batches of numpy rows through it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device,
+        precision: Precision = "fp32",
+        compile_mode: CompileMode = "off",
+        max_batch_size: int,
+    ) -> None:
+        check_precision(precision, device)
+        self.device = device
+        self.precision = precision
+        self.compile_mode = compile_mode
+        self.max_batch_size = max_batch_size
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-device")
+        self._model = model.to(device).eval()
+        self._forward: Callable[[torch.Tensor], object] = self._model
+        self._padded_sizes = batch_sizes_to_warm(max_batch_size)
+        if device.type == "cuda":
+            # Fixed shapes (compiled, padded) let cuDNN pick the fastest kernels, at the cost of
+            # bit-for-bit determinism between runs.
+            torch.backends.cudnn.benchmark = True
+        if compile_mode != "off":
+            self._compile()
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_mode != "off"
+
+    def _compile(self) -> None:
+        # Each padded batch size is one static graph; allow them all without recompile warnings.
+        limit = len(self._padded_sizes) + 4
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        mode = None if self.compile_mode == "default" else self.compile_mode
+        self._forward = torch.compile(self._model, mode=mode, dynamic=False)
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows a batch is padded to: unchanged in eager mode, the next warmed size if compiled."""
+        if not self.compiled:
+            return rows
+        for size in self._padded_sizes:
+            if size >= rows:
+                return size
+        return rows
+
+    def warm_up(self, example_instance: Array, batch_sizes: Sequence[int] = ()) -> float:
+        """Run every batch size the server will meet once (compiling them); returns seconds."""
+        started_s = time.perf_counter()
+        sizes = list(batch_sizes) or self._padded_sizes
+        for size in sizes:
+            batch = np.repeat(example_instance[np.newaxis, ...], size, axis=0)
+            self.run_batch([batch])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed_s = time.perf_counter() - started_s
+        logger.info(
+            "model_warmed_up",
+            extra={
+                "batch_sizes": sizes,
+                "seconds": round(elapsed_s, 3),
+                "device": str(self.device),
+            },
+        )
+        return elapsed_s
+
+    def run_batch(self, payloads: list[Array]) -> list[Array]:
+        """Stack the payloads, run one forward pass, and split the output rows back per payload."""
+        rows = [len(payload) for payload in payloads]
+        host = payloads[0] if len(payloads) == 1 else np.concatenate(payloads)
+        total_rows = host.shape[0]
+        inputs = torch.from_numpy(np.ascontiguousarray(host))
+        padded_rows = self.padded_rows(total_rows)
+        if padded_rows > total_rows:
+            padding = inputs.new_zeros((padded_rows - total_rows, *inputs.shape[1:]))
+            inputs = torch.cat([inputs, padding])
+        if self.device.type == "cuda":
+            inputs = inputs.pin_memory().to(self.device, non_blocking=True)
+        with torch.inference_mode(), self._autocast():
+            outputs = self._forward(inputs)
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"the model must return one tensor, got {type(outputs).__name__}")
+        # One device-to-host copy per batch, in fp32 whatever the autocast precision.
+        host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
+        if host_outputs.shape[0] != total_rows:
+            raise ValueError(
+                f"the model returned {host_outputs.shape[0]} rows for a batch of {total_rows}"
+            )
+        offsets = np.cumsum(rows)[:-1]
+        return list(np.split(host_outputs, offsets))
+
+    def _autocast(self) -> AbstractContextManager[object]:
+        dtype = _AUTOCAST_DTYPES.get(self.precision)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def device_memory_bytes(self) -> tuple[int, int]:
+        """(allocated, reserved) CUDA memory of this runner's device; (0, 0) on CPU."""
+        if self.device.type != "cuda":
+            return 0, 0
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+    def close(self) -> None:
+        """Stop the device thread and release the model's device memory."""
+        self.executor.shutdown(wait=True)
+        del self._forward
+        del self._model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

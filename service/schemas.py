@@ -1,0 +1,62 @@
+"""Request and response bodies, for validation where cheap and for the OpenAPI document.
+
+``/predict`` bodies are parsed from raw bytes with orjson for speed (see ``inputs.py``); the
+models below still describe them in the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class PredictRequest(BaseModel):
+    instances: list[Any] = Field(
+        min_length=1,
+        description="One or more instances, each shaped like the model's input without the "
+        "batch axis (digits: an 8x8 nested list of floats in [0, 1]).",
+        examples=[[[[0.0] * 8] * 8]],
+    )
+
+
+class PredictResponse(BaseModel):
+    model: str = Field(description="Name of the model that answered.")
+    version: str = Field(description="12-hex-character version id of the model that answered.")
+    predictions: list[Any] = Field(description="One output row per instance, in request order.")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Stable machine-readable error code, e.g. invalid_input.")
+    message: str = Field(description="What was wrong and what is accepted.")
+    request_id: str = Field(description="Quote this when reporting a problem.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class HealthResponse(BaseModel):
+    status: str
+
+
+class ReadinessResponse(BaseModel):
+    status: str = Field(description="ready, loading, draining or failed.")
+    model: str | None = None
+    version: str | None = None
+
+
+class LoadedModelInfo(BaseModel):
+    name: str
+    version: str
+    device: str
+    precision: str
+    compiled: bool
+    manifest: dict[str, Any]
+
+
+class ModelsResponse(BaseModel):
+    loaded: LoadedModelInfo | None
+    versions: list[dict[str, Any]] = Field(
+        description="Every version of the served model in the repository, oldest first."
+    )

@@ -1,0 +1,45 @@
+"""What the routes need of the running service, in one object kept on ``app.state``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from service.batching import DynamicBatcher
+from service.config import Settings
+from service.metrics import ServiceMetrics
+from service.model_store import Manifest, ModelStore
+
+if TYPE_CHECKING:
+    from service.runner import TorchRunner
+
+Array = npt.NDArray[np.generic]
+
+
+@dataclass
+class ServiceState:
+    """Filled in by ``app.py`` as the model loads; read by the routes."""
+
+    settings: Settings
+    metrics: ServiceMetrics
+    store: ModelStore
+    manifest: Manifest | None = None
+    runner: TorchRunner | None = None
+    batcher: DynamicBatcher[Array, Array] | None = None
+    draining: bool = False
+    load_error: str | None = field(default=None)
+
+    @property
+    def ready(self) -> bool:
+        return self.batcher is not None and not self.draining and self.load_error is None
+
+    @property
+    def phase(self) -> str:
+        if self.load_error is not None:
+            return "failed"
+        if self.draining:
+            return "draining"
+        return "ready" if self.batcher is not None else "loading"
