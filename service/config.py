@@ -141,8 +141,8 @@ def load_settings(**overrides: object) -> Settings:
 def describe_validation_error(error: ValidationError) -> str:
     lines = ["invalid batchserve settings:"]
     for problem in error.errors():
-        field = ".".join(str(part) for part in problem["loc"]) or "settings"
-        variable = ENV_PREFIX + field.upper().replace(".", "__")
+        field = "__".join(str(part) for part in problem["loc"])
+        variable = ENV_PREFIX + field.upper() if field else "settings"
         value = problem.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         lines.append(f"  {variable}{shown}: {problem['msg']}")
