@@ -117,7 +117,9 @@ async def test_300_concurrent_callers_each_get_their_own_rows(
     single_row_batches = registry.get_sample_value(
         "batchserve_batch_size_rows_bucket", {"le": "1.0"}
     )
-    assert batches is not None and rows is not None and single_row_batches is not None
+    assert batches is not None
+    assert rows is not None
+    assert single_row_batches is not None
     assert rows == sum(len(instance) for instance in inputs)  # warm-up bypasses the batcher
     assert batches < 300 / 2, "requests should have been batched together"
     assert batches - single_row_batches > 0
@@ -281,7 +283,8 @@ async def test_metrics_expose_every_documented_family(client: httpx.AsyncClient)
         "batchserve_inference_duration_seconds_count 1.0",
         "batchserve_in_flight_requests 0.0",
         "batchserve_ready 1.0",
-        f'batchserve_model_info{{compiled="False",device="cpu",model="digits",precision="fp32",version="{DIGITS.version}"}} 1.0',
+        'batchserve_model_info{compiled="False",device="cpu",model="digits",precision="fp32",'
+        f'version="{DIGITS.version}"}} 1.0',
         'batchserve_device_memory_allocated_bytes{device="cpu"} 0.0',
     ):
         assert sample in text, sample

@@ -119,6 +119,7 @@ async def load_then_sigterm(server: Server) -> tuple[list[tuple[float, int | str
         httpx.AsyncClient(base_url=server.url, timeout=15.0, limits=limits) as client,
         httpx.AsyncClient(base_url=server.url, timeout=5.0) as probe,
     ):
+        warmed_up = asyncio.Event()
 
         async def worker(index: int) -> None:
             body = {"instances": [images[index]]}
@@ -128,10 +129,11 @@ async def load_then_sigterm(server: Server) -> tuple[list[tuple[float, int | str
                     outcomes.append((time.monotonic(), response.status_code))
                 except httpx.HTTPError as error:
                     outcomes.append((time.monotonic(), type(error).__name__))
+                if len(outcomes) >= 200:
+                    warmed_up.set()
 
         async def terminate() -> tuple[float, float]:
-            while len(outcomes) < 200 and time.monotonic() - started < LOAD_CAP_S:
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(warmed_up.wait(), timeout=LOAD_CAP_S)
             server.process.send_signal(signal.SIGTERM)
             sigterm_at = time.monotonic()
             while time.monotonic() - started < LOAD_CAP_S:
