@@ -28,7 +28,7 @@ from service.config import Settings
 from service.errors import ServiceError
 from service.metrics import ServiceMetrics
 from service.model_store import ModelStore
-from service.runner import TorchRunner, resolve_device
+from service.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.state import Array, ServiceState
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ async def _load_and_start(
             service.store.load, settings.model_name, settings.model_version
         )
         device = resolve_device(settings.device)
+        configure_torch_threads(settings.torch_threads)
         runner = await asyncio.to_thread(
             TorchRunner,
             loaded.module,

@@ -296,6 +296,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             entry = queue.popleft()
             self._forget_queued(entry)
             if entry.future.done():  # answered already (deadline or cancel): never compute it
+                # Its caller was cancelled but has not run its clean-up yet; that clean-up
+                # counts only entries still queued, so count the drop here.
+                if entry.future.cancelled():
+                    self._metrics.dropped.labels(DropReason.CANCELLED).inc()
                 continue
             batch.append(entry)
             rows += entry.rows

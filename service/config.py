@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     compile_mode: CompileMode = "off"
     """``off``, or a ``torch.compile`` mode; compiling happens at load, before readiness."""
 
+    torch_threads: int = Field(default=0, ge=0, le=1024)
+    """Threads torch uses inside one operator; 0 means one per CPU core minus one (at least
+    one), leaving a core to the event loop that parses requests."""
+
     max_batch_size: int = Field(default=64, ge=1, le=4096)
     """Most rows (instances) run in one forward pass."""
 

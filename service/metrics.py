@@ -96,7 +96,8 @@ class ServiceMetrics:
         )
         self.dropped = Counter(
             "batchserve_dropped_requests",
-            "Requests not computed: queue full, deadline expired, client gone, or draining.",
+            "Requests not computed (a split request counts once per chunk): queue full, "
+            "deadline expired, client gone, or draining.",
             ["reason"],
             registry=r,
         )

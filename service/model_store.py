@@ -108,7 +108,7 @@ class Manifest(BaseModel):
     @model_validator(mode="after")
     def _check_consistency(self) -> Manifest:
         for file_name, digest in self.files.items():
-            if not FILE_NAME_PATTERN.match(file_name) or file_name == MANIFEST_FILE:
+            if not FILE_NAME_PATTERN.fullmatch(file_name) or file_name == MANIFEST_FILE:
                 raise ValueError(f"file names must be plain names, got {file_name!r}")
             if not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise ValueError(f"sha256 of {file_name!r} is not 64 hex characters")
@@ -144,7 +144,7 @@ def sha256_of(path: Path) -> str:
 
 
 def check_name(name: str) -> str:
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise ModelNotFoundError(
             f"model names are plain identifiers (letters, digits, '_' and '-'), got {name!r}"
         )
@@ -152,7 +152,7 @@ def check_name(name: str) -> str:
 
 
 def check_version(version: str) -> str:
-    if version != "latest" and not VERSION_PATTERN.match(version):
+    if version != "latest" and not VERSION_PATTERN.fullmatch(version):
         raise ModelNotFoundError(
             f"a version is 'latest' or {VERSION_LENGTH} lowercase hex characters, got {version!r}"
         )
@@ -171,7 +171,7 @@ class ModelStore:
         return sorted(
             entry.name
             for entry in self.root.iterdir()
-            if entry.is_dir() and NAME_PATTERN.match(entry.name)
+            if entry.is_dir() and NAME_PATTERN.fullmatch(entry.name)
         )
 
     def versions(self, name: str) -> list[Manifest]:
@@ -181,7 +181,7 @@ class ModelStore:
             raise ModelNotFoundError(f"no model named {name!r} in the repository")
         manifests = []
         for entry in folder.iterdir():
-            if not (entry.is_dir() and VERSION_PATTERN.match(entry.name)):
+            if not (entry.is_dir() and VERSION_PATTERN.fullmatch(entry.name)):
                 continue
             try:
                 manifests.append(self._read_manifest(name, entry.name))
@@ -282,7 +282,7 @@ class ModelStore:
         return manifest
 
     def _version_folder(self, name: str, version: str) -> Path:
-        if not VERSION_PATTERN.match(version):
+        if not VERSION_PATTERN.fullmatch(version):
             raise ModelNotFoundError(f"invalid version {version!r}")
         return self.root / check_name(name) / version
 
@@ -292,7 +292,7 @@ class ModelStore:
             manifest = Manifest.model_validate_json(path.read_bytes())
         except (OSError, ValidationError) as error:
             raise ModelIntegrityError(
-                f"{name}@{version}: manifest unreadable or invalid: {_first_line(error)}"
+                f"{name}@{version}: manifest unreadable or invalid: {_summary(error)}"
             ) from error
         if manifest.name != name or manifest.version != version:
             raise ModelIntegrityError(
@@ -312,13 +312,16 @@ def build_module(manifest: Manifest, artifact: Path) -> torch.nn.Module:
         elif manifest.format == "torchscript":
             module = torch.jit.load(str(artifact), map_location="cpu")  # type: ignore[no-untyped-call]
         else:
-            module = torch.export.load(artifact).module()
+            # An exported module's train/eval behaviour is fixed when it is exported, and it
+            # raises NotImplementedError on eval(): return it as it is.
+            exported: torch.nn.Module = torch.export.load(artifact).module()
+            return exported
     except (ModelLoadError, ModelIntegrityError):
         raise
     except Exception as error:
         raise ModelLoadError(
             f"{manifest.name}@{manifest.version}: cannot load {manifest.format} artifact: "
-            f"{_first_line(error)}"
+            f"{_summary(error)}"
         ) from error
     return module.eval() if hasattr(module, "eval") else module
 
@@ -348,9 +351,10 @@ def instantiate(architecture: Architecture) -> torch.nn.Module:
     return module
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def _summary(error: BaseException, limit: int = 400) -> str:
+    """The error's text on one line (state-dict errors list the mismatched keys), capped."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def manifest_summary(manifest: Manifest) -> dict[str, Any]:

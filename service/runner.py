@@ -8,6 +8,7 @@ runs model code. No asyncio here.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,25 @@ def check_precision(precision: Precision, device: torch.device) -> None:
         raise ModelLoadError(f"device {device} does not support bf16; use precision=fp16")
 
 
+def _in_eval_mode(model: torch.nn.Module) -> torch.nn.Module:
+    try:
+        return model.eval()
+    except NotImplementedError:
+        # Modules from torch.export refuse eval(); their mode was fixed when they were exported.
+        return model
+
+
+def configure_torch_threads(requested: int) -> int:
+    """Set torch's intra-op thread count (process-wide); 0 picks cores minus one, at least 1.
+
+    Small models gain little from many threads, and threads that spin between batches take
+    the CPU away from the event loop parsing the next requests.
+    """
+    threads = requested or max(1, (os.cpu_count() or 1) - 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def batch_sizes_to_warm(max_batch_size: int) -> list[int]:
     """Powers of two below ``max_batch_size``, and ``max_batch_size`` itself."""
     sizes = [1 << exponent for exponent in range(max_batch_size.bit_length())]
@@ -85,7 +105,7 @@ class TorchRunner:
         self.compile_mode = compile_mode
         self.max_batch_size = max_batch_size
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-device")
-        self._model = model.to(device).eval()
+        self._model = _in_eval_mode(model.to(device))
         self._forward: Callable[[torch.Tensor], object] = self._model
         self._padded_sizes = batch_sizes_to_warm(max_batch_size)
         if device.type == "cuda":
@@ -135,7 +155,7 @@ class TorchRunner:
         )
         return elapsed_s
 
-    def run_batch(self, payloads: list[Array]) -> list[Array]:
+    def run_batch(self, payloads: Sequence[Array]) -> list[Array]:
         """Stack the payloads, run one forward pass, and split the output rows back per payload."""
         rows = [len(payload) for payload in payloads]
         host = payloads[0] if len(payloads) == 1 else np.concatenate(payloads)
@@ -151,12 +171,14 @@ class TorchRunner:
             outputs = self._forward(inputs)
         if not isinstance(outputs, torch.Tensor):
             raise TypeError(f"the model must return one tensor, got {type(outputs).__name__}")
+        # Checked before the padding is sliced off, so extra rows are refused, not truncated.
+        returned_rows = outputs.shape[0] if outputs.ndim > 0 else 0
+        if returned_rows != padded_rows:
+            raise ValueError(
+                f"the model returned {returned_rows} rows for a batch of {padded_rows}"
+            )
         # One device-to-host copy per batch, in fp32 whatever the autocast precision.
         host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
-        if host_outputs.shape[0] != total_rows:
-            raise ValueError(
-                f"the model returned {host_outputs.shape[0]} rows for a batch of {total_rows}"
-            )
         offsets = np.cumsum(rows)[:-1]
         return list(np.split(host_outputs, offsets))
 

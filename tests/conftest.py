@@ -1,1 +1,1 @@
-"""Shared pytest configuration. Fakes live in tests/fixtures.py (batcher) and tests/torch_models.py."""
+"""Shared pytest configuration; fakes live in fixtures.py and torch_models.py."""

@@ -70,3 +70,15 @@ def test_serve_with_a_bad_flag_prints_the_problem_and_exits_2(
     error = capsys.readouterr().err
     assert "BATCHSERVE_MAX_BATCH_SIZE = '0'" in error
     assert "greater than or equal to 1" in error
+
+
+def test_readme_documents_every_setting() -> None:
+    from pathlib import Path
+
+    from service.config import Settings
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [
+        name for name in Settings.model_fields if f"`BATCHSERVE_{name.upper()}`" not in readme
+    ]
+    assert missing == []

@@ -1,0 +1,214 @@
+"""Fakes for the batcher tests, named by what they do; no torch.
+
+A payload is a plain list of int rows (lists support ``len`` and slicing, all the batcher
+needs). Every fake doubles each row, so each caller's expected output is known exactly.
+The fakes run in the batcher's one executor thread; the ones that block wait on a
+``threading.Event`` that the test sets from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any
+
+from service.batching import BatchFunction, DynamicBatcher
+from service.metrics import ServiceMetrics
+
+Payload = list[int]
+Batcher = DynamicBatcher[Payload, Payload]
+
+#: A fake's blocking wait gives up after this long, so a broken test fails instead of hanging.
+GATE_TIMEOUT_S = 10.0
+
+
+def doubled(payload: Payload) -> Payload:
+    return [2 * row for row in payload]
+
+
+class RecordingDoubler:
+    """Returns each payload's rows doubled; records every batch it was called with."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Payload]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, payloads: list[Payload]) -> list[Payload]:
+        self._record(payloads)
+        return [doubled(payload) for payload in payloads]
+
+    def _record(self, payloads: list[Payload]) -> None:
+        with self._lock:
+            self.batches.append([list(payload) for payload in payloads])
+
+    @property
+    def calls(self) -> int:
+        return len(self.batches)
+
+    @property
+    def batch_rows(self) -> list[int]:
+        """Rows per forward call, in call order."""
+        return [sum(len(payload) for payload in batch) for batch in self.batches]
+
+    @property
+    def computed_rows(self) -> list[int]:
+        """Every row that reached the model, in call order."""
+        return [row for batch in self.batches for payload in batch for row in payload]
+
+
+class GatedModel(RecordingDoubler):
+    """A busy device: each call records its batch, signals ``started``, then blocks until
+    ``release()``. Once released it stays open, so later batches run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self._gate = threading.Event()
+        self._finished_calls = 0
+
+    def __call__(self, payloads: list[Payload]) -> list[Payload]:
+        self._record(payloads)
+        self.started.set()
+        if not self._gate.wait(GATE_TIMEOUT_S):
+            raise TimeoutError("GatedModel was never released")
+        with self._lock:
+            self._finished_calls += 1
+        return [doubled(payload) for payload in payloads]
+
+    async def wait_started(self) -> None:
+        """Wait, without blocking the event loop, until the first batch is inside the model."""
+        if not await asyncio.to_thread(self.started.wait, GATE_TIMEOUT_S):
+            raise AssertionError("no batch reached the model")
+
+    def release(self) -> None:
+        self._gate.set()
+
+    @property
+    def released(self) -> bool:
+        return self._gate.is_set()
+
+    @property
+    def finished_calls(self) -> int:
+        with self._lock:
+            return self._finished_calls
+
+
+class PoisonModel(RecordingDoubler):
+    """Raises ``ValueError`` for any batch holding a row equal to ``poison``; doubles otherwise."""
+
+    def __init__(self, poison: int) -> None:
+        super().__init__()
+        self.poison = poison
+
+    def __call__(self, payloads: list[Payload]) -> list[Payload]:
+        self._record(payloads)
+        if any(self.poison in payload for payload in payloads):
+            raise ValueError(f"the model cannot handle row {self.poison}")
+        return [doubled(payload) for payload in payloads]
+
+
+class MiscountingModel(RecordingDoubler):
+    """Returns one output too few: a broken model the batcher must not trust."""
+
+    def __call__(self, payloads: list[Payload]) -> list[Payload]:
+        return super().__call__(payloads)[:-1]
+
+
+class ManualExecutor(Executor):
+    """A device the test finishes by hand: ``submit`` only records the call, and
+    ``finish_next()`` runs the oldest one (on the calling thread) and completes its future.
+    Lets a test order the device's completion exactly against other events on the loop."""
+
+    def __init__(self) -> None:
+        self._calls: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.append((future, fn, args))
+        return future
+
+    @property
+    def pending(self) -> int:
+        return len(self._calls)
+
+    def finish_next(self) -> None:
+        future, fn, args = self._calls.popleft()
+        future.set_result(fn(*args))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        while self._calls:
+            self._calls.popleft()[0].cancel()
+
+
+class BatcherFactory:
+    """Builds started batchers, each on its own one-thread executor unless given one; ``aclose``
+    releases every gated fake, drains every batcher and shuts the executors down."""
+
+    def __init__(self) -> None:
+        self._built: list[tuple[Batcher, Executor, Callable[..., object]]] = []
+
+    def __call__(
+        self,
+        run_batch: BatchFunction[Payload, Payload],
+        *,
+        metrics: ServiceMetrics | None = None,
+        executor: Executor | None = None,
+        max_batch_size: int = 4,
+        max_wait_ms: float = 50,
+        max_queue_size: int = 64,
+        request_timeout_ms: float = 5_000,
+    ) -> Batcher:
+        if executor is None:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
+        batcher = Batcher(
+            run_batch,
+            executor=executor,
+            metrics=metrics if metrics is not None else ServiceMetrics(),
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_queue_size=max_queue_size,
+            request_timeout_ms=request_timeout_ms,
+        )
+        batcher.start()
+        self._built.append((batcher, executor, run_batch))
+        return batcher
+
+    async def aclose(self) -> None:
+        for _, _, run_batch in self._built:
+            if isinstance(run_batch, GatedModel):
+                run_batch.release()
+        for batcher, executor, _ in self._built:
+            async with asyncio.timeout(GATE_TIMEOUT_S):
+                await batcher.drain()
+            executor.shutdown(wait=True)
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Yield to the event loop until ``condition()`` holds; fail after ``timeout_s``."""
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.001)
+
+
+def dropped(metrics: ServiceMetrics, reason: str) -> float:
+    """``batchserve_dropped_requests_total{reason=...}``, 0 when never incremented."""
+    value = metrics.registry.get_sample_value(
+        "batchserve_dropped_requests_total", {"reason": reason}
+    )
+    return value if value is not None else 0.0
+
+
+def sample(metrics: ServiceMetrics, name: str) -> float:
+    """An unlabelled sample's value, 0 when absent."""
+    value = metrics.registry.get_sample_value(name)
+    return value if value is not None else 0.0
+
+
+def flatten(outputs: Sequence[Payload]) -> Payload:
+    return [row for output in outputs for row in output]

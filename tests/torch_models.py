@@ -1,0 +1,73 @@
+"""Small fixed-weight ``nn.Module``s whose outputs are known exactly.
+
+They live in an importable module so a packaged version can name them as its architecture,
+e.g. ``tests.torch_models:AffineModel``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+FEATURES = 4
+
+
+class AffineModel(nn.Module):
+    """(N, features) -> scale * x + shift, through an ``nn.Linear`` with set weights.
+
+    With the defaults it computes exactly ``2x + 1`` in fp32 for inputs whose doubles are
+    representable (small integers, quarters): the weight is ``2 * I`` and the bias is ``1``.
+    """
+
+    def __init__(self, features: int = FEATURES, scale: float = 2.0, shift: float = 1.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+        with torch.no_grad():
+            self.linear.weight.copy_(scale * torch.eye(features))
+            self.linear.bias.fill_(shift)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.linear(x)
+        return output
+
+
+class RaisesOnNegative(nn.Module):
+    """Returns ``2x + 1``, but raises ``ValueError`` when any input value is negative."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x < 0).any()):
+            raise ValueError("RaisesOnNegative got a negative input")
+        return 2 * x + 1
+
+
+class ThreadRecorder(nn.Module):
+    """Returns ``2x + 1`` and records, per call, the thread and the autocast/inference state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread_names: list[str] = []
+        self.autocast_dtypes: list[torch.dtype | None] = []
+        self.inference_mode: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.thread_names.append(threading.current_thread().name)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        self.autocast_dtypes.append(torch.get_autocast_dtype(x.device.type) if autocast else None)
+        self.inference_mode.append(torch.is_inference_mode_enabled())
+        return 2 * x + 1
+
+
+class TupleModel(nn.Module):
+    """Returns a tuple of two tensors, which the runner does not accept."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class DoubledRowsModel(nn.Module):
+    """Returns twice as many rows as it was given: a broken model the runner must refuse."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x])
