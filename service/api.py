@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError, NotReadyError, PayloadTooLargeError
-from service.inputs import check_content_type, parse_json_instances
+from service.inputs import NPY_MEDIA_TYPE, body_media_type, encode_npy, wants_npy
 from service.metrics import METRICS_CONTENT_TYPE
 from service.model_store import manifest_summary
 from service.schemas import (
@@ -68,28 +68,42 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {JSON: {"schema": PredictRequest.model_json_schema()}},
+            "content": {
+                JSON: {"schema": PredictRequest.model_json_schema()},
+                NPY_MEDIA_TYPE: {
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": "One instance or a batch as a NumPy .npy array of the "
+                    "model's exact dtype; also accepted as application/octet-stream.",
+                },
+            },
         }
     },
 )
 async def predict(request: Request) -> Response:
-    """Queue the instances for the next batch and answer with one prediction row each."""
+    """Queue the instances for the next batch and answer with one prediction row each.
+
+    Send JSON ``{"instances": [...]}`` or a ``.npy`` array (``Content-Type:
+    application/x-npy``); ask for a ``.npy`` answer with ``Accept: application/x-npy``.
+    """
     service = _service(request)
-    batcher, manifest = service.batcher, service.manifest
-    if batcher is None or manifest is None or service.load_error is not None:
+    batcher, manifest, layout = service.batcher, service.manifest, service.layout
+    if batcher is None or manifest is None or layout is None or service.load_error is not None:
         raise NotReadyError("the model is not loaded yet; retry when /readyz answers 200")
-    check_content_type(request.headers.get("content-type"))
-    body = await read_body(request, service.settings.max_body_bytes)
-    instances = parse_json_instances(
-        body, manifest.input, max_instances=service.settings.max_instances_per_request
-    )
+    media_type = body_media_type(request.headers.get("content-type"))
+    with batcher.arriving():
+        body = await read_body(request, service.settings.max_body_bytes)
+        instances = layout.parse(body, media_type)
+    group, cost_per_row = layout.group_and_cost(instances)
     chunks = await batcher.submit(
-        instances, group=instances.shape[1:], request_id=request.state.request_id
+        instances, group=group, cost_per_row=cost_per_row, request_id=request.state.request_id
     )
     predictions = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+    headers = {"X-Model-Version": f"{manifest.name}@{manifest.version}"}
+    if wants_npy(request.headers.get("accept")):
+        return Response(encode_npy(predictions), media_type=NPY_MEDIA_TYPE, headers=headers)
     return json_response(
         {"model": manifest.name, "version": manifest.version, "predictions": predictions},
-        headers={"X-Model-Version": f"{manifest.name}@{manifest.version}"},
+        headers=headers,
     )
 
 

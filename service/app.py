@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 
+import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import MutableHeaders
@@ -24,14 +25,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import api
 from service.batching import DynamicBatcher
+from service.buckets import resolve_edges
 from service.config import Settings
 from service.errors import ServiceError
+from service.inputs import InputLayout
 from service.metrics import ServiceMetrics
-from service.model_store import ModelStore
+from service.model_store import ModelStore, TensorSpec
 from service.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.state import Array, ServiceState
 
 logger = logging.getLogger(__name__)
+
+#: Longest variable length assumed when a spec gives no ``max_length`` and no buckets are set.
+DEFAULT_MAX_LENGTH = 4096
 
 REQUEST_ID_HEADER = "x-request-id"
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -90,6 +96,7 @@ async def _load_and_start(
         )
         device = resolve_device(settings.device)
         configure_torch_threads(settings.torch_threads)
+        layout = input_layout(loaded.manifest.input, settings)
         runner = await asyncio.to_thread(
             TorchRunner,
             loaded.module,
@@ -97,14 +104,14 @@ async def _load_and_start(
             precision=settings.precision,
             compile_mode=settings.compile_mode,
             max_batch_size=settings.max_batch_size,
+            variable_axis=layout.spec.variable_axis,
+            pad_value=layout.spec.pad_value,
+            length_edges=layout.length_edges,
         )
         service.runner = runner
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
-            runner.executor,
-            runner.warm_up,
-            loaded.manifest.input.example_instance(),
-            settings.warmup_batch_sizes,
+            runner.executor, runner.warm_up, warmup_batches(layout, runner, settings)
         )
         batcher = DynamicBatcher[Array, Array](
             runner.run_batch,
@@ -114,6 +121,8 @@ async def _load_and_start(
             max_wait_ms=settings.max_wait_ms,
             max_queue_size=settings.max_queue_size,
             request_timeout_ms=settings.request_timeout_ms,
+            max_batch_cost=settings.max_batch_tokens if layout.length_edges else 0,
+            policy=settings.batch_policy,
         )
         batcher.start()
     except Exception as error:
@@ -131,6 +140,7 @@ async def _load_and_start(
         return
     manifest = loaded.manifest
     service.manifest = manifest
+    service.layout = layout
     service.batcher = batcher
     service.metrics.model_info.labels(
         manifest.name, manifest.version, str(device), settings.precision, str(runner.compiled)
@@ -147,6 +157,36 @@ async def _load_and_start(
             "seconds": round(time.perf_counter() - started_s, 3),
         },
     )
+
+
+def input_layout(spec: TensorSpec, settings: Settings) -> InputLayout:
+    """Validation, bucketing and batch cost for the model's input (buckets only if variable)."""
+    edges: tuple[int, ...] = ()
+    if spec.variable_axis is not None:
+        longest = spec.max_length or max(settings.length_buckets, default=DEFAULT_MAX_LENGTH)
+        edges = resolve_edges(settings.length_buckets, longest)
+    return InputLayout(
+        spec=spec, length_edges=edges, max_instances=settings.max_instances_per_request
+    )
+
+
+def warmup_batches(layout: InputLayout, runner: TorchRunner, settings: Settings) -> list[Array]:
+    """The batch shapes to run before readiness.
+
+    Fixed shapes: every padded batch size (or ``warmup_batch_sizes``). Variable lengths: one
+    row at each bucket edge, plus the largest batch the token budget allows at the smallest.
+    """
+    spec = layout.spec
+    sizes = list(settings.warmup_batch_sizes) or runner.padded_batch_sizes
+    if not layout.length_edges:
+        return [np.repeat(spec.example_instance()[np.newaxis], size, axis=0) for size in sizes]
+    shortest = layout.length_edges[0]
+    fullest = max(1, min(settings.max_batch_size, settings.max_batch_tokens // shortest))
+    shapes = [(1, edge) for edge in layout.length_edges] + [(fullest, shortest)]
+    return [
+        np.repeat(spec.example_instance(length)[np.newaxis], rows, axis=0)
+        for rows, length in shapes
+    ]
 
 
 async def _shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None:

@@ -19,11 +19,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, Self, TypeVar
 
+from service.config import BatchPolicy
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -58,6 +59,7 @@ class _Entry(Generic[PayloadT, OutputT]):
 
     payload: PayloadT
     rows: int
+    cost: int
     group: Hashable
     arrival_s: float
     request_id: str
@@ -70,7 +72,16 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     """Queues requests and runs them in batches through ``run_batch`` on ``executor``.
 
     ``submit`` returns the outputs of the request's chunks, in order: one chunk unless the
-    request had more rows than ``max_batch_size``.
+    request had more rows than fit in one batch.
+
+    Dispatch policy, once the device is free:
+
+    - ``fixed``: wait until the oldest request has waited ``max_wait_ms`` or a batch is full.
+    - ``adaptive``: first let requests that have already arrived join; then dispatch at once
+      unless requests are still being received (their bodies read and parsed, see
+      ``arriving``), in which case wait for them, never past ``max_wait_ms``. At low load
+      nothing waits for batch-mates that are not coming; at high load batches grow while the
+      device is busy, because they are only collected when it is free.
     """
 
     def __init__(
@@ -83,6 +94,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         max_wait_ms: float,
         max_queue_size: int,
         request_timeout_ms: float,
+        max_batch_cost: int = 0,
+        policy: BatchPolicy = "adaptive",
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
@@ -93,12 +106,16 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._executor = executor
         self._metrics = metrics
         self.max_batch_size = max_batch_size
+        self.max_batch_cost = max_batch_cost
+        self.policy = policy
         self._max_wait_s = max_wait_ms / 1000.0
         self._max_queue_size = max_queue_size
         self._request_timeout_s = request_timeout_ms / 1000.0
         self._groups: dict[Hashable, deque[_Entry[PayloadT, OutputT]]] = {}
         self._group_rows: dict[Hashable, int] = {}
+        self._group_cost: dict[Hashable, int] = {}
         self._queued_entries = 0
+        self._arriving = 0
         self._wakeup = asyncio.Event()
         self._closing = False
         self._collector: asyncio.Task[None] | None = None
@@ -128,12 +145,27 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     def accepting(self) -> bool:
         return not self._closing
 
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Mark a request as on its way (body being read and parsed) for the adaptive policy."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            if self._arriving == 0:
+                self._wakeup.set()
+
     # ----------------------------------------------------------------- submitting
 
     async def submit(
-        self, payload: PayloadT, *, group: Hashable, request_id: str = "-"
+        self, payload: PayloadT, *, group: Hashable, cost_per_row: int = 0, request_id: str = "-"
     ) -> list[OutputT]:
-        """Queue one request and wait for its outputs (one per chunk of ``max_batch_size`` rows).
+        """Queue one request and wait for its outputs (one per chunk that fits in a batch).
+
+        Requests share a batch only within the same ``group``. ``cost_per_row`` (e.g. padded
+        tokens) counts against ``max_batch_cost`` when that is set; a chunk holds at least one
+        row whatever its cost.
 
         Raises ``QueueFullError`` at once when the queue is full, ``NotReadyError`` while
         draining, ``DeadlineExceededError`` past the request timeout, and ``InferenceError``
@@ -145,9 +177,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         total_rows = len(payload)
         if total_rows < 1:
             raise InvalidInputError("a request needs at least one instance")
+        rows_per_chunk = self.max_batch_size
+        if self.max_batch_cost and cost_per_row:
+            rows_per_chunk = max(1, min(rows_per_chunk, self.max_batch_cost // cost_per_row))
         chunks = [
-            payload[start : start + self.max_batch_size]
-            for start in range(0, total_rows, self.max_batch_size)
+            payload[start : start + rows_per_chunk]
+            for start in range(0, total_rows, rows_per_chunk)
         ]
         if self._queued_entries + len(chunks) > self._max_queue_size:
             self._metrics.dropped.labels(DropReason.QUEUE_FULL).inc()
@@ -162,6 +197,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             _Entry[PayloadT, OutputT](
                 payload=chunk,
                 rows=len(chunk),
+                cost=len(chunk) * cost_per_row,
                 group=group,
                 arrival_s=arrival_s,
                 request_id=request_id,
@@ -187,14 +223,21 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         if queue is None:
             queue = self._groups[entry.group] = deque()
             self._group_rows[entry.group] = 0
+            self._group_cost[entry.group] = 0
         queue.append(entry)
         self._group_rows[entry.group] += entry.rows
+        self._group_cost[entry.group] += entry.cost
         self._queued_entries += 1
         self._metrics.queue_depth.set(self._queued_entries)
         # Wake the collector only when its decision can change: the queue was empty (it sleeps
         # without a timer) or this group just reached a full batch (it may stop waiting early).
-        if self._queued_entries == 1 or self._group_rows[entry.group] >= self.max_batch_size:
+        if self._queued_entries == 1 or self._is_full(entry.group):
             self._wakeup.set()
+
+    def _is_full(self, group: Hashable) -> bool:
+        return self._group_rows[group] >= self.max_batch_size or (
+            self.max_batch_cost > 0 and self._group_cost[group] >= self.max_batch_cost
+        )
 
     def _dequeue(self, entry: _Entry[PayloadT, OutputT]) -> None:
         """Remove a queued entry from anywhere in its group's queue."""
@@ -202,13 +245,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         queue.remove(entry)
         self._forget_queued(entry)
         if not queue:
-            del self._groups[entry.group]
-            del self._group_rows[entry.group]
+            self._delete_group(entry.group)
+
+    def _delete_group(self, group: Hashable) -> None:
+        del self._groups[group]
+        del self._group_rows[group]
+        del self._group_cost[group]
 
     def _forget_queued(self, entry: _Entry[PayloadT, OutputT]) -> None:
         entry.queued = False
         if entry.group in self._group_rows:
             self._group_rows[entry.group] -= entry.rows
+            self._group_cost[entry.group] -= entry.cost
         self._queued_entries -= 1
         self._metrics.queue_depth.set(self._queued_entries)
 
@@ -254,6 +302,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     async def _next_batch(self) -> list[_Entry[PayloadT, OutputT]] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
+        if self.policy == "adaptive":
+            # Requests already received but not yet parsed are queued ahead of us on the event
+            # loop: let them run once so they can join this batch.
+            await asyncio.sleep(0)
         while True:
             oldest = self._oldest_entry()
             if oldest is None:
@@ -266,7 +318,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             if full_group is not None:
                 return self._take(full_group)
             remaining_s = oldest.arrival_s + self._max_wait_s - time.monotonic()
-            if remaining_s <= 0 or self._closing:
+            nothing_on_its_way = self.policy == "adaptive" and self._arriving == 0
+            if remaining_s <= 0 or self._closing or nothing_on_its_way:
                 return self._take(oldest.group)
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
@@ -278,11 +331,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     def _full_group(self) -> Hashable | None:
         """The group with a full batch queued whose head waited longest, if any."""
-        full = [
-            queue[0]
-            for group, queue in self._groups.items()
-            if self._group_rows[group] >= self.max_batch_size
-        ]
+        full = [queue[0] for group, queue in self._groups.items() if self._is_full(group)]
         if not full:
             return None
         return min(full, key=lambda entry: entry.arrival_s).group
@@ -291,8 +340,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Pop entries of ``group`` in arrival order while they fit in one batch."""
         queue = self._groups[group]
         batch: list[_Entry[PayloadT, OutputT]] = []
-        rows = 0
-        while queue and rows + queue[0].rows <= self.max_batch_size:
+        rows = cost = 0
+        while queue and self._fits(rows, cost, queue[0], first=not batch):
             entry = queue.popleft()
             self._forget_queued(entry)
             if entry.future.done():  # answered already (deadline or cancel): never compute it
@@ -303,10 +352,16 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 continue
             batch.append(entry)
             rows += entry.rows
+            cost += entry.cost
         if not queue:
-            del self._groups[group]
-            del self._group_rows[group]
+            self._delete_group(group)
         return batch
+
+    def _fits(self, rows: int, cost: int, entry: _Entry[PayloadT, OutputT], first: bool) -> bool:
+        if rows + entry.rows > self.max_batch_size:
+            return False
+        # A chunk costlier than the whole budget still runs, alone.
+        return first or not self.max_batch_cost or cost + entry.cost <= self.max_batch_cost
 
     # ----------------------------------------------------------------- running
 

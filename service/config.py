@@ -21,6 +21,7 @@ BUNDLED_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 Precision = Literal["fp32", "fp16", "bf16"]
+BatchPolicy = Literal["adaptive", "fixed"]
 CompileMode = Literal[
     "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
 ]
@@ -44,6 +45,10 @@ class Settings(BaseSettings):
 
     port: int = Field(default=8000, ge=1, le=65535)
     """TCP port of the HTTP server."""
+
+    workers: int = Field(default=1, ge=1, le=64)
+    """Server processes; above 1, gunicorn runs that many uvicorn workers, each with its own
+    copy of the model (and, with ``device`` auto or cuda, its own GPU while there are enough)."""
 
     model_repository: Path = BUNDLED_MODEL_REPOSITORY
     """Folder holding ``<name>/<version>/manifest.json``; defaults to the embedded demo models."""
@@ -72,6 +77,18 @@ class Settings(BaseSettings):
 
     max_wait_ms: float = Field(default=5.0, ge=0.0, le=1000.0)
     """Longest a queued request waits for batch-mates, counted from the oldest queued request."""
+
+    batch_policy: BatchPolicy = "adaptive"
+    """``adaptive``: once the device is free, dispatch at once unless requests are still being
+    received (then wait for them, at most ``max_wait_ms``); ``fixed``: always wait up to
+    ``max_wait_ms`` for a full batch."""
+
+    length_buckets: tuple[int, ...] = ()
+    """Bucket edges for variable-length inputs (``8,32,128,512``); requests share a batch only
+    within a bucket. Empty means powers of two from 8 up to the model's maximum length."""
+
+    max_batch_tokens: int = Field(default=16_384, ge=1, le=10_000_000)
+    """Most padded positions (rows x bucket length) in one batch of a variable-length model."""
 
     max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
     """Most requests waiting in the queue; one more is answered 429 at once."""
@@ -102,18 +119,18 @@ class Settings(BaseSettings):
             raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
         return value
 
-    @field_validator("warmup_batch_sizes", mode="before")
+    @field_validator("warmup_batch_sizes", "length_buckets", mode="before")
     @classmethod
-    def _split_warmup_sizes(cls, value: object) -> object:
+    def _split_comma_separated(cls, value: object) -> object:
         if isinstance(value, str) and not value.lstrip().startswith("["):
             return tuple(part for part in value.split(",") if part.strip())
         return value
 
-    @field_validator("warmup_batch_sizes")
+    @field_validator("warmup_batch_sizes", "length_buckets")
     @classmethod
-    def _check_warmup_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+    def _check_positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if any(size < 1 for size in value):
-            raise ValueError(f"every warm-up batch size must be at least 1, got {value!r}")
+            raise ValueError(f"every size must be at least 1, got {value!r}")
         return value
 
     @model_validator(mode="after")

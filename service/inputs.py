@@ -1,109 +1,248 @@
-"""Decode ``/predict`` bodies and validate them against the model's input spec.
+"""Decode ``/predict`` bodies (JSON or ``.npy``) and validate them against the input spec.
 
 Everything a client can get wrong is caught here, before queuing, so one bad request can never
 reach a batch and fail its batch-mates. Messages say what was expected and what was received.
+The result is one array of shape (instances, *instance shape); variable-length instances are
+padded with the spec's ``pad_value`` to the request's longest one.
 """
 
 from __future__ import annotations
 
+import io
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import orjson
 
+from service.buckets import bucket_of
 from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
 from service.model_store import TensorSpec
 
+Array = npt.NDArray[np.generic]
+
 JSON_MEDIA_TYPE = "application/json"
+NPY_MEDIA_TYPE = "application/x-npy"
+#: Media types read and written as a NumPy ``.npy`` array.
+NPY_MEDIA_TYPES = frozenset({NPY_MEDIA_TYPE, "application/octet-stream"})
 
 # numpy dtype kinds a JSON number array may arrive as, per kind of model input.
-_ACCEPTED_KINDS: dict[str, frozenset[str]] = {
+_ACCEPTED_JSON_KINDS: dict[str, frozenset[str]] = {
     "f": frozenset("fiu"),  # float inputs take integers too (0 and 1 are fine pixels)
     "i": frozenset("iu"),  # integer inputs (token ids) refuse fractions
 }
 
 
-def check_content_type(content_type: str | None) -> None:
-    """Accept JSON (with or without parameters); a missing header is read as JSON."""
-    if content_type is None:
-        return
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type not in (JSON_MEDIA_TYPE, ""):
-        raise UnsupportedMediaTypeError(
-            f"send the body as {JSON_MEDIA_TYPE}, got content-type {media_type!r}"
-        )
+def body_media_type(content_type: str | None) -> str:
+    """JSON or NPY by ``Content-Type`` (a missing header is read as JSON); else 415."""
+    media_type = (content_type or JSON_MEDIA_TYPE).split(";", 1)[0].strip().lower()
+    if media_type in (JSON_MEDIA_TYPE, ""):
+        return JSON_MEDIA_TYPE
+    if media_type in NPY_MEDIA_TYPES:
+        return NPY_MEDIA_TYPE
+    raise UnsupportedMediaTypeError(
+        f"send the body as {JSON_MEDIA_TYPE} or {NPY_MEDIA_TYPE}, got content-type {media_type!r}"
+    )
 
 
-def parse_json_instances(
-    body: bytes, spec: TensorSpec, *, max_instances: int
-) -> npt.NDArray[np.generic]:
-    """``{"instances": [...]}`` -> one array of shape (n, *instance shape) in the spec's dtype."""
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise BadRequestError(f"the body is not valid JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise InvalidInputError(
-            f'the body must be a JSON object {{"instances": [...]}}, got {_json_type(document)}'
-        )
-    unknown = sorted(set(document) - {"instances"})
-    if unknown:
-        raise InvalidInputError(f"unknown field(s) {unknown}; the body takes only 'instances'")
-    if "instances" not in document:
-        raise InvalidInputError("missing field 'instances' (a list of instances)")
-    instances = document["instances"]
-    if not isinstance(instances, list):
-        raise InvalidInputError(f"'instances' must be a list, got {_json_type(instances)}")
-    if not instances:
-        raise InvalidInputError("'instances' is empty; send at least one instance")
-    if len(instances) > max_instances:
-        raise InvalidInputError(
-            f"{len(instances)} instances in one request; at most {max_instances} are accepted"
-        )
-    return to_instance_array(instances, spec)
+def wants_npy(accept: str | None) -> bool:
+    """Whether the client asked for a ``.npy`` answer in its ``Accept`` header."""
+    if not accept:
+        return False
+    offered = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    return bool(offered & NPY_MEDIA_TYPES) and JSON_MEDIA_TYPE not in offered
 
 
-def to_instance_array(instances: list[Any], spec: TensorSpec) -> npt.NDArray[np.generic]:
-    """Convert nested lists to an array, checking rank, fixed axis sizes, dtype and finiteness."""
-    expected = _describe_shape(spec.shape)
+def encode_npy(array: Array) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """How requests for one model are validated, grouped into batches and costed."""
+
+    spec: TensorSpec
+    length_edges: tuple[int, ...] = ()
+    max_instances: int = 1024
+
+    def parse(self, body: bytes, media_type: str) -> Array:
+        if media_type == NPY_MEDIA_TYPE:
+            return self.parse_npy(body)
+        return self.parse_json(body)
+
+    def parse_json(self, body: bytes) -> Array:
+        """``{"instances": [...]}`` -> one array in the spec's dtype."""
+        try:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as error:
+            raise BadRequestError(f"the body is not valid JSON: {error}") from None
+        if not isinstance(document, dict):
+            raise InvalidInputError(
+                f'the body must be a JSON object {{"instances": [...]}}, got {_json_type(document)}'
+            )
+        unknown = sorted(set(document) - {"instances"})
+        if unknown:
+            raise InvalidInputError(f"unknown field(s) {unknown}; the body takes only 'instances'")
+        if "instances" not in document:
+            raise InvalidInputError("missing field 'instances' (a list of instances)")
+        instances = document["instances"]
+        if not isinstance(instances, list):
+            raise InvalidInputError(f"'instances' must be a list, got {_json_type(instances)}")
+        self._check_count(len(instances))
+        if self.spec.variable_axis is None:
+            array = _json_to_array(instances, self.spec)
+        else:
+            array = self._pad_together([_json_to_array(item, self.spec) for item in instances])
+        return self._validated(array)
+
+    def parse_npy(self, body: bytes) -> Array:
+        """A ``.npy`` array: one instance, or a batch of them; the dtype must match exactly."""
+        try:
+            array = np.load(io.BytesIO(body), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as error:
+            raise BadRequestError(f"the body is not a valid .npy array: {error}") from None
+        if not isinstance(array, np.ndarray):
+            raise BadRequestError("the body must be one .npy array, not an .npz archive")
+        if array.ndim == len(self.spec.shape) - 1:
+            array = array[np.newaxis, ...]
+        expected = np.dtype(self.spec.dtype)
+        if array.dtype.newbyteorder("=") != expected:
+            raise InvalidInputError(f"expected dtype {self.spec.dtype}, got {array.dtype.name}")
+        self._check_count(len(array) if array.ndim else 0)
+        return self._validated(np.ascontiguousarray(array, dtype=expected))
+
+    def group_and_cost(self, instances: Array) -> tuple[Hashable, int]:
+        """Requests with the same group may share a batch; cost is padded positions per row."""
+        shape = instances.shape[1:]
+        axis = self.spec.variable_axis
+        if axis is None or not self.length_edges:
+            return shape, 0
+        bucketed = list(shape)
+        bucketed[axis] = bucket_of(shape[axis], self.length_edges)
+        return tuple(bucketed), math.prod(bucketed)
+
+    def _check_count(self, count: int) -> None:
+        if count == 0:
+            raise InvalidInputError("'instances' is empty; send at least one instance")
+        if count > self.max_instances:
+            raise InvalidInputError(
+                f"{count} instances in one request; at most {self.max_instances} are accepted"
+            )
+
+    def _pad_together(self, instances: list[Array]) -> Array:
+        axis = self.spec.variable_axis
+        assert axis is not None
+        for instance in instances:
+            if instance.ndim != len(self.spec.instance_shape):
+                raise InvalidInputError(
+                    f"expected instances of shape {_describe_shape(self.spec.shape)}; "
+                    f"got an instance with {instance.ndim} dimension(s) instead of "
+                    f"{len(self.spec.instance_shape)}"
+                )
+        lengths = [instance.shape[axis] for instance in instances]
+        if min(lengths) < 1:
+            raise InvalidInputError(
+                f"instance {lengths.index(min(lengths))} is empty; every instance needs at "
+                "least one element on its variable axis"
+            )
+        longest = max(lengths)
+        padded = []
+        for instance in instances:
+            widths = [(0, 0)] * instance.ndim
+            widths[axis] = (0, longest - instance.shape[axis])
+            padded.append(np.pad(instance, widths, constant_values=self.spec.pad_value))
+        try:
+            return np.stack(padded)
+        except ValueError:
+            raise InvalidInputError(
+                f"expected instances of shape {_describe_shape(self.spec.shape)}"
+            ) from None
+
+    def _validated(self, array: Array) -> Array:
+        """Check rank, fixed sizes, variable length, finiteness and value range."""
+        spec = self.spec
+        if array.ndim != len(spec.shape) or any(
+            size not in (-1, got) for size, got in zip(spec.shape, array.shape, strict=True)
+        ):
+            raise InvalidInputError(
+                f"expected instances of shape {_describe_shape(spec.shape)}, "
+                f"got {_describe_shape(array.shape)}"
+            )
+        axis = spec.variable_axis
+        if axis is not None:
+            length = array.shape[axis + 1]
+            limit = spec.max_length or (self.length_edges[-1] if self.length_edges else None)
+            if length < 1 or (limit is not None and length > limit):
+                raise InvalidInputError(
+                    f"instances must be 1 to {limit} long on their variable axis, got {length}"
+                )
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise InvalidInputError(
+                f"instances contain values that are not finite in {spec.dtype} (NaN, infinity, "
+                "or beyond its range)"
+            )
+        self._check_range(array)
+        return array
+
+    def _check_range(self, array: Array) -> None:
+        spec = self.spec
+        if spec.min_value is None and spec.max_value is None:
+            return
+        low = -np.inf if spec.min_value is None else spec.min_value
+        high = np.inf if spec.max_value is None else spec.max_value
+        values = array.astype(np.float64, copy=False)
+        outside = ((values < low) | (values > high)) & (values != spec.pad_value)
+        if outside.any():
+            value = values[outside].flat[0]
+            raise InvalidInputError(
+                f"values must lie in [{_number(low)}, {_number(high)}] "
+                f"(or be the padding value {_number(spec.pad_value)}), got {_number(value)}"
+            )
+
+
+def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
+    """Nested lists -> an array of the spec's dtype; refuses ragged lists and non-numbers."""
     try:
         array = np.asarray(instances)
     except (ValueError, TypeError, RecursionError):
         raise InvalidInputError(
-            f"instances must be nested lists of numbers of one shape {expected}; "
+            f"instances must be nested lists of numbers shaped {_describe_shape(spec.shape)}; "
             "got lists of uneven lengths"
         ) from None
     target = np.dtype(spec.dtype)
-    accepted = _ACCEPTED_KINDS.get(target.kind, frozenset(target.kind))
+    accepted = _ACCEPTED_JSON_KINDS.get(target.kind, frozenset(target.kind))
+    if array.size == 0:  # numpy calls an empty list float64; its shape is what matters
+        return array.astype(target)
     if array.dtype.kind not in accepted:
         wanted = "integers" if target.kind == "i" else "numbers"
         raise InvalidInputError(
             f"instances must contain only {wanted} ({spec.dtype}); got {_describe_kind(array)}"
         )
-    if array.ndim != len(spec.shape) or any(
-        size not in (-1, got) for size, got in zip(spec.shape, array.shape, strict=True)
-    ):
-        raise InvalidInputError(
-            f"expected instances of shape {expected}, got {_describe_shape(array.shape)}"
-        )
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         converted = array.astype(target, copy=False)
-    if target.kind == "f" and not np.isfinite(converted).all():
-        raise InvalidInputError(
-            f"instances contain values that are not finite in {spec.dtype} (NaN, infinity, or "
-            "beyond its range)"
-        )
     if target.kind == "i" and not np.array_equal(converted, array):
         raise InvalidInputError(f"instances contain integers outside the range of {spec.dtype}")
     return converted
 
 
 def _describe_shape(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join("N" if size == -1 else str(size) for size in shape) + ")"
+    """``(N, 8, 8)``: N for the batch axis (the first -1), L for a variable length."""
+    names = []
+    for index, size in enumerate(shape):
+        names.append(str(size) if size != -1 else ("N" if index == 0 else "L"))
+    return "(" + ", ".join(names) + ")"
 
 
-def _describe_kind(array: npt.NDArray[np.generic]) -> str:
+def _number(value: object) -> str:
+    return f"{float(value):g}"  # type: ignore[arg-type]
+
+
+def _describe_kind(array: Array) -> str:
     return {
         "b": "booleans",
         "U": "strings",

@@ -58,6 +58,14 @@ class TensorSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
     dtype: DType
     shape: tuple[int, ...] = Field(min_length=1)
+    max_length: int | None = Field(default=None, ge=1)
+    """Longest accepted length of the variable axis (inputs with one), e.g. 512 tokens."""
+    min_value: float | None = None
+    """Smallest accepted value (inclusive), e.g. 1 for token ids when 0 is padding."""
+    max_value: float | None = None
+    """Largest accepted value (inclusive), e.g. vocabulary size - 1 for token ids."""
+    pad_value: float = 0
+    """Value that pads the variable axis up to the batch's length; the model must ignore it."""
 
     @field_validator("shape")
     @classmethod
@@ -66,6 +74,8 @@ class TensorSpec(BaseModel):
             raise ValueError(f"the first axis is the batch and must be -1, got {shape}")
         if any(size == 0 or size < -1 for size in shape):
             raise ValueError(f"axis sizes must be positive or -1 (variable), got {shape}")
+        if shape[1:].count(-1) > 1:
+            raise ValueError(f"at most one variable axis besides the batch, got {shape}")
         return shape
 
     @property
@@ -73,9 +83,16 @@ class TensorSpec(BaseModel):
         """The shape of one instance: the spec without its batch axis."""
         return self.shape[1:]
 
-    def example_instance(self) -> npt.NDArray[np.generic]:
-        """A zero instance for warm-up; variable axes get length 1."""
-        return np.zeros([max(size, 1) for size in self.instance_shape], dtype=self.dtype)
+    @property
+    def variable_axis(self) -> int | None:
+        """Index of the variable axis within an instance (not counting the batch), if any."""
+        return self.instance_shape.index(-1) if -1 in self.instance_shape else None
+
+    def example_instance(self, length: int = 1) -> npt.NDArray[np.generic]:
+        """A valid instance for warm-up, ``length`` long on the variable axis."""
+        fill = self.min_value if self.min_value is not None else 0
+        shape = [length if size == -1 else size for size in self.instance_shape]
+        return np.full(shape, fill, dtype=self.dtype)
 
 
 class Architecture(BaseModel):

@@ -98,12 +98,21 @@ class TorchRunner:
         precision: Precision = "fp32",
         compile_mode: CompileMode = "off",
         max_batch_size: int,
+        variable_axis: int | None = None,
+        pad_value: float = 0,
+        length_edges: Sequence[int] = (),
     ) -> None:
+        """``variable_axis`` is the instance axis (batch not counted) whose length varies; a
+        batch pads it with ``pad_value`` to its longest payload, or, when compiled, up to the
+        next of ``length_edges`` so compiled shapes stay few."""
         check_precision(precision, device)
         self.device = device
         self.precision = precision
         self.compile_mode = compile_mode
         self.max_batch_size = max_batch_size
+        self._variable_axis = None if variable_axis is None else variable_axis + 1
+        self._pad_value = pad_value
+        self._length_edges = tuple(length_edges)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-device")
         self._model = _in_eval_mode(model.to(device))
         self._forward: Callable[[torch.Tensor], object] = self._model
@@ -121,10 +130,12 @@ class TorchRunner:
 
     def _compile(self) -> None:
         # Each padded batch size is one static graph; allow them all without recompile warnings.
-        limit = len(self._padded_sizes) + 4
+        # Variable lengths multiply the shapes, so there dynamo may mark axes dynamic instead.
+        limit = len(self._padded_sizes) * max(1, len(self._length_edges)) + 4
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         mode = None if self.compile_mode == "default" else self.compile_mode
-        self._forward = torch.compile(self._model, mode=mode, dynamic=False)
+        dynamic = None if self._variable_axis is not None else False
+        self._forward = torch.compile(self._model, mode=mode, dynamic=dynamic)
 
     def padded_rows(self, rows: int) -> int:
         """Rows a batch is padded to: unchanged in eager mode, the next warmed size if compiled."""
@@ -135,12 +146,15 @@ class TorchRunner:
                 return size
         return rows
 
-    def warm_up(self, example_instance: Array, batch_sizes: Sequence[int] = ()) -> float:
-        """Run every batch size the server will meet once (compiling them); returns seconds."""
+    @property
+    def padded_batch_sizes(self) -> list[int]:
+        """The batch sizes a compiled model meets (powers of two and ``max_batch_size``)."""
+        return list(self._padded_sizes)
+
+    def warm_up(self, batches: Sequence[Array]) -> float:
+        """Run each batch once, compiling its shape and warming allocators; returns seconds."""
         started_s = time.perf_counter()
-        sizes = list(batch_sizes) or self._padded_sizes
-        for size in sizes:
-            batch = np.repeat(example_instance[np.newaxis, ...], size, axis=0)
+        for batch in batches:
             self.run_batch([batch])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -148,7 +162,7 @@ class TorchRunner:
         logger.info(
             "model_warmed_up",
             extra={
-                "batch_sizes": sizes,
+                "shapes": [list(batch.shape) for batch in batches],
                 "seconds": round(elapsed_s, 3),
                 "device": str(self.device),
             },
@@ -158,6 +172,8 @@ class TorchRunner:
     def run_batch(self, payloads: Sequence[Array]) -> list[Array]:
         """Stack the payloads, run one forward pass, and split the output rows back per payload."""
         rows = [len(payload) for payload in payloads]
+        if self._variable_axis is not None:
+            payloads = self._pad_lengths(payloads)
         host = payloads[0] if len(payloads) == 1 else np.concatenate(payloads)
         total_rows = host.shape[0]
         inputs = torch.from_numpy(np.ascontiguousarray(host))
@@ -181,6 +197,23 @@ class TorchRunner:
         host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
         offsets = np.cumsum(rows)[:-1]
         return list(np.split(host_outputs, offsets))
+
+    def _pad_lengths(self, payloads: Sequence[Array]) -> Sequence[Array]:
+        """Pad the variable axis of every payload to the batch's length (its bucket if compiled)."""
+        axis = self._variable_axis
+        assert axis is not None
+        length = max(payload.shape[axis] for payload in payloads)
+        if self.compiled and self._length_edges:
+            length = next((edge for edge in self._length_edges if edge >= length), length)
+        padded = []
+        for payload in payloads:
+            missing = length - payload.shape[axis]
+            if missing:
+                widths = [(0, 0)] * payload.ndim
+                widths[axis] = (0, missing)
+                payload = np.pad(payload, widths, constant_values=self._pad_value)
+            padded.append(payload)
+        return padded
 
     def _autocast(self) -> AbstractContextManager[object]:
         dtype = _AUTOCAST_DTYPES.get(self.precision)

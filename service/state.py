@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 from service.batching import DynamicBatcher
 from service.config import Settings
+from service.inputs import InputLayout
 from service.metrics import ServiceMetrics
 from service.model_store import Manifest, ModelStore
 
@@ -27,6 +28,7 @@ class ServiceState:
     metrics: ServiceMetrics
     store: ModelStore
     manifest: Manifest | None = None
+    layout: InputLayout | None = None
     runner: TorchRunner | None = None
     batcher: DynamicBatcher[Array, Array] | None = None
     draining: bool = False

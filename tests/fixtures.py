@@ -161,6 +161,7 @@ class BatcherFactory:
         max_wait_ms: float = 50,
         max_queue_size: int = 64,
         request_timeout_ms: float = 5_000,
+        **options: Any,
     ) -> Batcher:
         if executor is None:
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
@@ -172,6 +173,7 @@ class BatcherFactory:
             max_wait_ms=max_wait_ms,
             max_queue_size=max_queue_size,
             request_timeout_ms=request_timeout_ms,
+            **options,
         )
         batcher.start()
         self._built.append((batcher, executor, run_batch))

@@ -99,9 +99,11 @@ async def test_full_batch_runs_without_waiting_for_max_wait(make_batcher: Batche
     assert model.batches == [[[1], [2], [3], [4]]]
 
 
-async def test_partial_batch_runs_after_max_wait(make_batcher: BatcherFactory) -> None:
+async def test_fixed_policy_runs_a_partial_batch_after_max_wait(
+    make_batcher: BatcherFactory,
+) -> None:
     model = RecordingDoubler()
-    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=50)
+    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=50, policy="fixed")
 
     started_s = time.monotonic()
     async with asyncio.timeout(PROMPTLY_S):
@@ -551,3 +553,72 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     )
     assert sample(metrics, "batchserve_queue_wait_seconds_count") == 3
     assert sample(metrics, "batchserve_inference_duration_seconds_count") == 2
+
+
+async def test_adaptive_policy_dispatches_a_lone_request_at_once(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=10_000)
+
+    async with asyncio.timeout(PROMPTLY_S):  # far below max_wait_ms: nothing waited for it
+        results = await submit_all(batcher, [[1]])
+
+    assert results == [[[2]]]
+
+
+async def test_adaptive_policy_waits_for_requests_still_arriving(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=10_000)
+
+    with batcher.arriving():  # a second request is being received
+        first = asyncio.create_task(batcher.submit([1], group="g"))
+        await asyncio.sleep(0.1)
+        assert model.batches == [], "must wait for the request on its way"
+        second = asyncio.create_task(batcher.submit([2], group="g"))
+        await asyncio.sleep(0)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await first == [[2]]
+        assert await second == [[4]]
+    assert model.batches == [[[1], [2]]]
+
+
+async def test_adaptive_wait_for_arrivals_is_bounded_by_max_wait(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=100)
+
+    with batcher.arriving():  # never finishes arriving while we wait
+        started_s = time.monotonic()
+        async with asyncio.timeout(PROMPTLY_S):
+            assert await batcher.submit([1], group="g") == [[2]]
+        assert time.monotonic() - started_s >= 0.08
+
+
+async def test_batch_cost_budget_limits_rows_per_batch_and_chunks(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = GatedModel()
+    batcher = make_batcher(model, max_batch_size=8, max_batch_cost=10, max_wait_ms=10_000)
+
+    blocker = asyncio.create_task(batcher.submit([0], group="g", cost_per_row=4))
+    await model.wait_started()
+    singles = [
+        asyncio.create_task(batcher.submit([value], group="g", cost_per_row=4))
+        for value in (1, 2, 3)
+    ]
+    split = asyncio.create_task(batcher.submit([4, 5, 6, 7, 8], group="g", cost_per_row=4))
+    costly = asyncio.create_task(batcher.submit([9], group="g", cost_per_row=50))
+    await wait_until(lambda: batcher.queue_depth == 7)
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(blocker, *singles, split, costly)
+
+    assert await split == [[8, 10], [12, 14], [16]]  # chunks of 10 // 4 = 2 rows
+    assert await costly == [[18]]  # over the whole budget: runs alone
+    # Rows per batch: the blocker; [1]+[2] (cost 8, [3] would make 12); [3] (the next chunk
+    # would make 12); [4, 5]; [6, 7]; [8] (the costly chunk would exceed); [9] alone.
+    assert model.batch_rows == [1, 2, 1, 2, 2, 1, 1]

@@ -158,7 +158,9 @@ def test_compiled_runner_warms_each_padded_size_and_pads_odd_batches(
     eager = make_runner(AffineModel(), max_batch_size=4)
     runner = make_runner(AffineModel(), compile_mode="default", max_batch_size=4)
 
-    runner.warm_up(np.zeros(FEATURES, dtype=np.float32))
+    runner.warm_up(
+        [np.zeros((size, FEATURES), dtype=np.float32) for size in runner.padded_batch_sizes]
+    )
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     payloads = [rows(1, 0), rows(2, 50)]
     outputs = runner.run_batch(payloads)

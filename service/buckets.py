@@ -1,0 +1,43 @@
+"""Length buckets: which variable-length requests may share a batch, and their token cost.
+
+Instances are grouped by the smallest bucket edge that holds their length, so a batch is only
+padded up to its bucket, never to the longest sequence in the whole queue. Attention costs grow
+with the square of the padded length, so mixing an 8-token and a 512-token request in one batch
+would make the short one pay for the long one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+SMALLEST_DEFAULT_EDGE = 8
+
+
+def default_edges(max_length: int) -> tuple[int, ...]:
+    """Powers of two from 8 below ``max_length``, then ``max_length`` itself."""
+    edges = []
+    edge = SMALLEST_DEFAULT_EDGE
+    while edge < max_length:
+        edges.append(edge)
+        edge *= 2
+    edges.append(max_length)
+    return tuple(edges)
+
+
+def resolve_edges(configured: Sequence[int], max_length: int) -> tuple[int, ...]:
+    """The configured edges (sorted, capped by ``max_length``), or the defaults when none."""
+    if not configured:
+        return default_edges(max_length)
+    edges = sorted({min(edge, max_length) for edge in configured})
+    if edges[-1] < max_length:
+        edges.append(max_length)
+    return tuple(edges)
+
+
+def bucket_of(length: int, edges: Sequence[int]) -> int:
+    """The smallest edge that is at least ``length`` (callers have checked the maximum)."""
+    index = bisect.bisect_left(edges, length)
+    if index == len(edges):
+        raise ValueError(f"length {length} exceeds the largest bucket {edges[-1]}")
+    return edges[index]
