@@ -10,18 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import api
 from service.batching import DynamicBatcher
@@ -30,6 +26,7 @@ from service.config import Settings
 from service.errors import ServiceError
 from service.inputs import InputLayout
 from service.metrics import ServiceMetrics
+from service.middleware import ServiceMiddleware
 from service.model_store import ModelStore, TensorSpec
 from service.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.state import Array, ServiceState
@@ -39,9 +36,6 @@ logger = logging.getLogger(__name__)
 #: Longest variable length assumed when a spec gives no ``max_length`` and no buckets are set.
 DEFAULT_MAX_LENGTH = 4096
 
-REQUEST_ID_HEADER = "x-request-id"
-_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ROUTES_WITH_METRICS = frozenset({"/predict", "/healthz", "/readyz", "/models", "/metrics"})
 
 try:
     __version__ = version("batchserve")
@@ -76,7 +70,7 @@ def create_app(settings: Settings, on_load_failure: Callable[[], None] | None = 
     )
     app.state.service = service
     app.include_router(api.router)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(ServiceMiddleware, service=service)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
@@ -204,82 +198,21 @@ async def _shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None
     logger.info("shutdown_complete")
 
 
-class RequestContextMiddleware:
-    """Gives every request an id (echoed in ``X-Request-ID``) and records request metrics.
-
-    A plain ASGI middleware: ``BaseHTTPMiddleware`` would cost a task per request.
-    """
-
-    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = _request_id(scope)
-        scope.setdefault("state", {})["request_id"] = request_id
-        path: str = scope["path"]
-        route = path if path in _ROUTES_WITH_METRICS else "other"
-        status = 500
-        started_s = time.perf_counter()
-
-        async def send_with_request_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                MutableHeaders(scope=message).append("X-Request-ID", request_id)
-            await send(message)
-
-        predicting = route == "/predict"
-        if predicting:
-            self.metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, send_with_request_id)
-        finally:
-            if predicting:
-                self.metrics.in_flight.dec()
-            status_label = str(status)
-            self.metrics.requests.labels(route, status_label).inc()
-            self.metrics.request_latency.labels(route, status_label).observe(
-                time.perf_counter() - started_s
-            )
-
-
-def _request_id(scope: Scope) -> str:
-    """The client's ``X-Request-ID`` when it is a plain token, else a fresh one."""
-    for name, value in scope["headers"]:
-        if name == REQUEST_ID_HEADER.encode():
-            candidate: str = value.decode("latin-1")
-            if _CLIENT_REQUEST_ID.match(candidate):
-                return candidate
-            break
-    return uuid.uuid4().hex
-
-
-def error_response(
-    request: Request,
-    status_code: int,
-    code: str,
-    message: str,
-    headers: Mapping[str, str] | None = None,
-) -> Response:
-    request_id = getattr(request.state, "request_id", "-")
-    return api.json_response(
-        {"error": {"code": code, "message": message, "request_id": request_id}},
-        status_code=status_code,
-        headers=headers,
-    )
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", "-")
 
 
 async def _service_error_response(request: Request, error: ServiceError) -> Response:
-    return error_response(request, error.status_code, error.code, error.message, error.headers)
+    return api.error_response(
+        error.status_code, error.code, error.message, _request_id(request), error.headers
+    )
 
 
 async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-    return error_response(request, error.status_code, code, str(error.detail), error.headers)
+    return api.error_response(
+        error.status_code, code, str(error.detail), _request_id(request), error.headers
+    )
 
 
 async def _validation_error_response(request: Request, error: RequestValidationError) -> Response:
@@ -287,13 +220,13 @@ async def _validation_error_response(request: Request, error: RequestValidationE
         f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
         for problem in error.errors()
     )
-    return error_response(request, 422, "invalid_input", problems)
+    return api.error_response(422, "invalid_input", problems, _request_id(request))
 
 
 async def _unexpected_error_response(request: Request, error: Exception) -> Response:
     logger.error(
         "unhandled_error",
         exc_info=error,
-        extra={"request_id": getattr(request.state, "request_id", "-"), "path": request.url.path},
+        extra={"request_id": _request_id(request), "path": request.url.path},
     )
-    return error_response(request, 500, "internal_error", "internal server error")
+    return api.error_response(500, "internal_error", "internal server error", _request_id(request))
