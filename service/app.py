@@ -13,11 +13,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from service import api
 from service.batching import DynamicBatcher
@@ -62,20 +64,35 @@ def create_app(settings: Settings, on_load_failure: Callable[[], None] | None = 
         finally:
             await _shut_down(service, app.state.loading)
 
-    app = FastAPI(
+    app = ServingApp(
+        service,
         title="batchserve",
         version=__version__,
         summary="PyTorch model serving with dynamic batching.",
         lifespan=lifespan,
     )
-    app.state.service = service
     app.include_router(api.router)
-    app.add_middleware(ServiceMiddleware, service=service)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error_response)
     return app
+
+
+class ServingApp(FastAPI):
+    """FastAPI with ``ServiceMiddleware`` in front of FastAPI's own middleware stack.
+
+    Placed outside, the middleware answers ``POST /predict`` before FastAPI's per-request
+    error, telemetry and body-limit layers run; every other request goes through them.
+    """
+
+    def __init__(self, service: ServiceState, **options: Any) -> None:
+        super().__init__(**options)
+        self.state.service = service
+        self._outer = ServiceMiddleware(super().__call__, service)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._outer(scope, receive, send)
 
 
 async def _load_and_start(
