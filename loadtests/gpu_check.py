@@ -1,0 +1,217 @@
+"""Check the CUDA paths: both demo models under fp16/bf16 autocast, eager and compiled.
+
+    python -m loadtests.gpu_check [--requests 2000] [--budget-s 270]
+
+For each configuration it builds the real app (store -> runner -> batcher), sends one request
+through HTTP, then drives the batcher with concurrent requests, and prints throughput, p99
+latency, peak device memory and the largest deviation from an fp32 eager reference on the
+same inputs. On a machine without CUDA it says so, skips the CUDA configurations and checks
+the CPU equivalents it can (bf16 autocast), so CI runs this script too.
+
+Tolerances against fp32, relative to the largest reference output magnitude:
+- compiled fp32: 1e-4 (same arithmetic, different kernel fusion and summation order);
+- fp16 autocast: 1e-2 (10-bit mantissa, about 3 decimal digits, error grows with depth);
+- bf16 autocast: 5e-2 (8-bit mantissa, about 2 decimal digits).
+Plus, for digits, the predicted class must agree with fp32 on at least 98% of inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from asgi_lifespan import LifespanManager
+
+from service.app import create_app
+from service.config import Settings
+from service.state import ServiceState
+
+RELATIVE_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
+CONCURRENCY = 64
+
+
+@dataclass
+class Configuration:
+    model: str
+    device: str
+    precision: str
+    compile_mode: str
+    max_batch_size: int
+
+
+@dataclass
+class Outcome:
+    configuration: Configuration
+    rows_per_s: float
+    p99_ms: float
+    peak_memory_mb: float
+    max_relative_error: float
+    class_agreement: float | None
+    passed: bool
+    note: str = ""
+
+
+def example_inputs(model: str, count: int, seed: int = 0) -> list[np.ndarray]:
+    """Distinct single-instance inputs: digits images, or token sequences of mixed lengths."""
+    rng = np.random.default_rng(seed)
+    if model == "digits":
+        return [rng.random((1, 8, 8), dtype=np.float32) for _ in range(count)]
+    lengths = np.exp(rng.uniform(np.log(8), np.log(256), size=count)).astype(int)
+    return [rng.integers(1, 1000, size=(1, int(length))) for length in lengths]
+
+
+def configurations(cuda: bool) -> list[Configuration]:
+    if not cuda:
+        return [Configuration(model, "cpu", "bf16", "off", 32) for model in ("digits", "textenc")]
+    found = []
+    for model in ("digits", "textenc"):
+        for precision in ("fp16", "bf16"):
+            found.append(Configuration(model, "cuda", precision, "off", 64))
+            # Compiling every padded batch size costs tens of seconds each: keep them few.
+            found.append(Configuration(model, "cuda", precision, "default", 8))
+    return found
+
+
+async def run_configuration(
+    configuration: Configuration, inputs: list[np.ndarray], reference: list[np.ndarray]
+) -> Outcome:
+    settings = Settings(
+        model_name=configuration.model,
+        device=configuration.device,
+        precision=configuration.precision,  # type: ignore[arg-type]
+        compile_mode=configuration.compile_mode,  # type: ignore[arg-type]
+        max_batch_size=configuration.max_batch_size,
+        max_queue_size=100_000,
+        request_timeout_ms=120_000,
+    )
+    app = create_app(settings)
+    async with LifespanManager(app, startup_timeout=600):
+        await app.state.loading
+        service: ServiceState = app.state.service
+        if service.load_error is not None:
+            raise RuntimeError(service.load_error)
+        assert service.batcher is not None
+        assert service.layout is not None
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://check") as client:
+            response = await client.post("/predict", json={"instances": inputs[0].tolist()})
+            response.raise_for_status()
+        if configuration.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        outputs, latencies_s, elapsed_s = await drive(service, inputs)
+        peak_mb = (
+            torch.cuda.max_memory_allocated() / 2**20
+            if configuration.device.startswith("cuda")
+            else 0.0
+        )
+    scale = max(float(np.abs(row).max()) for row in reference)
+    errors = [float(np.abs(out - ref).max()) / scale for out, ref in zip(outputs, reference)]
+    agreement = None
+    if configuration.model == "digits":
+        agreement = float(
+            np.mean([out.argmax() == ref.argmax() for out, ref in zip(outputs, reference)])
+        )
+    tolerance = RELATIVE_TOLERANCE[
+        "fp32" if configuration.precision == "fp32" else configuration.precision
+    ]
+    passed = max(errors) <= tolerance and (agreement is None or agreement >= 0.98)
+    return Outcome(
+        configuration=configuration,
+        rows_per_s=len(inputs) / elapsed_s,
+        p99_ms=float(np.percentile(latencies_s, 99) * 1000),
+        peak_memory_mb=peak_mb,
+        max_relative_error=max(errors),
+        class_agreement=agreement,
+        passed=passed,
+    )
+
+
+async def drive(
+    service: ServiceState, inputs: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[float], float]:
+    """Closed-loop load straight into the batcher: CONCURRENCY callers, each input once."""
+    batcher, layout = service.batcher, service.layout
+    assert batcher is not None
+    assert layout is not None
+    outputs: list[Any] = [None] * len(inputs)
+    latencies_s: list[float] = []
+    next_index = 0
+
+    async def caller() -> None:
+        nonlocal next_index
+        while next_index < len(inputs):
+            index = next_index
+            next_index += 1
+            group, cost = layout.group_and_cost(inputs[index])
+            started_s = time.perf_counter()
+            chunks = await batcher.submit(inputs[index], group=group, cost_per_row=cost)
+            latencies_s.append(time.perf_counter() - started_s)
+            outputs[index] = chunks[0][0]
+
+    started_s = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(CONCURRENCY)))
+    return outputs, latencies_s, time.perf_counter() - started_s
+
+
+def fp32_reference(model: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Each input alone through the fp32 eager model on the CPU."""
+    from service.config import BUNDLED_MODEL_REPOSITORY
+    from service.model_store import ModelStore
+
+    module = ModelStore(BUNDLED_MODEL_REPOSITORY).load(model).module
+    with torch.inference_mode():
+        return [module(torch.from_numpy(array))[0].float().numpy() for array in inputs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="requests per configuration")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="stop starting new ones")
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    started_s = time.monotonic()
+    if cuda:
+        print(f"CUDA: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    else:
+        print(
+            f"CUDA not available (torch {torch.__version__}): skipped the CUDA configurations "
+            "(fp16/bf16 x eager/compiled on cuda); checking bf16 autocast on the CPU instead."
+        )
+    print("| model | device | precision | compile | max batch | rows/s | p99 ms | peak MiB |"
+          " max rel. error | class agreement | result |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    references: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    failures = 0
+    for configuration in configurations(cuda):
+        if time.monotonic() - started_s > args.budget_s:
+            print(f"| {configuration.model} | ... | skipped: time budget of {args.budget_s} s |")
+            continue
+        if configuration.model not in references:
+            inputs = example_inputs(configuration.model, args.requests)
+            references[configuration.model] = (inputs, fp32_reference(configuration.model, inputs))
+        inputs, reference = references[configuration.model]
+        outcome = asyncio.run(run_configuration(configuration, inputs, reference))
+        failures += not outcome.passed
+        agreement = "" if outcome.class_agreement is None else f"{outcome.class_agreement:.1%}"
+        print(
+            f"| {configuration.model} | {configuration.device} | {configuration.precision} | "
+            f"{configuration.compile_mode} | {configuration.max_batch_size} | "
+            f"{outcome.rows_per_s:,.0f} | {outcome.p99_ms:.1f} | {outcome.peak_memory_mb:.0f} | "
+            f"{outcome.max_relative_error:.2e} | {agreement} | "
+            f"{'ok' if outcome.passed else 'FAILED'} |",
+            flush=True,
+        )
+    print(f"finished in {time.monotonic() - started_s:.0f} s, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
