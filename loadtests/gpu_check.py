@@ -112,15 +112,17 @@ async def run_configuration(
             else 0.0
         )
     scale = max(float(np.abs(row).max()) for row in reference)
-    errors = [float(np.abs(out - ref).max()) / scale for out, ref in zip(outputs, reference)]
+    errors = [
+        float(np.abs(out - ref).max()) / scale for out, ref in zip(outputs, reference, strict=True)
+    ]
     agreement = None
     if configuration.model == "digits":
         agreement = float(
-            np.mean([out.argmax() == ref.argmax() for out, ref in zip(outputs, reference)])
+            np.mean(
+                [out.argmax() == ref.argmax() for out, ref in zip(outputs, reference, strict=True)]
+            )
         )
-    tolerance = RELATIVE_TOLERANCE[
-        "fp32" if configuration.precision == "fp32" else configuration.precision
-    ]
+    tolerance = RELATIVE_TOLERANCE[configuration.precision]
     passed = max(errors) <= tolerance and (agreement is None or agreement >= 0.98)
     return Outcome(
         configuration=configuration,
