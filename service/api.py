@@ -8,6 +8,7 @@ function and documents the endpoint in the OpenAPI schema.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +16,12 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
-from starlette.types import Receive, Scope
+from starlette.types import Message, Receive, Scope
 
+from service.batching import PRIORITIES, Priority
 from service.errors import (
     BadRequestError,
+    InvalidInputError,
     ModelNotFoundError,
     NotReadyError,
     PayloadTooLargeError,
@@ -82,14 +85,71 @@ class PredictHeaders:
     content_type: str | None = None
     accept: str | None = None
     content_length: str | None = None
+    priority: str | None = None
 
     @classmethod
     def from_scope(cls, scope: Scope) -> PredictHeaders:
         found: dict[bytes, str] = {}
         for name, value in scope["headers"]:
-            if name in (b"content-type", b"accept", b"content-length"):
+            if name in _PREDICT_HEADERS:
                 found[name] = value.decode("latin-1")
-        return cls(found.get(b"content-type"), found.get(b"accept"), found.get(b"content-length"))
+        return cls(
+            found.get(b"content-type"),
+            found.get(b"accept"),
+            found.get(b"content-length"),
+            found.get(b"x-priority"),
+        )
+
+    def batch_priority(self) -> Priority:
+        """``X-Priority: high`` is served before normal traffic when both wait."""
+        if self.priority is None:
+            return "normal"
+        priority = self.priority.strip().lower()
+        if priority not in PRIORITIES:
+            raise InvalidInputError(
+                f"X-Priority must be 'high' or 'normal', got {self.priority[:32]!r}"
+            )
+        return priority
+
+
+_PREDICT_HEADERS = frozenset({b"content-type", b"accept", b"content-length", b"x-priority"})
+
+
+class DisconnectWatcher:
+    """While the caller waits for its batch, cancels the wait if the client disconnects.
+
+    The cancellation drops the request's queued work (it is never computed) and surfaces as
+    ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
+    it tried to write the answer.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._waiting = False
+        self.disconnected = False
+
+    def __enter__(self) -> DisconnectWatcher:
+        self._caller = asyncio.current_task()
+        self._watch = asyncio.ensure_future(self._receive())
+        self._watch.add_done_callback(self._on_message)
+        self._waiting = True
+        return self
+
+    def _on_message(self, watch: asyncio.Future[Message]) -> None:
+        if not self._waiting or watch.cancelled() or watch.exception() is not None:
+            return
+        if watch.result()["type"] == "http.disconnect" and self._caller is not None:
+            self.disconnected = True
+            self._caller.cancel()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: object
+    ) -> None:
+        self._waiting = False
+        self._watch.cancel()
+        if self.disconnected and kind is asyncio.CancelledError and self._caller is not None:
+            self._caller.uncancel()
+            raise ClientDisconnectedError from None
 
 
 async def read_body(receive: Receive, declared_length: str | None, max_bytes: int) -> bytes:
@@ -129,9 +189,15 @@ async def serve_prediction(
         body = await read_body(receive, headers.content_length, service.settings.max_body_bytes)
         instances = layout.parse(body, media_type)
     group, cost_per_row = layout.group_and_cost(instances)
-    chunks = await batcher.submit(
-        instances, group=group, cost_per_row=cost_per_row, request_id=request_id
-    )
+    priority = headers.batch_priority()
+    with DisconnectWatcher(receive):
+        chunks = await batcher.submit(
+            instances,
+            group=group,
+            cost_per_row=cost_per_row,
+            priority=priority,
+            request_id=request_id,
+        )
     predictions = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
     response_headers = {"X-Model-Version": f"{manifest.name}@{manifest.version}"}
     if wants_npy(headers.accept):
@@ -177,9 +243,17 @@ async def predict(request: Request) -> Response:
     )
 
 
-@router.get("/healthz", response_model=HealthResponse, summary="Liveness")
-async def healthz() -> Response:
-    """200 while the process is alive and its event loop answers."""
+@router.get(
+    "/healthz",
+    response_model=HealthResponse,
+    responses={503: {"model": HealthResponse}},
+    summary="Liveness",
+)
+async def healthz(request: Request) -> Response:
+    """200 while the process is alive and its event loop answers; 503 once the model is hung
+    (a batch outlived ``stall_timeout_s``), so the orchestrator replaces the process."""
+    if _service(request).stalled:
+        return json_response({"status": "stalled"}, status_code=503)
     return json_response({"status": "alive"})
 
 

@@ -45,7 +45,11 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0"
 
 
-def create_app(settings: Settings, on_load_failure: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    on_load_failure: Callable[[], None] | None = None,
+    on_stall: Callable[[], None] | None = None,
+) -> FastAPI:
     """Build the ASGI app for ``settings``; nothing is loaded until its lifespan starts.
 
     ``on_load_failure`` is called if the model cannot be loaded (the CLI uses it to stop the
@@ -58,7 +62,7 @@ def create_app(settings: Settings, on_load_failure: Callable[[], None] | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.loading = asyncio.create_task(_load_and_start(service, on_load_failure))
+        app.state.loading = asyncio.create_task(_load_and_start(service, on_load_failure, on_stall))
         try:
             yield
         finally:
@@ -96,7 +100,9 @@ class ServingApp(FastAPI):
 
 
 async def _load_and_start(
-    service: ServiceState, on_load_failure: Callable[[], None] | None
+    service: ServiceState,
+    on_load_failure: Callable[[], None] | None,
+    on_stall: Callable[[], None] | None,
 ) -> None:
     """Verify and load the model, warm it up, then start the batcher (readiness follows)."""
     settings = service.settings
@@ -134,6 +140,8 @@ async def _load_and_start(
             request_timeout_ms=settings.request_timeout_ms,
             max_batch_cost=settings.max_batch_tokens if layout.length_edges else 0,
             policy=settings.batch_policy,
+            stall_timeout_s=settings.stall_timeout_s,
+            on_stall=lambda: _stalled(service, on_stall),
         )
         batcher.start()
     except Exception as error:
@@ -200,6 +208,13 @@ def warmup_batches(layout: InputLayout, runner: TorchRunner, settings: Settings)
     ]
 
 
+def _stalled(service: ServiceState, on_stall: Callable[[], None] | None) -> None:
+    """A batch outlived ``stall_timeout_s``: report unhealthy, then let the owner react."""
+    service.metrics.ready.set(0)
+    if on_stall is not None:
+        on_stall()
+
+
 async def _shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None:
     """Readiness off, finish every queued request, stop the collector, free the device."""
     service.draining = True
@@ -208,6 +223,11 @@ async def _shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None
         loading.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loading
+    if service.stalled:
+        # The device thread is stuck in the model: draining would wait forever. Queued
+        # requests have been answered 504 by their deadlines; the process must be replaced.
+        logger.error("shutdown_with_stalled_model")
+        return
     if service.batcher is not None:
         await service.batcher.drain()
     if service.runner is not None:

@@ -1,15 +1,20 @@
 """Dynamic batching: many concurrent requests, one forward pass.
 
 Pure asyncio: no torch, no web framework. One collector task owns the queue. It waits until
-the device is free (the previous batch has returned), then takes the oldest queued request's
-group (requests whose instances have the same shape) and more requests of that group, up to
-``max_batch_size`` rows, waiting at most ``max_wait_ms`` counted from the oldest request's
-arrival. The batch runs in the runner's single executor thread, so the event loop never runs
-model code.
+the device is free (the previous batch has returned), then takes a group (requests whose
+instances have the same shape or length bucket) and fills a batch from it, high-priority
+requests first, up to ``max_batch_size`` rows (and ``max_batch_cost`` padded tokens), waiting
+at most ``max_wait_ms`` counted from the oldest request's arrival. The batch runs in the
+runner's single executor thread, so the event loop never runs model code.
 
 Each request's future is resolved exactly once, by whichever comes first: its result, its
 error, its deadline, or its caller going away. A request whose caller has gone, or whose
 deadline has passed, is removed from the queue and never computed.
+
+A batch that raises is retried by halves, so only the request that causes the error fails. A
+batch that runs out of device memory is retried by halves too, and for a while batches are
+capped at half the rows that failed. A batch that runs longer than ``stall_timeout_s`` marks
+the batcher stalled: it refuses new work and calls ``on_stall`` so the process can be replaced.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, Self, TypeVar
+from typing import Generic, Literal, Protocol, Self, TypeVar
 
 from service.config import BatchPolicy
 from service.errors import (
     DeadlineExceededError,
+    DeviceOutOfMemoryError,
     InferenceError,
+    InsufficientDeviceMemoryError,
     InvalidInputError,
     NotReadyError,
     QueueFullError,
@@ -36,6 +43,14 @@ from service.errors import (
 from service.metrics import DropReason, ServiceMetrics
 
 logger = logging.getLogger(__name__)
+
+Priority = Literal["high", "normal"]
+PRIORITIES: tuple[Priority, ...] = ("high", "normal")
+#: After this many batches led by high-priority requests while normal ones wait, the next
+#: batch is filled with normal requests first, so normal traffic is never starved.
+HIGH_PRIORITY_STREAK_LIMIT = 3
+#: After running out of device memory, batches stay capped this long before the cap doubles.
+OOM_BACKOFF_S = 30.0
 
 
 class Rows(Protocol):
@@ -61,11 +76,50 @@ class _Entry(Generic[PayloadT, OutputT]):
     rows: int
     cost: int
     group: Hashable
+    priority: Priority
     arrival_s: float
     request_id: str
     future: asyncio.Future[OutputT]
     queued: bool = True
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class _Group(Generic[PayloadT, OutputT]):
+    """The queued entries of one group, one FIFO lane per priority, with running totals."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[Priority, deque[_Entry[PayloadT, OutputT]]] = {
+            priority: deque() for priority in PRIORITIES
+        }
+        self.size = 0
+        self.rows = 0
+        self.cost = 0
+
+    def append(self, entry: _Entry[PayloadT, OutputT]) -> None:
+        self.lanes[entry.priority].append(entry)
+        self._count(entry, +1)
+
+    def remove(self, entry: _Entry[PayloadT, OutputT]) -> None:
+        self.lanes[entry.priority].remove(entry)
+        self._count(entry, -1)
+
+    def pop(self, priority: Priority) -> _Entry[PayloadT, OutputT]:
+        entry = self.lanes[priority].popleft()
+        self._count(entry, -1)
+        return entry
+
+    def head(self, priority: Priority) -> _Entry[PayloadT, OutputT] | None:
+        lane = self.lanes[priority]
+        return lane[0] if lane else None
+
+    def oldest(self) -> _Entry[PayloadT, OutputT] | None:
+        heads = [lane[0] for lane in self.lanes.values() if lane]
+        return min(heads, key=lambda entry: entry.arrival_s, default=None)
+
+    def _count(self, entry: _Entry[PayloadT, OutputT], sign: int) -> None:
+        self.size += sign
+        self.rows += sign * entry.rows
+        self.cost += sign * entry.cost
 
 
 class DynamicBatcher(Generic[PayloadT, OutputT]):
@@ -96,6 +150,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         request_timeout_ms: float,
         max_batch_cost: int = 0,
         policy: BatchPolicy = "adaptive",
+        stall_timeout_s: float = 0.0,
+        on_stall: Callable[[], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
@@ -111,14 +167,19 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._max_wait_s = max_wait_ms / 1000.0
         self._max_queue_size = max_queue_size
         self._request_timeout_s = request_timeout_ms / 1000.0
-        self._groups: dict[Hashable, deque[_Entry[PayloadT, OutputT]]] = {}
-        self._group_rows: dict[Hashable, int] = {}
-        self._group_cost: dict[Hashable, int] = {}
+        self._stall_timeout_s = stall_timeout_s
+        self._on_stall = on_stall
+        self._groups: dict[Hashable, _Group[PayloadT, OutputT]] = {}
         self._queued_entries = 0
         self._arriving = 0
+        self._high_streak = 0
+        self._row_limit = max_batch_size
+        self._row_limit_until_s = 0.0
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._stalled = False
         self._collector: asyncio.Task[None] | None = None
+        metrics.effective_max_batch_size.set(max_batch_size)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -143,7 +204,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     @property
     def accepting(self) -> bool:
-        return not self._closing
+        return not (self._closing or self._stalled)
+
+    @property
+    def stalled(self) -> bool:
+        """A batch has run longer than ``stall_timeout_s``; the model may be hung."""
+        return self._stalled
+
+    @property
+    def row_limit(self) -> int:
+        """Rows per batch now: ``max_batch_size``, or less for a while after running out of
+        device memory."""
+        return self._row_limit
 
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
@@ -159,19 +231,25 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     # ----------------------------------------------------------------- submitting
 
     async def submit(
-        self, payload: PayloadT, *, group: Hashable, cost_per_row: int = 0, request_id: str = "-"
+        self,
+        payload: PayloadT,
+        *,
+        group: Hashable,
+        cost_per_row: int = 0,
+        priority: Priority = "normal",
+        request_id: str = "-",
     ) -> list[OutputT]:
         """Queue one request and wait for its outputs (one per chunk that fits in a batch).
 
         Requests share a batch only within the same ``group``. ``cost_per_row`` (e.g. padded
         tokens) counts against ``max_batch_cost`` when that is set; a chunk holds at least one
-        row whatever its cost.
+        row whatever its cost. ``high`` priority requests are taken before ``normal`` ones.
 
         Raises ``QueueFullError`` at once when the queue is full, ``NotReadyError`` while
-        draining, ``DeadlineExceededError`` past the request timeout, and ``InferenceError``
-        when the model fails on this request's input.
+        draining or stalled, ``DeadlineExceededError`` past the request timeout, and
+        ``InferenceError`` when the model fails on this request's input.
         """
-        if self._closing or self._collector is None:
+        if not self.accepting or self._collector is None:
             self._metrics.dropped.labels(DropReason.DRAINING).inc()
             raise NotReadyError("the server is not accepting requests (starting or draining)")
         total_rows = len(payload)
@@ -199,6 +277,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 rows=len(chunk),
                 cost=len(chunk) * cost_per_row,
                 group=group,
+                priority=priority,
                 arrival_s=arrival_s,
                 request_id=request_id,
                 future=loop.create_future(),
@@ -219,44 +298,34 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                     entry.timer.cancel()
 
     def _enqueue(self, entry: _Entry[PayloadT, OutputT]) -> None:
-        queue = self._groups.get(entry.group)
-        if queue is None:
-            queue = self._groups[entry.group] = deque()
-            self._group_rows[entry.group] = 0
-            self._group_cost[entry.group] = 0
-        queue.append(entry)
-        self._group_rows[entry.group] += entry.rows
-        self._group_cost[entry.group] += entry.cost
+        group = self._groups.get(entry.group)
+        if group is None:
+            group = self._groups[entry.group] = _Group()
+        group.append(entry)
         self._queued_entries += 1
         self._metrics.queue_depth.set(self._queued_entries)
         # Wake the collector only when its decision can change: the queue was empty (it sleeps
         # without a timer) or this group just reached a full batch (it may stop waiting early).
-        if self._queued_entries == 1 or self._is_full(entry.group):
+        if self._queued_entries == 1 or self._is_full(group):
             self._wakeup.set()
 
-    def _is_full(self, group: Hashable) -> bool:
-        return self._group_rows[group] >= self.max_batch_size or (
-            self.max_batch_cost > 0 and self._group_cost[group] >= self.max_batch_cost
+    def _is_full(self, group: _Group[PayloadT, OutputT]) -> bool:
+        return group.rows >= self._row_limit or (
+            self.max_batch_cost > 0 and group.cost >= self.max_batch_cost
         )
 
     def _dequeue(self, entry: _Entry[PayloadT, OutputT]) -> None:
         """Remove a queued entry from anywhere in its group's queue."""
-        queue = self._groups[entry.group]
-        queue.remove(entry)
-        self._forget_queued(entry)
-        if not queue:
-            self._delete_group(entry.group)
+        group = self._groups[entry.group]
+        group.remove(entry)
+        self._forget_queued(entry, group)
 
-    def _delete_group(self, group: Hashable) -> None:
-        del self._groups[group]
-        del self._group_rows[group]
-        del self._group_cost[group]
-
-    def _forget_queued(self, entry: _Entry[PayloadT, OutputT]) -> None:
+    def _forget_queued(
+        self, entry: _Entry[PayloadT, OutputT], group: _Group[PayloadT, OutputT]
+    ) -> None:
         entry.queued = False
-        if entry.group in self._group_rows:
-            self._group_rows[entry.group] -= entry.rows
-            self._group_cost[entry.group] -= entry.cost
+        if group.size == 0:
+            del self._groups[entry.group]
         self._queued_entries -= 1
         self._metrics.queue_depth.set(self._queued_entries)
 
@@ -306,6 +375,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             # Requests already received but not yet parsed are queued ahead of us on the event
             # loop: let them run once so they can join this batch.
             await asyncio.sleep(0)
+        self._restore_row_limit()
         while True:
             oldest = self._oldest_entry()
             if oldest is None:
@@ -314,54 +384,67 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            full_group = self._full_group()
-            if full_group is not None:
-                return self._take(full_group)
+            full = [group for group in self._groups.values() if self._is_full(group)]
             remaining_s = oldest.arrival_s + self._max_wait_s - time.monotonic()
             nothing_on_its_way = self.policy == "adaptive" and self._arriving == 0
-            if remaining_s <= 0 or self._closing or nothing_on_its_way:
-                return self._take(oldest.group)
+            if full or remaining_s <= 0 or self._closing or nothing_on_its_way:
+                return self._take(full or list(self._groups.values()))
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=remaining_s)
 
     def _oldest_entry(self) -> _Entry[PayloadT, OutputT] | None:
-        heads = [queue[0] for queue in self._groups.values()]
-        return min(heads, key=lambda entry: entry.arrival_s, default=None)
+        heads = [group.oldest() for group in self._groups.values()]
+        return min(
+            (head for head in heads if head is not None),
+            key=lambda entry: entry.arrival_s,
+            default=None,
+        )
 
-    def _full_group(self) -> Hashable | None:
-        """The group with a full batch queued whose head waited longest, if any."""
-        full = [queue[0] for group, queue in self._groups.items() if self._is_full(group)]
-        if not full:
-            return None
-        return min(full, key=lambda entry: entry.arrival_s).group
+    def _take(self, candidates: list[_Group[PayloadT, OutputT]]) -> list[_Entry[PayloadT, OutputT]]:
+        """Fill one batch from the best candidate group, in priority and arrival order.
 
-    def _take(self, group: Hashable) -> list[_Entry[PayloadT, OutputT]]:
-        """Pop entries of ``group`` in arrival order while they fit in one batch."""
-        queue = self._groups[group]
+        High-priority requests lead, unless they have led ``HIGH_PRIORITY_STREAK_LIMIT``
+        batches in a row while normal ones waited: then the longest-waiting normal requests do.
+        """
+        normal_waiting = any(group.head("normal") for group in self._groups.values())
+        lead: Priority = "high"
+        if self._high_streak >= HIGH_PRIORITY_STREAK_LIMIT and normal_waiting:
+            lead = "normal"
+            candidates = list(self._groups.values())
+        with_lead = [group for group in candidates if group.head(lead) is not None]
+        if with_lead:
+            group = min(with_lead, key=lambda g: g.head(lead).arrival_s)  # type: ignore[union-attr]
+        else:
+            group = min(candidates, key=lambda g: g.oldest().arrival_s)  # type: ignore[union-attr]
+        order: tuple[Priority, ...] = ("high", "normal") if lead == "high" else ("normal", "high")
         batch: list[_Entry[PayloadT, OutputT]] = []
         rows = cost = 0
-        while queue and self._fits(rows, cost, queue[0], first=not batch):
-            entry = queue.popleft()
-            self._forget_queued(entry)
-            if entry.future.done():  # answered already (deadline or cancel): never compute it
-                # Its caller was cancelled but has not run its clean-up yet; that clean-up
-                # counts only entries still queued, so count the drop here.
-                if entry.future.cancelled():
-                    self._metrics.dropped.labels(DropReason.CANCELLED).inc()
-                continue
-            batch.append(entry)
-            rows += entry.rows
-            cost += entry.cost
-        if not queue:
-            self._delete_group(group)
+        for priority in order:
+            while (head := group.head(priority)) is not None and self._fits(
+                rows, cost, head, first=not batch
+            ):
+                entry = group.pop(priority)
+                self._forget_queued(entry, group)
+                if entry.future.done():  # answered already (deadline or cancel): skip it
+                    # Its caller was cancelled but has not run its clean-up yet; that clean-up
+                    # counts only entries still queued, so count the drop here.
+                    if entry.future.cancelled():
+                        self._metrics.dropped.labels(DropReason.CANCELLED).inc()
+                    continue
+                batch.append(entry)
+                rows += entry.rows
+                cost += entry.cost
+        led_by_high = bool(batch) and batch[0].priority == "high"
+        self._high_streak = self._high_streak + 1 if led_by_high and normal_waiting else 0
         return batch
 
     def _fits(self, rows: int, cost: int, entry: _Entry[PayloadT, OutputT], first: bool) -> bool:
-        if rows + entry.rows > self.max_batch_size:
+        if first:
+            return True  # a chunk larger than the current limits still runs, alone
+        if rows + entry.rows > self._row_limit:
             return False
-        # A chunk costlier than the whole budget still runs, alone.
-        return first or not self.max_batch_cost or cost + entry.cost <= self.max_batch_cost
+        return not self.max_batch_cost or cost + entry.cost <= self.max_batch_cost
 
     # ----------------------------------------------------------------- running
 
@@ -378,16 +461,17 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         batch = [entry for entry in batch if not entry.future.done()]
         if not batch:
             return
-        loop = asyncio.get_running_loop()
-        payloads = [entry.payload for entry in batch]
-        self._metrics.batch_size.observe(sum(entry.rows for entry in batch))
+        rows = sum(entry.rows for entry in batch)
+        self._metrics.batch_size.observe(rows)
         started_s = time.perf_counter()
         try:
-            outputs = await loop.run_in_executor(self._executor, self._run_batch, payloads)
+            outputs = await self._forward([entry.payload for entry in batch])
             if len(outputs) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)}")
         except Exception as error:
             self._metrics.inference_latency.observe(time.perf_counter() - started_s)
+            if isinstance(error, DeviceOutOfMemoryError):
+                self._shrink_row_limit(rows)
             if len(batch) == 1:
                 self._fail(batch[0], error)
                 return
@@ -400,6 +484,42 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         for entry, output in zip(batch, outputs, strict=True):
             _set_result_if_pending(entry.future, output)
 
+    async def _forward(self, payloads: list[PayloadT]) -> Sequence[OutputT]:
+        """``run_batch`` in the executor, watching for a batch that never comes back."""
+        running = asyncio.get_running_loop().run_in_executor(
+            self._executor, self._run_batch, payloads
+        )
+        if self._stall_timeout_s > 0:
+            done, _ = await asyncio.wait({running}, timeout=self._stall_timeout_s)
+            if not done:
+                self._report_stall()
+        return await running
+
+    def _report_stall(self) -> None:
+        if self._stalled:
+            return
+        self._stalled = True
+        logger.error("model_stalled", extra={"stall_timeout_s": self._stall_timeout_s})
+        if self._on_stall is not None:
+            self._on_stall()
+
+    def _shrink_row_limit(self, failed_rows: int) -> None:
+        """Out of device memory: cap batches at half the rows that failed, for a while."""
+        self._metrics.out_of_memory.inc()
+        self._row_limit = max(1, min(self._row_limit, failed_rows // 2))
+        self._row_limit_until_s = time.monotonic() + OOM_BACKOFF_S
+        self._metrics.effective_max_batch_size.set(self._row_limit)
+        logger.warning(
+            "device_out_of_memory", extra={"rows": failed_rows, "row_limit": self._row_limit}
+        )
+
+    def _restore_row_limit(self) -> None:
+        """Double the capped row limit each ``OOM_BACKOFF_S`` without a new failure."""
+        if self._row_limit < self.max_batch_size and time.monotonic() >= self._row_limit_until_s:
+            self._row_limit = min(self.max_batch_size, self._row_limit * 2)
+            self._row_limit_until_s = time.monotonic() + OOM_BACKOFF_S
+            self._metrics.effective_max_batch_size.set(self._row_limit)
+
     def _fail(self, entry: _Entry[PayloadT, OutputT], error: Exception) -> None:
         if isinstance(error, ServiceError):
             _set_exception_if_pending(entry.future, error)
@@ -408,9 +528,16 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             "inference_failed",
             extra={"request_id": entry.request_id, "error": f"{type(error).__name__}: {error}"},
         )
-        failure = InferenceError(
-            f"the model failed on this request's input ({type(error).__name__})"
-        )
+        failure: ServiceError
+        if isinstance(error, DeviceOutOfMemoryError):
+            failure = InsufficientDeviceMemoryError(
+                f"out of device memory for this request's {entry.rows} instance(s) even alone; "
+                "retry later or with fewer instances"
+            )
+        else:
+            failure = InferenceError(
+                f"the model failed on this request's input ({type(error).__name__})"
+            )
         failure.__cause__ = error
         _set_exception_if_pending(entry.future, failure)
 

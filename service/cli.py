@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import signal
 import sys
 import threading
@@ -16,6 +18,7 @@ import uvicorn
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings, SettingsError, load_settings
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
+from service.launcher import clear_configured_multiprocess_dir, exec_gunicorn
 from service.logs import configure_logging
 from service.model_store import (
     ARTIFACT_SUFFIXES,
@@ -24,6 +27,9 @@ from service.model_store import (
     TensorSpec,
 )
 from service.state import ServiceState
+
+#: Exit status when the model hung (a batch outlived ``stall_timeout_s``): EX_SOFTWARE.
+EXIT_STALLED = 70
 
 
 class DrainingServer(uvicorn.Server):
@@ -68,11 +74,11 @@ def serve(settings: Settings) -> int:
 
     server: DrainingServer | None = None
 
-    def on_load_failure() -> None:
+    def stop_serving() -> None:
         if server is not None:
             server.stop()
 
-    app = create_app(settings, on_load_failure=on_load_failure)
+    app = create_app(settings, on_load_failure=stop_serving, on_stall=stop_serving)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -85,6 +91,12 @@ def serve(settings: Settings) -> int:
     )
     server = DrainingServer(config, app.state.service, settings.drain_delay_s)
     server.run()
+    if app.state.service.stalled:
+        # The device thread is stuck inside the model and would block interpreter exit: leave
+        # at once with a distinct status so the supervisor (Kubernetes, systemd) restarts us.
+        logging.getLogger(__name__).error("exiting_with_stalled_model")
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
     return 1 if app.state.service.load_error is not None else 0
 
 
@@ -214,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             settings = load_settings(**overrides)
             configure_logging(settings.log_level)
+            if settings.workers > 1:
+                exec_gunicorn(settings, overrides)
+            clear_configured_multiprocess_dir()
             return serve(settings)
         configure_logging("warning")
         if args.command == "package":

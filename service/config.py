@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "BATCHSERVE_"
@@ -106,6 +106,14 @@ class Settings(BaseSettings):
     """After SIGTERM, how long ``/readyz`` answers 503 while still serving, before the listening
     socket closes (lets a load balancer stop sending first). Queued requests finish either way."""
 
+    stall_timeout_s: float = Field(default=120.0, ge=0.0, le=3600.0)
+    """A batch running longer than this marks the model hung: ``/healthz`` and ``/readyz``
+    answer 503 so the process is replaced (0 turns the watchdog off)."""
+
+    admin_token: SecretStr | None = Field(default=None, min_length=16)
+    """Bearer token for the ``/admin`` routes (load and roll back versions); unset disables
+    them. Never logged or echoed."""
+
     warmup_batch_sizes: tuple[int, ...] = ()
     """Batch sizes run once at load; empty means powers of two up to ``max_batch_size``."""
 
@@ -165,6 +173,7 @@ def describe_validation_error(error: ValidationError) -> str:
         field = "__".join(str(part) for part in problem["loc"])
         variable = ENV_PREFIX + field.upper() if field else "settings"
         value = problem.get("input")
-        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        secret = "token" in field.lower()
+        shown = "" if isinstance(value, dict) or secret else f" = {value!r}"
         lines.append(f"  {variable}{shown}: {problem['msg']}")
     return "\n".join(lines)

@@ -75,6 +75,16 @@ class NotReadyError(ServiceError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+class InsufficientDeviceMemoryError(ServiceError):
+    """The request ran out of device memory even in a batch of its own."""
+
+    status_code = 503
+    code = "out_of_device_memory"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
 class InferenceError(ServiceError):
     """The model raised on this request's input; its batch-mates are unaffected."""
 
@@ -88,3 +98,7 @@ class ModelIntegrityError(Exception):
 
 class ModelLoadError(Exception):
     """A model's manifest is valid but the model cannot be built (architecture, format, device)."""
+
+
+class DeviceOutOfMemoryError(Exception):
+    """The runner's device ran out of memory on a batch; the batcher splits it and retries."""

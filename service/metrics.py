@@ -106,6 +106,18 @@ class ServiceMetrics:
             "Batched forward passes that raised and were retried by halves.",
             registry=r,
         )
+        self.out_of_memory = Counter(
+            "batchserve_out_of_memory",
+            "Batches that ran out of device memory (then split and retried by halves).",
+            registry=r,
+        )
+        self.effective_max_batch_size = Gauge(
+            "batchserve_effective_max_batch_size",
+            "Rows per batch allowed now: max_batch_size, or less for a while after running out "
+            "of device memory.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         self.model_info = Gauge(
             "batchserve_model_info",
             "The model being served (value 1), with its version, device, precision and compile.",

@@ -19,7 +19,7 @@ import numpy.typing as npt
 import torch
 
 from service.config import CompileMode, Precision
-from service.errors import ModelLoadError
+from service.errors import DeviceOutOfMemoryError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,17 @@ class TorchRunner:
             inputs = torch.cat([inputs, padding])
         if self.device.type == "cuda":
             inputs = inputs.pin_memory().to(self.device, non_blocking=True)
-        with torch.inference_mode(), self._autocast():
-            outputs = self._forward(inputs)
+        try:
+            with torch.inference_mode(), self._autocast():
+                outputs = self._forward(inputs)
+        except torch.OutOfMemoryError as error:
+            # Release the failed batch's cached blocks so the retried halves can fit; only
+            # here, never on the normal path, where empty_cache() would cost every batch.
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise DeviceOutOfMemoryError(
+                f"out of memory on {self.device} for {padded_rows} rows"
+            ) from error
         if not isinstance(outputs, torch.Tensor):
             raise TypeError(f"the model must return one tensor, got {type(outputs).__name__}")
         # Checked before the padding is sliced off, so extra rows are refused, not truncated.

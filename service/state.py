@@ -35,13 +35,21 @@ class ServiceState:
     load_error: str | None = field(default=None)
 
     @property
+    def stalled(self) -> bool:
+        """A batch has outlived ``stall_timeout_s``: the model looks hung."""
+        return self.batcher is not None and self.batcher.stalled
+
+    @property
     def ready(self) -> bool:
-        return self.batcher is not None and not self.draining and self.load_error is None
+        return self.phase == "ready"
 
     @property
     def phase(self) -> str:
+        """loading, ready, draining, stalled or failed."""
         if self.load_error is not None:
             return "failed"
+        if self.stalled:
+            return "stalled"
         if self.draining:
             return "draining"
         return "ready" if self.batcher is not None else "loading"

@@ -622,3 +622,42 @@ async def test_batch_cost_budget_limits_rows_per_batch_and_chunks(
     # Rows per batch: the blocker; [1]+[2] (cost 8, [3] would make 12); [3] (the next chunk
     # would make 12); [4, 5]; [6, 7]; [8] (the costly chunk would exceed); [9] alone.
     assert model.batch_rows == [1, 2, 1, 2, 2, 1, 1]
+
+
+async def test_high_priority_never_starves_normal_requests(make_batcher: BatcherFactory) -> None:
+    model = GatedModel()
+    batcher = make_batcher(model, max_batch_size=1, max_wait_ms=10_000)
+
+    blocker = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    normal = [asyncio.create_task(batcher.submit([100 + i], group="g")) for i in range(2)]
+    high = [
+        asyncio.create_task(batcher.submit([i], group="g", priority="high")) for i in range(1, 8)
+    ]
+    await wait_until(lambda: batcher.queue_depth == 9)
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(blocker, *normal, *high)
+
+    order = [row for batch in model.batches for payload in batch for row in payload]
+    # Three high-priority batches, then the oldest normal one, then three high, then normal.
+    assert order == [0, 1, 2, 3, 100, 4, 5, 6, 101, 7]
+
+
+async def test_a_batch_that_outlives_the_stall_timeout_marks_the_batcher_stalled(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = GatedModel()
+    stalls: list[str] = []
+    batcher = make_batcher(model, stall_timeout_s=0.1, on_stall=lambda: stalls.append("stalled"))
+
+    running = asyncio.create_task(batcher.submit([1], group="g"))
+    await model.wait_started()
+    await wait_until(lambda: batcher.stalled)
+    assert stalls == ["stalled"]
+    assert not batcher.accepting
+    with pytest.raises(NotReadyError):
+        await batcher.submit([2], group="g")
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await running == [[2]]  # a batch that comes back late is still answered

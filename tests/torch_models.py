@@ -71,3 +71,32 @@ class DoubledRowsModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x])
+
+
+class OutOfMemoryAbove(nn.Module):
+    """Returns ``2x + 1``, but raises ``torch.OutOfMemoryError`` (as CUDA does) for batches of
+    more than ``max_rows`` rows: device-memory exhaustion, simulated on the CPU."""
+
+    def __init__(self, max_rows: int = 2) -> None:
+        super().__init__()
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            raise torch.OutOfMemoryError(f"simulated: {x.shape[0]} rows > {self.max_rows}")
+        return 2 * x + 1
+
+
+#: Set to let every ``HangsOnValue`` forward that is blocked return.
+HANG_RELEASE = threading.Event()
+HANG_VALUE = 13.0
+
+
+class HangsOnValue(nn.Module):
+    """Returns ``2x + 1``, but blocks like a deadlocked kernel while any input equals
+    ``HANG_VALUE``, until ``HANG_RELEASE`` is set (or 60 s pass, so no test can hang CI)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == HANG_VALUE).any()):
+            HANG_RELEASE.wait(timeout=60)
+        return 2 * x + 1

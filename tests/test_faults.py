@@ -1,0 +1,269 @@
+"""Faults through the real app: a model that raises, runs out of memory, or hangs; clients that
+disconnect; priorities. Each test packages a small model from tests/torch_models.py."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+from safetensors.torch import save_file
+
+from service.app import create_app
+from service.config import Settings
+from service.model_store import Architecture, ModelStore, TensorSpec
+from service.state import ServiceState
+from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
+
+PROMPTLY_S = 5.0
+
+
+def package(repository: Path, architecture: str, **kwargs: Any) -> None:
+    """Package a parameterless test model (its behaviour is in code) as model 'fault'."""
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "empty.safetensors"
+        save_file({}, str(weights), metadata={"architecture": architecture})
+        ModelStore(repository).package(
+            name="fault",
+            artifact=weights,
+            format="safetensors",
+            architecture=Architecture(import_path=architecture, kwargs=kwargs),
+            inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
+            outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
+        )
+
+
+@asynccontextmanager
+async def serving(
+    tmp_path: Path, architecture: str, kwargs: dict[str, Any] | None = None, **settings: Any
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    package(tmp_path, architecture, **(kwargs or {}))
+    app = create_app(
+        Settings(
+            model_repository=tmp_path,
+            model_name="fault",
+            device="cpu",
+            warmup_batch_sizes=(1,),
+            **settings,
+        )
+    )
+    async with LifespanManager(app):
+        await app.state.loading
+        assert app.state.service.load_error is None
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield app, client
+
+
+def rows(value: float, count: int = 1) -> list[list[float]]:
+    return [[value] * FEATURES for _ in range(count)]
+
+
+async def predict(client: httpx.AsyncClient, value: float, **headers: str) -> httpx.Response:
+    return await client.post("/predict", json={"instances": rows(value)}, headers=headers)
+
+
+def sample(app: FastAPI, name: str, labels: dict[str, str] | None = None) -> float:
+    service: ServiceState = app.state.service
+    return service.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture
+def hang_released() -> Iterator[None]:
+    HANG_RELEASE.clear()
+    yield
+    HANG_RELEASE.set()
+
+
+async def test_a_request_the_model_fails_on_gets_500_and_its_batch_mates_succeed(
+    tmp_path: Path,
+) -> None:
+    async with serving(
+        tmp_path, "tests.torch_models:RaisesOnNegative", max_wait_ms=100.0, batch_policy="fixed"
+    ) as (app, client):
+        values = [1.0, 2.0, -1.0, 3.0, 4.0]
+        responses = await asyncio.gather(*(predict(client, value) for value in values))
+        assert [response.status_code for response in responses] == [200, 200, 500, 200, 200]
+        for value, response in zip(values, responses, strict=True):
+            if value >= 0:
+                assert response.json()["predictions"] == rows(2 * value + 1)
+        error = responses[2].json()["error"]
+        assert error["code"] == "inference_failed"
+        assert error["request_id"] == responses[2].headers["x-request-id"]
+        assert "ValueError" in error["message"]
+        assert sample(app, "batchserve_batch_failures_total") >= 1
+        assert sample(app, "batchserve_batch_size_rows_bucket", {"le": "1.0"}) < len(values)
+
+
+async def test_out_of_memory_splits_the_batch_and_lowers_the_batch_size(
+    tmp_path: Path,
+) -> None:
+    async with serving(
+        tmp_path,
+        "tests.torch_models:OutOfMemoryAbove",
+        {"max_rows": 2},
+        max_wait_ms=100.0,
+        batch_policy="fixed",
+    ) as (app, client):
+        values = [float(value) for value in range(8)]
+        responses = await asyncio.gather(*(predict(client, value) for value in values))
+        assert [response.status_code for response in responses] == [200] * 8
+        for value, response in zip(values, responses, strict=True):
+            assert response.json()["predictions"] == rows(2 * value + 1)
+        assert sample(app, "batchserve_out_of_memory_total") >= 1
+        assert sample(app, "batchserve_effective_max_batch_size") <= 2
+
+        # Batches stay capped: the next burst never tries more than two rows at once.
+        failures_before = sample(app, "batchserve_out_of_memory_total")
+        responses = await asyncio.gather(*(predict(client, value) for value in values))
+        assert [response.status_code for response in responses] == [200] * 8
+        assert sample(app, "batchserve_out_of_memory_total") == failures_before
+
+        # One request too large for the device even alone: 503 with Retry-After.
+        too_big = await client.post("/predict", json={"instances": rows(1.0, count=3)})
+        assert too_big.status_code == 503
+        assert too_big.json()["error"]["code"] == "out_of_device_memory"
+        assert "Retry-After" in too_big.headers
+
+
+async def test_a_hung_model_times_out_requests_and_turns_unhealthy(
+    tmp_path: Path, hang_released: None
+) -> None:
+    stalls: list[str] = []
+    package(tmp_path, "tests.torch_models:HangsOnValue")
+    app = create_app(
+        Settings(
+            model_repository=tmp_path,
+            model_name="fault",
+            device="cpu",
+            warmup_batch_sizes=(1,),
+            request_timeout_ms=400.0,
+            stall_timeout_s=0.2,
+        ),
+        on_stall=lambda: stalls.append("stalled"),
+    )
+    async with LifespanManager(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/healthz")).status_code == 200
+            async with asyncio.timeout(PROMPTLY_S):
+                hung = await predict(client, HANG_VALUE)
+            assert hung.status_code == 504
+            assert hung.json()["error"]["code"] == "deadline_exceeded"
+            assert stalls == ["stalled"]
+            health = await client.get("/healthz")
+            assert health.status_code == 503
+            assert health.json() == {"status": "stalled"}
+            ready = await client.get("/readyz")
+            assert ready.status_code == 503
+            assert ready.json()["status"] == "stalled"
+            refused = await predict(client, 1.0)
+            assert refused.status_code == 503
+            assert sample(app, "batchserve_ready") == 0
+        HANG_RELEASE.set()  # let the stuck thread finish so the test process can exit cleanly
+
+
+async def test_a_client_that_disconnects_while_queued_is_never_computed(
+    tmp_path: Path, hang_released: None
+) -> None:
+    async with serving(tmp_path, "tests.torch_models:HangsOnValue", stall_timeout_s=0.0) as (
+        app,
+        client,
+    ):
+        service: ServiceState = app.state.service
+        assert service.batcher is not None
+        blocker = asyncio.create_task(predict(client, HANG_VALUE))  # holds the device
+        await asyncio.sleep(0.2)
+
+        disconnect = asyncio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if not sent:
+                sent.append({})
+                body = orjson.dumps({"instances": rows(5.0)})
+                return {"type": "http.request", "body": body, "more_body": False}
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        responses: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            responses.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/predict",
+            "raw_path": b"/predict",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        leaving = asyncio.create_task(app(scope, receive, send))
+        async with asyncio.timeout(PROMPTLY_S):
+            while service.batcher.queue_depth < 1:
+                await asyncio.sleep(0.01)
+        disconnect.set()
+        async with asyncio.timeout(PROMPTLY_S):
+            await leaving
+        assert responses == [], "nobody is left to answer"
+        assert service.batcher.queue_depth == 0
+        assert sample(app, "batchserve_dropped_requests_total", {"reason": "cancelled"}) == 1
+        assert sample(app, "batchserve_requests_total", {"route": "/predict", "status": "499"}) == 1
+
+        HANG_RELEASE.set()
+        async with asyncio.timeout(PROMPTLY_S):
+            assert (await blocker).status_code == 200
+        # Only the blocker's row was ever computed: one batch of one row.
+        assert sample(app, "batchserve_batch_size_rows_sum") == 1
+
+
+async def test_high_priority_requests_run_before_waiting_normal_ones(
+    tmp_path: Path, hang_released: None
+) -> None:
+    async with serving(
+        tmp_path, "tests.torch_models:HangsOnValue", max_batch_size=1, stall_timeout_s=0.0
+    ) as (app, client):
+        service: ServiceState = app.state.service
+        assert service.batcher is not None
+        finished: list[str] = []
+
+        async def tracked(name: str, value: float, priority: str) -> None:
+            response = await predict(client, value, **{"X-Priority": priority})
+            assert response.status_code == 200
+            finished.append(name)
+
+        blocker = asyncio.create_task(predict(client, HANG_VALUE))
+        await asyncio.sleep(0.2)
+        tasks = [asyncio.create_task(tracked(f"normal{i}", i, "normal")) for i in range(2)]
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(tracked("high", 9.0, "high")))
+        async with asyncio.timeout(PROMPTLY_S):
+            while service.batcher.queue_depth < 3:
+                await asyncio.sleep(0.01)
+        HANG_RELEASE.set()
+        async with asyncio.timeout(PROMPTLY_S):
+            await asyncio.gather(blocker, *tasks)
+        assert finished[0] == "high"
+
+
+async def test_an_unknown_priority_is_refused(tmp_path: Path) -> None:
+    async with serving(tmp_path, "tests.torch_models:RaisesOnNegative") as (_, client):
+        response = await predict(client, 1.0, **{"X-Priority": "urgent"})
+        assert response.status_code == 422
+        assert "X-Priority must be 'high' or 'normal'" in response.json()["error"]["message"]
