@@ -21,6 +21,7 @@ from service.app import create_app
 from service.config import Settings
 from service.model_store import Architecture, ModelStore, TensorSpec
 from service.state import ServiceState
+from tests.fixtures import wait_until
 from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
 
 PROMPTLY_S = 5.0
@@ -215,9 +216,7 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(
             "server": ("127.0.0.1", 80),
         }
         leaving = asyncio.create_task(app(scope, receive, send))
-        async with asyncio.timeout(PROMPTLY_S):
-            while service.batcher.queue_depth < 1:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: service.batcher is not None and service.batcher.queue_depth == 1)
         disconnect.set()
         async with asyncio.timeout(PROMPTLY_S):
             await leaving
@@ -253,9 +252,7 @@ async def test_high_priority_requests_run_before_waiting_normal_ones(
         tasks = [asyncio.create_task(tracked(f"normal{i}", i, "normal")) for i in range(2)]
         await asyncio.sleep(0.05)
         tasks.append(asyncio.create_task(tracked("high", 9.0, "high")))
-        async with asyncio.timeout(PROMPTLY_S):
-            while service.batcher.queue_depth < 3:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: service.batcher is not None and service.batcher.queue_depth == 3)
         HANG_RELEASE.set()
         async with asyncio.timeout(PROMPTLY_S):
             await asyncio.gather(blocker, *tasks)
