@@ -181,9 +181,10 @@ async def serve_prediction(
     service: ServiceState, headers: PredictHeaders, receive: Receive, request_id: str
 ) -> Response:
     """Validate the body, queue its instances for the next batch, answer one row each."""
-    batcher, manifest, layout = service.batcher, service.manifest, service.layout
-    if batcher is None or manifest is None or layout is None or service.load_error is not None:
+    served = service.served  # one version for the whole request, even across a switch
+    if served is None:
         raise NotReadyError("the model is not loaded yet; retry when /readyz answers 200")
+    batcher, manifest, layout = served.batcher, served.manifest, served.layout
     media_type = body_media_type(headers.content_type)
     with batcher.arriving():
         body = await read_body(receive, headers.content_length, service.settings.max_body_bytes)

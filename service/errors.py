@@ -43,6 +43,37 @@ class UnsupportedMediaTypeError(ServiceError):
     code = "unsupported_media_type"
 
 
+class UnauthorizedError(ServiceError):
+    """A missing or wrong bearer token on an admin route."""
+
+    status_code = 401
+    code = "unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ForbiddenError(ServiceError):
+    """The admin API is disabled (no token configured)."""
+
+    status_code = 403
+    code = "forbidden"
+
+
+class ConflictError(ServiceError):
+    """The operation cannot run now (another version is loading, nothing to roll back to)."""
+
+    status_code = 409
+    code = "conflict"
+
+
+class ModelRejectedError(ServiceError):
+    """A version failed its hash check or could not be built; the serving one is kept."""
+
+    status_code = 422
+    code = "model_rejected"
+
+
 class ModelNotFoundError(ServiceError):
     """Unknown model name or version in the repository."""
 

@@ -1,0 +1,175 @@
+"""The /admin routes: bearer token, version switch, refusal of a tampered version, rollback."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+from safetensors.torch import load_file, save_file
+
+from service.app import create_app
+from service.config import BUNDLED_MODEL_REPOSITORY, Settings
+from service.model_store import Architecture, ModelStore, TensorSpec
+
+TOKEN = "s3cret-admin-token-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
+ONE_DIGIT = {"instances": [[[0.5] * 8] * 8]}
+
+
+@dataclass
+class Versions:
+    original: str
+    retrained: str
+    tampered: str
+
+
+def add_digits_version(repository: Path, bias_shift: float) -> str:
+    """Package the bundled digits weights with the output bias shifted: a new version id."""
+    weights = load_file(str(BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact))
+    weights["classifier.3.bias"] = weights["classifier.3.bias"] + bias_shift
+    artifact = repository / f"shifted-{bias_shift}.safetensors"
+    save_file(weights, str(artifact))
+    manifest = ModelStore(repository).package(
+        name="digits",
+        artifact=artifact,
+        format="safetensors",
+        architecture=Architecture(import_path="service.models.digits:DigitsCNN"),
+        inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8)),),
+        outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
+    )
+    artifact.unlink()
+    return manifest.version
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> tuple[Path, Versions]:
+    root = tmp_path / "models"
+    shutil.copytree(BUNDLED_MODEL_REPOSITORY / "digits", root / "digits")
+    retrained = add_digits_version(root, 0.5)
+    tampered = add_digits_version(root, 1.0)
+    artifact = root / "digits" / tampered / "model.safetensors"
+    artifact.write_bytes(artifact.read_bytes()[:-4] + b"\0\0\0\0")
+    return root, Versions(DIGITS.version, retrained, tampered)
+
+
+async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    async with LifespanManager(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            yield http
+
+
+@pytest.fixture
+async def client(repository: tuple[Path, Versions]) -> AsyncIterator[httpx.AsyncClient]:
+    root, versions = repository
+    settings = Settings(
+        model_repository=root, model_version=versions.original, device="cpu", admin_token=TOKEN
+    )
+    async for http in client_for(settings):
+        yield http
+
+
+async def serving_version(client: httpx.AsyncClient) -> str:
+    response = await client.post("/predict", json=ONE_DIGIT)
+    assert response.status_code == 200
+    version: str = response.json()["version"]
+    assert response.headers["x-model-version"] == f"digits@{version}"
+    return version
+
+
+async def test_admin_routes_need_the_bearer_token(client: httpx.AsyncClient) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        response = await client.get("/admin/models/digits/versions", headers=headers)
+        assert response.status_code == 401
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert TOKEN not in response.text
+        assert response.json()["error"]["request_id"]
+
+
+async def test_admin_api_is_disabled_without_a_token() -> None:
+    async for http in client_for(Settings(device="cpu")):
+        response = await http.post("/admin/rollback", headers=AUTH)
+        assert response.status_code == 403
+        assert "BATCHSERVE_ADMIN_TOKEN" in response.json()["error"]["message"]
+
+
+async def test_list_load_and_roll_back(
+    client: httpx.AsyncClient, repository: tuple[Path, Versions]
+) -> None:
+    _, versions = repository
+    listed = (await client.get("/admin/models/digits/versions", headers=AUTH)).json()
+    assert listed["serving"] == versions.original
+    assert {entry["version"] for entry in listed["versions"]} == {
+        versions.original,
+        versions.retrained,
+        versions.tampered,
+    }
+    assert await serving_version(client) == versions.original
+
+    loaded = await client.post(
+        f"/admin/models/digits/versions/{versions.retrained}/load", headers=AUTH
+    )
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["serving"]["version"] == versions.retrained
+    assert loaded.json()["replaced"] == f"digits@{versions.original}"
+    assert await serving_version(client) == versions.retrained
+    models = (await client.get("/models")).json()
+    assert models["loaded"]["version"] == versions.retrained
+    metrics = (await client.get("/metrics")).text
+    assert f'version="{versions.retrained}"' in metrics
+    assert (
+        f'batchserve_model_info{{compiled="False",device="cpu",model="digits",precision="fp32",version="{versions.original}"'
+        not in metrics
+    )
+
+    rolled_back = await client.post("/admin/rollback", headers=AUTH)
+    assert rolled_back.status_code == 200
+    assert await serving_version(client) == versions.original
+
+
+async def test_a_tampered_version_is_refused_and_the_old_one_keeps_serving(
+    client: httpx.AsyncClient, repository: tuple[Path, Versions]
+) -> None:
+    root, versions = repository
+    response = await client.post(
+        f"/admin/models/digits/versions/{versions.tampered}/load", headers=AUTH
+    )
+    assert response.status_code == 422
+    message = response.json()["error"]["message"]
+    assert "refusing to load" in message
+    assert f"still serving digits@{versions.original}" in message
+    assert str(root) not in message
+    assert await serving_version(client) == versions.original
+    assert (await client.get("/readyz")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/admin/models/digits/versions/0123456789ab/load", 404),
+        ("/admin/models/nothing/versions/latest/load", 404),
+        ("/admin/models/%2E%2E/versions/latest/load", 404),
+        ("/admin/models/digits/versions/..%2F..%2Fetc/load", 404),
+        ("/admin/models/digits/versions/LATEST/load", 404),
+        ("/admin/models/..%5C..%5Cx/versions", 404),
+    ],
+)
+async def test_unknown_and_path_traversal_names_are_404(
+    client: httpx.AsyncClient, path: str, status: int
+) -> None:
+    response = await client.request("POST" if path.endswith("load") else "GET", path, headers=AUTH)
+    assert response.status_code == status
+    assert response.json()["error"]["code"] in ("model_not_found", "not_found")
+
+
+async def test_nothing_to_roll_back_to_is_a_conflict(client: httpx.AsyncClient) -> None:
+    response = await client.post("/admin/rollback", headers=AUTH)
+    assert response.status_code == 409
