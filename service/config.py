@@ -6,12 +6,13 @@ value fails at start-up with a message naming the variable, the value and the ra
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "BATCHSERVE_"
 
@@ -83,7 +84,7 @@ class Settings(BaseSettings):
     received (then wait for them, at most ``max_wait_ms``); ``fixed``: always wait up to
     ``max_wait_ms`` for a full batch."""
 
-    length_buckets: tuple[int, ...] = ()
+    length_buckets: Annotated[tuple[int, ...], NoDecode] = ()
     """Bucket edges for variable-length inputs (``8,32,128,512``); requests share a batch only
     within a bucket. Empty means powers of two from 8 up to the model's maximum length."""
 
@@ -114,7 +115,7 @@ class Settings(BaseSettings):
     """Bearer token for the ``/admin`` routes (load and roll back versions); unset disables
     them. Never logged or echoed."""
 
-    warmup_batch_sizes: tuple[int, ...] = ()
+    warmup_batch_sizes: Annotated[tuple[int, ...], NoDecode] = ()
     """Batch sizes run once at load; empty means powers of two up to ``max_batch_size``."""
 
     log_level: LogLevel = "info"
@@ -130,9 +131,15 @@ class Settings(BaseSettings):
     @field_validator("warmup_batch_sizes", "length_buckets", mode="before")
     @classmethod
     def _split_comma_separated(cls, value: object) -> object:
-        if isinstance(value, str) and not value.lstrip().startswith("["):
-            return tuple(part for part in value.split(",") if part.strip())
-        return value
+        """``8,64,512`` or ``[8, 64, 512]`` (environment variables and flags are strings)."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"not a JSON list of integers: {value!r}") from None
+        return tuple(part for part in value.split(",") if part.strip())
 
     @field_validator("warmup_batch_sizes", "length_buckets")
     @classmethod

@@ -20,6 +20,16 @@ def test_environment_variables_configure_the_service(monkeypatch: pytest.MonkeyP
     assert settings.warmup_batch_sizes == (1, 8)
 
 
+@pytest.mark.parametrize(
+    ("value", "edges"), [("512", (512,)), ("8,64,512", (8, 64, 512)), ("[16, 256]", (16, 256))]
+)
+def test_length_buckets_read_one_edge_a_list_or_json(
+    monkeypatch: pytest.MonkeyPatch, value: str, edges: tuple[int, ...]
+) -> None:
+    monkeypatch.setenv("BATCHSERVE_LENGTH_BUCKETS", value)
+    assert load_settings().length_buckets == edges
+
+
 def test_overrides_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHSERVE_PORT", "9000")
     assert load_settings(port="9100").port == 9100

@@ -1,0 +1,124 @@
+"""The model limit: in-process forward throughput (rows/s) at batch sizes 1, 2, 4 ... max.
+
+The model is loaded exactly as the server loads it, by running the lifespan of
+``service.app.create_app`` for the same ``BATCHSERVE_*`` settings: ``ModelStore.load``, then
+``TorchRunner`` with the same device, precision, compile mode, length buckets and
+``configure_torch_threads``, and the server's warm-up. Then ``TorchRunner.run_batch``
+(collation, forward, split) is timed with ``time.perf_counter`` in the runner's own device
+thread, after ``WARMUP_ITERATIONS`` untimed runs per batch size. Each batch size runs for at
+most ``--max-seconds-per-size`` seconds and ``--max-iterations`` runs (at least
+``MIN_ITERATIONS``). Prints one JSON object on stdout.
+
+    BATCHSERVE_PRECISION=bf16 python -m loadtests.model_limit --max-seconds-per-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from service.app import create_app
+from service.config import load_settings
+from service.model_store import TensorSpec
+from service.runner import batch_sizes_to_warm
+
+WARMUP_ITERATIONS = 3
+MIN_ITERATIONS = 3
+
+
+def example_batch(
+    spec: TensorSpec, rows: int, length: int | None, rng: np.random.Generator
+) -> np.ndarray:
+    """Random rows in the spec's dtype; variable axes get ``length`` (token ids are 1..999)."""
+    shape = [rows] + [(length or 1) if size == -1 else size for size in spec.instance_shape]
+    dtype = np.dtype(spec.dtype)
+    if dtype.kind in "iu":
+        return rng.integers(1, 1000, size=shape).astype(dtype)
+    return rng.random(shape).astype(dtype)
+
+
+def time_batch(
+    run_batch: Callable[[list[np.ndarray]], object],
+    batch: np.ndarray,
+    max_seconds: float,
+    max_iterations: int,
+) -> float:
+    """Rows/s of ``run_batch([batch])`` after warm-up, bounded in time and iterations."""
+    for _ in range(WARMUP_ITERATIONS):  # compiles this shape when compiling
+        run_batch([batch])
+    iterations = 0
+    elapsed_s = 0.0
+    started_s = time.perf_counter()
+    while iterations < max(max_iterations, MIN_ITERATIONS):
+        run_batch([batch])
+        iterations += 1
+        elapsed_s = time.perf_counter() - started_s
+        if iterations >= MIN_ITERATIONS and elapsed_s >= max_seconds:
+            break
+    return len(batch) * iterations / elapsed_s
+
+
+async def measure(
+    *, length: int | None, max_seconds_per_size: float, max_iterations: int
+) -> dict[str, object]:
+    settings = load_settings()
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await app.state.loading
+        service = app.state.service
+        if service.load_error is not None:
+            raise RuntimeError(f"the model did not load: {service.load_error}")
+        runner, manifest = service.runner, service.manifest
+        loop = asyncio.get_running_loop()
+        rng = np.random.default_rng(0)
+        rows_per_s: dict[int, float] = {}
+        for size in batch_sizes_to_warm(settings.max_batch_size):
+            batch = example_batch(manifest.input, size, length, rng)
+            rows_per_s[size] = await loop.run_in_executor(
+                runner.executor,
+                time_batch,
+                runner.run_batch,
+                batch,
+                max_seconds_per_size,
+                max_iterations,
+            )
+        return {
+            "model": manifest.name,
+            "version": manifest.version,
+            "device": str(runner.device),
+            "precision": settings.precision,
+            "compile_mode": settings.compile_mode,
+            "torch_threads": torch.get_num_threads(),
+            "length": length,
+            "rows_per_s": rows_per_s,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--length", type=int, default=None, help="length of variable axes")
+    parser.add_argument("--max-seconds-per-size", type=float, default=1.0)
+    parser.add_argument("--max-iterations", type=int, default=2000)
+    args = parser.parse_args()
+    result = asyncio.run(
+        measure(
+            length=args.length,
+            max_seconds_per_size=args.max_seconds_per_size,
+            max_iterations=args.max_iterations,
+        )
+    )
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

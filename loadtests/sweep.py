@@ -1,0 +1,444 @@
+"""Sweep batchserve configurations under closed-loop wrk load and report against two limits.
+
+For each named configuration it starts ``batchserve serve`` (the console script next to this
+Python) on a free 127.0.0.1 port with that configuration's ``BATCHSERVE_*`` variables, checks
+that the workload's requests are answered 200, warms up, then runs wrk (one thread, ``-c``
+connections, closed loop) at each concurrency, ``--repeats`` times; the median is reported.
+Mean rows per batch come from ``/metrics`` (``batchserve_batch_size_rows`` sum and count)
+before and after each run. With ``--url`` it measures a server that is already running.
+
+Beside the served rates it measures, in the same run:
+  - the model limit: in-process forward rows/s at batch sizes 1, 2, 4 ... max_batch_size
+    (``loadtests.model_limit``, same precision, compile mode and threads);
+  - the HTTP ceiling: the service's HTTP stack answering without a model
+    (``loadtests.http_ceiling``), under the same wrk load, per workload;
+  - the load generator's ceiling: wrk against a fixed-response server
+    (``loadtests.fixed_server``).
+
+Each wrk run is capped at ``--duration-s`` seconds and ``--max-requests`` requests. Only
+127.0.0.1 is ever sent traffic. Outputs (results.csv, http_ceiling.csv, model_limits.csv,
+report.md, throughput.png, latency.png, logs/) go to ``--out``, by default
+loadtests/results/<timestamp>/ (git-ignored).
+
+    python -m loadtests.sweep                              # every configuration, defaults
+    python -m loadtests.sweep --configs 'digits-*' --skip-heavy --duration-s 5 --repeats 1
+    python -m loadtests.sweep --url http://127.0.0.1:8000 --configs digits-batched
+    python -m loadtests.sweep --list
+
+Exit status 1 if a selected configuration could not be measured (the reason is in the
+report and on stderr), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from importlib.metadata import version
+from pathlib import Path
+
+import httpx
+
+from loadtests import configs, servers
+from loadtests.configs import Configuration, Workload
+from loadtests.report import ModelLimit, Point, SweepResult, write_all
+from loadtests.wrk import run_wrk, write_script, wrk_path, wrk_version
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
+GENERATOR_CONCURRENCY = 64
+WARMUP_CONCURRENCY = 8
+PROBE_BODIES = 3
+
+
+_STARTED_S = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - _STARTED_S:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["*"],
+        metavar="NAME",
+        help="configuration names or shell patterns (default: all; see --list)",
+    )
+    parser.add_argument("--list", action="store_true", help="list the configurations and exit")
+    parser.add_argument(
+        "--skip-heavy", action="store_true", help="leave out the torch.compile configurations"
+    )
+    parser.add_argument(
+        "--url", help="measure this running server (127.0.0.1 only) with the one --configs named"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY), metavar="C"
+    )
+    parser.add_argument("--duration-s", type=float, default=10.0, help="time cap per wrk run")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=1_000_000,
+        help="request cap per wrk run, on top of the time cap (0: time only)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="wrk runs per point; median kept")
+    parser.add_argument("--warmup-s", type=float, default=2.0, help="wrk warm-up per server")
+    parser.add_argument("--request-timeout-s", type=float, default=10.0, help="wrk --timeout")
+    parser.add_argument(
+        "--model-limit-s",
+        type=float,
+        default=1.0,
+        help="time cap per batch size in the model-limit measurement",
+    )
+    parser.add_argument("--no-model-limit", action="store_true")
+    parser.add_argument("--no-http-ceiling", action="store_true")
+    parser.add_argument("--no-generator-ceiling", action="store_true")
+    parser.add_argument(
+        "--generator-duration-s", type=float, default=None, help="default: --duration-s"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="BATCHSERVE_X=VALUE",
+        help="extra server setting for every configuration (inherited BATCHSERVE_* are dropped)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default loadtests/results/<time>)"
+    )
+    args = parser.parse_args(argv)
+    if any(c < 1 for c in args.concurrency):
+        parser.error(f"--concurrency values must be at least 1, got {args.concurrency}")
+    if args.duration_s < 1 or args.repeats < 1 or args.max_requests < 0:
+        parser.error(
+            "--duration-s must be >= 1, --repeats >= 1 and --max-requests >= 0, got "
+            f"{args.duration_s}, {args.repeats}, {args.max_requests}"
+        )
+    for item in args.set:
+        if "=" not in item or not item.startswith("BATCHSERVE_"):
+            parser.error(f"--set takes BATCHSERVE_NAME=VALUE, got {item!r}")
+    return args
+
+
+class Sweep:
+    """Holds the options and the scratch folder; each method measures one kind of thing."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, scratch: Path) -> None:
+        self.args = args
+        self.out = out
+        self.scratch = scratch
+        self.extra_env = dict(item.split("=", 1) for item in args.set)
+        self.scripts: dict[str, Path] = {}
+        self.bodies: dict[str, list[bytes]] = {}
+        self.image_repository: Path | None = None
+        self.image_error: str | None = None
+
+    def _bodies(self, workload: Workload) -> list[bytes]:
+        if workload.name not in self.bodies:
+            self.bodies[workload.name] = workload.bodies()
+        return self.bodies[workload.name]
+
+    def script(self, workload: Workload) -> Path:
+        if workload.name not in self.scripts:
+            self.scripts[workload.name] = write_script(
+                self.scratch / "scripts" / workload.name,
+                self._bodies(workload),
+                workload.headers(),
+                max_requests=self.args.max_requests,
+            )
+        return self.scripts[workload.name]
+
+    def env_for(self, configuration: Configuration) -> dict[str, str]:
+        env = {"BATCHSERVE_LOG_LEVEL": "warning"} | self.extra_env | dict(configuration.env)
+        if configuration.workload.needs_image_repository:
+            env["BATCHSERVE_MODEL_REPOSITORY"] = str(self.ensure_image_repository())
+        return servers.server_env(env)
+
+    def ensure_image_repository(self) -> Path:
+        if self.image_repository is None:
+            if self.image_error is None:
+                try:
+                    self.image_repository = configs.package_image_model(self.scratch / "image")
+                except RuntimeError as error:
+                    self.image_error = str(error)
+            if self.image_error is not None:
+                raise servers.ServerError(self.image_error)
+        assert self.image_repository is not None
+        return self.image_repository
+
+    def repository_for(self, configuration: Configuration) -> Path:
+        from service.config import BUNDLED_MODEL_REPOSITORY
+
+        value = self.extra_env.get("BATCHSERVE_MODEL_REPOSITORY")
+        return Path(value) if value else BUNDLED_MODEL_REPOSITORY
+
+    def measure_points(
+        self, url: str, label: str, workload: Workload, concurrencies: Sequence[int]
+    ) -> list[Point]:
+        """wrk at each concurrency, ``repeats`` times, with /metrics batch deltas if exported."""
+        script = self.script(workload)
+        points = []
+        for concurrency in concurrencies:
+            point = Point(label=label, workload=workload.name, concurrency=concurrency)
+            for _ in range(self.args.repeats):
+                before = servers.batch_counters(url)
+                result = run_wrk(
+                    url + "/predict",
+                    script,
+                    concurrency=concurrency,
+                    duration_s=self.args.duration_s,
+                    request_timeout_s=self.args.request_timeout_s,
+                )
+                after = servers.batch_counters(url)
+                if before is not None and after is not None:
+                    point.has_batch_metrics = True
+                    point.batch_rows += after[0] - before[0]
+                    point.batches += after[1] - before[1]
+                point.runs.append(result)
+            rows = point.mean_rows_per_batch
+            log(
+                f"  {label} c={concurrency}: {point.requests_per_s:,.0f} req/s, "
+                f"p50 {point.p50_ms:.2f} ms, p99 {point.p99_ms:.2f} ms, {point.errors} errors"
+                + (f", {rows:.1f} rows/batch" if rows is not None else "")
+            )
+            points.append(point)
+        return points
+
+    def prepare(self, url: str, workload: Workload) -> None:
+        bodies = self._bodies(workload)
+        servers.check_answers(url, bodies[:PROBE_BODIES], workload.headers())
+        if self.args.warmup_s > 0:
+            run_wrk(
+                url + "/predict",
+                self.script(workload),
+                concurrency=min(WARMUP_CONCURRENCY, max(self.args.concurrency)),
+                duration_s=self.args.warmup_s,
+                request_timeout_s=self.args.request_timeout_s,
+            )
+
+    def configuration(self, configuration: Configuration) -> list[Point]:
+        workload = configuration.workload
+        if self.args.url:
+            url = servers.check_loopback(self.args.url)
+            self.prepare(url, workload)
+            return self.measure_points(url, configuration.name, workload, self.args.concurrency)
+        env = self.env_for(configuration)
+        log_path = self.out / "logs" / f"{configuration.name}.log"
+        with servers.running(
+            servers.batchserve_command(), env, log_path, configuration.ready_timeout_s
+        ) as url:
+            self.prepare(url, workload)
+            return self.measure_points(url, configuration.name, workload, self.args.concurrency)
+
+    def http_ceiling(self, configuration: Configuration) -> list[Point]:
+        workload = configuration.workload
+        env = self.env_for(configuration)
+        log_path = self.out / "logs" / f"http-ceiling-{workload.name}.log"
+        command = servers.module_command("loadtests.http_ceiling")
+        with servers.running(command, env, log_path, ready_timeout_s=120) as url:
+            self.prepare(url, workload)
+            return self.measure_points(url, "http-ceiling", workload, self.args.concurrency)
+
+    def generator_ceiling(self) -> Point:
+        log_path = self.out / "logs" / "fixed-server.log"
+        command = servers.module_command("loadtests.fixed_server")
+        with servers.running(command, servers.server_env({}), log_path, 30) as url:
+            point = Point(
+                label="load-generator", workload="fixed", concurrency=GENERATOR_CONCURRENCY
+            )
+            duration_s = self.args.generator_duration_s or self.args.duration_s
+            for _ in range(self.args.repeats):
+                point.runs.append(
+                    run_wrk(
+                        url + "/predict",
+                        self.script(configs.DIGITS),
+                        concurrency=GENERATOR_CONCURRENCY,
+                        duration_s=duration_s,
+                    )
+                )
+        return point
+
+    def model_limit(self, configuration: Configuration) -> dict[str, object]:
+        command = [
+            sys.executable,
+            "-m",
+            "loadtests.model_limit",
+            "--max-seconds-per-size",
+            str(self.args.model_limit_s),
+        ]
+        if configuration.workload.limit_length is not None:
+            command += ["--length", str(configuration.workload.limit_length)]
+        log_path = self.out / "logs" / f"model-limit-{configuration.name}.log"
+        with log_path.open("wb") as errors:
+            completed = subprocess.run(
+                command,
+                env=self.env_for(configuration),
+                stdout=subprocess.PIPE,
+                stderr=errors,
+                timeout=configs.COMPILED_READY_TIMEOUT_S + 600,
+                check=False,
+            )
+        if completed.returncode != 0:
+            raise RuntimeError(
+                f"model limit failed (status {completed.returncode}); see {log_path}:\n"
+                + log_path.read_text(errors="replace")[-2000:]
+            )
+        result: dict[str, object] = json.loads(completed.stdout)
+        return result
+
+
+def environment(args: argparse.Namespace) -> dict[str, str]:
+    load = os.getloadavg()
+    return {
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs",
+        "software": f"Python {platform.python_version()}, torch {version('torch')}, "
+        f"{wrk_version()}",
+        "load": f"one thread of wrk, closed loop; {args.duration_s:g} s and at most "
+        f"{args.max_requests or 'unlimited'} requests per run, {args.repeats} run(s) per point "
+        f"(median), {args.warmup_s:g} s warm-up per server",
+        "load average at start": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+    }
+
+
+MEASUREMENT_ERRORS = (servers.ServerError, RuntimeError, subprocess.TimeoutExpired, httpx.HTTPError)
+
+
+def run(
+    args: argparse.Namespace, sweep: Sweep, selected: Sequence[Configuration], result: SweepResult
+) -> None:
+    """Measure everything selected into ``result``; failures are recorded, not raised."""
+    if args.url:
+        result.notes.append(
+            f"served rates are of the running server at {args.url}, assumed to run "
+            f"{selected[0].name}; the model limit is computed for that configuration"
+        )
+    if not args.no_generator_ceiling:
+        log("load generator ceiling (fixed-response server)")
+        try:
+            result.generator = sweep.generator_ceiling()
+            log(f"  {result.generator.requests_per_s:,.0f} req/s at c={GENERATOR_CONCURRENCY}")
+        except MEASUREMENT_ERRORS as error:
+            result.notes.append(f"load generator ceiling failed: {error}")
+            log(f"  failed: {error}")
+
+    limits_by_key: dict[tuple[object, ...], dict[str, object]] = {}
+    ceiling_for: dict[str, Configuration] = {}
+    for configuration in selected:
+        log(f"{configuration.name}: {configuration.description}")
+        reason = None
+        if not args.url:
+            reason = configs.unavailable_reason(configuration, sweep.repository_for(configuration))
+        if reason is None:
+            try:
+                result.points += sweep.configuration(configuration)
+            except MEASUREMENT_ERRORS as error:
+                reason = str(error)
+        if reason is not None:
+            result.unavailable[configuration.name] = reason
+            log(f"  NOT MEASURED: {reason}")
+            continue
+        ceiling_for.setdefault(configuration.workload.name, configuration)
+        if args.no_model_limit:
+            continue
+        key = configuration.model_limit_key()
+        try:
+            if key not in limits_by_key:
+                log("  model limit (in-process forward)")
+                limits_by_key[key] = sweep.model_limit(configuration)
+        except MEASUREMENT_ERRORS as error:
+            result.notes.append(f"model limit of {configuration.name} failed: {error}")
+            log(f"  model limit failed: {error}")
+            continue
+        details = limits_by_key[key]
+        raw = details["rows_per_s"]
+        assert isinstance(raw, dict)
+        limit = ModelLimit(
+            configuration.name, {int(size): float(v) for size, v in raw.items()}, details
+        )
+        result.model_limits[configuration.name] = limit
+        size, best = limit.best
+        log(f"  model limit: {best:,.0f} rows/s at batch {size}")
+
+    if args.no_http_ceiling:
+        return
+    for workload_name, configuration in ceiling_for.items():
+        log(f"HTTP ceiling for {workload_name}")
+        try:
+            result.ceilings += sweep.http_ceiling(configuration)
+        except MEASUREMENT_ERRORS as error:
+            result.notes.append(f"HTTP ceiling for {workload_name} failed: {error}")
+            log(f"  HTTP ceiling failed: {error}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for name, configuration in configs.CONFIGURATIONS.items():
+            heavy = " [heavy]" if configuration.heavy else ""
+            workload = configuration.workload.description
+            print(f"{name:28} {configuration.description} ({workload}){heavy}")
+        return 0
+    try:
+        wrk_path()
+        selected = configs.select(args.configs, skip_heavy=args.skip_heavy)
+        if args.url:
+            servers.check_loopback(args.url)
+            if len(selected) != 1:
+                raise ValueError(
+                    f"--url measures one running server: name its configuration with --configs "
+                    f"(got {len(selected)} matches)"
+                )
+    except (RuntimeError, ValueError) as error:
+        print(f"loadtests.sweep: {error}", file=sys.stderr)
+        return 2
+
+    out = args.out or RESULTS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    per_server_s = args.warmup_s + len(args.concurrency) * args.repeats * args.duration_s
+    log(
+        f"{len(selected)} configuration(s) x {len(args.concurrency)} concurrencies x "
+        f"{args.repeats} run(s): at most about {per_server_s * len(selected) / 60:.1f} min of "
+        f"load, plus ceilings, model limits and start-ups; writing to {out}"
+    )
+    result = SweepResult(
+        points=[],
+        ceilings=[],
+        generator=None,
+        model_limits={},
+        unavailable={},
+        notes=[],
+        environment=environment(args),
+    )
+    started_s = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="batchserve-loadtests-") as scratch:
+            run(args, Sweep(args, out, Path(scratch)), selected, result)
+    finally:
+        # Whatever was measured is written, even after Ctrl-C.
+        result.notes.append(f"sweep took {(time.monotonic() - started_s) / 60:.1f} min")
+        paths = write_all(result, out)
+        for name, path in paths.items():
+            log(f"{name}: {path}")
+    if result.unavailable:
+        log("not measured: " + ", ".join(result.unavailable))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
