@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,11 @@ def package(repository: Path, architecture: str, **kwargs: Any) -> None:
 
 @asynccontextmanager
 async def serving(
-    tmp_path: Path, architecture: str, kwargs: dict[str, Any] | None = None, **settings: Any
+    tmp_path: Path,
+    architecture: str,
+    kwargs: dict[str, Any] | None = None,
+    on_stall: Callable[[], None] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     package(tmp_path, architecture, **(kwargs or {}))
     app = create_app(
@@ -54,7 +58,8 @@ async def serving(
             device="cpu",
             warmup_batch_sizes=(1,),
             **settings,
-        )
+        ),
+        on_stall=on_stall,
     )
     async with LifespanManager(app):
         await app.state.loading
@@ -139,38 +144,29 @@ async def test_a_hung_model_times_out_requests_and_turns_unhealthy(
     tmp_path: Path, hang_released: None
 ) -> None:
     stalls: list[str] = []
-    package(tmp_path, "tests.torch_models:HangsOnValue")
-    app = create_app(
-        Settings(
-            model_repository=tmp_path,
-            model_name="fault",
-            device="cpu",
-            warmup_batch_sizes=(1,),
-            request_timeout_ms=400.0,
-            stall_timeout_s=0.2,
-        ),
+    async with serving(
+        tmp_path,
+        "tests.torch_models:HangsOnValue",
         on_stall=lambda: stalls.append("stalled"),
-    )
-    async with LifespanManager(app):
-        await app.state.loading
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            assert (await client.get("/healthz")).status_code == 200
-            async with asyncio.timeout(PROMPTLY_S):
-                hung = await predict(client, HANG_VALUE)
-            assert hung.status_code == 504
-            assert hung.json()["error"]["code"] == "deadline_exceeded"
-            assert stalls == ["stalled"]
-            health = await client.get("/healthz")
-            assert health.status_code == 503
-            assert health.json() == {"status": "stalled"}
-            ready = await client.get("/readyz")
-            assert ready.status_code == 503
-            assert ready.json()["status"] == "stalled"
-            refused = await predict(client, 1.0)
-            assert refused.status_code == 503
-            assert sample(app, "batchserve_ready") == 0
-        HANG_RELEASE.set()  # let the stuck thread finish so the test process can exit cleanly
+        request_timeout_ms=400.0,
+        stall_timeout_s=0.2,
+    ) as (app, client):
+        assert (await client.get("/healthz")).status_code == 200
+        async with asyncio.timeout(PROMPTLY_S):
+            hung = await predict(client, HANG_VALUE)
+        assert hung.status_code == 504
+        assert hung.json()["error"]["code"] == "deadline_exceeded"
+        assert stalls == ["stalled"]
+        health = await client.get("/healthz")
+        assert health.status_code == 503
+        assert health.json() == {"status": "stalled"}
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["status"] == "stalled"
+        refused = await predict(client, 1.0)
+        assert refused.status_code == 503
+        assert sample(app, "batchserve_ready") == 0
+        HANG_RELEASE.set()  # let the stuck thread finish so shutdown can complete
 
 
 async def test_a_client_that_disconnects_while_queued_is_never_computed(
