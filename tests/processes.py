@@ -1,0 +1,111 @@
+"""Real processes for the deployment tests: ``batchserve serve`` and tools found on the PATH.
+
+Every process listens on a free 127.0.0.1 port, writes its output to a file under the test's
+``tmp_path`` (shown when the test fails), and is killed when its ``with`` block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+BATCHSERVE = Path(sys.executable).with_name("batchserve")
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+POLL_INTERVAL_S = 0.1
+#: How long a stopped process may take to exit (gunicorn drains its workers first).
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def require_tool(name: str) -> str:
+    """The path of ``name`` on the PATH; skip the test without it, except in CI (``CI=true``),
+    whose set-up installs it, where a missing tool fails the test instead."""
+    path = shutil.which(name)
+    if path is not None:
+        return path
+    message = f"{name} is not installed (apt-get install --no-install-recommends prometheus)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message}; .ci/run installs it, so CI must have it")
+    pytest.skip(message)
+
+
+@dataclass
+class Running:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running(
+    command: Sequence[str], url: str, log: Path, env: Mapping[str, str]
+) -> Iterator[Running]:
+    """Start ``command``; when the block ends, stop it if it still runs: SIGTERM, so that
+    gunicorn's master stops its workers too, then SIGKILL if it has not exited in time."""
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            list(command), env=dict(env), stdout=output, stderr=subprocess.STDOUT
+        )
+    try:
+        yield Running(process=process, url=url, log=log)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=STOP_TIMEOUT_S)
+
+
+def batchserve_environment(port: int, **variables: str) -> dict[str, str]:
+    """The test's environment plus a CPU, 127.0.0.1 batchserve on ``port``."""
+    return os.environ | {
+        "BATCHSERVE_HOST": "127.0.0.1",
+        "BATCHSERVE_PORT": str(port),
+        "BATCHSERVE_DEVICE": "cpu",
+        "BATCHSERVE_TORCH_THREADS": "1",
+        **variables,
+    }
+
+
+def wait_for(
+    condition: Callable[[], bool], what: str, server: Running, timeout_s: float = 60.0
+) -> None:
+    """Poll ``condition`` until it holds; fail with the server's output if the server exits
+    first or ``timeout_s`` passes."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        if condition():
+            return
+        if server.process.poll() is not None:
+            pytest.fail(f"exited ({server.process.returncode}) before {what}:\n{server.output()}")
+        time.sleep(POLL_INTERVAL_S)
+    pytest.fail(f"not {what} after {timeout_s} s:\n{server.output()}")
+
+
+def answers(url: str, status: int = 200) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == status
+    except httpx.TransportError:
+        return False
