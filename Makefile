@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # while the set-up installs the build this project is tested with.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test lint typecheck unit clean
+.PHONY: install serve test lint typecheck unit clean container-smoke
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,9 @@ serve: install
 	$(BIN)/batchserve serve
 
 lint: install
-	$(BIN)/ruff check service tests loadtests scripts
-	$(BIN)/ruff format --check service tests loadtests scripts
+	$(BIN)/ruff check service tests loadtests scripts deploy
+	$(BIN)/ruff format --check service tests loadtests scripts deploy
+	$(BIN)/hadolint Dockerfile
 
 typecheck: install
 	$(BIN)/mypy service
@@ -31,6 +32,11 @@ unit: install
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# Builds ./Dockerfile with buildah and runs the image (deploy/container_smoke.sh says how);
+# needs root and `apt-get install buildah debootstrap`.
+container-smoke: install
+	TORCH_SPEC=torch==$(TORCH_VERSION) PYTHON=$(BIN)/python bash deploy/container_smoke.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

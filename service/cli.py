@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from service.config import BUNDLED_MODEL_REPOSITORY, Settings, SettingsError, load_settings
+from service.config import Settings, SettingsError, load_settings
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
 from service.launcher import clear_configured_multiprocess_dir, exec_gunicorn
 from service.logs import configure_logging
@@ -131,6 +131,15 @@ def _parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
+_REPOSITORY_HELP = "model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)"
+
+
+def _repository(args: argparse.Namespace) -> Path:
+    """``--repository``, else the configured repository, as ``batchserve serve`` would use."""
+    repository: Path = args.repository or load_settings().model_repository
+    return repository
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -141,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     package = commands.add_parser(
         "package", help="add a weights, TorchScript or ExportedProgram file as a new version"
     )
-    package.add_argument("--repository", type=Path, default=BUNDLED_MODEL_REPOSITORY)
+    package.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
     package.add_argument("--name", required=True, help="model name (a plain identifier)")
     package.add_argument("--artifact", type=Path, required=True, help="the file to package")
     package.add_argument("--format", required=True, choices=sorted(ARTIFACT_SUFFIXES))
@@ -167,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", "check every file of every version against its SHA-256"),
     ):
         sub = model_commands.add_parser(name, help=help_text)
-        sub.add_argument("--repository", type=Path, default=BUNDLED_MODEL_REPOSITORY)
+        sub.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
         sub.add_argument("name", nargs="?", help="only this model")
     return parser
 
@@ -178,7 +187,7 @@ def _package(args: argparse.Namespace) -> int:
         if args.architecture
         else None
     )
-    manifest = ModelStore(args.repository).package(
+    manifest = ModelStore(_repository(args)).package(
         name=args.name,
         artifact=args.artifact,
         format=args.format,
@@ -194,7 +203,7 @@ def _package(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    store = ModelStore(args.repository)
+    store = ModelStore(_repository(args))
     names = [args.name] if args.name else store.model_names()
     failures = 0
     for name in names:

@@ -148,7 +148,12 @@ def choose_worker_device(server: Any, worker: Any) -> None:
 def forget_dead_worker_gauges(server: Any, worker: Any) -> None:
     """``child_exit`` (master): drop a dead worker's ``live*`` gauges from the aggregate, so
     that, say, its in-flight count or readiness no longer counts. Its counters stay summed."""
-    multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
+    try:
+        multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
+    except FileNotFoundError:
+        # Its files are gone already (a replaced worker's, removed on a previous exit): the
+        # master must not crash on its way down over it.
+        logger.info("dead_worker_gauges_already_removed", extra={"pid": worker.pid})
 
 
 def remove_temporary_metrics_dir(server: Any) -> None:

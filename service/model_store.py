@@ -291,6 +291,7 @@ class ModelStore:
         try:
             shutil.copyfile(artifact, staging / artifact_name)
             (staging / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
+            staging.chmod(0o755)  # mkdtemp makes it private; servers run as other users
             os.rename(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -8,11 +8,13 @@ runs model code. No asyncio here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -70,13 +72,28 @@ def _in_eval_mode(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
+    container's limit), which ``os.cpu_count()`` ignores by counting the whole node."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
 def configure_torch_threads(requested: int) -> int:
-    """Set torch's intra-op thread count (process-wide); 0 picks cores minus one, at least 1.
+    """Set torch's intra-op thread count (process-wide); 0 picks usable CPUs minus one, at
+    least 1.
 
     Small models gain little from many threads, and threads that spin between batches take
     the CPU away from the event loop parsing the next requests.
     """
-    threads = requested or max(1, (os.cpu_count() or 1) - 1)
+    threads = requested or max(1, usable_cpus() - 1)
     torch.set_num_threads(threads)
     return threads
 

@@ -1,0 +1,1 @@
+"""Deployment helpers: the container smoke test and the offline kustomize renderer."""
