@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import orjson
+from numpy.lib import format as npy_format
 
 from service.buckets import bucket_of
 from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
@@ -28,6 +29,8 @@ JSON_MEDIA_TYPE = "application/json"
 NPY_MEDIA_TYPE = "application/x-npy"
 #: Media types read and written as a NumPy ``.npy`` array.
 NPY_MEDIA_TYPES = frozenset({NPY_MEDIA_TYPE, "application/octet-stream"})
+#: How a zip file (an ``.npz`` archive, or an empty zip) starts.
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
 
 # numpy dtype kinds a JSON number array may arrive as, per kind of model input.
 _ACCEPTED_JSON_KINDS: dict[str, frozenset[str]] = {
@@ -98,11 +101,21 @@ class InputLayout:
             array = _json_to_array(instances, self.spec)
         else:
             array = self._pad_together([_json_to_array(item, self.spec) for item in instances])
+        # numpy reads true/false beside numbers as 1/0. Any other string in the body has made the
+        # array non-numeric by now, and the only key left is "instances", so these bytes can only
+        # be boolean literals.
+        if b"true" in body or b"false" in body:
+            raise InvalidInputError(
+                f"instances must contain only numbers ({self.spec.dtype}); got booleans"
+            )
         return self._validated(array)
 
     def parse_npy(self, body: bytes) -> Array:
         """A ``.npy`` array: one instance, or a batch of them; the dtype must match exactly."""
+        if body.startswith(_ZIP_MAGICS):  # np.load would open it as an .npz archive
+            raise BadRequestError("the body must be one .npy array, not an .npz archive")
         try:
+            _check_npy_data_size(body)
             array = np.load(io.BytesIO(body), allow_pickle=False)
         except (ValueError, OSError, EOFError) as error:
             raise BadRequestError(f"the body is not a valid .npy array: {error}") from None
@@ -203,6 +216,33 @@ class InputLayout:
                 f"values must lie in [{_number(low)}, {_number(high)}] "
                 f"(or be the padding value {_number(spec.pad_value)}), got {_number(value)}"
             )
+
+
+def _check_npy_data_size(body: bytes) -> None:
+    """Refuse a ``.npy`` header that declares more data than the body holds.
+
+    ``np.load`` allocates the declared array before reading it, so a few bytes declaring a
+    terabyte-sized shape would otherwise end in a MemoryError (a 500) or a huge allocation.
+    """
+    if not body.startswith(npy_format.MAGIC_PREFIX):
+        return  # not a .npy file; np.load says why
+    stream = io.BytesIO(body)
+    version = npy_format.read_magic(stream)
+    if version == (1, 0):
+        shape, _, dtype = npy_format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, _, dtype = npy_format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    if dtype.hasobject:
+        return  # np.load refuses object arrays before allocating
+    declared = math.prod(shape) * dtype.itemsize
+    present = len(body) - stream.tell()
+    if declared > present:
+        raise ValueError(
+            f"the header declares shape {shape} of {dtype.name} ({declared} bytes), "
+            f"but only {present} bytes of data follow"
+        )
 
 
 def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:

@@ -37,12 +37,15 @@ class ServiceMiddleware:
         self.app = app
         self.service = service
         self.metrics = service.metrics
+        # Its own generator: code that seeds the global one (tests, libraries) must not make
+        # request ids repeat.
+        self._ids = random.Random()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = request_id_of(scope)
+        request_id = request_id_of(scope, self._ids)
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
         route = path if path in _ROUTES_WITH_METRICS else "other"
@@ -93,7 +96,7 @@ class ServiceMiddleware:
             return error_response(500, "internal_error", "internal server error", request_id)
 
 
-def request_id_of(scope: Scope) -> str:
+def request_id_of(scope: Scope, ids: random.Random) -> str:
     """The client's ``X-Request-ID`` when it is a plain token, else a fresh random one."""
     for name, value in scope["headers"]:
         if name == b"x-request-id":
@@ -102,4 +105,4 @@ def request_id_of(scope: Scope) -> str:
                 return candidate
             break
     # Unique enough to find a request in the logs; no system call per request.
-    return f"{random.getrandbits(128):032x}"
+    return f"{ids.getrandbits(128):032x}"

@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field
 
 
 class PredictRequest(BaseModel):
-    instances: list[Any] = Field(
+    # Each instance is a number or nested lists of numbers; the exact shape is the model's.
+    instances: list[float | list[Any]] = Field(
         min_length=1,
         description="One or more instances, each shaped like the model's input without the "
         "batch axis (digits: an 8x8 nested list of floats in [0, 1]).",

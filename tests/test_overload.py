@@ -1,0 +1,296 @@
+"""Overload and deadlines against the real ``batchserve serve`` process on 127.0.0.1.
+
+A slow model (textenc, 512 tokens per request, one torch thread) behind a small queue, flooded
+by many more concurrent connections than it can serve: the excess is answered 429 at once with
+``Retry-After``, everything accepted is answered 200, nothing is dropped, memory stays bounded
+and the server is ready afterwards. With a short deadline, a request is answered 504 at its
+deadline even while the device is busy with a long batch, and is never computed.
+
+The flood client is the soak test's minimal HTTP/1.1 client, one keep-alive connection per
+worker: on two cores shared with the server, a general-purpose client would measure itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests.soak import HttpConnection, ProtocolError, error_kind
+from tests.processes import (
+    BATCHSERVE,
+    Running,
+    answers,
+    batchserve_environment,
+    free_port,
+    running,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+TOKENS_PER_REQUEST = 512
+FLOOD_REQUESTS = 2000
+FLOOD_CONNECTIONS = 400
+FLOOD_QUEUE_SIZE = 32
+#: Upper bound of the whole flood; it takes seconds on an idle two-core machine.
+FLOOD_CAP_S = 240.0
+#: Resident memory may grow this much during the flood, no more: after warm-up it moves by
+#: about +-20 MiB from one flood to the next (allocator caches, connection buffers).
+RSS_GROWTH_BOUND_BYTES = 100 * 1024 * 1024
+DEADLINE_MS = 300
+#: How late a 504 may come after its deadline on a shared, noisy two-core machine (event loop
+#: wake-up, GIL hand-over from the model thread, HTTP); typically a few ms.
+DEADLINE_SLACK_S = 0.25
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def token_bodies(count: int, length: int, rows: int = 1) -> list[bytes]:
+    rng = np.random.default_rng(0)
+    return [
+        json.dumps({"instances": rng.integers(1, 1000, size=(rows, length)).tolist()}).encode()
+        for _ in range(count)
+    ]
+
+
+# ------------------------------------------------------------------------------ the flood
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    latency_s: float
+
+
+async def post(connection: HttpConnection, body: bytes) -> Answer:
+    started_s = time.perf_counter()
+    response = await connection.request("POST", "/predict", body, JSON_HEADERS)
+    return Answer(response.status, response.headers, response.body, time.perf_counter() - started_s)
+
+
+@dataclass
+class Flood:
+    answers: list[Answer] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def of_status(self, status: int) -> list[Answer]:
+        return [answer for answer in self.answers if answer.status == status]
+
+
+async def flood(port: int, bodies: list[bytes], total: int, connections: int) -> Flood:
+    """``total`` requests from ``connections`` workers, each sending its next one at once."""
+    result = Flood()
+    tickets = iter(range(total))
+    started_s = time.monotonic()
+
+    async def worker() -> None:
+        connection = HttpConnection("127.0.0.1", port)
+        for ticket in tickets:
+            if time.monotonic() - started_s > FLOOD_CAP_S:
+                result.errors.append("flood cap reached")
+                break
+            try:
+                result.answers.append(await post(connection, bodies[ticket % len(bodies)]))
+            except (OSError, ProtocolError, asyncio.IncompleteReadError) as error:
+                result.errors.append(f"{error_kind(error)}: {error!r}")
+        await connection.close()
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+    result.duration_s = time.monotonic() - started_s
+    return result
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def scrape(server: Running) -> str:
+    return httpx.get(server.url + "/metrics", timeout=10).text
+
+
+def samples(text: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample called ``name`` whose labels include ``labels``."""
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The value of one series (0 when it was never set)."""
+    found = samples(text, name, **labels)
+    assert len(found) <= 1, found
+    return found[0][1] if found else 0.0
+
+
+def histogram_quantile(text: str, name: str, quantile: float, **labels: str) -> float:
+    """Upper bound of the bucket holding ``quantile`` of a histogram's observations."""
+    buckets = sorted((float(found["le"]), count) for found, count in samples(text, name, **labels))
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= quantile * total)
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+@contextlib.contextmanager
+def textenc_server(tmp_path: Path, **variables: str) -> Iterator[Running]:
+    port = free_port()
+    env = batchserve_environment(port, BATCHSERVE_MODEL_NAME="textenc", **variables)
+    url = f"http://127.0.0.1:{port}"
+    with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as server:
+        wait_for(lambda: answers(url + "/readyz"), "ready", server, timeout_s=120)
+        yield server
+
+
+def port_of(server: Running) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_a_flood_gets_fast_429s_the_rest_200_and_memory_stays_bounded(tmp_path: Path) -> None:
+    bodies = token_bodies(16, TOKENS_PER_REQUEST)
+    with textenc_server(
+        tmp_path,
+        BATCHSERVE_MAX_QUEUE_SIZE=str(FLOOD_QUEUE_SIZE),
+        # Four 512-token rows per forward pass: a batch takes tens to hundreds of ms here.
+        BATCHSERVE_MAX_BATCH_TOKENS=str(4 * TOKENS_PER_REQUEST),
+        # Long enough that an accepted request is never answered 504 in this test.
+        BATCHSERVE_REQUEST_TIMEOUT_MS="120000",
+    ) as server:
+        # Full batches first, so the baseline includes the allocator's working set for them
+        # (about 90 MiB): the growth measured is then the flood's own.
+        warm_up = asyncio.run(flood(port_of(server), bodies, total=32, connections=8))
+        assert [answer.status for answer in warm_up.answers] == [200] * 32, warm_up.errors
+        rss_before = value(scrape(server), "batchserve_process_resident_memory_bytes")
+
+        result = asyncio.run(flood(port_of(server), bodies, FLOOD_REQUESTS, FLOOD_CONNECTIONS))
+
+        after = scrape(server)
+        rss_after = value(after, "batchserve_process_resident_memory_bytes")
+        ok, refused = result.of_status(200), result.of_status(429)
+        ok_p50_s = statistics.median(answer.latency_s for answer in ok)
+        refused_p50_s = statistics.median(answer.latency_s for answer in refused)
+        server_refused_p50_s = histogram_quantile(
+            after, "batchserve_request_duration_seconds_bucket", 0.5, route="/predict", status="429"
+        )
+        print(
+            f"\nflood: {len(result.answers)} answers in {result.duration_s:.1f} s from "
+            f"{FLOOD_CONNECTIONS} connections: {len(ok)} x 200, {len(refused)} x 429, "
+            f"{len(result.errors)} errors\n"
+            f"latency p50: 200 {ok_p50_s * 1000:.1f} ms, 429 {refused_p50_s * 1000:.1f} ms "
+            f"(client side), 429 <= {server_refused_p50_s * 1000:.1f} ms (server histogram)\n"
+            f"RSS: {rss_before / 2**20:.1f} MiB before, {rss_after / 2**20:.1f} MiB after, "
+            f"growth {(rss_after - rss_before) / 2**20:+.1f} MiB "
+            f"(bound {RSS_GROWTH_BOUND_BYTES / 2**20:.0f} MiB)"
+        )
+
+        assert result.errors == [], result.errors[:5]
+        assert len(result.answers) == FLOOD_REQUESTS
+        assert sorted({answer.status for answer in result.answers}) == [200, 429]
+        assert len(ok) >= FLOOD_QUEUE_SIZE
+        for answer in refused:
+            assert int(answer.headers["retry-after"]) >= 1
+            error = json.loads(answer.body)["error"]
+            assert error["code"] == "queue_full"
+            assert error["request_id"] == answer.headers["x-request-id"]
+        for answer in ok:
+            assert len(json.loads(answer.body)["predictions"][0]) == 256
+        assert refused_p50_s < ok_p50_s / 5, "429s must be answered at once, not after a wait"
+        assert server_refused_p50_s <= 0.025
+        assert value(after, "batchserve_dropped_requests_total", reason="queue_full") == len(
+            refused
+        )
+        assert value(after, "batchserve_queue_depth") == 0
+        assert value(after, "batchserve_in_flight_requests") == 0
+        assert rss_after - rss_before < RSS_GROWTH_BOUND_BYTES
+
+        assert answers(server.url + "/readyz")
+        still = asyncio.run(flood(port_of(server), bodies, total=2, connections=1))
+        assert [answer.status for answer in still.answers] == [200, 200]
+
+        # A huge declared Content-Length is refused from the headers, without waiting for a
+        # body that will never come; and no Server banner is sent.
+        with socket.create_connection(("127.0.0.1", port_of(server)), timeout=5) as raw:
+            started_s = time.monotonic()
+            raw.sendall(
+                b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n{"
+            )
+            head = raw.recv(65536).decode("latin-1")
+            assert head.startswith("HTTP/1.1 413"), head
+            assert time.monotonic() - started_s < 2.0
+            assert "\r\nserver:" not in head.lower()
+
+
+def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs(tmp_path: Path) -> None:
+    """A long batch holds the device; the request queued behind it is answered 504 at its
+    deadline, not when the batch ends, and is never computed. The running request itself is
+    answered 504 at its deadline too, while its batch goes on."""
+    rows = 16  # 16 x 512 tokens: seconds of one CPU thread, far longer than the deadline
+    (blocker_body,) = token_bodies(1, TOKENS_PER_REQUEST, rows=rows)
+    (probe_body,) = token_bodies(1, 8)
+    with textenc_server(tmp_path, BATCHSERVE_REQUEST_TIMEOUT_MS=str(DEADLINE_MS)) as server:
+        port = port_of(server)
+
+        async def scenario() -> tuple[Answer, Answer, str]:
+            blocker_connection = HttpConnection("127.0.0.1", port)
+            probe_connection = HttpConnection("127.0.0.1", port)
+            blocker = asyncio.create_task(post(blocker_connection, blocker_body))
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+                started_s = time.monotonic()
+                while time.monotonic() - started_s < 10:  # until the blocker's batch started
+                    metrics = (await http.get("/metrics")).text
+                    if value(metrics, "batchserve_queue_wait_seconds_count") >= 1:
+                        break
+                    await asyncio.sleep(0.01)
+                probe = await post(probe_connection, probe_body)
+                during = (await http.get("/metrics")).text
+            blocked = await blocker
+            await blocker_connection.close()
+            await probe_connection.close()
+            return blocked, probe, during
+
+        blocked, probe, during = asyncio.run(scenario())
+        print(
+            f"\ndeadline {DEADLINE_MS} ms: queued request answered {probe.status} after "
+            f"{probe.latency_s * 1000:.0f} ms; running request answered {blocked.status} after "
+            f"{blocked.latency_s * 1000:.0f} ms"
+        )
+        deadline_s = DEADLINE_MS / 1000
+        for answer in (probe, blocked):
+            assert answer.status == 504, answer.body
+            assert json.loads(answer.body)["error"]["code"] == "deadline_exceeded"
+            assert deadline_s - 0.01 <= answer.latency_s <= deadline_s + DEADLINE_SLACK_S
+        # Both 504s were sent while the batch was still running.
+        assert value(during, "batchserve_inference_duration_seconds_count") == 0
+        assert value(during, "batchserve_dropped_requests_total", reason="expired") == 2
+
+        wait_for(
+            lambda: value(scrape(server), "batchserve_inference_duration_seconds_count") >= 1,
+            "done with the long batch",
+            server,
+            timeout_s=180,
+        )
+        time.sleep(0.5)  # time enough for the collector to start a batch if anything were left
+        after = scrape(server)
+        assert value(after, "batchserve_batch_size_rows_count") == 1
+        assert value(after, "batchserve_batch_size_rows_sum") == rows  # the probe never ran
+        assert answers(server.url + "/readyz")
