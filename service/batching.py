@@ -51,6 +51,9 @@ PRIORITIES: tuple[Priority, ...] = ("high", "normal")
 HIGH_PRIORITY_STREAK_LIMIT = 3
 #: After running out of device memory, batches stay capped this long before the cap doubles.
 OOM_BACKOFF_S = 30.0
+#: The adaptive policy sizes batches by the most requests in flight at once over the last
+#: one or two windows of this length: long enough to span a client's round trip.
+CONCURRENCY_WINDOW_S = 0.1
 
 
 class Rows(Protocol):
@@ -131,10 +134,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     Dispatch policy, once the device is free:
 
     - ``fixed``: wait until the oldest request has waited ``max_wait_ms`` or a batch is full.
-    - ``adaptive``: first let requests that have already arrived join; then dispatch at once
-      unless requests are still being received (their bodies read and parsed, see
-      ``arriving``), in which case wait for them, never past ``max_wait_ms``. At low load
-      nothing waits for batch-mates that are not coming; at high load batches grow while the
+    - ``adaptive``: first let requests that have already arrived join; then dispatch as soon
+      as the batch holds as many rows as requests were recently in flight at once (see
+      ``in_flight``), waiting never past ``max_wait_ms``. One client at a time never waits
+      for batch-mates that are not coming; 64 concurrent clients fill batches of 64, because
+      the clients just answered come back within a round trip. Batches also grow while the
       device is busy, because they are only collected when it is free.
     """
 
@@ -171,7 +175,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._on_stall = on_stall
         self._groups: dict[Hashable, _Group[PayloadT, OutputT]] = {}
         self._queued_entries = 0
-        self._arriving = 0
+        self._in_flight = 0
+        self._concurrency = _WindowedPeak(CONCURRENCY_WINDOW_S)
+        self._target_rows = max_batch_size
         self._high_streak = 0
         self._row_limit = max_batch_size
         self._row_limit_until_s = 0.0
@@ -218,15 +224,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit
 
     @contextlib.contextmanager
-    def arriving(self) -> Iterator[None]:
-        """Mark a request as on its way (body being read and parsed) for the adaptive policy."""
-        self._arriving += 1
+    def in_flight(self) -> Iterator[None]:
+        """Count a request from its arrival to its answer, to size adaptive batches."""
+        self._in_flight += 1
+        self._concurrency.observe(self._in_flight)
         try:
             yield
         finally:
-            self._arriving -= 1
-            if self._arriving == 0:
-                self._wakeup.set()
+            self._in_flight -= 1
 
     # ----------------------------------------------------------------- submitting
 
@@ -305,8 +310,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._queued_entries += 1
         self._metrics.queue_depth.set(self._queued_entries)
         # Wake the collector only when its decision can change: the queue was empty (it sleeps
-        # without a timer) or this group just reached a full batch (it may stop waiting early).
-        if self._queued_entries == 1 or self._is_full(group):
+        # without a timer), or this group just reached a full batch or the adaptive target.
+        if self._queued_entries == 1 or self._is_full(group) or group.rows >= self._target_rows:
             self._wakeup.set()
 
     def _is_full(self, group: _Group[PayloadT, OutputT]) -> bool:
@@ -371,11 +376,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     async def _next_batch(self) -> list[_Entry[PayloadT, OutputT]] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
-        if self.policy == "adaptive":
-            # Requests already received but not yet parsed are queued ahead of us on the event
-            # loop: let them run once so they can join this batch.
-            await asyncio.sleep(0)
         self._restore_row_limit()
+        yielded = self.policy != "adaptive"
         while True:
             oldest = self._oldest_entry()
             if oldest is None:
@@ -385,9 +387,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 await self._wakeup.wait()
                 continue
             full = [group for group in self._groups.values() if self._is_full(group)]
+            if self.policy == "adaptive":
+                self._target_rows = max(1, min(self._row_limit, self._concurrency.peak()))
+                full = full or [g for g in self._groups.values() if g.rows >= self._target_rows]
+            if not (full or yielded):
+                # Requests already received but not yet parsed are queued ahead of us on the
+                # event loop: let them run once so they can join. Not when a batch is ready:
+                # the device would wait for every answer of the last batch to be written.
+                yielded = True
+                await asyncio.sleep(0)
+                continue
             remaining_s = oldest.arrival_s + self._max_wait_s - time.monotonic()
-            nothing_on_its_way = self.policy == "adaptive" and self._arriving == 0
-            if full or remaining_s <= 0 or self._closing or nothing_on_its_way:
+            if full or remaining_s <= 0 or self._closing:
                 return self._take(full or list(self._groups.values()))
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
@@ -540,6 +551,33 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             )
         failure.__cause__ = error
         _set_exception_if_pending(entry.future, failure)
+
+
+class _WindowedPeak:
+    """The largest value observed in the current window or the one before it: a recent peak
+    that forgets a burst within one to two windows."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._started_s = time.monotonic()
+        self._current = 0
+        self._previous = 0
+
+    def observe(self, value: int) -> None:
+        self._roll()
+        self._current = max(self._current, value)
+
+    def peak(self) -> int:
+        self._roll()
+        return max(self._current, self._previous)
+
+    def _roll(self) -> None:
+        now_s = time.monotonic()
+        if now_s - self._started_s >= self._window_s:
+            stale = now_s - self._started_s >= 2 * self._window_s
+            self._previous = 0 if stale else self._current
+            self._current = 0
+            self._started_s = now_s
 
 
 def _set_result_if_pending(future: asyncio.Future[OutputT], result: OutputT) -> None:

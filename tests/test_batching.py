@@ -567,31 +567,30 @@ async def test_adaptive_policy_dispatches_a_lone_request_at_once(
     assert results == [[[2]]]
 
 
-async def test_adaptive_policy_waits_for_requests_still_arriving(
+async def test_adaptive_policy_fills_batches_up_to_the_recent_concurrency(
     make_batcher: BatcherFactory,
 ) -> None:
     model = RecordingDoubler()
     batcher = make_batcher(model, max_batch_size=4, max_wait_ms=10_000)
 
-    with batcher.arriving():  # a second request is being received
+    with batcher.in_flight(), batcher.in_flight():  # two requests are being handled at once
         first = asyncio.create_task(batcher.submit([1], group="g"))
         await asyncio.sleep(0.1)
-        assert model.batches == [], "must wait for the request on its way"
+        assert model.batches == [], "must wait for the second request in flight"
         second = asyncio.create_task(batcher.submit([2], group="g"))
-        await asyncio.sleep(0)
-    async with asyncio.timeout(PROMPTLY_S):
-        assert await first == [[2]]
-        assert await second == [[4]]
+        async with asyncio.timeout(PROMPTLY_S):
+            assert await first == [[2]]
+            assert await second == [[4]]
     assert model.batches == [[[1], [2]]]
 
 
-async def test_adaptive_wait_for_arrivals_is_bounded_by_max_wait(
+async def test_adaptive_wait_for_batch_mates_is_bounded_by_max_wait(
     make_batcher: BatcherFactory,
 ) -> None:
     model = RecordingDoubler()
     batcher = make_batcher(model, max_batch_size=4, max_wait_ms=100)
 
-    with batcher.arriving():  # never finishes arriving while we wait
+    with batcher.in_flight(), batcher.in_flight(), batcher.in_flight():
         started_s = time.monotonic()
         async with asyncio.timeout(PROMPTLY_S):
             assert await batcher.submit([1], group="g") == [[2]]
