@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,19 +16,12 @@ import numpy as np
 import pytest
 
 from scripts.train_digits import load_split
+from tests.processes import BATCHSERVE, free_port
 
 pytestmark = pytest.mark.slow
 
-BATCHSERVE = Path(sys.executable).with_name("batchserve")
 LOAD_WORKERS = 32
 LOAD_CAP_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass
