@@ -51,9 +51,7 @@ PRIORITIES: tuple[Priority, ...] = ("high", "normal")
 HIGH_PRIORITY_STREAK_LIMIT = 3
 #: After running out of device memory, batches stay capped this long before the cap doubles.
 OOM_BACKOFF_S = 30.0
-#: The adaptive policy sizes batches by the most requests in flight at once over the last
-#: one or two windows of this length: long enough to span a client's round trip.
-CONCURRENCY_WINDOW_S = 0.1
+
 
 
 class Rows(Protocol):
@@ -135,10 +133,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     - ``fixed``: wait until the oldest request has waited ``max_wait_ms`` or a batch is full.
     - ``adaptive``: first let requests that have already arrived join; then dispatch as soon
-      as the batch holds as many rows as requests were recently in flight at once (see
-      ``in_flight``), waiting never past ``max_wait_ms``. One client at a time never waits
-      for batch-mates that are not coming; 64 concurrent clients fill batches of 64, because
-      the clients just answered come back within a round trip. Batches also grow while the
+      as the batch holds as many rows as the server is handling requests (see ``in_flight``,
+      counted when the batch starts to form, which includes those just answered) or as the
+      last batch had, waiting never past ``max_wait_ms``. A lone client never waits for
+      batch-mates that are not coming; 64 concurrent clients fill batches of 64, because the
+      clients just answered come back within a round trip. Batches also grow while the
       device is busy, because they are only collected when it is free.
     """
 
@@ -176,7 +175,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._groups: dict[Hashable, _Group[PayloadT, OutputT]] = {}
         self._queued_entries = 0
         self._in_flight = 0
-        self._concurrency = _WindowedPeak(CONCURRENCY_WINDOW_S)
+        self._last_batch_rows = 1
         self._target_rows = max_batch_size
         self._high_streak = 0
         self._row_limit = max_batch_size
@@ -227,7 +226,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     def in_flight(self) -> Iterator[None]:
         """Count a request from its arrival to its answer, to size adaptive batches."""
         self._in_flight += 1
-        self._concurrency.observe(self._in_flight)
         try:
             yield
         finally:
@@ -378,6 +376,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         self._restore_row_limit()
         yielded = self.policy != "adaptive"
+        target: int | None = None
         while True:
             oldest = self._oldest_entry()
             if oldest is None:
@@ -388,7 +387,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 continue
             full = [group for group in self._groups.values() if self._is_full(group)]
             if self.policy == "adaptive":
-                self._target_rows = max(1, min(self._row_limit, self._concurrency.peak()))
+                if target is None:  # once per batch: answered requests leave in_flight soon
+                    target = max(self._in_flight, self._last_batch_rows)
+                    self._target_rows = max(1, min(self._row_limit, target))
                 full = full or [g for g in self._groups.values() if g.rows >= self._target_rows]
             if not (full or yielded):
                 # Requests already received but not yet parsed are queued ahead of us on the
@@ -446,6 +447,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 batch.append(entry)
                 rows += entry.rows
                 cost += entry.cost
+        self._last_batch_rows = max(1, rows)
         led_by_high = bool(batch) and batch[0].priority == "high"
         self._high_streak = self._high_streak + 1 if led_by_high and normal_waiting else 0
         return batch
@@ -551,33 +553,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             )
         failure.__cause__ = error
         _set_exception_if_pending(entry.future, failure)
-
-
-class _WindowedPeak:
-    """The largest value observed in the current window or the one before it: a recent peak
-    that forgets a burst within one to two windows."""
-
-    def __init__(self, window_s: float) -> None:
-        self._window_s = window_s
-        self._started_s = time.monotonic()
-        self._current = 0
-        self._previous = 0
-
-    def observe(self, value: int) -> None:
-        self._roll()
-        self._current = max(self._current, value)
-
-    def peak(self) -> int:
-        self._roll()
-        return max(self._current, self._previous)
-
-    def _roll(self) -> None:
-        now_s = time.monotonic()
-        if now_s - self._started_s >= self._window_s:
-            stale = now_s - self._started_s >= 2 * self._window_s
-            self._previous = 0 if stale else self._current
-            self._current = 0
-            self._started_s = now_s
 
 
 def _set_result_if_pending(future: asyncio.Future[OutputT], result: OutputT) -> None:
