@@ -214,3 +214,22 @@ def sample(metrics: ServiceMetrics, name: str) -> float:
 
 def flatten(outputs: Sequence[Payload]) -> Payload:
     return [row for output in outputs for row in output]
+
+
+def predict_scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """An ASGI HTTP scope for ``POST /predict``, for tests that drive the app message by
+    message (a body that never finishes, a client that disconnects)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/predict",
+        "raw_path": b"/predict",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }

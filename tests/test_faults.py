@@ -21,7 +21,7 @@ from service.app import create_app
 from service.config import Settings
 from service.model_store import Architecture, ModelStore, TensorSpec
 from service.state import ServiceState
-from tests.fixtures import wait_until
+from tests.fixtures import predict_scope, wait_until
 from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
 
 PROMPTLY_S = 5.0
@@ -197,20 +197,7 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(
         async def send(message: dict[str, Any]) -> None:
             responses.append(message)
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/predict",
-            "raw_path": b"/predict",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
+        scope = predict_scope([(b"content-type", b"application/json")])
         leaving = asyncio.create_task(app(scope, receive, send))
         await wait_until(lambda: service.batcher is not None and service.batcher.queue_depth == 1)
         disconnect.set()

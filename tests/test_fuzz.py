@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from service.app import create_app
 from service.config import Settings
 from service.state import ServiceState
+from tests.fixtures import predict_scope
 
 NPY = "application/x-npy"
 JSON = "application/json"
@@ -429,20 +430,9 @@ async def test_huge_declared_length_is_413_before_the_body_arrives(digits_app: F
     async def send(message: dict[str, Any]) -> None:
         messages.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/predict",
-        "raw_path": b"/predict",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"99999999999")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = predict_scope(
+        [(b"content-type", b"application/json"), (b"content-length", b"99999999999")]
+    )
     await asyncio.wait_for(digits_app(scope, receive, send), timeout=5.0)
     assert messages[0]["type"] == "http.response.start"
     assert messages[0]["status"] == 413
