@@ -1,8 +1,9 @@
-"""``create_app(settings)``: the one place where store, runner, batcher and routes are wired.
+"""``create_app(settings)``: the app with its state, routes, middleware and error answers.
 
-The model loads in a background task started by the lifespan, so ``/healthz`` answers while
-weights are verified, the model is compiled and warmed up; ``/readyz`` turns 200 only then.
-On shutdown readiness turns off first, then the batcher drains and the device is freed.
+The model loads in a background task started by the lifespan (``lifecycle.py`` builds the
+runner and batcher), so ``/healthz`` answers while weights are verified, the model is compiled
+and warmed up; ``/readyz`` turns 200 only then. On shutdown readiness turns off first, then the
+batcher drains and the device is freed.
 """
 
 from __future__ import annotations
