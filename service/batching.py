@@ -53,7 +53,6 @@ HIGH_PRIORITY_STREAK_LIMIT = 3
 OOM_BACKOFF_S = 30.0
 
 
-
 class Rows(Protocol):
     """A payload of one or more rows that can be sliced along its first axis (e.g. an array)."""
 
