@@ -321,9 +321,5 @@ async def models(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text format; aggregated over all workers under gunicorn."""
     service = _service(request)
-    if service.runner is not None:
-        allocated, reserved = service.runner.device_memory_bytes()
-        device = str(service.runner.device)
-        service.metrics.device_memory_allocated.labels(device).set(allocated)
-        service.metrics.device_memory_reserved.labels(device).set(reserved)
+    service.refresh_memory_gauges()
     return Response(service.metrics.render(), media_type=METRICS_CONTENT_TYPE)

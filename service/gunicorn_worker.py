@@ -28,7 +28,6 @@ from uvicorn_worker import UvicornWorker
 
 from service.cli import EXIT_STALLED, DrainingServer
 from service.gunicorn_setup import worker_shutdown_s
-from service.metrics import resident_memory_bytes
 from service.state import ServiceState
 
 logger = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
                 server.handle_exit(signal.SIGTERM, None)
                 return
             self.notify()
-            refresh_memory_gauges(service)
+            service.refresh_memory_gauges()
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
 
 
@@ -89,17 +88,6 @@ def _quit_now(server: DrainingServer) -> None:
     for the drain delay or for requests in flight."""
     server.force_exit = True
     server.should_exit = True
-
-
-def refresh_memory_gauges(service: ServiceState) -> None:
-    """This process's resident memory and its device's memory, into its gauges."""
-    service.metrics.resident_memory.set(resident_memory_bytes())
-    runner = service.runner
-    if runner is not None:
-        allocated, reserved = runner.device_memory_bytes()
-        device = str(runner.device)
-        service.metrics.device_memory_allocated.labels(device).set(allocated)
-        service.metrics.device_memory_reserved.labels(device).set(reserved)
 
 
 class ReadyBeforeAccepting:

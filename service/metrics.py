@@ -154,7 +154,6 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         """Prometheus text exposition of this process, or of all workers in multiprocess mode."""
-        self.resident_memory.set(resident_memory_bytes())
         if os.environ.get(MULTIPROCESS_DIR_ENV):
             aggregate = CollectorRegistry()
             multiprocess.MultiProcessCollector(aggregate)  # type: ignore[no-untyped-call]

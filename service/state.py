@@ -13,7 +13,7 @@ import numpy.typing as npt
 from service.batching import DynamicBatcher
 from service.config import Settings
 from service.inputs import InputLayout
-from service.metrics import ServiceMetrics
+from service.metrics import ServiceMetrics, resident_memory_bytes
 from service.model_store import Manifest, ModelStore
 
 if TYPE_CHECKING:
@@ -51,6 +51,16 @@ class ServiceState:
     """Versions switched away from, still finishing their queued requests."""
     on_stall: Callable[[], None] | None = None
     """Called once when a batch outlives ``stall_timeout_s`` (the CLI stops the server)."""
+
+    def refresh_memory_gauges(self) -> None:
+        """This process's resident memory and its device's memory, into their gauges."""
+        self.metrics.resident_memory.set(resident_memory_bytes())
+        runner = self.runner
+        if runner is not None:
+            allocated, reserved = runner.device_memory_bytes()
+            device = str(runner.device)
+            self.metrics.device_memory_allocated.labels(device).set(allocated)
+            self.metrics.device_memory_reserved.labels(device).set(reserved)
 
     def report_stall(self) -> None:
         """The model looks hung: readiness off, then let the owner of the process react."""
