@@ -81,14 +81,21 @@ class ModelNotFoundError(ServiceError):
     code = "model_not_found"
 
 
-class QueueFullError(ServiceError):
-    """The batcher's queue is full; the client should retry after ``Retry-After`` seconds."""
+class RetryLaterError(ServiceError):
+    """A refusal the client should retry after ``Retry-After`` seconds."""
+
+    retry_after_s: int = 1
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        seconds = self.retry_after_s if retry_after_s is None else retry_after_s
+        super().__init__(message, headers={"Retry-After": str(seconds)})
+
+
+class QueueFullError(RetryLaterError):
+    """The batcher's queue is full."""
 
     status_code = 429
     code = "queue_full"
-
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
 class DeadlineExceededError(ServiceError):
@@ -96,24 +103,19 @@ class DeadlineExceededError(ServiceError):
     code = "deadline_exceeded"
 
 
-class NotReadyError(ServiceError):
+class NotReadyError(RetryLaterError):
     """No model is loaded yet, or the server is draining for shutdown."""
 
     status_code = 503
     code = "not_ready"
 
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
-
-class InsufficientDeviceMemoryError(ServiceError):
+class InsufficientDeviceMemoryError(RetryLaterError):
     """The request ran out of device memory even in a batch of its own."""
 
     status_code = 503
     code = "out_of_device_memory"
-
-    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+    retry_after_s = 5
 
 
 class InferenceError(ServiceError):
