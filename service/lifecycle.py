@@ -10,6 +10,7 @@ already queued on the old version finish there and say so in their answer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -95,6 +96,7 @@ def switch_to(service: ServiceState, served: ServedModel) -> None:
         str(runner.compiled),
     ).set(1)  # fmt: skip
     service.metrics.ready.set(0 if service.draining else 1)
+    freeze_long_lived_objects()
     logger.info(
         "model_serving",
         extra={
@@ -112,6 +114,7 @@ async def retire(served: ServedModel) -> None:
     """Finish the requests already queued on a version, then free its device memory."""
     await served.batcher.drain()
     await asyncio.to_thread(served.runner.close)
+    freeze_long_lived_objects()
     logger.info(
         "model_retired", extra={"model": served.manifest.name, "version": served.manifest.version}
     )
@@ -156,6 +159,21 @@ async def shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None:
         await retire(service.served)
     await asyncio.gather(*service.retiring, return_exceptions=True)
     logger.info("shutdown_complete")
+
+
+def freeze_long_lived_objects() -> None:
+    """Keep everything alive now (torch, the app, the served model) out of later collections.
+
+    A full garbage collection walks every tracked object, and with torch loaded that stops the
+    event loop for about 100 ms (measured: 86-142 ms, every second or so at 64 concurrent
+    clients, which was the p99 under load). Requests leave short-lived objects behind, so the
+    collector keeps running full passes over the long-lived heap. Frozen objects are still freed
+    by reference counting; unfreezing first lets the collection find cycles in what was just
+    retired. Called when the served version changes, so each pause happens then, not under load.
+    """
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def input_layout(spec: TensorSpec, settings: Settings) -> InputLayout:
