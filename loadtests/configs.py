@@ -90,6 +90,13 @@ TEXTENC_128 = Workload(
     make_bodies=lambda rng: bodies.token_bodies(rng, [128] * 64),
     limit_length=128,
 )
+TEXTENC_16 = Workload(
+    name="textenc-16",
+    model_name="textenc",
+    description="16 token ids as JSON",
+    make_bodies=lambda rng: bodies.token_bodies(rng, [16] * 64),
+    limit_length=16,
+)
 TEXTENC_MIXED = Workload(
     name="textenc-mixed",
     model_name="textenc",
@@ -148,6 +155,13 @@ CONFIGURATIONS: dict[str, Configuration] = {
             "textenc, max_batch_size=1",
             _TEXTENC | {"BATCHSERVE_MAX_BATCH_SIZE": "1"},
         ),
+        Configuration("textenc-16-batched", TEXTENC_16, "textenc defaults, 16 tokens", _TEXTENC),
+        Configuration(
+            "textenc-16-unbatched",
+            TEXTENC_16,
+            "textenc, 16 tokens, max_batch_size=1",
+            _TEXTENC | {"BATCHSERVE_MAX_BATCH_SIZE": "1"},
+        ),
         Configuration(
             "textenc-mixed-buckets",
             TEXTENC_MIXED,
@@ -168,6 +182,12 @@ CONFIGURATIONS: dict[str, Configuration] = {
             TEXTENC_128,
             "textenc, bf16 autocast",
             _TEXTENC | {"BATCHSERVE_PRECISION": "bf16"},
+        ),
+        Configuration(
+            "textenc-128-bf16-unbatched",
+            TEXTENC_128,
+            "textenc, bf16 autocast, max_batch_size=1",
+            _TEXTENC | {"BATCHSERVE_PRECISION": "bf16", "BATCHSERVE_MAX_BATCH_SIZE": "1"},
         ),
         Configuration(
             "textenc-128-compiled",
