@@ -6,7 +6,9 @@ For each configuration it builds the real app (store -> runner -> batcher), send
 through HTTP, then drives the batcher with concurrent requests, and prints throughput, p99
 latency, peak device memory and the largest deviation from an fp32 eager reference on the
 same inputs. On a machine without CUDA it says so, skips the CUDA configurations and checks
-the CPU equivalents it can (bf16 autocast), so CI runs this script too.
+the CPU equivalents it can (bf16 autocast, and torch.compile in fp32), so CI runs this script
+too. ``--skip-compile`` leaves the compiled configurations out (compiling takes tens of
+seconds per model on a small CPU).
 
 Tolerances against fp32, relative to the largest reference output magnitude:
 - compiled fp32: 1e-4 (same arithmetic, different kernel fusion and summation order);
@@ -67,9 +69,12 @@ def example_inputs(model: str, count: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(1, 1000, size=(1, int(length))) for length in lengths]
 
 
-def configurations(cuda: bool) -> list[Configuration]:
+def configurations(cuda: bool, *, compile_models: bool = True) -> list[Configuration]:
     if not cuda:
-        return [Configuration(model, "cpu", "bf16", "off", 32) for model in ("digits", "textenc")]
+        found = [Configuration(model, "cpu", "bf16", "off", 32) for model in ("digits", "textenc")]
+        if compile_models:
+            found += [Configuration(m, "cpu", "fp32", "default", 8) for m in ("digits", "textenc")]
+        return found
     found = []
     for model in ("digits", "textenc"):
         for precision in ("fp16", "bf16"):
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="requests per configuration")
     parser.add_argument("--budget-s", type=float, default=270.0, help="stop starting new ones")
+    parser.add_argument(
+        "--skip-compile", action="store_true", help="leave out the torch.compile configurations"
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -185,14 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"CUDA not available (torch {torch.__version__}): skipped the CUDA configurations "
-            "(fp16/bf16 x eager/compiled on cuda); checking bf16 autocast on the CPU instead."
+            "(fp16/bf16 x eager/compiled on cuda); checking bf16 autocast and torch.compile "
+            "on the CPU instead."
         )
     print("| model | device | precision | compile | max batch | rows/s | p99 ms | peak MiB |"
           " max rel. error | class agreement | result |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     references: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     failures = 0
-    for configuration in configurations(cuda):
+    for configuration in configurations(cuda, compile_models=not args.skip_compile):
         if time.monotonic() - started_s > args.budget_s:
             print(f"| {configuration.model} | ... | skipped: time budget of {args.budget_s} s |")
             continue
