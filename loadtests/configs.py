@@ -83,20 +83,21 @@ DIGITS = Workload(
     description="one 8x8 digit as JSON",
     make_bodies=lambda rng: bodies.digits_bodies(rng, 64),
 )
-TEXTENC_128 = Workload(
-    name="textenc-128",
-    model_name="textenc",
-    description="128 token ids as JSON",
-    make_bodies=lambda rng: bodies.token_bodies(rng, [128] * 64),
-    limit_length=128,
-)
-TEXTENC_16 = Workload(
-    name="textenc-16",
-    model_name="textenc",
-    description="16 token ids as JSON",
-    make_bodies=lambda rng: bodies.token_bodies(rng, [16] * 64),
-    limit_length=16,
-)
+
+
+def textenc_fixed_length(length: int) -> Workload:
+    """Every request ``length`` token ids: one bucket, so batching alone is measured."""
+    return Workload(
+        name=f"textenc-{length}",
+        model_name="textenc",
+        description=f"{length} token ids as JSON",
+        make_bodies=lambda rng: bodies.token_bodies(rng, [length] * 64),
+        limit_length=length,
+    )
+
+
+TEXTENC_128 = textenc_fixed_length(128)
+TEXTENC_16 = textenc_fixed_length(16)
 TEXTENC_MIXED = Workload(
     name="textenc-mixed",
     model_name="textenc",
