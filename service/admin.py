@@ -2,9 +2,8 @@
 
 A version is loaded next to the serving one (hashes verified, built, warmed up) and swapped in
 only once it works; a version that fails is refused with 422 and the serving one stays. With
-several worker processes each worker serves its own copy: a switch made here reaches only the
-worker that answered, so roll out versions across workers by restarting with
-``BATCHSERVE_MODEL_VERSION`` instead.
+several worker processes the worker that answers switches first and publishes the version;
+the others follow within about a second (``version_sync.py``).
 """
 
 from __future__ import annotations
@@ -13,16 +12,9 @@ import hmac
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from service import lifecycle
+from service import lifecycle, version_sync
 from service.api import json_response
-from service.errors import (
-    ConflictError,
-    ForbiddenError,
-    ModelIntegrityError,
-    ModelLoadError,
-    ModelRejectedError,
-    UnauthorizedError,
-)
+from service.errors import ConflictError, ForbiddenError, UnauthorizedError
 from service.model_store import check_name, check_version, manifest_summary
 from service.schemas import ErrorResponse
 from service.state import ServiceState
@@ -85,18 +77,7 @@ async def rollback(request: Request) -> Response:
 
 
 async def _switch(service: ServiceState, name: str, version: str) -> Response:
-    if service.switch_lock.locked():
-        raise ConflictError("another version is being loaded; retry when it is done")
-    async with service.switch_lock:
-        current = service.manifest
-        serving = f"{current.name}@{current.version}" if current else "nothing"
-        manifest = service.store.resolve(name, version)
-        if current is not None and (current.name, current.version) == (name, manifest.version):
-            return json_response({"serving": manifest_summary(current), "replaced": None})
-        try:
-            served = await lifecycle.load_version(service, name, manifest.version)
-        except (ModelIntegrityError, ModelLoadError) as error:
-            reason = str(error).replace(str(service.store.root), "<repository>")
-            raise ModelRejectedError(f"{reason}; still serving {serving}") from error
-        lifecycle.switch_to(service, served)
-    return json_response({"serving": manifest_summary(served.manifest), "replaced": serving})
+    manifest, replaced = await lifecycle.switch_version(service, name, version)
+    # Published even when this worker served it already: the others may not.
+    version_sync.publish(manifest.name, manifest.version)
+    return json_response({"serving": manifest_summary(manifest), "replaced": replaced})

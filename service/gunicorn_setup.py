@@ -1,8 +1,8 @@
 """What gunicorn needs for ``batchserve serve --workers N``: options, hooks, the app factory.
 
 ``gunicorn_conf.py`` turns these into gunicorn's configuration; nothing here runs on import.
-The hooks run in gunicorn's master (``pre_fork``, ``child_exit``, ``on_exit``) or in a new
-worker before it builds its app (``post_fork``).
+The hooks run in gunicorn's master (``on_starting``, ``pre_fork``, ``child_exit``,
+``on_exit``) or in a new worker before it builds its app (``post_fork``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import logging
 import math
 import os
 import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import multiprocess
 
 from service.config import ENV_PREFIX, Settings, load_settings
 from service.metrics import MULTIPROCESS_DIR_ENV
+from service.version_sync import VERSION_DIR_ENV
 from service.worker_devices import chooses_gpu, device_for_worker, lowest_free_slot
 
 if TYPE_CHECKING:
@@ -107,7 +109,8 @@ def gunicorn_options(settings: Settings) -> dict[str, Any]:
         "pre_fork": give_worker_a_slot,
         "post_fork": choose_worker_device,
         "child_exit": forget_dead_worker_gauges,
-        "on_exit": remove_temporary_metrics_dir,
+        "on_starting": create_version_dir,
+        "on_exit": remove_run_folders,
     }
 
 
@@ -156,9 +159,19 @@ def forget_dead_worker_gauges(server: Any, worker: Any) -> None:
         logger.info("dead_worker_gauges_already_removed", extra={"pid": worker.pid})
 
 
-def remove_temporary_metrics_dir(server: Any) -> None:
-    """``on_exit`` (master): remove the metrics folder if the launcher created it for this run
-    (one named by the operator, such as a Kubernetes emptyDir, is left as it is)."""
+def create_version_dir(server: Any) -> None:
+    """``on_starting`` (master, before any worker): the folder in which a worker that switched
+    versions publishes it for the others (``version_sync.py``); workers inherit its name."""
+    os.environ[VERSION_DIR_ENV] = tempfile.mkdtemp(prefix="batchserve-versions-")
+
+
+def remove_run_folders(server: Any) -> None:
+    """``on_exit`` (master): remove the published-version folder, and the metrics folder if
+    the launcher created it for this run (one named by the operator, such as a Kubernetes
+    emptyDir, is left as it is)."""
+    versions = os.environ.pop(VERSION_DIR_ENV, None)
+    if versions:
+        shutil.rmtree(versions, ignore_errors=True)
     temporary = os.environ.get(TEMPORARY_METRICS_DIR_ENV)
     if temporary and temporary == os.environ.get(MULTIPROCESS_DIR_ENV):
         shutil.rmtree(temporary, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The gunicorn worker: uvicorn's worker, made to start and stop like ``batchserve serve``.
 
-Four differences from ``uvicorn_worker.UvicornWorker``:
+Five differences from ``uvicorn_worker.UvicornWorker``:
 
 - It serves with ``DrainingServer``: on SIGTERM readiness turns 503 at once and the worker
   keeps serving for ``drain_delay_s`` before it closes its socket and drains the batcher.
@@ -11,6 +11,7 @@ Four differences from ``uvicorn_worker.UvicornWorker``:
 - It refreshes its memory gauges every second: under gunicorn a scrape is answered by one
   worker, and the others' values would otherwise be as old as the last scrape they answered.
 - It drains and exits when its master dies, instead of serving on as an orphan.
+- It follows admin version switches made through its siblings (``version_sync.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn_worker import UvicornWorker
 
+from service import lifecycle, version_sync
 from service.cli import EXIT_STALLED, DrainingServer
+from service.errors import ConflictError, ServiceError
 from service.gunicorn_setup import worker_shutdown_s
 from service.state import ServiceState
 
@@ -70,17 +73,73 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
 
     async def _housekeeping(self, service: ServiceState, server: DrainingServer) -> None:
         """Tell gunicorn this worker is alive (uvicorn does so only once it serves, and loading
-        a model can take longer than gunicorn's timeout), refresh the memory gauges, and drain
-        and exit if the master has died (killed, say): uvicorn workers do not check, and an
-        orphan would go on holding the port and its share of memory forever."""
-        while True:
-            if os.getppid() != self.ppid:
-                logger.warning("master_gone", extra={"master_pid": self.ppid, "pid": os.getpid()})
-                server.handle_exit(signal.SIGTERM, None)
-                return
-            self.notify()
-            service.refresh_memory_gauges()
-            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+        a model can take longer than gunicorn's timeout), refresh the memory gauges, follow a
+        version another worker published, and drain and exit if the master has died (killed,
+        say): uvicorn workers do not check, and an orphan would go on holding the port and its
+        share of memory forever."""
+        follower = PublishedVersionFollower(service)
+        try:
+            while True:
+                if os.getppid() != self.ppid:
+                    logger.warning(
+                        "master_gone", extra={"master_pid": self.ppid, "pid": os.getpid()}
+                    )
+                    server.handle_exit(signal.SIGTERM, None)
+                    return
+                self.notify()
+                service.refresh_memory_gauges()
+                follower.check()
+                await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+        finally:
+            await follower.stop()
+
+
+class PublishedVersionFollower:
+    """Switches this worker to the version another worker published after an admin switch.
+
+    The switch (load, verify, warm up) runs in a task of its own, so the heartbeat to gunicorn
+    goes on meanwhile. A version this worker failed to load is not retried until another one is
+    published: the worker keeps serving what it has, and says so in its log.
+    """
+
+    def __init__(self, service: ServiceState) -> None:
+        self._service = service
+        self._switching: asyncio.Task[None] | None = None
+        self._refused: version_sync.PublishedVersion | None = None
+
+    def check(self) -> None:
+        if self._switching is not None and not self._switching.done():
+            return
+        service = self._service
+        if service.switch_lock.locked() or service.draining or service.stalled:
+            return  # an admin switch is under way here, or the worker is going away
+        published = version_sync.read_published()
+        current = service.manifest
+        if published is None or current is None:
+            return
+        if (current.name, current.version) == (published.name, published.version):
+            return
+        if published == self._refused:
+            return
+        self._switching = asyncio.create_task(self._switch(published))
+
+    async def _switch(self, published: version_sync.PublishedVersion) -> None:
+        try:
+            await lifecycle.switch_version(self._service, published.name, published.version)
+        except ConflictError:
+            return  # an admin switch began here meanwhile; look again at the next check
+        except ServiceError as error:
+            self._refused = published
+            logger.error(
+                "published_version_refused",
+                extra={"model": published.name, "version": published.version, "error": str(error)},
+            )
+
+    async def stop(self) -> None:
+        if self._switching is not None:
+            self._switching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._switching
 
 
 def _quit_now(server: DrainingServer) -> None:

@@ -17,11 +17,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from service import version_sync
 from service.batching import DynamicBatcher
 from service.buckets import resolve_edges
 from service.config import Settings
+from service.errors import ConflictError, ModelIntegrityError, ModelLoadError, ModelRejectedError
 from service.inputs import InputLayout
-from service.model_store import TensorSpec
+from service.model_store import Manifest, TensorSpec
 from service.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.state import Array, ServedModel, ServiceState
 
@@ -84,10 +86,14 @@ def switch_to(service: ServiceState, served: ServedModel) -> None:
         old = previous.manifest
         replaced = f"{old.name}@{old.version}"
         service.previous_version = (old.name, old.version)
-        service.metrics.model_info.remove(
+        old_info = (
             old.name, old.version, str(previous.runner.device), settings.precision,
             str(previous.runner.compiled),
         )  # fmt: skip
+        # Zeroed before it is removed: under gunicorn the value lives on in this worker's
+        # metrics file, which remove() does not touch, and would still read 1.
+        service.metrics.model_info.labels(*old_info).set(0)
+        service.metrics.model_info.remove(*old_info)
         retiring = asyncio.get_running_loop().create_task(retire(previous))
         service.retiring.add(retiring)
         retiring.add_done_callback(service.retiring.discard)
@@ -110,6 +116,33 @@ def switch_to(service: ServiceState, served: ServedModel) -> None:
     )
 
 
+async def switch_version(
+    service: ServiceState, name: str, version: str
+) -> tuple[Manifest, str | None]:
+    """Load ``name`` at ``version`` (or ``latest``) beside the serving version, then switch.
+
+    Returns the manifest now served and what it replaced (``name@version``), or None for what
+    it replaced when that version was being served already. Raises ``ConflictError`` while
+    another switch is under way, and ``ModelRejectedError`` when the version fails its hash
+    check or cannot be built: the serving version then stays.
+    """
+    if service.switch_lock.locked():
+        raise ConflictError("another version is being loaded; retry when it is done")
+    async with service.switch_lock:
+        current = service.manifest
+        serving = f"{current.name}@{current.version}" if current else "nothing"
+        manifest = service.store.resolve(name, version)
+        if current is not None and (current.name, current.version) == (name, manifest.version):
+            return current, None
+        try:
+            served = await load_version(service, name, manifest.version)
+        except (ModelIntegrityError, ModelLoadError) as error:
+            reason = str(error).replace(str(service.store.root), "<repository>")
+            raise ModelRejectedError(f"{reason}; still serving {serving}") from error
+        switch_to(service, served)
+    return served.manifest, serving
+
+
 async def retire(served: ServedModel) -> None:
     """Finish the requests already queued on a version, then free its device memory."""
     await served.batcher.drain()
@@ -123,18 +156,19 @@ async def retire(served: ServedModel) -> None:
 async def start_serving(service: ServiceState, on_load_failure: Callable[[], None] | None) -> None:
     """The initial load at start-up; a failure is recorded and reported, not raised."""
     settings = service.settings
+    name, version = settings.model_name, settings.model_version
+    # A worker started after an admin switch (a replacement) serves what its siblings serve.
+    published = version_sync.read_published()
+    if published is not None:
+        name, version = published.name, published.version
     started_s = time.perf_counter()
     try:
-        served = await load_version(service, settings.model_name, settings.model_version)
+        served = await load_version(service, name, version)
     except Exception as error:
         service.load_error = str(error)
         logger.error(
             "model_load_failed",
-            extra={
-                "model": settings.model_name,
-                "version": settings.model_version,
-                "error": str(error),
-            },
+            extra={"model": name, "version": version, "error": str(error)},
         )
         if on_load_failure is not None:
             on_load_failure()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,15 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
-from safetensors.torch import load_file, save_file
 
 from service.app import create_app
-from service.config import BUNDLED_MODEL_REPOSITORY, Settings
-from service.model_store import Architecture, ModelStore, TensorSpec
+from service.config import Settings
+from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 
 TOKEN = "s3cret-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 ONE_DIGIT = {"instances": [[[0.5] * 8] * 8]}
 
 
@@ -29,28 +26,10 @@ class Versions:
     tampered: str
 
 
-def add_digits_version(repository: Path, bias_shift: float) -> str:
-    """Package the bundled digits weights with the output bias shifted: a new version id."""
-    weights = load_file(str(BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact))
-    weights["classifier.3.bias"] = weights["classifier.3.bias"] + bias_shift
-    artifact = repository / f"shifted-{bias_shift}.safetensors"
-    save_file(weights, str(artifact))
-    manifest = ModelStore(repository).package(
-        name="digits",
-        artifact=artifact,
-        format="safetensors",
-        architecture=Architecture(import_path="service.models.digits:DigitsCNN"),
-        inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8)),),
-        outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
-    )
-    artifact.unlink()
-    return manifest.version
-
-
 @pytest.fixture
 def repository(tmp_path: Path) -> tuple[Path, Versions]:
     root = tmp_path / "models"
-    shutil.copytree(BUNDLED_MODEL_REPOSITORY / "digits", root / "digits")
+    copy_bundled_digits(root)
     retrained = add_digits_version(root, 0.5)
     tampered = add_digits_version(root, 1.0)
     artifact = root / "digits" / tampered / "model.safetensors"

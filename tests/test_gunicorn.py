@@ -7,6 +7,7 @@ must stop gunicorn instead of leaving workers that answer 503 forever.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ import pytest
 from prometheus_client import multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 from tests.processes import (
     BATCHSERVE,
     Running,
@@ -76,10 +78,10 @@ def digit_body(seed: int) -> dict[str, object]:
     return {"instances": np.random.default_rng(seed).random((1, 8, 8)).tolist()}
 
 
-async def send_predictions(url: str, count: int) -> list[int]:
+async def send_predictions(url: str, count: int) -> list[httpx.Response]:
     """``count`` predictions from ``CONCURRENCY`` callers, each on a new connection so that
     the kernel hands them to either worker."""
-    statuses: list[int] = []
+    responses: list[httpx.Response] = []
     sent = 0
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=0)
     started_s = time.monotonic()
@@ -92,10 +94,10 @@ async def send_predictions(url: str, count: int) -> list[int]:
                 response = await client.post(
                     "/predict", json=digit_body(index), headers={"connection": "close"}
                 )
-                statuses.append(response.status_code)
+                responses.append(response)
 
         await asyncio.gather(*(caller(index) for index in range(CONCURRENCY)))
-    return statuses
+    return responses
 
 
 def scraped_value(url: str, name: str, labels: dict[str, str]) -> float:
@@ -123,7 +125,7 @@ def predictions_per_worker(metrics_dir: Path) -> dict[int, float]:
 
 
 def test_requests_are_counted_once_across_workers(workers: Running, metrics_dir: Path) -> None:
-    statuses = asyncio.run(send_predictions(workers.url, REQUESTS))
+    statuses = [r.status_code for r in asyncio.run(send_predictions(workers.url, REQUESTS))]
     assert statuses == [200] * REQUESTS
 
     labels = {"route": "/predict", "status": "200"}
@@ -228,3 +230,58 @@ def test_workers_drain_and_exit_when_their_master_is_killed(tmp_path: Path) -> N
         finally:
             for pid in filter(alive, pids):
                 os.kill(pid, signal.SIGKILL)
+
+
+def serving_events(server: Running, version: str) -> list[dict[str, object]]:
+    """The ``model_serving`` log records (one per worker that started serving) of ``version``."""
+    events = []
+    for line in server.output().splitlines():
+        if '"model_serving"' in line and version in line:
+            record = json.loads(line)
+            if record["event"] == "model_serving" and record["version"] == version:
+                events.append(record)
+    return events
+
+
+def test_an_admin_switch_reaches_every_worker_and_their_replacements(tmp_path: Path) -> None:
+    repository = tmp_path / "models"
+    copy_bundled_digits(repository)
+    retrained = add_digits_version(repository, 0.5)
+    token = "gunicorn-admin-token-for-tests"
+    with start_workers(
+        tmp_path,
+        BATCHSERVE_MODEL_REPOSITORY=str(repository),
+        BATCHSERVE_MODEL_VERSION=DIGITS.version,
+        BATCHSERVE_ADMIN_TOKEN=token,
+    ) as server:
+        wait_until_every_worker_is_ready(server)
+        switched = httpx.post(
+            f"{server.url}/admin/models/digits/versions/{retrained}/load",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60.0,
+        )
+        assert switched.status_code == 200, switched.text
+        # The worker that answered switched at once; the other follows at its next check.
+        wait_for(
+            lambda: len(serving_events(server, retrained)) == WORKERS,
+            "every worker serving the new version",
+            server,
+            timeout_s=30.0,
+        )
+        responses = asyncio.run(send_predictions(server.url, 40))
+        assert {r.headers["x-model-version"] for r in responses} == {f"digits@{retrained}"}
+        info = {"model": "digits", "device": "cpu", "precision": "fp32", "compiled": "False"}
+        model_info = "batchserve_model_info"
+        assert scraped_value(server.url, model_info, info | {"version": retrained}) == 1
+        assert scraped_value(server.url, model_info, info | {"version": DIGITS.version}) == 0
+
+        # A worker started after the switch (here, the replacement for a killed one) serves
+        # the switched-to version, not the one in BATCHSERVE_MODEL_VERSION.
+        victim = int(re.findall(r"Booting worker with pid: (\d+)", server.output())[0])
+        os.kill(victim, signal.SIGKILL)
+        wait_for(
+            lambda: len(serving_events(server, retrained)) == WORKERS + 1,
+            "the replacement worker serving the new version",
+            server,
+        )
+        assert serving_events(server, retrained)[-1]["replaced"] is None

@@ -13,13 +13,15 @@ from service.config import Settings
 from service.gunicorn_setup import (
     TEMPORARY_METRICS_DIR_ENV,
     bind_address,
+    create_version_dir,
     give_worker_a_slot,
     graceful_timeout_s,
     gunicorn_options,
-    remove_temporary_metrics_dir,
+    remove_run_folders,
 )
 from service.launcher import prepare_multiprocess_dir, settings_environment
 from service.metrics import MULTIPROCESS_DIR_ENV
+from service.version_sync import VERSION_DIR_ENV, PublishedVersion, publish, read_published
 
 
 def test_a_named_metrics_dir_loses_its_stale_metric_files_only(tmp_path: Path) -> None:
@@ -52,7 +54,7 @@ def test_without_a_named_dir_a_temporary_one_is_made_and_removed_on_exit(
 
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    remove_temporary_metrics_dir(server=None)
+    remove_run_folders(server=None)
     assert not directory.exists()
 
 
@@ -61,8 +63,23 @@ def test_a_dir_named_by_the_operator_is_kept_on_exit(
 ) -> None:
     monkeypatch.setenv(MULTIPROCESS_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(TEMPORARY_METRICS_DIR_ENV, raising=False)
-    remove_temporary_metrics_dir(server=None)
+    remove_run_folders(server=None)
     assert tmp_path.is_dir()
+
+
+def test_the_published_version_folder_lives_as_long_as_the_master(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(VERSION_DIR_ENV, raising=False)
+    create_version_dir(server=None)
+    folder = Path(os.environ[VERSION_DIR_ENV])
+    assert folder.is_dir()
+    publish("digits", "abc123")
+    assert read_published() == PublishedVersion("digits", "abc123")
+    remove_run_folders(server=None)
+    assert not folder.exists()
+    assert VERSION_DIR_ENV not in os.environ
+    assert read_published() is None
 
 
 def test_flags_reach_the_workers_as_environment_variables() -> None:

@@ -1,0 +1,36 @@
+"""More versions of the bundled ``digits`` model, for the version-switching tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from service.config import BUNDLED_MODEL_REPOSITORY
+from service.model_store import Architecture, ModelStore, TensorSpec
+
+DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
+
+
+def copy_bundled_digits(repository: Path) -> None:
+    """``repository``/digits: the bundled version, in a repository the test may change."""
+    shutil.copytree(BUNDLED_MODEL_REPOSITORY / "digits", repository / "digits")
+
+
+def add_digits_version(repository: Path, bias_shift: float) -> str:
+    """Package the bundled digits weights with the output bias shifted: a new version id."""
+    weights = load_file(str(BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact))
+    weights["classifier.3.bias"] = weights["classifier.3.bias"] + bias_shift
+    artifact = repository / f"shifted-{bias_shift}.safetensors"
+    save_file(weights, str(artifact))
+    manifest = ModelStore(repository).package(
+        name="digits",
+        artifact=artifact,
+        format="safetensors",
+        architecture=Architecture(import_path="service.models.digits:DigitsCNN"),
+        inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8)),),
+        outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
+    )
+    artifact.unlink()
+    return manifest.version
