@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import signal
+import socket
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -44,25 +45,38 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._service = service
         self._drain_delay_s = drain_delay_s
-        self._drain_timer: threading.Timer | None = None
+        self._exit_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._service.draining = True
-        self._service.metrics.ready.set(0)
-        if self.should_exit or self._drain_timer is not None:
+        """SIGTERM or SIGINT (or the gunicorn worker, when its master is gone).
+
+        As a signal handler this runs between two bytecodes of the main thread, which may be
+        holding a lock just then: under gunicorn prometheus_client has one lock for every
+        metric, taken on each request. So it only sets attributes and leaves the rest to the
+        event loop; setting a metric here froze a worker under load until it was killed.
+        """
+        if self._exit_requested:
             # A second signal: stop waiting out the delay; a second Ctrl-C exits at once.
             self.force_exit = sig == signal.SIGINT and self.should_exit
             self.should_exit = True
             return
-        if self._drain_delay_s <= 0:
+        self._exit_requested = True
+        self._service.draining = True  # /readyz answers 503 from now on
+        if self._loop is None or self._drain_delay_s <= 0:
             self.should_exit = True
-            return
-        self._drain_timer = threading.Timer(self._drain_delay_s, self._stop_accepting)
-        self._drain_timer.daemon = True
-        self._drain_timer.start()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_drain)
 
-    def _stop_accepting(self) -> None:
-        self.should_exit = True
+    def _begin_drain(self) -> None:
+        """On the event loop: readiness off in the metrics; stop accepting after the delay."""
+        self._service.metrics.ready.set(0)
+        if not self.should_exit and self._loop is not None:
+            self._loop.call_later(self._drain_delay_s, self.stop)
 
     def stop(self) -> None:
         self.should_exit = True
