@@ -79,5 +79,7 @@ async def rollback(request: Request) -> Response:
 async def _switch(service: ServiceState, name: str, version: str) -> Response:
     manifest, replaced = await lifecycle.switch_version(service, name, version)
     # Published even when this worker served it already: the others may not.
-    version_sync.publish(manifest.name, manifest.version)
+    version_sync.publish(
+        version_sync.PublishedVersion(manifest.name, manifest.version, service.previous_version)
+    )
     return json_response({"serving": manifest_summary(manifest), "replaced": replaced})

@@ -174,6 +174,8 @@ async def start_serving(service: ServiceState, on_load_failure: Callable[[], Non
             on_load_failure()
         return
     switch_to(service, served)
+    if published is not None:
+        service.previous_version = published.previous  # so that a rollback here works too
     logger.info("model_ready", extra={"seconds": round(time.perf_counter() - started_s, 3)})
 
 

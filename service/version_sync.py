@@ -30,6 +30,8 @@ VERSION_FILE = "serving.json"
 class PublishedVersion:
     name: str
     version: str
+    previous: tuple[str, str] | None = None
+    """(name, version) served before the switch: what a worker started later rolls back to."""
 
 
 def version_file() -> Path | None:
@@ -38,15 +40,20 @@ def version_file() -> Path | None:
     return Path(directory) / VERSION_FILE if directory else None
 
 
-def publish(name: str, version: str) -> None:
-    """Tell the other workers to serve ``name`` at ``version`` (atomically: write, rename)."""
+def publish(published: PublishedVersion) -> None:
+    """Tell the other workers what to serve (atomically: write, then rename)."""
     path = version_file()
     if path is None:
         return
+    document = {
+        "name": published.name,
+        "version": published.version,
+        "previous": list(published.previous) if published.previous else None,
+    }
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".serving-", delete=False) as staged:
-        staged.write(orjson.dumps({"name": name, "version": version}))
+        staged.write(orjson.dumps(document))
     os.replace(staged.name, path)
-    logger.info("version_published", extra={"model": name, "version": version})
+    logger.info("version_published", extra={"model": published.name, "version": published.version})
 
 
 def read_published() -> PublishedVersion | None:
@@ -56,9 +63,14 @@ def read_published() -> PublishedVersion | None:
         return None
     try:
         document = orjson.loads(path.read_bytes())
-        return PublishedVersion(name=str(document["name"]), version=str(document["version"]))
+        previous = document.get("previous")
+        return PublishedVersion(
+            name=str(document["name"]),
+            version=str(document["version"]),
+            previous=(str(previous[0]), str(previous[1])) if previous else None,
+        )
     except FileNotFoundError:
         return None
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as error:
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, IndexError) as error:
         logger.error("published_version_unreadable", extra={"path": str(path), "error": str(error)})
         return None

@@ -12,6 +12,7 @@ from asgi_lifespan import LifespanManager
 
 from service.app import create_app
 from service.config import Settings
+from service.version_sync import VERSION_DIR_ENV, PublishedVersion, publish, read_published
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 
 TOKEN = "s3cret-admin-token-for-tests"
@@ -152,3 +153,24 @@ async def test_unknown_and_path_traversal_names_are_404(
 async def test_nothing_to_roll_back_to_is_a_conflict(client: httpx.AsyncClient) -> None:
     response = await client.post("/admin/rollback", headers=AUTH)
     assert response.status_code == 409
+
+
+async def test_a_worker_started_after_a_switch_serves_it_and_can_roll_it_back(
+    repository: tuple[Path, Versions], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under gunicorn a replacement worker starts on the version its siblings switched to
+    (``version_sync``), not on ``model_version``, and knows what came before it."""
+    root, versions = repository
+    monkeypatch.setenv(VERSION_DIR_ENV, str(tmp_path))
+    publish(PublishedVersion("digits", versions.retrained, previous=("digits", versions.original)))
+    settings = Settings(
+        model_repository=root, model_version=versions.original, device="cpu", admin_token=TOKEN
+    )
+    async for http in client_for(settings):
+        assert await serving_version(http) == versions.retrained
+        rolled_back = await http.post("/admin/rollback", headers=AUTH)
+        assert rolled_back.status_code == 200, rolled_back.text
+        assert await serving_version(http) == versions.original
+        assert read_published() == PublishedVersion(
+            "digits", versions.original, previous=("digits", versions.retrained)
+        )

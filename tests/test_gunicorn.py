@@ -285,3 +285,19 @@ def test_an_admin_switch_reaches_every_worker_and_their_replacements(tmp_path: P
             server,
         )
         assert serving_events(server, retrained)[-1]["replaced"] is None
+
+        # Whichever worker answers, the replacement included, rolls every worker back.
+        rolled_back = httpx.post(
+            f"{server.url}/admin/rollback",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60.0,
+        )
+        assert rolled_back.status_code == 200, rolled_back.text
+        wait_for(
+            lambda: len(serving_events(server, DIGITS.version)) == 2 * WORKERS,
+            "every worker serving the original version again",
+            server,
+            timeout_s=30.0,
+        )
+        responses = asyncio.run(send_predictions(server.url, 40))
+        assert {r.headers["x-model-version"] for r in responses} == {f"digits@{DIGITS.version}"}

@@ -74,8 +74,8 @@ def test_the_published_version_folder_lives_as_long_as_the_master(
     create_version_dir(server=None)
     folder = Path(os.environ[VERSION_DIR_ENV])
     assert folder.is_dir()
-    publish("digits", "abc123")
-    assert read_published() == PublishedVersion("digits", "abc123")
+    publish(PublishedVersion("digits", "abc123", previous=("digits", "0ld")))
+    assert read_published() == PublishedVersion("digits", "abc123", ("digits", "0ld"))
     remove_run_folders(server=None)
     assert not folder.exists()
     assert VERSION_DIR_ENV not in os.environ
