@@ -243,6 +243,24 @@ def serving_events(server: Running, version: str) -> list[dict[str, object]]:
     return events
 
 
+def admin_switch(server: Running, token: str, route: str, version: str, events: int) -> None:
+    """POST the admin ``route``; wait until ``version`` has ``events`` ``model_serving`` log
+    records in all (the worker that answered switches at once, the others at their next
+    check); then every answer, on new connections to either worker, must come from it."""
+    switched = httpx.post(
+        f"{server.url}/admin{route}", headers={"Authorization": f"Bearer {token}"}, timeout=60.0
+    )
+    assert switched.status_code == 200, switched.text
+    wait_for(
+        lambda: len(serving_events(server, version)) == events,
+        f"every worker serving {version}",
+        server,
+        timeout_s=30.0,
+    )
+    responses = asyncio.run(send_predictions(server.url, 40))
+    assert {r.headers["x-model-version"] for r in responses} == {f"digits@{version}"}
+
+
 def test_an_admin_switch_reaches_every_worker_and_their_replacements(tmp_path: Path) -> None:
     repository = tmp_path / "models"
     copy_bundled_digits(repository)
@@ -255,21 +273,7 @@ def test_an_admin_switch_reaches_every_worker_and_their_replacements(tmp_path: P
         BATCHSERVE_ADMIN_TOKEN=token,
     ) as server:
         wait_until_every_worker_is_ready(server)
-        switched = httpx.post(
-            f"{server.url}/admin/models/digits/versions/{retrained}/load",
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=60.0,
-        )
-        assert switched.status_code == 200, switched.text
-        # The worker that answered switched at once; the other follows at its next check.
-        wait_for(
-            lambda: len(serving_events(server, retrained)) == WORKERS,
-            "every worker serving the new version",
-            server,
-            timeout_s=30.0,
-        )
-        responses = asyncio.run(send_predictions(server.url, 40))
-        assert {r.headers["x-model-version"] for r in responses} == {f"digits@{retrained}"}
+        admin_switch(server, token, f"/models/digits/versions/{retrained}/load", retrained, WORKERS)
         info = {"model": "digits", "device": "cpu", "precision": "fp32", "compiled": "False"}
         model_info = "batchserve_model_info"
         assert scraped_value(server.url, model_info, info | {"version": retrained}) == 1
@@ -287,17 +291,4 @@ def test_an_admin_switch_reaches_every_worker_and_their_replacements(tmp_path: P
         assert serving_events(server, retrained)[-1]["replaced"] is None
 
         # Whichever worker answers, the replacement included, rolls every worker back.
-        rolled_back = httpx.post(
-            f"{server.url}/admin/rollback",
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=60.0,
-        )
-        assert rolled_back.status_code == 200, rolled_back.text
-        wait_for(
-            lambda: len(serving_events(server, DIGITS.version)) == 2 * WORKERS,
-            "every worker serving the original version again",
-            server,
-            timeout_s=30.0,
-        )
-        responses = asyncio.run(send_predictions(server.url, 40))
-        assert {r.headers["x-model-version"] for r in responses} == {f"digits@{DIGITS.version}"}
+        admin_switch(server, token, "/rollback", DIGITS.version, 2 * WORKERS)
