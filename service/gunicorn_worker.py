@@ -29,7 +29,7 @@ from uvicorn_worker import UvicornWorker
 
 from service import lifecycle, version_sync
 from service.cli import EXIT_STALLED, DrainingServer
-from service.errors import ConflictError, ServiceError
+from service.errors import ConflictError
 from service.gunicorn_setup import worker_shutdown_s
 from service.state import ServiceState
 
@@ -128,7 +128,7 @@ class PublishedVersionFollower:
             await lifecycle.switch_version(self._service, published.name, published.version)
         except ConflictError:
             return  # an admin switch began here meanwhile; look again at the next check
-        except ServiceError as error:
+        except Exception as error:  # refused (422), gone from the repository, or worse
             self._refused = published
             logger.error(
                 "published_version_refused",
