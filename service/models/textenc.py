@@ -38,14 +38,14 @@ class TextEncoder(nn.Module):
         self.norm = nn.LayerNorm(width)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        padding = token_ids == PAD_ID
+        real = token_ids != PAD_ID
         positions = torch.arange(token_ids.shape[1], device=token_ids.device)
         hidden = self.tokens(token_ids) + self.positions(positions)
-        attend = (~padding)[:, None, None, :]  # (batch, 1, 1, length): keys that may be attended
+        attend = real[:, None, None, :]  # (batch, 1, 1, length): keys that may be attended
         for layer in self.encoder.layers:
             hidden = encoder_layer(layer, hidden, attend)
         hidden = self.norm(hidden)
-        keep = (~padding).unsqueeze(-1).to(hidden.dtype)
+        keep = real.unsqueeze(-1).to(hidden.dtype)
         pooled: torch.Tensor = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
         return pooled
 
