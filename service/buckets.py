@@ -11,7 +11,19 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from service.manifest import TensorSpec
+
 SMALLEST_DEFAULT_EDGE = 8
+#: Longest variable length assumed when a spec gives no ``max_length`` and no buckets are set.
+DEFAULT_MAX_LENGTH = 4096
+
+
+def length_edges(spec: TensorSpec, configured: Sequence[int]) -> tuple[int, ...]:
+    """The bucket edges of ``spec``'s variable axis; none for an input of fixed shape."""
+    if spec.variable_axis is None:
+        return ()
+    longest = spec.max_length or max(configured, default=DEFAULT_MAX_LENGTH)
+    return resolve_edges(configured, longest)
 
 
 def default_edges(max_length: int) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ value fails at start-up with a message naming the variable, the value and the ra
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,11 +16,14 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "BATCHSERVE_"
+#: Seconds added to the request timeout when waiting for requests to finish at shutdown.
+SHUTDOWN_MARGIN_S = 5
 
 #: The repository of the source checkout, holding the embedded demo models.
 BUNDLED_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_LISTED_DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+)$")
 
 Precision = Literal["fp32", "fp16", "bf16"]
 BatchPolicy = Literal["adaptive", "fixed"]
@@ -27,6 +31,7 @@ CompileMode = Literal[
     "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
 ]
 LogLevel = Literal["debug", "info", "warning", "error"]
+EngineMode = Literal["auto", "in_process", "process"]
 
 
 class Settings(BaseSettings):
@@ -48,8 +53,18 @@ class Settings(BaseSettings):
     """TCP port of the HTTP server."""
 
     workers: int = Field(default=1, ge=1, le=64)
-    """Server processes; above 1, gunicorn runs that many uvicorn workers, each with its own
-    copy of the model (and, with ``device`` auto or cuda, its own GPU while there are enough)."""
+    """HTTP front-end processes (gunicorn with uvicorn workers). They parse, validate and
+    answer; the model runs in one engine process per device, shared by all of them."""
+
+    engine_mode: EngineMode = "auto"
+    """``in_process``: one process serves alone, front end and engine in one event loop (one
+    worker, one device); ``process``: a supervisor runs the front ends and one engine process
+    per device; ``auto``: ``in_process`` for one worker on one device, else ``process``."""
+
+    engine_heartbeat_timeout_s: float = Field(default=10.0, ge=0.5, le=600.0)
+    """An engine process that sends nothing for this long is treated as hung: front ends
+    answer 503 for it and the supervisor kills and restarts it. (A model that hangs inside a
+    batch is caught sooner or later by ``stall_timeout_s``.)"""
 
     model_repository: Path = BUNDLED_MODEL_REPOSITORY
     """Folder holding ``<name>/<version>/manifest.json``; defaults to the embedded demo models."""
@@ -61,7 +76,8 @@ class Settings(BaseSettings):
     """``latest`` (newest manifest by creation time) or a 12-hex-character version id."""
 
     device: str = "auto"
-    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    """``auto`` (every GPU when there are any, else the CPU), ``cpu``, ``cuda`` (every GPU),
+    ``cuda:N``, or a list of devices (``cuda:0,cuda:2``); one engine serves each device."""
 
     precision: Precision = "fp32"
     """``fp32``, or autocast to ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA only)."""
@@ -124,9 +140,14 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
-        if not _DEVICE_PATTERN.match(value):
-            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
-        return value
+        devices = [part.strip() for part in value.split(",")]
+        if len(devices) == 1 and _DEVICE_PATTERN.match(devices[0]):
+            return devices[0]
+        if len(devices) > 1 and all(_LISTED_DEVICE_PATTERN.match(part) for part in devices):
+            return ",".join(devices)
+        raise ValueError(
+            f"must be auto, cpu, cuda, cuda:N or a list of cpu and cuda:N, got {value!r}"
+        )
 
     @field_validator("warmup_batch_sizes", "length_buckets", mode="before")
     @classmethod
@@ -150,12 +171,23 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Settings:
+        if self.engine_mode == "in_process" and (self.workers > 1 or "," in self.device):
+            raise ValueError(
+                "engine_mode in_process serves with one worker on one device; "
+                f"got workers={self.workers}, device={self.device!r}: use engine_mode=process"
+            )
         if any(size > self.max_batch_size for size in self.warmup_batch_sizes):
             raise ValueError(
                 f"warmup_batch_sizes {self.warmup_batch_sizes} must not exceed "
                 f"max_batch_size {self.max_batch_size}"
             )
         return self
+
+    @property
+    def shutdown_grace_s(self) -> int:
+        """How long a stopping process waits for the requests it holds: the longest a queued
+        request can still take (its deadline), plus a margin to answer it."""
+        return math.ceil(self.request_timeout_ms / 1000) + SHUTDOWN_MARGIN_S
 
 
 class SettingsError(Exception):

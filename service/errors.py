@@ -6,6 +6,8 @@ contain file-system paths or secrets.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ServiceError(Exception):
     """Base of every error that maps to an HTTP answer."""
@@ -17,6 +19,23 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The error as it crosses the bridge; ``from_wire`` rebuilds it on the other side."""
+        return {
+            "status": self.status_code,
+            "code": self.code,
+            "message": self.message,
+            "headers": self.headers,
+        }
+
+
+def error_from_wire(document: dict[str, Any]) -> ServiceError:
+    """A ``ServiceError`` with the status, code, message and headers an engine sent."""
+    error = ServiceError(str(document["message"]), headers=dict(document.get("headers") or {}))
+    error.status_code = int(document["status"])
+    error.code = str(document["code"])
+    return error
 
 
 class BadRequestError(ServiceError):
@@ -108,6 +127,13 @@ class NotReadyError(RetryLaterError):
 
     status_code = 503
     code = "not_ready"
+
+
+class EngineUnavailableError(RetryLaterError):
+    """No engine can take the request: it died, hung or is restarting."""
+
+    status_code = 503
+    code = "engine_unavailable"
 
 
 class InsufficientDeviceMemoryError(RetryLaterError):

@@ -1,8 +1,11 @@
-"""Every Prometheus metric of the service, defined once, in a registry owned by one app.
+"""Every Prometheus metric of the service, defined once, in registries owned by the caller.
 
-Under gunicorn the launcher sets ``PROMETHEUS_MULTIPROC_DIR``; then each worker writes its
-values to files there and ``render_metrics`` aggregates all workers. Each gauge declares how
-it is aggregated across workers (``multiprocess_mode``).
+Front ends count requests (``FrontendMetrics``); engines count what happens to the queue and
+the batches (``EngineMetrics``); one process serving alone registers both in one registry.
+With several processes the server sets ``PROMETHEUS_MULTIPROC_DIR``: each process writes its
+values to files there and ``render`` adds up all of them, so request counts sum over front
+ends and batch histograms come from the engines once. Each gauge declares how it is
+aggregated across processes (``multiprocess_mode``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import resource
 import sys
 from enum import StrEnum
+from typing import Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -33,6 +37,8 @@ BATCH_SIZE_BUCKETS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 10
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+ProcessRole = Literal["frontend", "engine", "server"]
+
 
 class DropReason(StrEnum):
     """Label values of ``batchserve_dropped_requests_total``."""
@@ -43,14 +49,17 @@ class DropReason(StrEnum):
     DRAINING = "draining"
 
 
-class ServiceMetrics:
-    """The metric objects of one service instance; pass a fresh registry per app in tests."""
+def _fresh_registry(registry: CollectorRegistry | None) -> CollectorRegistry:
+    # The *_created series double the exposition size and no dashboard uses them.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    return registry if registry is not None else CollectorRegistry()
+
+
+class FrontendMetrics:
+    """What a front end counts: requests by route and status, and its readiness."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        # The *_created series double the exposition size and no dashboard uses them.
-        disable_created_metrics()  # type: ignore[no-untyped-call]
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        self.registry = r = _fresh_registry(registry)
         self.requests = Counter(
             "batchserve_requests",
             "HTTP requests answered, by route and status code.",
@@ -69,6 +78,31 @@ class ServiceMetrics:
             "Prediction requests received and not yet answered (queued or running).",
             registry=r,
             multiprocess_mode="livesum",
+        )
+        self.ready = Gauge(
+            "batchserve_ready",
+            "1 when the front end can reach a ready engine and is not draining.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.engines_ready = Gauge(
+            "batchserve_engines_ready",
+            "Engines this front end reaches that are ready (the least over front ends).",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+
+
+class EngineMetrics:
+    """What an engine counts: its queue, its batches, its model and its device's memory."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = _fresh_registry(registry)
+        self.starts = Counter(
+            "batchserve_engine_starts",
+            "Engine processes started, by device: more than one per device means restarts.",
+            ["device"],
+            registry=r,
         )
         self.queue_depth = Gauge(
             "batchserve_queue_depth",
@@ -125,18 +159,6 @@ class ServiceMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
-        self.ready = Gauge(
-            "batchserve_ready",
-            "1 when the model is loaded and warmed up and the server is not draining.",
-            registry=r,
-            multiprocess_mode="livemin",
-        )
-        self.resident_memory = Gauge(
-            "batchserve_process_resident_memory_bytes",
-            "Resident memory of the serving process(es).",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
         self.device_memory_allocated = Gauge(
             "batchserve_device_memory_allocated_bytes",
             "CUDA memory held by tensors (torch.cuda.memory_allocated); 0 on CPU.",
@@ -152,13 +174,34 @@ class ServiceMetrics:
             multiprocess_mode="livesum",
         )
 
-    def render(self) -> bytes:
-        """Prometheus text exposition of this process, or of all workers in multiprocess mode."""
-        if os.environ.get(MULTIPROCESS_DIR_ENV):
-            aggregate = CollectorRegistry()
-            multiprocess.MultiProcessCollector(aggregate)  # type: ignore[no-untyped-call]
-            return generate_latest(aggregate)
-        return generate_latest(self.registry)
+
+class ProcessMetrics:
+    """The resident memory of this process, labelled with its role."""
+
+    def __init__(self, role: ProcessRole, registry: CollectorRegistry | None = None) -> None:
+        self.registry = _fresh_registry(registry)
+        self.role = role
+        self._resident_memory = Gauge(
+            "batchserve_process_resident_memory_bytes",
+            "Resident memory of the serving processes, by role: frontend, engine, or server "
+            "(one process doing both).",
+            ["role"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+
+    def refresh(self) -> None:
+        self._resident_memory.labels(self.role).set(resident_memory_bytes())
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text exposition of ``registry``, or of every process of the server in
+    multiprocess mode."""
+    if os.environ.get(MULTIPROCESS_DIR_ENV):
+        aggregate = CollectorRegistry()
+        multiprocess.MultiProcessCollector(aggregate)  # type: ignore[no-untyped-call]
+        return generate_latest(aggregate)
+    return generate_latest(registry)
 
 
 def resident_memory_bytes() -> int:

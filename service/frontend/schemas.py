@@ -38,11 +38,12 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: str
+    status: str = Field(description="alive, or stalled (one process whose model hung).")
+    engine: str = Field(description="The engines' state: ready, loading, stalled, down...")
 
 
 class ReadinessResponse(BaseModel):
-    status: str = Field(description="ready, loading, draining or failed.")
+    status: str = Field(description="ready, loading, draining, down, stalled or failed.")
     model: str | None = None
     version: str | None = None
 
@@ -56,8 +57,16 @@ class LoadedModelInfo(BaseModel):
     manifest: dict[str, Any]
 
 
+class EngineInfo(BaseModel):
+    device: str
+    status: str
+    version: str | None
+    pid: int | None
+
+
 class ModelsResponse(BaseModel):
     loaded: LoadedModelInfo | None
+    engines: list[EngineInfo] = Field(description="Each engine (one per device), in order.")
     versions: list[dict[str, Any]] = Field(
         description="Every version of the served model in the repository, oldest first."
     )

@@ -1,17 +1,15 @@
-"""``create_app(settings)``: the app with its state, routes, middleware and error answers.
+"""``create_frontend_app``: a front end's ASGI app, with its routes, middleware and error answers.
 
-The model loads in a background task started by the lifespan (``lifecycle.py`` builds the
-runner and batcher), so ``/healthz`` answers while weights are verified, the model is compiled
-and warmed up; ``/readyz`` turns 200 only then. On shutdown readiness turns off first, then the
-batcher drains and the device is freed.
+The app knows the engines only as ``frontend.engine`` (an ``EngineClient``). What starts and
+stops them is the caller's ``lifespan``: ``server/single.py`` runs an engine in this process,
+``server/frontend_process.py`` connects to engine processes through the bridge.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -20,57 +18,36 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from service import admin, api, lifecycle
-from service.config import Settings
 from service.errors import ServiceError
-from service.metrics import ServiceMetrics
-from service.middleware import ServiceMiddleware
-from service.model_store import ModelStore
-from service.state import ServiceState
+from service.frontend import admin, routes
+from service.frontend.middleware import ServiceMiddleware
+from service.frontend.responses import (
+    error_response,
+    internal_error_response,
+    service_error_response,
+)
+from service.frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
-
 
 try:
     __version__ = version("batchserve")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0"
 
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
-def create_app(
-    settings: Settings,
-    on_load_failure: Callable[[], None] | None = None,
-    on_stall: Callable[[], None] | None = None,
-) -> FastAPI:
-    """Build the ASGI app for ``settings``; nothing is loaded until its lifespan starts.
 
-    ``on_load_failure`` is called if the model cannot be loaded (the CLI uses it to stop the
-    server and exit non-zero); ``app.state.loading`` is the loading task, for tests to await.
-    """
-    metrics = ServiceMetrics()
-    service = ServiceState(
-        settings=settings,
-        metrics=metrics,
-        store=ModelStore(settings.model_repository),
-        on_stall=on_stall,
-    )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.loading = asyncio.create_task(lifecycle.start_serving(service, on_load_failure))
-        try:
-            yield
-        finally:
-            await lifecycle.shut_down(service, app.state.loading)
-
+def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
+    """The ASGI app serving ``frontend``; ``lifespan`` brings its engines up and down."""
     app = ServingApp(
-        service,
+        frontend,
         title="batchserve",
         version=__version__,
         summary="PyTorch model serving with dynamic batching.",
         lifespan=lifespan,
     )
-    app.include_router(api.router)
+    app.include_router(routes.router)
     app.include_router(admin.router)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
@@ -86,10 +63,10 @@ class ServingApp(FastAPI):
     error, telemetry and body-limit layers run; every other request goes through them.
     """
 
-    def __init__(self, service: ServiceState, **options: Any) -> None:
+    def __init__(self, frontend: FrontendState, **options: Any) -> None:
         super().__init__(**options)
-        self.state.service = service
-        self._outer = ServiceMiddleware(super().__call__, service)
+        self.state.frontend = frontend
+        self._outer = ServiceMiddleware(super().__call__, frontend)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._outer(scope, receive, send)
@@ -100,14 +77,12 @@ def _request_id(request: Request) -> str:
 
 
 async def _service_error_response(request: Request, error: ServiceError) -> Response:
-    return api.error_response(
-        error.status_code, error.code, error.message, _request_id(request), error.headers
-    )
+    return service_error_response(error, _request_id(request))
 
 
 async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-    return api.error_response(
+    return error_response(
         error.status_code, code, str(error.detail), _request_id(request), error.headers
     )
 
@@ -117,7 +92,7 @@ async def _validation_error_response(request: Request, error: RequestValidationE
         f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
         for problem in error.errors()
     )
-    return api.error_response(422, "invalid_input", problems, _request_id(request))
+    return error_response(422, "invalid_input", problems, _request_id(request))
 
 
 async def _unexpected_error_response(request: Request, error: Exception) -> Response:
@@ -126,4 +101,4 @@ async def _unexpected_error_response(request: Request, error: Exception) -> Resp
         exc_info=error,
         extra={"request_id": _request_id(request), "path": request.url.path},
     )
-    return api.error_response(500, "internal_error", "internal server error", _request_id(request))
+    return internal_error_response(_request_id(request))

@@ -17,11 +17,11 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from service.config import CompileMode, Precision
 from service.errors import DeviceOutOfMemoryError, ModelLoadError
+from service.types import Array
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,6 @@ _AUTOCAST_DTYPES: dict[Precision, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-
-Array = npt.NDArray[np.generic]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -124,6 +122,7 @@ class TorchRunner:
         next of ``length_edges`` so compiled shapes stay few."""
         check_precision(precision, device)
         self.device = device
+        self._on_cuda = device.type == "cuda"
         self.precision = precision
         self.compile_mode = compile_mode
         self.max_batch_size = max_batch_size
@@ -198,7 +197,7 @@ class TorchRunner:
         if padded_rows > total_rows:
             padding = inputs.new_zeros((padded_rows - total_rows, *inputs.shape[1:]))
             inputs = torch.cat([inputs, padding])
-        if self.device.type == "cuda":
+        if self._on_cuda:
             inputs = inputs.pin_memory().to(self.device, non_blocking=True)
         try:
             with torch.inference_mode(), self._autocast():
@@ -221,8 +220,13 @@ class TorchRunner:
             )
         # One device-to-host copy per batch, in fp32 whatever the autocast precision.
         host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
-        offsets = np.cumsum(rows)[:-1]
-        return list(np.split(host_outputs, offsets))
+        if len(rows) == 1:
+            return [host_outputs]
+        split, start = [], 0
+        for count in rows:  # slices, not np.split: a tenth of its cost per batch
+            split.append(host_outputs[start : start + count])
+            start += count
+        return split
 
     def _pad_lengths(self, payloads: Sequence[Array]) -> Sequence[Array]:
         """Pad the variable axis of every payload to the batch's length (its bucket if compiled)."""

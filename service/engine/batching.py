@@ -24,10 +24,10 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from service.config import BatchPolicy
 from service.errors import (
@@ -40,12 +40,11 @@ from service.errors import (
     QueueFullError,
     ServiceError,
 )
-from service.metrics import DropReason, ServiceMetrics
+from service.metrics import DropReason, EngineMetrics
+from service.types import PRIORITIES, Priority
 
 logger = logging.getLogger(__name__)
 
-Priority = Literal["high", "normal"]
-PRIORITIES: tuple[Priority, ...] = ("high", "normal")
 #: After this many batches led by high-priority requests while normal ones wait, the next
 #: batch is filled with normal requests first, so normal traffic is never starved.
 HIGH_PRIORITY_STREAK_LIMIT = 3
@@ -82,6 +81,31 @@ class _Entry(Generic[PayloadT, OutputT]):
     future: asyncio.Future[OutputT]
     queued: bool = True
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    def resolve(self, output: OutputT) -> None:
+        """Answer with ``output``, unless answered already (deadline, cancel)."""
+        if not self.future.done():
+            self.future.set_result(output)
+        self._stop_timer()
+
+    def reject(self, error: BaseException) -> None:
+        """Answer with ``error``, unless answered already."""
+        if not self.future.done():
+            self.future.set_exception(error)
+        self._stop_timer()
+
+    def withdraw(self) -> None:
+        """Its caller has gone: cancel the future, unless answered already."""
+        if not self.future.done():
+            self.future.cancel()
+        elif not self.future.cancelled():
+            self.future.exception()  # mark an error nobody will read as retrieved
+        self._stop_timer()
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class _Group(Generic[PayloadT, OutputT]):
@@ -122,6 +146,56 @@ class _Group(Generic[PayloadT, OutputT]):
         self.cost += sign * entry.cost
 
 
+class Ticket(Generic[OutputT]):
+    """A queued request: the futures of its chunks, in request order.
+
+    It always finishes: each chunk is answered by its batch, its deadline or a cancel, and
+    once one chunk has failed the request's other chunks still queued are dropped.
+    """
+
+    def __init__(
+        self, batcher: DynamicBatcher[Any, OutputT], entries: list[_Entry[Any, OutputT]]
+    ) -> None:
+        self._batcher = batcher
+        self._entries = entries
+        self._pending = len(entries)
+        self._callbacks: list[Callable[[Ticket[OutputT]], None]] = []
+        for entry in entries:
+            entry.future.add_done_callback(self._chunk_done)
+
+    def add_done_callback(self, callback: Callable[[Ticket[OutputT]], None]) -> None:
+        """Call ``callback(ticket)`` once every chunk is answered (result, error or cancel)."""
+        if self._pending == 0:
+            asyncio.get_running_loop().call_soon(callback, self)
+        else:
+            self._callbacks.append(callback)
+
+    def outputs(self) -> list[OutputT]:
+        """Every chunk's output once done; raises the first chunk's error or CancelledError."""
+        return [entry.future.result() for entry in self._entries]
+
+    async def wait(self) -> list[OutputT]:
+        """The outputs; if the caller is cancelled meanwhile, the request is withdrawn."""
+        try:
+            return [await entry.future for entry in self._entries]
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Withdraw the request: its chunks still queued are dropped and never computed."""
+        self._batcher._abandon(self._entries, DropReason.CANCELLED)
+
+    def _chunk_done(self, future: asyncio.Future[OutputT]) -> None:
+        self._pending -= 1
+        if self._pending and (future.cancelled() or future.exception() is not None):
+            self.cancel()  # the request has failed as a whole
+        if self._pending == 0:
+            callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback(self)
+
+
 class DynamicBatcher(Generic[PayloadT, OutputT]):
     """Queues requests and runs them in batches through ``run_batch`` on ``executor``.
 
@@ -132,9 +206,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     - ``fixed``: wait until the oldest request has waited ``max_wait_ms`` or a batch is full.
     - ``adaptive``: first let requests that have already arrived join; then dispatch as soon
-      as the batch holds as many rows as the server is handling requests (see ``in_flight``,
-      counted when the batch starts to form, which includes those just answered) or as the
-      last batch had, waiting never past ``max_wait_ms``. A lone client never waits for
+      as the batch holds as many rows as there are requests queued or running (counted when
+      the batch starts to form, which includes those just answered) or as the last batch
+      had, waiting never past ``max_wait_ms``. A lone client never waits for
       batch-mates that are not coming; 64 concurrent clients fill batches of 64, because the
       clients just answered come back within a round trip. Batches also grow while the
       device is busy, because they are only collected when it is free.
@@ -145,7 +219,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         run_batch: BatchFunction[PayloadT, OutputT],
         *,
         executor: Executor,
-        metrics: ServiceMetrics,
+        metrics: EngineMetrics,
         max_batch_size: int,
         max_wait_ms: float,
         max_queue_size: int,
@@ -221,15 +295,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         device memory."""
         return self._row_limit
 
-    @contextlib.contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """Count a request from its arrival to its answer, to size adaptive batches."""
-        self._in_flight += 1
-        try:
-            yield
-        finally:
-            self._in_flight -= 1
-
     # ----------------------------------------------------------------- submitting
 
     async def submit(
@@ -240,16 +305,44 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         cost_per_row: int = 0,
         priority: Priority = "normal",
         request_id: str = "-",
+        deadline_s: float | None = None,
     ) -> list[OutputT]:
         """Queue one request and wait for its outputs (one per chunk that fits in a batch).
+
+        ``enqueue`` says what the arguments mean and what is raised. If the caller is
+        cancelled while waiting, the request's chunks still queued are dropped.
+        """
+        ticket = self.enqueue(
+            payload,
+            group=group,
+            cost_per_row=cost_per_row,
+            priority=priority,
+            request_id=request_id,
+            deadline_s=deadline_s,
+        )
+        return await ticket.wait()
+
+    def enqueue(
+        self,
+        payload: PayloadT,
+        *,
+        group: Hashable,
+        cost_per_row: int = 0,
+        priority: Priority = "normal",
+        request_id: str = "-",
+        deadline_s: float | None = None,
+    ) -> Ticket[OutputT]:
+        """Queue one request now; its ``Ticket`` gets its outputs, one per chunk.
 
         Requests share a batch only within the same ``group``. ``cost_per_row`` (e.g. padded
         tokens) counts against ``max_batch_cost`` when that is set; a chunk holds at least one
         row whatever its cost. ``high`` priority requests are taken before ``normal`` ones.
+        ``deadline_s`` (``time.monotonic()``, which is system-wide, so a front end in another
+        process can set it) defaults to ``request_timeout_ms`` from now.
 
-        Raises ``QueueFullError`` at once when the queue is full, ``NotReadyError`` while
-        draining or stalled, ``DeadlineExceededError`` past the request timeout, and
-        ``InferenceError`` when the model fails on this request's input.
+        Raises ``QueueFullError`` at once when the queue is full and ``NotReadyError`` while
+        draining or stalled; the ticket fails with ``DeadlineExceededError`` past the deadline
+        and ``InferenceError`` when the model fails on this request's input.
         """
         if not self.accepting or self._collector is None:
             self._metrics.dropped.labels(DropReason.DRAINING).inc()
@@ -272,7 +365,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
         loop = asyncio.get_running_loop()
         arrival_s = time.monotonic()
-        deadline = loop.time() + self._request_timeout_s
+        # The loop's clock may be coarser than time.monotonic() (uvloop's is in milliseconds).
+        remaining_s = self._request_timeout_s if deadline_s is None else deadline_s - arrival_s
+        deadline = loop.time() + remaining_s
         entries = [
             _Entry[PayloadT, OutputT](
                 payload=chunk,
@@ -289,15 +384,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         for entry in entries:
             entry.timer = loop.call_at(deadline, self._expire, entry)
             self._enqueue(entry)
-        try:
-            return [await entry.future for entry in entries]
-        except BaseException:  # cancelled, expired or failed: drop the chunks still queued
-            self._abandon(entries, DropReason.CANCELLED)
-            raise
-        finally:
-            for entry in entries:
-                if entry.timer is not None:
-                    entry.timer.cancel()
+        self._in_flight += 1
+        ticket = Ticket(self, entries)
+        ticket.add_done_callback(self._answered)
+        return ticket
+
+    def _answered(self, ticket: Ticket[OutputT]) -> None:
+        self._in_flight -= 1
 
     def _enqueue(self, entry: _Entry[PayloadT, OutputT]) -> None:
         group = self._groups.get(entry.group)
@@ -333,12 +426,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     def _expire(self, entry: _Entry[PayloadT, OutputT]) -> None:
         """Deadline timer: answer 504 now, even while another batch is running."""
+        entry.timer = None
         if entry.future.done():
             return
         if entry.queued:
             self._dequeue(entry)
         self._metrics.dropped.labels(DropReason.EXPIRED).inc()
-        entry.future.set_exception(
+        entry.reject(
             DeadlineExceededError(
                 f"the request was not answered within {self._request_timeout_s * 1000:.0f} ms"
             )
@@ -350,10 +444,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             if entry.queued:
                 self._dequeue(entry)
                 self._metrics.dropped.labels(reason).inc()
-            if not entry.future.done():
-                entry.future.cancel()
-            elif not entry.future.cancelled():
-                entry.future.exception()  # mark a sibling chunk's error as retrieved
+            entry.withdraw()
 
     # ----------------------------------------------------------------- collecting
 
@@ -367,9 +458,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             except Exception:  # never let one batch stop the collector
                 logger.exception("batch_failed_unexpectedly")
                 for entry in batch:
-                    _set_exception_if_pending(
-                        entry.future, InferenceError("internal error while running the batch")
-                    )
+                    entry.reject(InferenceError("internal error while running the batch"))
 
     async def _next_batch(self) -> list[_Entry[PayloadT, OutputT]] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
@@ -494,18 +583,20 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             return
         self._metrics.inference_latency.observe(time.perf_counter() - started_s)
         for entry, output in zip(batch, outputs, strict=True):
-            _set_result_if_pending(entry.future, output)
+            entry.resolve(output)
 
     async def _forward(self, payloads: list[PayloadT]) -> Sequence[OutputT]:
         """``run_batch`` in the executor, watching for a batch that never comes back."""
-        running = asyncio.get_running_loop().run_in_executor(
-            self._executor, self._run_batch, payloads
-        )
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._run_batch, payloads)
+        watchdog = None
         if self._stall_timeout_s > 0:
-            done, _ = await asyncio.wait({running}, timeout=self._stall_timeout_s)
-            if not done:
-                self._report_stall()
-        return await running
+            watchdog = loop.call_later(self._stall_timeout_s, self._report_stall)
+        try:
+            return await running
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
 
     def _report_stall(self) -> None:
         if self._stalled:
@@ -534,7 +625,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     def _fail(self, entry: _Entry[PayloadT, OutputT], error: Exception) -> None:
         if isinstance(error, ServiceError):
-            _set_exception_if_pending(entry.future, error)
+            entry.reject(error)
             return
         logger.error(
             "inference_failed",
@@ -551,14 +642,4 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 f"the model failed on this request's input ({type(error).__name__})"
             )
         failure.__cause__ = error
-        _set_exception_if_pending(entry.future, failure)
-
-
-def _set_result_if_pending(future: asyncio.Future[OutputT], result: OutputT) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
-def _set_exception_if_pending(future: asyncio.Future[OutputT], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
+        entry.reject(failure)

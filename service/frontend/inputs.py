@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import orjson
 from numpy.lib import format as npy_format
 
 from service.buckets import bucket_of
 from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
-from service.model_store import TensorSpec
-
-Array = npt.NDArray[np.generic]
+from service.manifest import TensorSpec
+from service.types import Array
 
 JSON_MEDIA_TYPE = "application/json"
 NPY_MEDIA_TYPE = "application/x-npy"
@@ -129,7 +126,7 @@ class InputLayout:
         self._check_count(len(array) if array.ndim else 0)
         return self._validated(np.ascontiguousarray(array, dtype=expected))
 
-    def group_and_cost(self, instances: Array) -> tuple[Hashable, int]:
+    def group_and_cost(self, instances: Array) -> tuple[tuple[int, ...], int]:
         """Requests with the same group may share a batch; cost is padded positions per row."""
         shape = instances.shape[1:]
         axis = self.spec.variable_axis

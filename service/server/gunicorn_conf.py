@@ -10,7 +10,7 @@ why each is set, are in ``gunicorn_setup.py``.
 from __future__ import annotations
 
 from service.config import load_settings
-from service.gunicorn_setup import gunicorn_options, require_multiprocess_dir
+from service.server.gunicorn_setup import gunicorn_options, require_multiprocess_dir
 
 require_multiprocess_dir()
 globals().update(gunicorn_options(load_settings()))

@@ -1,4 +1,4 @@
-"""A model version's life in the server: load, warm up, serve, switch, retire, shut down.
+"""A model version's life in an engine: load, warm up, serve, switch, retire, shut down.
 
 ``load_version`` turns a repository entry into a ``ServedModel`` (verified weights, a runner on
 the device, warmed up, and a started batcher) without touching what is being served, so a
@@ -17,29 +17,27 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service import version_sync
-from service.batching import DynamicBatcher
-from service.buckets import resolve_edges
+from service.buckets import length_edges
 from service.config import Settings
+from service.engine import published
+from service.engine.batching import DynamicBatcher
+from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
+from service.engine.state import EngineState, ServedModel
 from service.errors import ConflictError, ModelIntegrityError, ModelLoadError, ModelRejectedError
-from service.inputs import InputLayout
-from service.model_store import Manifest, TensorSpec
-from service.runner import TorchRunner, configure_torch_threads, resolve_device
-from service.state import Array, ServedModel, ServiceState
+from service.manifest import Manifest, TensorSpec
+from service.types import Array
 
 logger = logging.getLogger(__name__)
 
-#: Longest variable length assumed when a spec gives no ``max_length`` and no buckets are set.
-DEFAULT_MAX_LENGTH = 4096
 
-
-async def load_version(service: ServiceState, name: str, version: str) -> ServedModel:
+async def load_version(state: EngineState, name: str, version: str) -> ServedModel:
     """Verify, load, place, warm up and start serving machinery for one version."""
-    settings = service.settings
-    loaded = await asyncio.to_thread(service.store.load, name, version)
-    device = resolve_device(settings.device)
+    settings = state.settings
+    loaded = await asyncio.to_thread(state.store.load, name, version)
+    device = resolve_device(state.device)
     configure_torch_threads(settings.torch_threads)
-    layout = input_layout(loaded.manifest.input, settings)
+    spec = loaded.manifest.input
+    edges = length_edges(spec, settings.length_buckets)
     runner = await asyncio.to_thread(
         TorchRunner,
         loaded.module,
@@ -47,13 +45,13 @@ async def load_version(service: ServiceState, name: str, version: str) -> Served
         precision=settings.precision,
         compile_mode=settings.compile_mode,
         max_batch_size=settings.max_batch_size,
-        variable_axis=layout.spec.variable_axis,
-        pad_value=layout.spec.pad_value,
-        length_edges=layout.length_edges,
+        variable_axis=spec.variable_axis,
+        pad_value=spec.pad_value,
+        length_edges=edges,
     )
     try:
         await asyncio.get_running_loop().run_in_executor(
-            runner.executor, runner.warm_up, warmup_batches(layout, runner, settings)
+            runner.executor, runner.warm_up, warmup_batches(spec, edges, runner, settings)
         )
     except BaseException:
         await asyncio.to_thread(runner.close)
@@ -61,86 +59,106 @@ async def load_version(service: ServiceState, name: str, version: str) -> Served
     batcher = DynamicBatcher[Array, Array](
         runner.run_batch,
         executor=runner.executor,
-        metrics=service.metrics,
+        metrics=state.metrics,
         max_batch_size=settings.max_batch_size,
         max_wait_ms=settings.max_wait_ms,
         max_queue_size=settings.max_queue_size,
         request_timeout_ms=settings.request_timeout_ms,
-        max_batch_cost=settings.max_batch_tokens if layout.length_edges else 0,
+        max_batch_cost=settings.max_batch_tokens if edges else 0,
         policy=settings.batch_policy,
         stall_timeout_s=settings.stall_timeout_s,
-        on_stall=service.report_stall,
+        on_stall=state.report_stall,
     )
     batcher.start()
-    return ServedModel(manifest=loaded.manifest, layout=layout, runner=runner, batcher=batcher)
+    return ServedModel(manifest=loaded.manifest, length_edges=edges, runner=runner, batcher=batcher)
 
 
-def switch_to(service: ServiceState, served: ServedModel) -> None:
+def switch_to(state: EngineState, served: ServedModel) -> None:
     """Serve ``served`` from now on; retire the previous version in the background."""
-    previous = service.served
-    service.served = served
-    manifest, runner = served.manifest, served.runner
-    settings = service.settings
+    previous = state.served
+    state.served = served
     replaced = None
     if previous is not None:
         old = previous.manifest
-        replaced = f"{old.name}@{old.version}"
-        service.previous_version = (old.name, old.version)
-        old_info = (
-            old.name, old.version, str(previous.runner.device), settings.precision,
-            str(previous.runner.compiled),
-        )  # fmt: skip
-        # Zeroed before it is removed: under gunicorn the value lives on in this worker's
-        # metrics file, which remove() does not touch, and would still read 1.
-        service.metrics.model_info.labels(*old_info).set(0)
-        service.metrics.model_info.remove(*old_info)
+        replaced = old.label
+        state.previous_version = (old.name, old.version)
+        old_info = _info_labels(previous)
+        # Zeroed before it is removed: with several processes the value lives on in this
+        # process's metrics file, which remove() does not touch, and would still read 1.
+        state.metrics.model_info.labels(*old_info).set(0)
+        state.metrics.model_info.remove(*old_info)
         retiring = asyncio.get_running_loop().create_task(retire(previous))
-        service.retiring.add(retiring)
-        retiring.add_done_callback(service.retiring.discard)
-    service.metrics.model_info.labels(
-        manifest.name, manifest.version, str(runner.device), settings.precision,
-        str(runner.compiled),
-    ).set(1)  # fmt: skip
-    service.metrics.ready.set(0 if service.draining else 1)
+        state.retiring.add(retiring)
+        retiring.add_done_callback(state.retiring.discard)
+    state.metrics.model_info.labels(*_info_labels(served)).set(1)
+    manifest = served.manifest
+    published.publish(
+        published.PublishedVersion(manifest.name, manifest.version, state.previous_version)
+    )
     freeze_long_lived_objects()
+    state.changed()
     logger.info(
         "model_serving",
         extra={
             "model": manifest.name,
             "version": manifest.version,
             "replaced": replaced,
-            "device": str(runner.device),
-            "precision": settings.precision,
-            "compile_mode": settings.compile_mode,
+            "device": str(served.runner.device),
+            "precision": served.runner.precision,
+            "compile_mode": served.runner.compile_mode,
         },
     )
 
 
+def _info_labels(served: ServedModel) -> tuple[str, str, str, str, str]:
+    runner = served.runner
+    return (
+        served.manifest.name,
+        served.manifest.version,
+        str(runner.device),
+        runner.precision,
+        str(runner.compiled),
+    )
+
+
+async def prepare_version(state: EngineState, name: str, version: str) -> ServedModel | None:
+    """Load ``name`` at ``version`` (or ``latest``) beside the serving version, warmed up.
+
+    Returns None when that version is served already. Raises ``ModelRejectedError`` when the
+    version fails its hash check or cannot be built: the serving version then stays. The
+    caller holds ``state.switch_lock``.
+    """
+    current = state.served.manifest if state.served else None
+    serving = current.label if current else "nothing"
+    manifest = state.store.resolve(name, version)
+    if current is not None and (current.name, current.version) == (name, manifest.version):
+        return None
+    try:
+        return await load_version(state, name, manifest.version)
+    except (ModelIntegrityError, ModelLoadError) as error:
+        reason = str(error).replace(str(state.store.root), "<repository>")
+        raise ModelRejectedError(f"{reason}; still serving {serving}") from error
+
+
 async def switch_version(
-    service: ServiceState, name: str, version: str
+    state: EngineState, name: str, version: str
 ) -> tuple[Manifest, str | None]:
     """Load ``name`` at ``version`` (or ``latest``) beside the serving version, then switch.
 
     Returns the manifest now served and what it replaced (``name@version``), or None for what
     it replaced when that version was being served already. Raises ``ConflictError`` while
-    another switch is under way, and ``ModelRejectedError`` when the version fails its hash
-    check or cannot be built: the serving version then stays.
+    another switch is under way, and ``ModelRejectedError`` when the version cannot be served.
     """
-    if service.switch_lock.locked():
+    if state.switch_lock.locked():
         raise ConflictError("another version is being loaded; retry when it is done")
-    async with service.switch_lock:
-        current = service.manifest
-        serving = f"{current.name}@{current.version}" if current else "nothing"
-        manifest = service.store.resolve(name, version)
-        if current is not None and (current.name, current.version) == (name, manifest.version):
-            return current, None
-        try:
-            served = await load_version(service, name, manifest.version)
-        except (ModelIntegrityError, ModelLoadError) as error:
-            reason = str(error).replace(str(service.store.root), "<repository>")
-            raise ModelRejectedError(f"{reason}; still serving {serving}") from error
-        switch_to(service, served)
-    return served.manifest, serving
+    async with state.switch_lock:
+        prepared = await prepare_version(state, name, version)
+        if prepared is None:
+            assert state.served is not None  # prepare_version returns None only then
+            return state.served.manifest, None
+        replaced = state.served.manifest.label if state.served else "nothing"
+        switch_to(state, prepared)
+    return prepared.manifest, replaced
 
 
 async def retire(served: ServedModel) -> None:
@@ -153,47 +171,48 @@ async def retire(served: ServedModel) -> None:
     )
 
 
-async def start_serving(service: ServiceState, on_load_failure: Callable[[], None] | None) -> None:
+async def start_serving(state: EngineState, on_load_failure: Callable[[], None] | None) -> None:
     """The initial load at start-up; a failure is recorded and reported, not raised."""
-    settings = service.settings
+    settings = state.settings
     name, version = settings.model_name, settings.model_version
-    # A worker started after an admin switch (a replacement) serves what its siblings serve.
-    published = version_sync.read_published()
-    if published is not None:
-        name, version = published.name, published.version
+    # An engine started after an admin switch (a replacement) serves what its siblings serve.
+    recorded = published.read_published()
+    if recorded is not None:
+        name, version = recorded.name, recorded.version
     started_s = time.perf_counter()
     try:
-        served = await load_version(service, name, version)
+        served = await load_version(state, name, version)
     except Exception as error:
-        service.load_error = str(error)
+        state.load_error = str(error)
         logger.error(
             "model_load_failed",
             extra={"model": name, "version": version, "error": str(error)},
         )
+        state.changed()
         if on_load_failure is not None:
             on_load_failure()
         return
-    switch_to(service, served)
-    if published is not None:
-        service.previous_version = published.previous  # so that a rollback here works too
+    if recorded is not None:
+        state.previous_version = recorded.previous  # so that a rollback here works too
+    switch_to(state, served)
     logger.info("model_ready", extra={"seconds": round(time.perf_counter() - started_s, 3)})
 
 
-async def shut_down(service: ServiceState, loading: asyncio.Task[None]) -> None:
-    """Readiness off, finish every queued request, stop the collectors, free the device."""
-    service.draining = True
-    service.metrics.ready.set(0)
+async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:
+    """Refuse new work, finish every queued request, stop the collectors, free the device."""
+    state.draining = True
+    state.changed()
     if not loading.done():
         loading.cancel()
         await asyncio.gather(loading, return_exceptions=True)
-    if service.stalled:
+    if state.stalled:
         # The device thread is stuck in the model: draining would wait forever. Queued
         # requests have been answered 504 by their deadlines; the process must be replaced.
         logger.error("shutdown_with_stalled_model")
         return
-    if service.served is not None:
-        await retire(service.served)
-    await asyncio.gather(*service.retiring, return_exceptions=True)
+    if state.served is not None:
+        await retire(state.served)
+    await asyncio.gather(*state.retiring, return_exceptions=True)
     logger.info("shutdown_complete")
 
 
@@ -212,30 +231,20 @@ def freeze_long_lived_objects() -> None:
     gc.freeze()
 
 
-def input_layout(spec: TensorSpec, settings: Settings) -> InputLayout:
-    """Validation, bucketing and batch cost for the model's input (buckets only if variable)."""
-    edges: tuple[int, ...] = ()
-    if spec.variable_axis is not None:
-        longest = spec.max_length or max(settings.length_buckets, default=DEFAULT_MAX_LENGTH)
-        edges = resolve_edges(settings.length_buckets, longest)
-    return InputLayout(
-        spec=spec, length_edges=edges, max_instances=settings.max_instances_per_request
-    )
-
-
-def warmup_batches(layout: InputLayout, runner: TorchRunner, settings: Settings) -> list[Array]:
+def warmup_batches(
+    spec: TensorSpec, edges: tuple[int, ...], runner: TorchRunner, settings: Settings
+) -> list[Array]:
     """The batch shapes to run before readiness.
 
     Fixed shapes: every padded batch size (or ``warmup_batch_sizes``). Variable lengths: one
     row at each bucket edge, plus the largest batch the token budget allows at the smallest.
     """
-    spec = layout.spec
     sizes = list(settings.warmup_batch_sizes) or runner.padded_batch_sizes
-    if not layout.length_edges:
+    if not edges:
         return [np.repeat(spec.example_instance()[np.newaxis], size, axis=0) for size in sizes]
-    shortest = layout.length_edges[0]
+    shortest = edges[0]
     fullest = max(1, min(settings.max_batch_size, settings.max_batch_tokens // shortest))
-    shapes = [(1, edge) for edge in layout.length_edges] + [(fullest, shortest)]
+    shapes = [(1, edge) for edge in edges] + [(fullest, shortest)]
     return [
         np.repeat(spec.example_instance(length)[np.newaxis], rows, axis=0)
         for rows, length in shapes

@@ -3,115 +3,41 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
-import os
-import signal
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
-
-import uvicorn
 
 from service.config import Settings, SettingsError, load_settings
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
-from service.launcher import clear_configured_multiprocess_dir, exec_gunicorn
 from service.logs import configure_logging
-from service.model_store import (
-    ARTIFACT_SUFFIXES,
-    Architecture,
-    ModelStore,
-    TensorSpec,
-)
-from service.state import ServiceState
-
-#: Exit status when the model hung (a batch outlived ``stall_timeout_s``): EX_SOFTWARE.
-EXIT_STALLED = 70
+from service.manifest import ARTIFACT_SUFFIXES, Architecture, TensorSpec
+from service.repository import ModelRepository
+from service.server.devices import count_cuda_devices, engine_devices
+from service.server.launcher import clear_configured_multiprocess_dir
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but SIGTERM first turns readiness off for ``drain_delay_s`` while serving on.
+def serves_in_one_process(settings: Settings) -> bool:
+    """``engine_mode`` as decided: ``auto`` means one process for one worker on one device."""
+    if settings.engine_mode != "auto":
+        return settings.engine_mode == "in_process"
+    return settings.workers == 1 and len(engine_devices(settings.device, count_cuda_devices)) == 1
 
-    Then uvicorn's graceful shutdown closes the listening socket, waits for every request in
-    flight, and runs the app's shutdown (which drains the batcher). The process exits 0 after a
-    clean drain instead of re-raising the signal.
+
+def serve(settings: Settings, overrides: dict[str, object]) -> int:
+    """Serve until SIGTERM/SIGINT, in one process or with a supervisor; the exit status.
+
+    Only the chosen path is imported: the supervisor never imports torch (its engines do).
     """
+    if serves_in_one_process(settings):
+        from service.server.single import serve as serve_alone
 
-    def __init__(self, config: uvicorn.Config, service: ServiceState, drain_delay_s: float):
-        super().__init__(config)
-        self._service = service
-        self._drain_delay_s = drain_delay_s
-        self._exit_requested = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        clear_configured_multiprocess_dir()
+        return serve_alone(settings)
+    from service.server.supervisor import run_server
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """SIGTERM or SIGINT (or the gunicorn worker, when its master is gone).
-
-        As a signal handler this runs between two bytecodes of the main thread, which may be
-        holding a lock just then: under gunicorn prometheus_client has one lock for every
-        metric, taken on each request. So it only sets attributes and leaves the rest to the
-        event loop; setting a metric here froze a worker under load until it was killed.
-        """
-        if self._exit_requested:
-            # A second signal: stop waiting out the delay; a second Ctrl-C exits at once.
-            self.force_exit = sig == signal.SIGINT and self.should_exit
-            self.should_exit = True
-            return
-        self._exit_requested = True
-        self._service.draining = True  # /readyz answers 503 from now on
-        if self._loop is None or self._drain_delay_s <= 0:
-            self.should_exit = True
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._begin_drain)
-
-    def _begin_drain(self) -> None:
-        """On the event loop: readiness off in the metrics; stop accepting after the delay."""
-        self._service.metrics.ready.set(0)
-        if not self.should_exit and self._loop is not None:
-            self._loop.call_later(self._drain_delay_s, self.stop)
-
-    def stop(self) -> None:
-        self.should_exit = True
-
-
-def serve(settings: Settings) -> int:
-    """Run one uvicorn process until SIGTERM/SIGINT; exit status 1 if the model fails to load."""
-    from service.app import create_app  # imports torch: only when serving
-
-    server: DrainingServer | None = None
-
-    def stop_serving() -> None:
-        if server is not None:
-            server.stop()
-
-    app = create_app(settings, on_load_failure=stop_serving, on_stall=stop_serving)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        server_header=False,
-        # Long enough for every queued request to meet its deadline.
-        timeout_graceful_shutdown=int(settings.request_timeout_ms / 1000) + 5,
-    )
-    server = DrainingServer(config, app.state.service, settings.drain_delay_s)
-    server.run()
-    if app.state.service.stalled:
-        # The device thread is stuck inside the model and would block interpreter exit: leave
-        # at once with a distinct status so the supervisor (Kubernetes, systemd) restarts us.
-        logging.getLogger(__name__).error("exiting_with_stalled_model")
-        logging.shutdown()
-        os._exit(EXIT_STALLED)
-    return 1 if app.state.service.load_error is not None else 0
+    return run_server(settings, overrides)
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +127,8 @@ def _package(args: argparse.Namespace) -> int:
         if args.architecture
         else None
     )
+    from service.engine.model_store import ModelStore  # imports torch: only when packaging
+
     manifest = ModelStore(_repository(args)).package(
         name=args.name,
         artifact=args.artifact,
@@ -217,7 +145,7 @@ def _package(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    store = ModelStore(_repository(args))
+    store = ModelRepository(_repository(args))
     names = [args.name] if args.name else store.model_names()
     failures = 0
     for name in names:
@@ -249,10 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             settings = load_settings(**overrides)
             configure_logging(settings.log_level)
-            if settings.workers > 1:
-                exec_gunicorn(settings, overrides)
-            clear_configured_multiprocess_dir()
-            return serve(settings)
+            return serve(settings, overrides)
         configure_logging("warning")
         if args.command == "package":
             return _package(args)

@@ -1,12 +1,11 @@
-"""One model version for every worker of a gunicorn server.
+"""The version the engines serve, kept on disk for the engine that starts next.
 
-An admin switch (``/admin/.../load`` or ``/admin/rollback``) is answered by whichever worker
-took the connection. That worker publishes the version it now serves in a file of a folder the
-gunicorn master creates for this run (``VERSION_DIR_ENV``); every worker looks at the file once
-a second (its housekeeping) and switches too, verifying the hashes itself, and a worker started
-later, such as the replacement for one that died, loads the published version instead of
-``model_name``/``model_version``. A single process (``--workers 1``) has no such folder and
-publishes nothing.
+An admin switch (``/admin/.../load`` or ``/admin/rollback``) reaches every engine of a server.
+Each engine then records what it serves in a file of the server's run folder, which the
+supervisor creates and names in ``RUN_DIR_ENV``; an engine started later, such as the
+replacement for one that died, serves the recorded version instead of
+``model_name``/``model_version``, and can roll back from it. One process serving alone has no
+run folder and records nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ from pathlib import Path
 
 import orjson
 
+from service.processes import RUN_DIR_ENV
+
 logger = logging.getLogger(__name__)
 
-#: Set by the gunicorn master (``on_starting``) for its workers; removed with the folder on exit.
-VERSION_DIR_ENV = "_BATCHSERVE_VERSION_DIR"
 VERSION_FILE = "serving.json"
 
 
@@ -31,17 +30,17 @@ class PublishedVersion:
     name: str
     version: str
     previous: tuple[str, str] | None = None
-    """(name, version) served before the switch: what a worker started later rolls back to."""
+    """(name, version) served before the switch: what an engine started later rolls back to."""
 
 
 def version_file() -> Path | None:
-    """The published-version file of this gunicorn run, or None outside gunicorn."""
-    directory = os.environ.get(VERSION_DIR_ENV)
+    """The published-version file of this server's run, or None for one process alone."""
+    directory = os.environ.get(RUN_DIR_ENV)
     return Path(directory) / VERSION_FILE if directory else None
 
 
 def publish(published: PublishedVersion) -> None:
-    """Tell the other workers what to serve (atomically: write, then rename)."""
+    """Record what is served now (atomically: write, then rename)."""
     path = version_file()
     if path is None:
         return
@@ -57,7 +56,7 @@ def publish(published: PublishedVersion) -> None:
 
 
 def read_published() -> PublishedVersion | None:
-    """The version last published in this gunicorn run, or None if there is none (yet)."""
+    """The version last recorded in this server's run, or None if there is none (yet)."""
     path = version_file()
     if path is None:
         return None

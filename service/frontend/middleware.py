@@ -1,7 +1,7 @@
 """The outermost layer of the service: request ids, request metrics, and the /predict path.
 
 A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request). It answers
-``POST /predict`` itself through ``api.serve_prediction``: routing it through FastAPI's
+``POST /predict`` itself through ``predict.serve_prediction``: routing it through FastAPI's
 exception, dependency and routing layers took half of the event loop's time per request.
 Every other route goes on to the FastAPI app.
 """
@@ -17,9 +17,10 @@ from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import ClientDisconnectedError, PredictHeaders, error_response, serve_prediction
 from service.errors import ServiceError
-from service.state import ServiceState
+from service.frontend.predict import ClientDisconnectedError, PredictHeaders, serve_prediction
+from service.frontend.responses import internal_error_response, service_error_response
+from service.frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +34,10 @@ _ROUTES_WITH_METRICS = frozenset({PREDICT_PATH, "/healthz", "/readyz", "/models"
 class ServiceMiddleware:
     """Request id in ``X-Request-ID``, request count and latency by route and status."""
 
-    def __init__(self, app: ASGIApp, service: ServiceState) -> None:
+    def __init__(self, app: ASGIApp, frontend: FrontendState) -> None:
         self.app = app
-        self.service = service
-        self.metrics = service.metrics
+        self.frontend = frontend
+        self.metrics = frontend.metrics
         # Its own generator: code that seeds the global one (tests, libraries) must not make
         # request ids repeat.
         self._ids = random.Random()
@@ -83,17 +84,15 @@ class ServiceMiddleware:
         """The prediction's response, an error response, or None if the client left."""
         try:
             return await serve_prediction(
-                self.service, PredictHeaders.from_scope(scope), receive, request_id
+                self.frontend, PredictHeaders.from_scope(scope), receive, request_id
             )
         except ServiceError as error:
-            return error_response(
-                error.status_code, error.code, error.message, request_id, error.headers
-            )
+            return service_error_response(error, request_id)
         except ClientDisconnectedError:
             return None
         except Exception:
             logger.exception("unhandled_error", extra={"request_id": request_id})
-            return error_response(500, "internal_error", "internal server error", request_id)
+            return internal_error_response(request_id)
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:

@@ -1,0 +1,147 @@
+"""What a front end asks of the engines, whether they run in its process or behind the bridge.
+
+``EngineClient`` is the one interface the front end's routes use. ``engine.Engine`` implements
+it in-process (one process, no hop); ``bridge.client.BridgeClient`` implements it over local
+sockets to one engine process per device. The value types here cross the bridge as JSON
+(``to_wire``/``from_wire``) next to the raw bytes of the arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from service.manifest import Manifest
+from service.types import Array, Priority
+
+Phase = Literal["connecting", "loading", "ready", "draining", "stalled", "failed", "down"]
+"""``connecting``: a front end has not reached the engine yet; ``down``: it lost it."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The version an engine serves and how: what a front end validates requests against."""
+
+    manifest: Manifest
+    device: str
+    precision: str
+    compiled: bool
+    length_edges: tuple[int, ...]
+    """Length buckets of the input's variable axis (empty for a fixed shape)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "manifest": self.manifest.model_dump(mode="json"),
+            "device": self.device,
+            "precision": self.precision,
+            "compiled": self.compiled,
+            "length_edges": list(self.length_edges),
+        }
+
+    @classmethod
+    def from_wire(cls, document: dict[str, Any]) -> ModelInfo:
+        return cls(
+            manifest=Manifest.model_validate(document["manifest"]),
+            device=str(document["device"]),
+            precision=str(document["precision"]),
+            compiled=bool(document["compiled"]),
+            length_edges=tuple(int(edge) for edge in document["length_edges"]),
+        )
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine's state as a front end last heard it."""
+
+    phase: Phase
+    model: ModelInfo | None = None
+    previous: tuple[str, str] | None = None
+    """(name, version) served before the last switch: what a rollback goes back to."""
+    detail: str | None = None
+    """Why the engine failed or is down, for logs and ``/readyz``."""
+    device: str = ""
+    pid: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and self.model is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "model": self.model.to_wire() if self.model else None,
+            "previous": list(self.previous) if self.previous else None,
+            "detail": self.detail,
+            "device": self.device,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_wire(cls, document: dict[str, Any]) -> EngineStatus:
+        previous = document.get("previous")
+        model = document.get("model")
+        return cls(
+            phase=document["phase"],
+            model=ModelInfo.from_wire(model) if model else None,
+            previous=(str(previous[0]), str(previous[1])) if previous else None,
+            detail=document.get("detail"),
+            device=str(document.get("device", "")),
+            pid=document.get("pid"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One validated request, ready to be queued for a batch."""
+
+    model: str
+    version: str
+    """The version whose input spec validated ``instances``."""
+    instances: Array
+    group: tuple[int, ...]
+    """Requests share a batch only within a group (shape, or length bucket)."""
+    cost_per_row: int
+    """Padded positions per row, counted against the token budget (0: no budget)."""
+    priority: Priority
+    deadline_s: float
+    """``time.monotonic()`` at which the request is answered 504 (the clock is system-wide)."""
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceResult:
+    outputs: Array
+    version: str
+    """The version that computed ``outputs``."""
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    serving: Manifest
+    replaced: str | None
+    """``name@version`` switched away from, or None when ``serving`` was served already."""
+
+
+class EngineClient(Protocol):
+    """The engines as one front end sees them."""
+
+    def status(self) -> EngineStatus:
+        """Ready when some engine can take requests; otherwise the most telling state."""
+        ...
+
+    def engines(self) -> list[EngineStatus]:
+        """Each engine's state, in device order."""
+        ...
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Queue ``request`` on an engine and wait for its rows; raises ``ServiceError``s."""
+        ...
+
+    async def switch(self, name: str, version: str) -> SwitchResult:
+        """Load, verify and warm up ``name`` at ``version`` on every engine, then serve it on
+        all of them, or on none if any refuses."""
+        ...
+
+    async def rollback(self) -> SwitchResult:
+        """Switch back to the version served before the last switch."""
+        ...

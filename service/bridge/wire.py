@@ -1,0 +1,172 @@
+"""The bridge's frames: how front ends and engines talk over a local stream socket.
+
+A frame is a 9-byte prefix (header length, data length, kind), a small orjson header, and raw
+data bytes: the rows of one array, in C order, whose dtype and shape the header gives. Arrays
+cross the socket as their bytes, never pickled, and are rebuilt with one copy on arrival.
+
+``FrameReader`` takes bytes as they come off the socket and returns whole frames; it never
+copies a frame's data twice. ``FrameWriter`` gathers the frames written during one turn of the
+event loop and hands them to the transport in one call, so a batch of 64 answers costs one
+system call rather than 64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import orjson
+
+from service.types import Array
+
+_PREFIX = struct.Struct("<IIB")
+PREFIX_BYTES = _PREFIX.size
+#: Largest header accepted: headers are a few hundred bytes; more means a corrupt stream.
+MAX_HEADER_BYTES = 1 << 20
+#: Largest data accepted in one frame (the largest request body is 1 GiB; outputs can be
+#: larger than inputs).
+MAX_DATA_BYTES = 4 << 30
+
+
+class Kind(IntEnum):
+    """What a frame carries. Front end to engine: SUBMIT, CANCEL, CONTROL. Engine to front
+    end: RESULT, ERROR (of one submitted request), STATUS (on connect, on every change, and
+    as a heartbeat), REPLY (to a CONTROL)."""
+
+    SUBMIT = 1
+    CANCEL = 2
+    CONTROL = 3
+    RESULT = 11
+    ERROR = 12
+    STATUS = 13
+    REPLY = 14
+
+
+class ProtocolError(Exception):
+    """The peer sent bytes that are not a frame: the connection must be closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: Kind
+    header: dict[str, Any]
+    data: bytearray | None = None
+
+
+def encode(kind: Kind, header: dict[str, Any], data: bytes | memoryview = b"") -> list[bytes]:
+    """One frame as the buffers to write (the data is not copied)."""
+    header_bytes = orjson.dumps(header)
+    prefix = _PREFIX.pack(len(header_bytes), len(data), kind)
+    if not data:
+        return [prefix + header_bytes]
+    return [prefix + header_bytes, data]  # type: ignore[list-item]
+
+
+def array_header(array: Array) -> dict[str, Any]:
+    """The dtype and shape that ``array_from`` needs to rebuild ``array`` from its bytes."""
+    return {"dtype": array.dtype.str, "shape": array.shape}
+
+
+def array_bytes(array: Array) -> memoryview:
+    """The array's bytes in C order, without a copy when it is contiguous already."""
+    return np.ascontiguousarray(array).data.cast("B")
+
+
+def array_from(header: dict[str, Any], data: bytearray | None) -> Array:
+    """The array a frame carries; writable, owning the frame's data buffer."""
+    dtype = np.dtype(header["dtype"])
+    if dtype.hasobject:
+        raise ProtocolError("object arrays never cross the bridge")
+    shape = tuple(int(size) for size in header["shape"])
+    buffer = data if data is not None else bytearray()
+    try:
+        return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    except ValueError as error:
+        raise ProtocolError(f"array of {len(buffer)} bytes is not {dtype} {shape}") from error
+
+
+class FrameReader:
+    """Splits a byte stream into frames."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._data: bytearray | None = None
+        self._pending: tuple[Kind, dict[str, Any], int] | None = None
+
+    def feed(self, chunk: bytes) -> list[Frame]:
+        """The frames completed by ``chunk``; raises ``ProtocolError`` on a corrupt stream."""
+        frames: list[Frame] = []
+        view = memoryview(chunk)
+        while view:
+            if self._pending is not None:
+                view = self._fill_data(view, frames)
+                continue
+            self._buffer += view
+            view = memoryview(b"")
+            self._split_buffer(frames)
+        return frames
+
+    def _split_buffer(self, frames: list[Frame]) -> None:
+        buffer = self._buffer
+        offset = 0
+        while len(buffer) - offset >= PREFIX_BYTES:
+            header_length, data_length, kind = _PREFIX.unpack_from(buffer, offset)
+            if header_length > MAX_HEADER_BYTES or data_length > MAX_DATA_BYTES:
+                raise ProtocolError(f"frame of {header_length} + {data_length} bytes refused")
+            header_end = offset + PREFIX_BYTES + header_length
+            if len(buffer) < header_end:
+                break
+            try:
+                header = orjson.loads(buffer[offset + PREFIX_BYTES : header_end])
+                frame_kind = Kind(kind)
+            except (orjson.JSONDecodeError, ValueError) as error:
+                raise ProtocolError(f"unreadable frame header: {error}") from error
+            available = len(buffer) - header_end
+            if data_length <= available:
+                data = buffer[header_end : header_end + data_length] if data_length else None
+                frames.append(Frame(frame_kind, header, data))
+                offset = header_end + data_length
+                continue
+            # A large frame: keep its data in a buffer of its own, filled as chunks arrive.
+            self._data = bytearray(buffer[header_end:])
+            self._pending = (frame_kind, header, data_length)
+            offset = len(buffer)
+            break
+        del buffer[:offset]
+
+    def _fill_data(self, view: memoryview, frames: list[Frame]) -> memoryview:
+        assert self._pending is not None
+        assert self._data is not None
+        kind, header, data_length = self._pending
+        missing = data_length - len(self._data)
+        self._data += view[:missing]
+        if len(self._data) == data_length:
+            frames.append(Frame(kind, header, self._data))
+            self._pending = None
+            self._data = None
+        return view[missing:]
+
+
+class FrameWriter:
+    """Queues frames and writes everything queued in one turn of the event loop at once."""
+
+    def __init__(self, transport: asyncio.WriteTransport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._queued: list[bytes] = []
+
+    def send(self, kind: Kind, header: dict[str, Any], data: bytes | memoryview = b"") -> None:
+        if self._transport.is_closing():
+            return
+        if not self._queued:
+            self._loop.call_soon(self._flush)
+        self._queued.extend(encode(kind, header, data))
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        if queued and not self._transport.is_closing():
+            self._transport.writelines(queued)

@@ -1,0 +1,212 @@
+"""``Engine``: one device's model, batcher and device thread, as an ``EngineClient``.
+
+Serving alone, the front end calls an ``Engine`` in its own process; behind the bridge, the
+engine process's ``BridgeServer`` calls the same methods for every front end. Switching a
+version has two forms: ``switch`` (this engine alone) and ``prepare`` then ``commit`` or
+``abort``, which a front end uses to switch several engines together, all or none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, SwitchResult
+from service.config import Settings
+from service.engine import lifecycle
+from service.engine.batching import Ticket
+from service.engine.model_store import ModelStore
+from service.engine.state import EngineState, ServedModel
+from service.errors import ConflictError, NotReadyError
+from service.manifest import Manifest, TensorSpec
+from service.metrics import EngineMetrics
+from service.types import Array
+
+#: Versions whose input specs an engine remembers, to accept requests validated against a
+#: version it has just switched away from when the inputs are the same.
+REMEMBERED_VERSIONS = 16
+
+
+class Engine:
+    """Loads and serves one model version at a time on one device."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: EngineMetrics,
+        *,
+        device: str | None = None,
+        on_load_failure: Callable[[], None] | None = None,
+        on_stall: Callable[[], None] | None = None,
+    ) -> None:
+        self.state = EngineState(
+            settings=settings,
+            metrics=metrics,
+            store=ModelStore(settings.model_repository),
+            device=device or settings.device,
+            on_stall=on_stall,
+        )
+        self._on_load_failure = on_load_failure
+        self._loading: asyncio.Task[None] | None = None
+        self._prepared: ServedModel | None = None
+        self._holding_prepare = False
+        self._status: EngineStatus | None = None
+        self._inputs_by_version: dict[str, tuple[TensorSpec, ...]] = {}
+        self.state.listeners.append(self._forget_status)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> asyncio.Task[None]:
+        """Begin loading the configured (or recorded) version; call inside the event loop."""
+        if self._loading is None:
+            self._loading = asyncio.get_running_loop().create_task(
+                lifecycle.start_serving(self.state, self._on_load_failure),
+                name="batchserve-engine-load",
+            )
+        return self._loading
+
+    @property
+    def loading(self) -> asyncio.Task[None]:
+        """The initial load; it records its failure in the status and never raises."""
+        if self._loading is None:
+            raise RuntimeError("Engine.start() has not been called")
+        return self._loading
+
+    async def shut_down(self) -> None:
+        """Refuse new requests, answer every queued one, free the device."""
+        await self.abort()
+        await lifecycle.shut_down(self.state, self.start())
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every change of ``status()``."""
+        self.state.listeners.append(listener)
+
+    @property
+    def served(self) -> ServedModel | None:
+        return self.state.served
+
+    # ----------------------------------------------------------------- EngineClient
+
+    def status(self) -> EngineStatus:
+        if self._status is None:
+            served = self.state.served
+            self._status = EngineStatus(
+                phase=self.state.phase,  # type: ignore[arg-type]
+                model=served.info() if served else None,
+                previous=self.state.previous_version,
+                detail=self.state.load_error,
+                device=self.state.device,
+                pid=os.getpid(),
+            )
+        return self._status
+
+    def engines(self) -> list[EngineStatus]:
+        return [self.status()]
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        ticket, version = self.enqueue(request)
+        chunks = await ticket.wait()
+        outputs = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        return InferenceResult(outputs=outputs, version=version)
+
+    def enqueue(self, request: InferenceRequest) -> tuple[Ticket[Array], str]:
+        """Queue ``request`` now: its ticket, and the version that will compute it.
+
+        Raises ``NotReadyError`` when nothing is served, or when the request was validated
+        against a version no longer served whose inputs differ from the one served now.
+        """
+        served = self.state.served
+        if served is None:
+            raise NotReadyError("the model is not loaded yet; retry when /readyz answers 200")
+        manifest = served.manifest
+        if request.model != manifest.name or (
+            request.version != manifest.version
+            and self._inputs_by_version.get(request.version) != manifest.inputs
+        ):
+            raise NotReadyError(
+                f"{request.model}@{request.version} is no longer served (now {manifest.label}) "
+                "and its inputs differ; retry"
+            )
+        ticket = served.batcher.enqueue(
+            request.instances,
+            group=request.group,
+            cost_per_row=request.cost_per_row,
+            priority=request.priority,
+            request_id=request.request_id,
+            deadline_s=request.deadline_s,
+        )
+        return ticket, manifest.version
+
+    async def switch(self, name: str, version: str) -> SwitchResult:
+        manifest, replaced = await lifecycle.switch_version(self.state, name, version)
+        return SwitchResult(serving=manifest, replaced=replaced)
+
+    async def rollback(self) -> SwitchResult:
+        previous = self.state.previous_version
+        if previous is None:
+            raise ConflictError(
+                "no earlier version was served by this engine; nothing to roll back"
+            )
+        return await self.switch(*previous)
+
+    # ----------------------------------------------------------------- two-phase switch
+
+    async def prepare(self, name: str, version: str) -> Manifest:
+        """Load ``name`` at ``version`` beside the serving one and hold it until ``commit`` or
+        ``abort``; meanwhile any other switch is refused (409)."""
+        lock = self.state.switch_lock
+        if lock.locked():
+            raise ConflictError("another version is being loaded; retry when it is done")
+        await lock.acquire()
+        try:
+            self._prepared = await lifecycle.prepare_version(self.state, name, version)
+        except BaseException:
+            lock.release()
+            raise
+        self._holding_prepare = True
+        if self._prepared is not None:
+            return self._prepared.manifest
+        assert self.state.served is not None  # prepare_version returns None only then
+        return self.state.served.manifest
+
+    async def commit(self) -> SwitchResult:
+        """Serve what ``prepare`` loaded (nothing changes if it was served already)."""
+        if not self._holding_prepare:
+            raise ConflictError("no version has been prepared; nothing to commit")
+        prepared, self._prepared = self._prepared, None
+        self._holding_prepare = False
+        try:
+            if prepared is None:
+                assert self.state.served is not None
+                return SwitchResult(serving=self.state.served.manifest, replaced=None)
+            replaced = self.state.served.manifest.label if self.state.served else "nothing"
+            lifecycle.switch_to(self.state, prepared)
+            return SwitchResult(serving=prepared.manifest, replaced=replaced)
+        finally:
+            self.state.switch_lock.release()
+
+    async def abort(self) -> None:
+        """Discard what ``prepare`` loaded, if anything; the serving version stays."""
+        if not self._holding_prepare:
+            return
+        prepared, self._prepared = self._prepared, None
+        self._holding_prepare = False
+        try:
+            if prepared is not None:
+                await lifecycle.retire(prepared)
+        finally:
+            self.state.switch_lock.release()
+
+    # ----------------------------------------------------------------- internals
+
+    def _forget_status(self) -> None:
+        self._status = None
+        served = self.state.served
+        if served is not None:
+            versions = self._inputs_by_version
+            versions[served.manifest.version] = served.manifest.inputs
+            while len(versions) > REMEMBERED_VERSIONS:
+                del versions[next(iter(versions))]

@@ -1,0 +1,125 @@
+"""An engine process: ``python -m service.engine.process``, started by the supervisor.
+
+It serves one device: loads the model, runs the batcher and the device thread, and answers
+every front end over the bridge socket the supervisor names. It exits 0 after SIGTERM once
+every queued request is answered; ``EXIT_LOAD_FAILED`` when the model cannot be loaded (a
+restart would fail the same way); ``EXIT_STALLED`` when the model hangs, so the supervisor
+replaces it. Once a second it touches its heartbeat file, which the supervisor watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvloop
+
+from service.bridge.server import BridgeServer
+from service.config import Settings, SettingsError, load_settings
+from service.engine.engine import Engine
+from service.logs import configure_logging
+from service.metrics import EngineMetrics, ProcessMetrics
+from service.processes import (
+    ENGINE_DEVICE_ENV,
+    ENGINE_HEARTBEAT_FILE_ENV,
+    ENGINE_SOCKET_ENV,
+    EXIT_LOAD_FAILED,
+    EXIT_STALLED,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How often the engine tells front ends (a status frame) and the supervisor (its heartbeat
+#: file) that it is alive, and refreshes its memory gauges.
+HOUSEKEEPING_INTERVAL_S = 1.0
+
+
+async def serve_engine(
+    settings: Settings, socket_path: Path, device: str, heartbeat_file: Path | None
+) -> int:
+    """Serve one device until SIGTERM, a failed load or a hung model; the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_status = 0
+
+    def stop_with(status: int) -> None:
+        nonlocal exit_status
+        exit_status = exit_status or status
+        stop.set()
+
+    metrics = EngineMetrics()
+    process_metrics = ProcessMetrics("engine")
+    metrics.starts.labels(device).inc()
+    engine = Engine(
+        settings,
+        metrics,
+        device=device,
+        on_load_failure=lambda: stop_with(EXIT_LOAD_FAILED),
+        on_stall=lambda: stop_with(EXIT_STALLED),
+    )
+    bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=HOUSEKEEPING_INTERVAL_S)
+    engine.add_listener(bridge.status_changed)
+    await bridge.start()
+    engine.start()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    logger.info("engine_started", extra={"device": device, "socket": str(socket_path)})
+    parent = os.getppid()
+
+    async def housekeeping() -> None:
+        while True:
+            if heartbeat_file is not None:
+                os.utime(heartbeat_file)
+            process_metrics.refresh()
+            engine.state.refresh_device_memory()
+            if os.getppid() != parent:
+                logger.warning("supervisor_gone", extra={"supervisor_pid": parent})
+                stop.set()
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+
+    keeping = loop.create_task(housekeeping(), name="engine-housekeeping")
+    await stop.wait()
+    keeping.cancel()
+    if exit_status == EXIT_STALLED:
+        # The device thread is stuck inside the model and would block the interpreter's exit:
+        # leave at once. Every front end sees the connection close and answers 503.
+        logger.error("engine_exiting_with_stalled_model", extra={"device": device})
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
+    if exit_status == 0:
+        # A signal sent to the whole process group reaches the engine while the front ends
+        # still drain: serve them until they have gone, then drain the queue.
+        left = await bridge.wait_for_frontends_to_leave(settings.shutdown_grace_s)
+        if not left:
+            logger.warning("frontends_still_connected_at_shutdown")
+    await engine.shut_down()
+    await asyncio.sleep(0)  # let the last answers be written before the sockets close
+    await bridge.close()
+    logger.info("engine_stopped", extra={"device": device, "exit_status": exit_status})
+    return exit_status
+
+
+def main() -> int:
+    try:
+        settings = load_settings()
+    except SettingsError as error:
+        print(error, file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    heartbeat = os.environ.get(ENGINE_HEARTBEAT_FILE_ENV)
+    return uvloop.run(
+        serve_engine(
+            settings,
+            Path(os.environ[ENGINE_SOCKET_ENV]),
+            os.environ[ENGINE_DEVICE_ENV],
+            Path(heartbeat) if heartbeat else None,
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

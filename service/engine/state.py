@@ -1,0 +1,98 @@
+"""What an engine holds: the version it serves and the machinery serving it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from service.bridge.interface import ModelInfo
+from service.config import Settings
+from service.engine.batching import DynamicBatcher
+from service.engine.model_store import ModelStore
+from service.manifest import Manifest
+from service.metrics import EngineMetrics
+from service.types import Array
+
+if TYPE_CHECKING:
+    from service.engine.runner import TorchRunner
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One loaded version and the machinery serving it, swapped in and out as a whole so a
+    request always meets a manifest, runner and batcher that belong together."""
+
+    manifest: Manifest
+    length_edges: tuple[int, ...]
+    runner: TorchRunner
+    batcher: DynamicBatcher[Array, Array]
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            manifest=self.manifest,
+            device=str(self.runner.device),
+            precision=self.runner.precision,
+            compiled=self.runner.compiled,
+            length_edges=self.length_edges,
+        )
+
+
+@dataclass
+class EngineState:
+    """Filled in by ``lifecycle.py`` as versions load and switch; read by ``Engine``."""
+
+    settings: Settings
+    metrics: EngineMetrics
+    store: ModelStore
+    device: str
+    """This engine's ``device`` setting: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    served: ServedModel | None = None
+    previous_version: tuple[str, str] | None = None
+    """(name, version) served before the last switch: what a rollback goes back to."""
+    draining: bool = False
+    load_error: str | None = None
+    switch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held from the start of a switch to its end; a second one is refused (409)."""
+    retiring: set[asyncio.Task[None]] = field(default_factory=set)
+    """Versions switched away from, still finishing their queued requests."""
+    listeners: list[Callable[[], None]] = field(default_factory=list)
+    """Called whenever the state a front end sees changes (``Engine.status``)."""
+    on_stall: Callable[[], None] | None = None
+    """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
+
+    def changed(self) -> None:
+        for listener in list(self.listeners):
+            listener()
+
+    def refresh_device_memory(self) -> None:
+        """The device's memory, into its gauges (0 on CPU)."""
+        served = self.served
+        if served is not None:
+            allocated, reserved = served.runner.device_memory_bytes()
+            device = str(served.runner.device)
+            self.metrics.device_memory_allocated.labels(device).set(allocated)
+            self.metrics.device_memory_reserved.labels(device).set(reserved)
+
+    def report_stall(self) -> None:
+        """The model looks hung: tell the front ends, then let the owner of the process react."""
+        self.changed()
+        if self.on_stall is not None:
+            self.on_stall()
+
+    @property
+    def stalled(self) -> bool:
+        """A batch has outlived ``stall_timeout_s``: the model looks hung."""
+        return self.served is not None and self.served.batcher.stalled
+
+    @property
+    def phase(self) -> str:
+        """loading, ready, draining, stalled or failed."""
+        if self.load_error is not None:
+            return "failed"
+        if self.stalled:
+            return "stalled"
+        if self.draining:
+            return "draining"
+        return "ready" if self.served is not None else "loading"

@@ -1,0 +1,43 @@
+"""JSON answers, and the one mapping from errors to error responses that every route uses."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+from starlette.responses import Response
+
+from service.errors import ServiceError
+
+JSON = "application/json"
+
+
+def json_response(
+    content: object, status_code: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    body = orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status_code, media_type=JSON, headers=headers)
+
+
+def error_response(
+    status_code: int,
+    code: str,
+    message: str,
+    request_id: str,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """The JSON error every failure is answered with."""
+    return json_response(
+        {"error": {"code": code, "message": message, "request_id": request_id}},
+        status_code=status_code,
+        headers=headers,
+    )
+
+
+def service_error_response(error: ServiceError, request_id: str) -> Response:
+    return error_response(error.status_code, error.code, error.message, request_id, error.headers)
+
+
+def internal_error_response(request_id: str) -> Response:
+    """For an error nobody expected: logged where it happened, never described to the client."""
+    return error_response(500, "internal_error", "internal server error", request_id)

@@ -1,0 +1,152 @@
+"""The documented HTTP routes of a front end. Each reads ``request.app.state.frontend``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from service.errors import ModelNotFoundError
+from service.frontend.inputs import NPY_MEDIA_TYPE
+from service.frontend.predict import PredictHeaders, serve_prediction
+from service.frontend.responses import JSON, json_response
+from service.frontend.schemas import (
+    ErrorResponse,
+    HealthResponse,
+    ModelsResponse,
+    PredictRequest,
+    PredictResponse,
+    ReadinessResponse,
+)
+from service.frontend.state import FrontendState
+from service.manifest import manifest_summary
+from service.metrics import METRICS_CONTENT_TYPE, render
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 404, 413, 415, 422, 429, 500, 503, 504)
+}
+
+
+def frontend_of(request: Request) -> FrontendState:
+    state: FrontendState = request.app.state.frontend
+    return state
+
+
+@router.post(
+    "/predict",
+    summary="Predict one or more instances",
+    response_model=PredictResponse,
+    responses=_ERRORS,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                JSON: {"schema": PredictRequest.model_json_schema()},
+                NPY_MEDIA_TYPE: {
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": "One instance or a batch as a NumPy .npy array of the "
+                    "model's exact dtype; also accepted as application/octet-stream.",
+                },
+            },
+        }
+    },
+)
+async def predict(request: Request) -> Response:
+    """Queue the instances for the next batch and answer with one prediction row each.
+
+    Send JSON ``{"instances": [...]}`` or a ``.npy`` array (``Content-Type:
+    application/x-npy``); ask for a ``.npy`` answer with ``Accept: application/x-npy``.
+    """
+    return await serve_prediction(
+        frontend_of(request),
+        PredictHeaders.from_scope(request.scope),
+        request.receive,
+        request.state.request_id,
+    )
+
+
+@router.get(
+    "/healthz",
+    response_model=HealthResponse,
+    responses={503: {"model": HealthResponse}},
+    summary="Liveness",
+)
+async def healthz(request: Request) -> Response:
+    """200 while this process is alive and its event loop answers, with the engines' state.
+
+    One process serving alone answers 503 once its model is hung (a batch outlived
+    ``stall_timeout_s``), so that the orchestrator replaces it. Behind the bridge a hung or
+    dead engine is restarted by the supervisor and the front end stays alive: 200, with
+    ``engine`` saying what is wrong.
+    """
+    frontend = frontend_of(request)
+    engine_phase = frontend.engine.status().phase
+    if frontend.engine_in_process and engine_phase == "stalled":
+        return json_response({"status": "stalled", "engine": engine_phase}, status_code=503)
+    return json_response({"status": "alive", "engine": engine_phase})
+
+
+@router.get(
+    "/readyz",
+    response_model=ReadinessResponse,
+    responses={503: {"model": ReadinessResponse}},
+    summary="Readiness",
+)
+async def readyz(request: Request) -> Response:
+    """200 once an engine serves the warmed-up model; 503 while loading, draining, with no
+    engine reachable, or failed."""
+    frontend = frontend_of(request)
+    model = frontend.engine.status().model
+    content = {
+        "status": frontend.phase,
+        "model": model.manifest.name if model else None,
+        "version": model.manifest.version if model else None,
+    }
+    return json_response(content, status_code=200 if frontend.ready else 503)
+
+
+@router.get("/models", response_model=ModelsResponse, responses=_ERRORS, summary="Models")
+async def models(request: Request) -> Response:
+    """The served model with its manifest, each engine, and every version in the repository."""
+    frontend = frontend_of(request)
+    model = frontend.engine.status().model
+    loaded = None
+    if model is not None:
+        loaded = {
+            "name": model.manifest.name,
+            "version": model.manifest.version,
+            "device": model.device,
+            "precision": model.precision,
+            "compiled": model.compiled,
+            "manifest": manifest_summary(model.manifest),
+        }
+    engines = [
+        {
+            "device": engine.device,
+            "status": engine.phase,
+            "version": engine.model.manifest.version if engine.model else None,
+            "pid": engine.pid,
+        }
+        for engine in frontend.engine.engines()
+    ]
+    name = model.manifest.name if model else frontend.settings.model_name
+    try:
+        versions = [manifest_summary(version) for version in frontend.repository.versions(name)]
+    except ModelNotFoundError:
+        versions = []
+    return json_response({"loaded": loaded, "engines": engines, "versions": versions})
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {METRICS_CONTENT_TYPE: {}}}},
+)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format; the sum over every process of the server when there are several."""
+    frontend = frontend_of(request)
+    frontend.refresh_gauges()
+    return Response(render(frontend.registry), media_type=METRICS_CONTENT_TYPE)

@@ -1,0 +1,22 @@
+"""What the processes of one server tell each other: start-up variables and exit statuses.
+
+The supervisor sets the variables for the engines and front ends it starts, and reads the
+exit status of each engine to decide what to do next. Shared, so that neither side imports
+the other (the supervisor never imports torch).
+"""
+
+from __future__ import annotations
+
+#: The folder of one server's run (sockets, heartbeat files, the published version).
+RUN_DIR_ENV = "_BATCHSERVE_RUN_DIR"
+#: For an engine: its bridge socket, its device, and the file it touches while alive.
+ENGINE_SOCKET_ENV = "_BATCHSERVE_ENGINE_SOCKET"
+ENGINE_DEVICE_ENV = "_BATCHSERVE_ENGINE_DEVICE"
+ENGINE_HEARTBEAT_FILE_ENV = "_BATCHSERVE_ENGINE_HEARTBEAT_FILE"
+#: For a front end: a JSON list of ``[socket path, device]``, one per engine.
+ENGINES_ENV = "_BATCHSERVE_ENGINES"
+
+#: The model could not be loaded at start-up: restarting would fail the same way.
+EXIT_LOAD_FAILED = 3
+#: The model hung (a batch outlived ``stall_timeout_s``): restart the process (EX_SOFTWARE).
+EXIT_STALLED = 70

@@ -1,0 +1,75 @@
+"""A front-end process of a server with engine processes: its app, connected over the bridge.
+
+gunicorn calls ``create_app_from_environment()`` in each worker after the fork. Nothing here
+imports torch: a front end parses, validates and answers, and the engines do the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from service.bridge.client import BridgeClient
+from service.config import Settings, load_settings
+from service.frontend.app import create_frontend_app
+from service.frontend.state import FrontendState
+from service.metrics import FrontendMetrics, ProcessMetrics
+from service.processes import ENGINES_ENV
+from service.repository import ModelRepository
+
+
+def engines_from_environment() -> list[tuple[Path, str]]:
+    return [(Path(path), str(device)) for path, device in json.loads(os.environ[ENGINES_ENV])]
+
+
+def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, str]]) -> FastAPI:
+    """A front end reaching ``engines`` through the bridge. ``app.state.loading`` finishes
+    once an engine is ready (or every engine failed), for the worker to start accepting."""
+    registry = CollectorRegistry()
+    frontend: FrontendState | None = None
+
+    def refresh() -> None:
+        if frontend is not None:
+            frontend.refresh_gauges()
+
+    client = BridgeClient(
+        engines,
+        heartbeat_timeout_s=settings.engine_heartbeat_timeout_s,
+        request_timeout_ms=settings.request_timeout_ms,
+        on_status=refresh,
+    )
+    frontend = FrontendState(
+        settings=settings,
+        metrics=FrontendMetrics(registry),
+        process_metrics=ProcessMetrics("frontend", registry),
+        registry=registry,
+        engine=client,
+        repository=ModelRepository(settings.model_repository),
+        engine_in_process=False,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        app.state.loading = asyncio.get_running_loop().create_task(client.wait_until_settled())
+        try:
+            yield
+        finally:
+            app.state.loading.cancel()
+            await client.close()
+
+    app = create_frontend_app(frontend, lifespan)
+    app.state.client = client
+    return app
+
+
+def create_app_from_environment() -> FastAPI:
+    """The app of one gunicorn worker, from the ``BATCHSERVE_*`` variables."""
+    return create_frontend_process_app(load_settings(), engines_from_environment())

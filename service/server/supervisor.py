@@ -1,0 +1,281 @@
+"""The supervisor: ``batchserve serve`` with front ends and engine processes.
+
+It starts one engine process per device, then gunicorn with ``workers`` front ends, and
+watches them all without importing torch:
+
+- An engine that exits is started again (after a back-off if it keeps dying young); the
+  front ends reconnect on their own. One that stops touching its heartbeat file for
+  ``engine_heartbeat_timeout_s`` is killed and started again. One that cannot load its model
+  (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way.
+- gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
+- SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
+  the engines (every queued request answered); the exit status is 0. SIGINT stops the front
+  ends without draining. SIGHUP, SIGTTIN and SIGTTOU go to gunicorn (reload, more or fewer
+  front ends).
+
+Every child gets SIGTERM if the supervisor dies, so none is left serving as an orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from prometheus_client import multiprocess
+
+from service.config import Settings
+from service.metrics import MULTIPROCESS_DIR_ENV
+from service.processes import (
+    ENGINE_DEVICE_ENV,
+    ENGINE_HEARTBEAT_FILE_ENV,
+    ENGINE_SOCKET_ENV,
+    ENGINES_ENV,
+    EXIT_LOAD_FAILED,
+    RUN_DIR_ENV,
+)
+from service.server.devices import count_cuda_devices, engine_devices
+from service.server.gunicorn_setup import graceful_timeout_s
+from service.server.launcher import prepare_multiprocess_dir, settings_environment
+
+logger = logging.getLogger(__name__)
+
+GUNICORN_CONFIG = "python:service.server.gunicorn_conf"
+POLL_INTERVAL_S = 0.1
+#: An engine that dies sooner than this after its start is restarted after a growing wait.
+STABLE_AFTER_S = 30.0
+FIRST_BACKOFF_S = 0.5
+LONGEST_BACKOFF_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+def gunicorn_command() -> list[str]:
+    """The front ends' command (with the settings in the environment)."""
+    app_factory = "service.server.frontend_process:create_app_from_environment()"
+    return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, app_factory]
+
+
+def engine_command() -> list[str]:
+    return [sys.executable, "-m", "service.engine.process"]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the supervisor dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the children notice a new parent within a second instead
+
+
+@dataclass
+class EngineProcess:
+    """One engine: its device, its socket and heartbeat file, and its current process."""
+
+    index: int
+    device: str
+    socket: Path
+    heartbeat_file: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_s: float = 0.0
+    backoff_s: float = FIRST_BACKOFF_S
+    restart_at_s: float | None = None
+    starts: int = field(default=0)
+
+    def start(self, environ: Mapping[str, str]) -> None:
+        self.heartbeat_file.touch()
+        os.utime(self.heartbeat_file, (0, 0))  # not alive until the engine touches it
+        self.process = subprocess.Popen(
+            engine_command(),
+            env={
+                **environ,
+                ENGINE_SOCKET_ENV: str(self.socket),
+                ENGINE_DEVICE_ENV: self.device,
+                ENGINE_HEARTBEAT_FILE_ENV: str(self.heartbeat_file),
+            },
+            preexec_fn=_die_with_parent,
+        )
+        self.started_s = time.monotonic()
+        self.restart_at_s = None
+        self.starts += 1
+        logger.info(
+            "engine_process_started",
+            extra={"engine": self.index, "device": self.device, "pid": self.process.pid},
+        )
+
+    def quiet_for_s(self) -> float | None:
+        """Seconds since the engine last touched its heartbeat file; None before it ever has."""
+        try:
+            touched_s = self.heartbeat_file.stat().st_mtime
+        except OSError:
+            return None
+        return None if touched_s == 0 else time.time() - touched_s
+
+
+class Supervisor:
+    """Runs and watches the engines and gunicorn until told to stop."""
+
+    def __init__(self, settings: Settings, environ: dict[str, str], engines: list[EngineProcess]):
+        self._settings = settings
+        self._environ = environ
+        self._engines = engines
+        self._gunicorn: subprocess.Popen[bytes] | None = None
+        self._stop_signal: int | None = None
+        self._stopping = False
+        self._exit_status = 0
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_stop_signal)
+        for signum in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signum, self._forward_to_gunicorn)
+        for engine in self._engines:
+            engine.start(self._environ)
+        self._gunicorn = subprocess.Popen(
+            gunicorn_command(), env=self._environ, preexec_fn=_die_with_parent
+        )
+        logger.info(
+            "supervisor_started",
+            extra={
+                "workers": self._settings.workers,
+                "engines": [engine.device for engine in self._engines],
+                "gunicorn_pid": self._gunicorn.pid,
+            },
+        )
+        while True:
+            time.sleep(POLL_INTERVAL_S)
+            if self._stop_signal is not None and not self._stopping:
+                self._begin_stop(self._stop_signal)
+            if self._gunicorn.poll() is not None:
+                return self._finish()
+            if not self._stopping:
+                self._watch_engines()
+
+    def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only an attribute: the loop above does the work, outside the signal handler.
+        self._stop_signal = signum
+
+    def _forward_to_gunicorn(self, signum: int, frame: FrameType | None) -> None:
+        if self._gunicorn is not None and self._gunicorn.poll() is None:
+            self._gunicorn.send_signal(signum)
+
+    def _begin_stop(self, signum: int, exit_status: int = 0) -> None:
+        """Front ends first: they drain while the engines still answer."""
+        self._stopping = True
+        self._exit_status = self._exit_status or exit_status
+        logger.info("supervisor_stopping", extra={"signal": signal.Signals(signum).name})
+        assert self._gunicorn is not None
+        if self._gunicorn.poll() is None:
+            self._gunicorn.send_signal(signum)
+
+    def _finish(self) -> int:
+        """gunicorn has exited: stop the engines (they answer what is queued), then exit."""
+        assert self._gunicorn is not None
+        code = self._gunicorn.returncode
+        if not self._stopping:
+            logger.error("frontends_exited", extra={"exit_status": code})
+            self._exit_status = self._exit_status or code or 1
+        elif code not in (0, None) and self._stop_signal == signal.SIGTERM:
+            self._exit_status = self._exit_status or code
+        running = [e.process for e in self._engines if e.process and e.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline_s = time.monotonic() + graceful_timeout_s(self._settings)
+        for process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.error("engine_killed_at_shutdown", extra={"pid": process.pid})
+                process.kill()
+                process.wait()
+        logger.info("supervisor_stopped", extra={"exit_status": self._exit_status})
+        return self._exit_status
+
+    def _watch_engines(self) -> None:
+        now_s = time.monotonic()
+        for engine in self._engines:
+            process = engine.process
+            if process is None:
+                continue
+            code = process.poll()
+            if code is None:
+                quiet_s = engine.quiet_for_s()
+                if quiet_s is not None and quiet_s > self._settings.engine_heartbeat_timeout_s:
+                    logger.error(
+                        "engine_unresponsive",
+                        extra={"engine": engine.index, "pid": process.pid, "quiet_s": quiet_s},
+                    )
+                    process.kill()
+                continue
+            if engine.restart_at_s is None:
+                self._engine_exited(engine, code, now_s)
+            elif now_s >= engine.restart_at_s:
+                engine.start(self._environ)
+
+    def _engine_exited(self, engine: EngineProcess, code: int, now_s: float) -> None:
+        assert engine.process is not None
+        _forget_gauges(engine.process.pid, self._environ)
+        if code == EXIT_LOAD_FAILED:
+            logger.error("engine_cannot_load_model", extra={"engine": engine.index})
+            self._begin_stop(signal.SIGTERM, exit_status=1)
+            return
+        lived_s = now_s - engine.started_s
+        engine.backoff_s = (
+            FIRST_BACKOFF_S if lived_s > STABLE_AFTER_S
+            else min(LONGEST_BACKOFF_S, engine.backoff_s * 2)
+        )  # fmt: skip
+        wait_s = 0.0 if lived_s > STABLE_AFTER_S else engine.backoff_s
+        engine.restart_at_s = now_s + wait_s
+        logger.error(
+            "engine_exited",
+            extra={
+                "engine": engine.index,
+                "pid": engine.process.pid,
+                "exit_status": code,
+                "restart_in_s": wait_s,
+            },
+        )
+
+
+def _forget_gauges(pid: int, environ: Mapping[str, str]) -> None:
+    """A dead engine's live gauges (queue depth, memory) leave the aggregate."""
+    with contextlib.suppress(FileNotFoundError):
+        multiprocess.mark_process_dead(pid, environ[MULTIPROCESS_DIR_ENV])  # type: ignore[no-untyped-call]
+
+
+def run_server(settings: Settings, overrides: Mapping[str, object]) -> int:
+    """Serve with a supervisor, engine processes and gunicorn front ends until stopped."""
+    environ = dict(os.environ) | settings_environment(overrides)
+    metrics_dir, temporary_metrics = prepare_multiprocess_dir(environ)
+    run_dir = Path(tempfile.mkdtemp(prefix="batchserve-run-"))
+    environ[RUN_DIR_ENV] = str(run_dir)
+    try:
+        devices = engine_devices(settings.device, count_cuda_devices)
+        engines = [
+            EngineProcess(
+                index=index,
+                device=device,
+                socket=run_dir / f"engine-{index}.sock",
+                heartbeat_file=run_dir / f"engine-{index}.alive",
+            )
+            for index, device in enumerate(devices)
+        ]
+        environ[ENGINES_ENV] = json.dumps([[str(e.socket), e.device] for e in engines])
+        sys.stdout.flush()
+        return Supervisor(settings, environ, engines).run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if temporary_metrics:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
