@@ -14,6 +14,7 @@ import orjson
 NPY_MEDIA_TYPE = "application/x-npy"
 TOKEN_ID_RANGE = (1, 999)  # 0 is padding
 IMAGE_SHAPE = (3, 224, 224)
+MLP_FEATURES = 256
 
 
 def _json(instance: object) -> bytes:
@@ -23,6 +24,14 @@ def _json(instance: object) -> bytes:
 def digits_bodies(rng: np.random.Generator, count: int) -> list[bytes]:
     """8x8 pixel intensities in [0, 1] on scikit-learn's 1/16 grid, like the real digits."""
     return [_json((rng.integers(0, 17, size=(8, 8)) / 16).tolist()) for _ in range(count)]
+
+
+def mlp_bodies(rng: np.random.Generator, count: int) -> list[bytes]:
+    """256 standard-normal float32 features, 4 decimals (about 2 kB per body), as PEERS.md."""
+    return [
+        _json(rng.standard_normal(MLP_FEATURES, dtype=np.float32).round(4).tolist())
+        for _ in range(count)
+    ]
 
 
 def token_lengths_log_uniform(

@@ -9,7 +9,7 @@ are reported as unavailable, with the reason, instead of silently measuring some
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,11 +17,11 @@ import numpy as np
 
 from loadtests import bodies
 
-IMAGE_MODEL_NAME = "tinyimage"
-IMAGE_ARCHITECTURE = "service.models.image:TinyImageClassifier"
 COMPILED_READY_TIMEOUT_S = 900.0
-#: Settings that shape batching or the queue, not one forward pass: the model limit of two
-#: configurations differing only in these is measured once.
+WORKERS_VARIABLE = "BATCHSERVE_WORKERS"
+ENGINE_MODE_VARIABLE = "BATCHSERVE_ENGINE_MODE"
+#: Settings that shape batching, the queue or the processes around the model, not one forward
+#: pass: the model limit of two configurations differing only in these is measured once.
 NOT_AFFECTING_FORWARD = frozenset(
     {
         "BATCHSERVE_BATCH_POLICY",
@@ -30,7 +30,81 @@ NOT_AFFECTING_FORWARD = frozenset(
         "BATCHSERVE_LENGTH_BUCKETS",
         "BATCHSERVE_MAX_BATCH_TOKENS",
         "BATCHSERVE_REQUEST_TIMEOUT_MS",
+        WORKERS_VARIABLE,
+        ENGINE_MODE_VARIABLE,
     }
+)
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model the sweep packages itself, with seeded weights, into a temporary repository.
+
+    The architecture is an import path, so any checkout that has the module (this one, or a
+    ``--baseline-checkout``) can build it from the same manifest and weights.
+    """
+
+    name: str
+    architecture: str
+    """``module:Class`` of the ``nn.Module``."""
+    input_name: str
+    instance_shape: tuple[int, ...]
+    classes: int = 10
+
+    def module_file(self, checkout: Path) -> Path:
+        """Where ``checkout`` must have the architecture's module."""
+        module = self.architecture.split(":", 1)[0]
+        return checkout.joinpath(*module.split(".")).with_suffix(".py")
+
+    def package(self, root: Path, seed: int = 0) -> Path:
+        """Package the architecture with weights from ``torch.manual_seed(seed)`` into a new
+        repository under ``root``; returns the repository. The same seed gives the same weights,
+        so the same version id.
+
+        Raises RuntimeError with the reason if the architecture does not exist in this checkout.
+        """
+        import torch
+        from safetensors.torch import save_file
+
+        from service.engine.model_store import ModelStore, instantiate
+        from service.errors import ModelLoadError
+        from service.manifest import Architecture, TensorSpec
+
+        architecture = Architecture(import_path=self.architecture)
+        torch.manual_seed(seed)
+        try:
+            module = instantiate(architecture)
+        except ModelLoadError as error:
+            raise RuntimeError(f"{self.architecture} is not available: {error}") from None
+        root.mkdir(parents=True, exist_ok=True)
+        weights = root / f"{self.name}.safetensors"
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(weights))
+        repository = root / "models"
+        ModelStore(repository).package(
+            name=self.name,
+            artifact=weights,
+            format="safetensors",
+            architecture=architecture,
+            inputs=(
+                TensorSpec(name=self.input_name, dtype="float32", shape=(-1, *self.instance_shape)),
+            ),
+            outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, self.classes)),),
+            metadata={"purpose": f"load tests; random weights, torch.manual_seed({seed})"},
+        )
+        return repository
+
+
+IMAGE_MODEL = PackagedModel(
+    name="tinyimage",
+    architecture="service.models.image:TinyImageClassifier",
+    input_name="image",
+    instance_shape=bodies.IMAGE_SHAPE,
+)
+MLP_MODEL = PackagedModel(
+    name="mlp",
+    architecture="service.models.mlp:PeerMLP",
+    input_name="features",
+    instance_shape=(bodies.MLP_FEATURES,),
 )
 
 
@@ -46,7 +120,8 @@ class Workload:
     accept: str | None = None
     limit_length: int | None = None
     """Length of the variable axes in the model-limit measurement (token sequences)."""
-    needs_image_repository: bool = False
+    packaged: PackagedModel | None = None
+    """The model, when the sweep packages it into a temporary repository itself."""
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": self.content_type}
@@ -107,25 +182,34 @@ TEXTENC_MIXED = Workload(
     # roughly the per-row cost of length 128.
     limit_length=128,
 )
+MLP = Workload(
+    name="mlp",
+    model_name=MLP_MODEL.name,
+    description="256 float32 features as JSON (the PEERS.md workload)",
+    make_bodies=lambda rng: bodies.mlp_bodies(rng, 64),
+    packaged=MLP_MODEL,
+)
 IMAGE_JSON = Workload(
     name="image-json",
-    model_name=IMAGE_MODEL_NAME,
+    model_name=IMAGE_MODEL.name,
     description="one 3x224x224 float32 image as JSON, JSON answer",
     make_bodies=lambda rng: bodies.image_json_bodies(rng, 4),
-    needs_image_repository=True,
+    packaged=IMAGE_MODEL,
 )
 IMAGE_NPY = Workload(
     name="image-npy",
-    model_name=IMAGE_MODEL_NAME,
+    model_name=IMAGE_MODEL.name,
     description="one 3x224x224 float32 image as .npy, .npy answer",
     make_bodies=lambda rng: bodies.image_npy_bodies(rng, 4),
     content_type=bodies.NPY_MEDIA_TYPE,
     accept=bodies.NPY_MEDIA_TYPE,
-    needs_image_repository=True,
+    packaged=IMAGE_MODEL,
 )
 
 _TEXTENC = {"BATCHSERVE_MODEL_NAME": "textenc"}
-_IMAGE = {"BATCHSERVE_MODEL_NAME": IMAGE_MODEL_NAME}
+_IMAGE = {"BATCHSERVE_MODEL_NAME": IMAGE_MODEL.name}
+_MLP = {"BATCHSERVE_MODEL_NAME": MLP_MODEL.name}
+_TWO_WORKERS = {WORKERS_VARIABLE: "2"}
 
 CONFIGURATIONS: dict[str, Configuration] = {
     c.name: c
@@ -200,6 +284,23 @@ CONFIGURATIONS: dict[str, Configuration] = {
         ),
         Configuration("image-json", IMAGE_JSON, "TinyImageClassifier, JSON in and out", _IMAGE),
         Configuration("image-npy", IMAGE_NPY, "TinyImageClassifier, .npy in and out", _IMAGE),
+        Configuration(
+            "mlp-single", MLP, "PeerMLP, one process (the default for one worker)", _MLP
+        ),
+        Configuration(
+            "mlp-w1-process",
+            MLP,
+            "PeerMLP, one front end and one engine process",
+            _MLP | {WORKERS_VARIABLE: "1", ENGINE_MODE_VARIABLE: "process"},
+        ),
+        Configuration("mlp-w2", MLP, "PeerMLP, workers=2", _MLP | _TWO_WORKERS),
+        Configuration(
+            "mlp-w2-fixed-wait",
+            MLP,
+            "PeerMLP, workers=2, batch_policy=fixed",
+            _MLP | _TWO_WORKERS | {"BATCHSERVE_BATCH_POLICY": "fixed"},
+        ),
+        Configuration("digits-w2", DIGITS, "digits, workers=2", _TWO_WORKERS),
     )
 }
 
@@ -217,58 +318,68 @@ def select(patterns: Sequence[str], *, skip_heavy: bool = False) -> list[Configu
     return [c for c in chosen if not (skip_heavy and c.heavy)]
 
 
-def unavailable_reason(configuration: Configuration, repository: Path) -> str | None:
-    """Why this checkout cannot serve ``configuration`` as described, or None if it can."""
-    from service.config import ENV_PREFIX, Settings
+def front_ends(env: Mapping[str, str]) -> int:
+    """gunicorn front ends a server with ``env`` runs; 0 when it serves in one process.
 
-    fields = set(Settings.model_fields)
+    The server's rule (``service.server.cli.serves_in_one_process``) read from the variables,
+    for one device: several GPUs with ``device`` auto would also give front ends.
+    """
+    workers = int(env.get(WORKERS_VARIABLE, "1"))
+    mode = env.get(ENGINE_MODE_VARIABLE, "auto")
+    if mode == "in_process" or (mode == "auto" and workers == 1):
+        return 0
+    return workers
+
+
+def ceiling_label(front_end_count: int) -> str:
+    """The HTTP ceiling's name: ``http-ceiling`` for one process, ``http-ceiling-wN`` for N
+    gunicorn front ends."""
+    return "http-ceiling" if front_end_count == 0 else f"http-ceiling-w{front_end_count}"
+
+
+def current_settings_fields() -> frozenset[str]:
+    from service.config import Settings
+
+    return frozenset(Settings.model_fields)
+
+
+def unavailable_reason(
+    configuration: Configuration,
+    repository: Path,
+    *,
+    settings_fields: Collection[str] | None = None,
+    checkout: Path | None = None,
+) -> str | None:
+    """Why a checkout cannot serve ``configuration`` as described, or None if it can.
+
+    ``settings_fields`` are the checkout's settings (default: this one's); ``checkout`` is
+    another checkout's root, whose files a packaged model's architecture must be found in.
+    """
+    from service.config import ENV_PREFIX
+
+    fields = current_settings_fields() if settings_fields is None else settings_fields
+    where = "this checkout" if checkout is None else str(checkout)
     for variable in configuration.env:
         name = variable.removeprefix(ENV_PREFIX).lower()
         if name not in fields:
             return (
-                f"{variable} is not a batchserve setting in this checkout "
-                f"(service.config.Settings has no field {name!r} yet)"
+                f"{variable} is not a batchserve setting in {where} "
+                f"(service.config.Settings has no field {name!r})"
             )
     for name in configuration.requires_settings:
         if name not in fields:
-            return f"service.config.Settings has no field {name!r} yet"
-    if configuration.workload.needs_image_repository:
-        return None  # checked when the repository is packaged
+            return f"service.config.Settings in {where} has no field {name!r}"
+    packaged = configuration.workload.packaged
+    if packaged is not None:
+        if checkout is not None and not packaged.module_file(checkout).is_file():
+            missing = packaged.module_file(checkout)
+            return (
+                f"{missing} does not exist, so {packaged.architecture} cannot be built there: "
+                f"copy {missing.relative_to(checkout)} from this checkout"
+            )
+        return None  # this checkout's architecture is checked when the model is packaged
     model = configuration.workload.model_name
     # A plain look at the folder: importing the model store would import torch here.
     if not any((repository / model).glob("*/manifest.json")):
         return f"model {model!r} is not in the repository {repository} yet"
     return None
-
-
-def package_image_model(root: Path, seed: int = 0) -> Path:
-    """Package TinyImageClassifier with seeded weights into a new repository at ``root``.
-
-    Raises RuntimeError with the reason if the architecture does not exist in this checkout.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from service.errors import ModelLoadError
-    from service.model_store import Architecture, ModelStore, TensorSpec, instantiate
-
-    architecture = Architecture(import_path=IMAGE_ARCHITECTURE)
-    torch.manual_seed(seed)
-    try:
-        module = instantiate(architecture)
-    except ModelLoadError as error:
-        raise RuntimeError(f"{IMAGE_ARCHITECTURE} is not available: {error}") from None
-    root.mkdir(parents=True, exist_ok=True)
-    weights = root / "tinyimage.safetensors"
-    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(weights))
-    repository = root / "models"
-    ModelStore(repository).package(
-        name=IMAGE_MODEL_NAME,
-        artifact=weights,
-        format="safetensors",
-        architecture=architecture,
-        inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, *bodies.IMAGE_SHAPE)),),
-        outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
-        metadata={"purpose": "load tests; random seeded weights"},
-    )
-    return repository

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from asgi_lifespan import LifespanManager
 
-from service.app import create_app
+from service.server.single import create_app
 from service.config import Settings
 from service.state import ServiceState
 
@@ -170,7 +170,7 @@ async def drive(
 def fp32_reference(model: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """Each input alone through the fp32 eager model on the CPU."""
     from service.config import BUNDLED_MODEL_REPOSITORY
-    from service.model_store import ModelStore
+    from service.engine.model_store import ModelStore
 
     module = ModelStore(BUNDLED_MODEL_REPOSITORY).load(model).module
     with torch.inference_mode():

@@ -1,64 +1,210 @@
-"""The HTTP ceiling: batchserve's own HTTP stack answering ``/predict`` without running a model.
+"""The HTTP ceiling: batchserve's own front end answering ``/predict`` without running a model.
 
-This process runs the real server (``service.cli.serve``: same app, middleware, request-id
-and metrics handling, body reading, parsing and validation against the model's input spec,
-JSON or ``.npy`` encoding, same uvicorn options), except that ``DynamicBatcher.submit`` is
-replaced, in this process only, by one that answers at once with zero rows: nothing is
-queued, batched or computed. The model is still loaded (fp32, not compiled, warmed at batch
-size 1 only) because readiness waits for it, but it never runs on a request. No server can
-answer faster than this on the same machine, whatever its batching.
+The front end is the real one (``create_frontend_app``: same middleware, request ids, metrics,
+body reading, parsing and validation against the model's input spec, JSON or ``.npy``
+encoding, uvicorn options), given ``ZeroEngine`` as its ``EngineClient``: every request is
+answered at once with zero rows, nothing is queued, batched or computed, and torch is never
+imported. No server can answer faster than this on the same machine, whatever its batching.
+
+It runs the way ``batchserve serve`` would with the same ``BATCHSERVE_*`` settings:
+
+- one process (``workers`` 1, ``engine_mode`` auto or in_process): uvicorn with
+  ``DrainingServer``, as ``service.server.single.serve`` runs it;
+- otherwise ``workers`` gunicorn front ends: gunicorn with the server's own configuration
+  (``python:service.server.gunicorn_conf``: worker class, ``SO_REUSEPORT``, keep-alive,
+  logging) and this module's ``create_app_from_environment()`` as the app. gunicorn takes an
+  app named on its command line over the config's ``wsgi_app`` (the bridge front end), so
+  this factory is the one used; a front end that tried to reach an engine would never start.
 
     BATCHSERVE_MODEL_NAME=digits python -m loadtests.http_ceiling --port 8098
-
-Patching the class, rather than building a stand-in app, keeps this in step with the service
-as its modules change.
+    BATCHSERVE_WORKERS=2 python -m loadtests.http_ceiling --port 8098
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import shutil
+import signal
+import subprocess
 import sys
-from typing import Any
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import FrameType
 
 import numpy as np
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
-from service.batching import DynamicBatcher
-from service.cli import serve
-from service.config import load_settings
+from service.bridge.interface import (
+    EngineStatus,
+    InferenceRequest,
+    InferenceResult,
+    ModelInfo,
+    SwitchResult,
+)
+from service.buckets import length_edges
+from service.config import Settings, load_settings
+from service.errors import ConflictError
+from service.frontend.app import create_frontend_app
+from service.frontend.state import FrontendState
 from service.logs import configure_logging
-from service.model_store import ModelStore
+from service.metrics import FrontendMetrics, ProcessMetrics
+from service.repository import ModelRepository
+from service.server.cli import serves_in_one_process
+from service.server.draining import DrainingServer
+from service.server.launcher import prepare_multiprocess_dir, settings_environment
+from service.server.supervisor import GUNICORN_CONFIG
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+APP_FACTORY = "loadtests.http_ceiling:create_app_from_environment()"
 
 
-def answer_with_zeros(row_shape: tuple[int, ...]) -> None:
-    """Make every ``DynamicBatcher`` in this process answer ``submit`` at once with zeros."""
+class ZeroEngine:
+    """An ``EngineClient`` that answers every request at once with zero rows of the model's
+    output shape, for the version it was validated against; it never switches versions."""
 
-    async def submit(self: DynamicBatcher[Any, Any], payload: Any, **_: Any) -> list[Any]:
-        return [np.zeros((len(payload), *row_shape), dtype=np.float32)]
+    def __init__(self, model: ModelInfo) -> None:
+        self._status = EngineStatus(phase="ready", model=model, device="none", pid=os.getpid())
+        output = model.manifest.output
+        self._row_shape = tuple(max(size, 1) for size in output.instance_shape)
+        self._dtype = np.dtype(output.dtype)
 
-    DynamicBatcher.submit = submit  # type: ignore[method-assign]
+    def status(self) -> EngineStatus:
+        return self._status
+
+    def engines(self) -> list[EngineStatus]:
+        return [self._status]
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        outputs = np.zeros((len(request.instances), *self._row_shape), dtype=self._dtype)
+        return InferenceResult(outputs=outputs, version=request.version)
+
+    async def switch(self, name: str, version: str) -> SwitchResult:
+        raise ConflictError("the HTTP ceiling serves one version and never switches")
+
+    async def rollback(self) -> SwitchResult:
+        raise ConflictError("the HTTP ceiling serves one version and never switches")
 
 
-def main() -> int:
+def model_info(settings: Settings) -> ModelInfo:
+    """The configured version as an engine would report it: its manifest (read, not loaded)
+    and the length buckets requests are grouped by."""
+    manifest = ModelRepository(settings.model_repository).resolve(
+        settings.model_name, settings.model_version
+    )
+    return ModelInfo(
+        manifest=manifest,
+        device="none",
+        precision=settings.precision,
+        compiled=False,
+        length_edges=length_edges(manifest.input, settings.length_buckets),
+    )
+
+
+def create_ceiling_app(settings: Settings, *, in_process: bool) -> FastAPI:
+    """The real front-end app over a ``ZeroEngine``. ``app.state.loading`` is done at once
+    (the gunicorn worker awaits it before it accepts connections)."""
+    registry = CollectorRegistry()
+    engine = ZeroEngine(model_info(settings))
+    frontend = FrontendState(
+        settings=settings,
+        metrics=FrontendMetrics(registry),
+        process_metrics=ProcessMetrics("server" if in_process else "frontend", registry),
+        registry=registry,
+        engine=engine,
+        repository=ModelRepository(settings.model_repository),
+        engine_in_process=in_process,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading: asyncio.Future[EngineStatus] = asyncio.get_running_loop().create_future()
+        loading.set_result(engine.status())
+        app.state.loading = loading
+        if in_process:
+            # As the one-process server does once its model serves (service.engine.lifecycle):
+            # later full collections then skip everything alive now.
+            gc.collect()
+            gc.freeze()
+        try:
+            yield
+        finally:
+            frontend.draining = True
+            frontend.refresh_gauges()
+
+    return create_frontend_app(frontend, lifespan)
+
+
+def create_app_from_environment() -> FastAPI:
+    """The app of one gunicorn front end of the ceiling, from the ``BATCHSERVE_*`` variables."""
+    return create_ceiling_app(load_settings(), in_process=False)
+
+
+def serve_in_one_process(settings: Settings) -> int:
+    """uvicorn with the options ``service.server.single.serve`` gives it."""
+    app = create_ceiling_app(settings, in_process=True)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
+    DrainingServer(config, app.state.frontend, settings.drain_delay_s).run()
+    return 0
+
+
+def gunicorn_command() -> list[str]:
+    return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, APP_FACTORY]
+
+
+def serve_with_gunicorn(settings: Settings) -> int:
+    """``settings.workers`` gunicorn front ends until SIGTERM/SIGINT, which go to gunicorn."""
+    environ = dict(os.environ) | settings_environment(
+        {"host": settings.host, "port": settings.port, "workers": settings.workers}
+    )
+    metrics_dir, temporary = prepare_multiprocess_dir(environ)
+    # cwd: gunicorn imports the app factory from its working directory (loadtests is no
+    # installed package).
+    gunicorn = subprocess.Popen(gunicorn_command(), env=environ, cwd=REPO_ROOT)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        gunicorn.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    try:
+        return gunicorn.wait()
+    finally:
+        if temporary:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    args = parser.parse_args()
-    # Compilation and precision change only the (unused) forward pass; skip their start-up.
-    settings = load_settings(
-        host=args.host,
-        port=args.port,
-        compile_mode="off",
-        precision="fp32",
-        warmup_batch_sizes=(1,),
+    parser.add_argument(
+        "--workers", type=int, default=None, help="front ends (default BATCHSERVE_WORKERS)"
     )
-    manifest = ModelStore(settings.model_repository).resolve(
-        settings.model_name, settings.model_version
-    )
-    answer_with_zeros(tuple(max(size, 1) for size in manifest.output.instance_shape))
+    args = parser.parse_args(argv)
+    overrides: dict[str, object] = {"host": args.host, "port": args.port}
+    if args.workers is not None:
+        overrides["workers"] = args.workers
+    settings = load_settings(**overrides)
     configure_logging(settings.log_level)
-    return serve(settings)
+    if serves_in_one_process(settings):
+        return serve_in_one_process(settings)
+    return serve_with_gunicorn(settings)
 
 
 if __name__ == "__main__":

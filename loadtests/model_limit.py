@@ -24,10 +24,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from service.app import create_app
+from service.server.single import create_app
 from service.config import load_settings
-from service.model_store import TensorSpec
-from service.runner import batch_sizes_to_warm
+from service.manifest import TensorSpec
+from service.engine.runner import batch_sizes_to_warm
 
 WARMUP_ITERATIONS = 3
 MIN_ITERATIONS = 3

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.memory import ProcessMemory
 from loadtests.wrk import WrkResult
+
+BASELINE_SUFFIX = "@baseline"
 
 
 @dataclass
@@ -23,6 +26,10 @@ class Point:
     batch_rows: float = 0.0
     batches: float = 0.0
     has_batch_metrics: bool = False
+    ceiling: str = "http-ceiling"
+    """Label of the HTTP ceiling this point is compared with (same workload, same front ends)."""
+    limit_of: str | None = None
+    """Configuration whose model limit applies (default: ``label``)."""
 
     def _median(self, values: Sequence[float]) -> float:
         return statistics.median(values) if values else 0.0
@@ -80,12 +87,18 @@ class SweepResult:
     unavailable: dict[str, str]
     notes: list[str]
     environment: dict[str, str]
+    memory: dict[str, list[ProcessMemory]] = field(default_factory=dict)
+    """Per configuration: each process of its server after the warm-up."""
 
 
-def _ceiling(result: SweepResult, workload: str, concurrency: int) -> float | None:
-    for point in result.ceilings:
-        if point.workload == workload and point.concurrency == concurrency and point.runs:
-            return point.requests_per_s
+def _ceiling(result: SweepResult, point: Point) -> float | None:
+    for ceiling in result.ceilings:
+        if (ceiling.label, ceiling.workload, ceiling.concurrency) == (
+            point.ceiling,
+            point.workload,
+            point.concurrency,
+        ) and ceiling.runs:
+            return ceiling.requests_per_s
     return None
 
 
@@ -96,8 +109,8 @@ def summary_rows(result: SweepResult) -> list[dict[str, object]]:
     """
     rows = []
     for point in result.points:
-        ceiling = _ceiling(result, point.workload, point.concurrency)
-        limit = result.model_limits.get(point.label)
+        ceiling = _ceiling(result, point)
+        limit = result.model_limits.get(point.limit_of or point.label)
         best_batch, model_rows_per_s = limit.best if limit else (None, None)
         bounds = [value for value in (ceiling, model_rows_per_s) if value]
         bound = min(bounds) if bounds else None
@@ -112,6 +125,7 @@ def summary_rows(result: SweepResult) -> list[dict[str, object]]:
                 "p99_ms": round(point.p99_ms, 3),
                 "errors": point.errors,
                 "mean_rows_per_batch": _round(point.mean_rows_per_batch, 2),
+                "http_ceiling": point.ceiling,
                 "http_ceiling_requests_per_s": _round(ceiling, 1),
                 "model_limit_rows_per_s": _round(model_rows_per_s, 1),
                 "model_limit_batch_size": best_batch,
@@ -156,6 +170,20 @@ def ceiling_rows(points: Sequence[Point]) -> list[dict[str, object]]:
     ]
 
 
+def memory_rows(memory: dict[str, list[ProcessMemory]]) -> list[dict[str, object]]:
+    return [
+        {
+            "configuration": name,
+            "role": process.role,
+            "pid": process.pid,
+            "rss_mib": round(process.rss_bytes / 2**20, 1),
+            "command": process.command,
+        }
+        for name, processes in memory.items()
+        for process in processes
+    ]
+
+
 def model_limit_rows(limits: dict[str, ModelLimit]) -> list[dict[str, object]]:
     return [
         {"configuration": name, "batch_size": size, "rows_per_s": round(rows_per_s, 1)}
@@ -168,6 +196,13 @@ def _fmt(value: object, pattern: str = "{:,.0f}") -> str:
     if value is None or value == "":
         return "-"
     return pattern.format(value)
+
+
+def _ceiling_text(row: dict[str, object]) -> str:
+    """The ceiling's req/s, naming its front ends when they are not one process."""
+    text = _fmt(row["http_ceiling_requests_per_s"])
+    name = str(row["http_ceiling"])
+    return text if name == "http-ceiling" or text == "-" else f"{text} ({name})"
 
 
 def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
@@ -192,7 +227,8 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
     lines += ["## Results", ""]
     lines.append(
         "Medians over the runs of each point. *Bound* is min(model limit at its best batch "
-        "size, HTTP ceiling at the same concurrency); *served / bound* is req/s divided by it."
+        "size, HTTP ceiling at the same concurrency, with as many front ends as the "
+        "configuration); *served / bound* is req/s divided by it."
     )
     lines.append("")
     lines.append(
@@ -210,21 +246,31 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
             f"| {_fmt(row['p50_ms'], '{:.2f}')} | {_fmt(row['p95_ms'], '{:.2f}')} "
             f"| {_fmt(row['p99_ms'], '{:.2f}')} | {row['errors']} "
             f"| {_fmt(row['mean_rows_per_batch'], '{:.1f}')} "
-            f"| {_fmt(row['http_ceiling_requests_per_s'])} | {limit_text} "
+            f"| {_ceiling_text(row)} | {limit_text} "
             f"| {_fmt(row['fraction_of_bound'], '{:.0%}')} |"
         )
     lines.append("")
 
+    lines += _baseline_comparison(result.points)
+
     if result.ceilings:
-        lines += ["## HTTP ceiling (the service's HTTP stack, no model, no batching)", ""]
-        lines.append("| workload | c | req/s | p50 ms | p99 ms | errors |")
-        lines.append("| --- | --: | --: | --: | --: | --: |")
+        lines += ["## HTTP ceiling (the service's front end, no model, no batching)", ""]
+        lines.append(
+            "`http-ceiling`: one process; `http-ceiling-wN`: N gunicorn front ends, as "
+            "`--workers N` runs them. Each answers with zeros at once."
+        )
+        lines.append("")
+        lines.append("| ceiling | workload | c | req/s | p50 ms | p99 ms | errors |")
+        lines.append("| --- | --- | --: | --: | --: | --: | --: |")
         for point in result.ceilings:
             lines.append(
-                f"| {point.workload} | {point.concurrency} | {point.requests_per_s:,.0f} "
-                f"| {point.p50_ms:.2f} | {point.p99_ms:.2f} | {point.errors} |"
+                f"| {point.label} | {point.workload} | {point.concurrency} "
+                f"| {point.requests_per_s:,.0f} | {point.p50_ms:.2f} | {point.p99_ms:.2f} "
+                f"| {point.errors} |"
             )
         lines.append("")
+
+    lines += _memory_section(result.memory)
 
     if result.model_limits:
         sizes = sorted({s for limit in result.model_limits.values() for s in limit.rows_per_s})
@@ -252,6 +298,64 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _baseline_comparison(points: Sequence[Point]) -> list[str]:
+    """This checkout against ``--baseline-checkout``, side by side, where both were measured."""
+    by_key = {(point.label, point.concurrency): point for point in points}
+    pairs = [
+        (point, by_key[(point.label + BASELINE_SUFFIX, point.concurrency)])
+        for point in points
+        if (point.label + BASELINE_SUFFIX, point.concurrency) in by_key
+    ]
+    if not pairs:
+        return []
+    lines = ["## This checkout against the baseline checkout", ""]
+    lines.append(
+        "Same configuration, same wrk load, measured one after the other in this run. "
+        "*new / baseline* is the ratio of req/s."
+    )
+    lines.append("")
+    lines.append(
+        "| configuration | c | req/s new | req/s baseline | new / baseline | p50 ms new "
+        "| p50 ms baseline | p99 ms new | p99 ms baseline | rows/batch new "
+        "| rows/batch baseline |"
+    )
+    lines.append("| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
+    for new, old in pairs:
+        ratio = new.requests_per_s / old.requests_per_s if old.requests_per_s else None
+        lines.append(
+            f"| {new.label} | {new.concurrency} | {new.requests_per_s:,.0f} "
+            f"| {old.requests_per_s:,.0f} | {_fmt(ratio, '{:.2f}')} "
+            f"| {new.p50_ms:.2f} | {old.p50_ms:.2f} | {new.p99_ms:.2f} | {old.p99_ms:.2f} "
+            f"| {_fmt(new.mean_rows_per_batch, '{:.1f}')} "
+            f"| {_fmt(old.mean_rows_per_batch, '{:.1f}')} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _memory_section(memory: dict[str, list[ProcessMemory]]) -> list[str]:
+    if not memory:
+        return []
+    lines = ["## Resident memory per process (VmRSS after the warm-up)", ""]
+    lines.append(
+        "In this checkout the gunicorn workers are front ends without torch and the engine "
+        "holds the model; in the older layout each gunicorn worker holds a model of its own. "
+        "Pages shared after a fork count in every process, so totals overstate."
+    )
+    lines.append("")
+    lines.append("| configuration | role | pid | RSS MiB |")
+    lines.append("| --- | --- | --: | --: |")
+    for name, processes in memory.items():
+        for process in processes:
+            lines.append(
+                f"| {name} | {process.role} | {process.pid} | {process.rss_bytes / 2**20:,.1f} |"
+            )
+        total = sum(process.rss_bytes for process in processes) / 2**20
+        lines.append(f"| {name} | **total** ({len(processes)} processes) | | **{total:,.1f}** |")
+    lines.append("")
+    return lines
+
+
 def plot(result: SweepResult, folder: Path) -> list[Path]:
     """throughput.png and latency.png: one line per configuration, log concurrency axis."""
     import matplotlib
@@ -272,10 +376,10 @@ def plot(result: SweepResult, folder: Path) -> list[Path]:
         values += ys
         (line,) = axis.plot([p.concurrency for p in points], ys, marker="o", label=label)
         colors.setdefault(points[0].workload, line.get_color())
-    ceilings: dict[str, list[Point]] = {}
+    ceilings: dict[tuple[str, str], list[Point]] = {}
     for point in result.ceilings:
-        ceilings.setdefault(point.workload, []).append(point)
-    for workload, points in ceilings.items():
+        ceilings.setdefault((point.label, point.workload), []).append(point)
+    for (ceiling, workload), points in ceilings.items():
         ys = [p.requests_per_s for p in points]
         values += ys
         axis.plot(
@@ -285,7 +389,7 @@ def plot(result: SweepResult, folder: Path) -> list[Path]:
             marker="x",
             color=colors.get(workload, "grey"),
             alpha=0.6,
-            label=f"HTTP ceiling, {workload}",
+            label=f"{ceiling}, {workload}",
         )
     _concurrency_axis(axis, concurrencies)
     positive = [v for v in values if v > 0]
@@ -340,12 +444,14 @@ def write_all(result: SweepResult, folder: Path) -> dict[str, Path]:
         "results": folder / "results.csv",
         "http_ceiling": folder / "http_ceiling.csv",
         "model_limits": folder / "model_limits.csv",
+        "memory": folder / "memory.csv",
         "report": folder / "report.md",
     }
     write_csv(paths["results"], rows)
     generator = [result.generator] if result.generator and result.generator.runs else []
     write_csv(paths["http_ceiling"], ceiling_rows([*result.ceilings, *generator]))
     write_csv(paths["model_limits"], model_limit_rows(result.model_limits))
+    write_csv(paths["memory"], memory_rows(result.memory))
     paths["report"].write_text(markdown(result, rows))
     if result.points:
         throughput, latency = plot(result, folder)

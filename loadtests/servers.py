@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -86,13 +87,25 @@ def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
         process.wait(timeout=10)
 
 
-@contextlib.contextmanager
-def running(
-    command: Sequence[str], env: Mapping[str, str], log: Path, ready_timeout_s: float
-) -> Iterator[str]:
-    """Run ``command`` (which must take ``BATCHSERVE_PORT``/``--port``) until the block ends.
+@dataclass(frozen=True)
+class RunningServer:
+    url: str
+    pid: int
+    """The process started: the server, its supervisor, or gunicorn's master."""
 
-    ``command`` may contain ``{port}``; the server's output goes to ``log``. Yields its URL.
+
+@contextlib.contextmanager
+def serving(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    ready_timeout_s: float,
+    cwd: Path | None = None,
+) -> Iterator[RunningServer]:
+    """Run ``command`` (which must take ``BATCHSERVE_PORT``/``--port``) in ``cwd`` until the
+    block ends.
+
+    ``command`` may contain ``{port}``; the server's output goes to ``log``.
     """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -102,14 +115,24 @@ def running(
         process = subprocess.Popen(
             [part.format(port=port) for part in command],
             env=full_env,
+            cwd=cwd,
             stdout=output,
             stderr=subprocess.STDOUT,
         )
     try:
         wait_ready(process, url, log, ready_timeout_s)
-        yield url
+        yield RunningServer(url, process.pid)
     finally:
         stop(process)
+
+
+@contextlib.contextmanager
+def running(
+    command: Sequence[str], env: Mapping[str, str], log: Path, ready_timeout_s: float
+) -> Iterator[str]:
+    """``serving`` in this directory, yielding only the server's URL."""
+    with serving(command, env, log, ready_timeout_s) as server:
+        yield server.url
 
 
 def batchserve_command() -> list[str]:
@@ -122,6 +145,20 @@ def batchserve_command() -> list[str]:
 
 def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, "--port", "{port}", *args]
+
+
+def checkout_command(checkout: Path) -> list[str]:
+    """``serve`` of another checkout of this project, with this Python (run it in ``checkout``,
+    so that its ``service`` package is imported): ``service.server.cli`` where that checkout
+    has it, else the older layout's ``service.cli``."""
+    if (checkout / "service" / "server" / "cli.py").is_file():
+        return [sys.executable, "-m", "service.server.cli", "serve"]
+    if (checkout / "service" / "cli.py").is_file():
+        return [sys.executable, "-m", "service.cli", "serve"]
+    raise FileNotFoundError(
+        f"{checkout} has neither service/server/cli.py nor service/cli.py: not a checkout of "
+        "batchserve"
+    )
 
 
 def check_answers(url: str, bodies: Sequence[bytes], headers: Mapping[str, str]) -> None:

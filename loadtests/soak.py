@@ -46,7 +46,7 @@ import torch
 
 from loadtests import servers
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.model_store import ModelStore
+from service.engine.model_store import ModelStore
 
 MODEL = "digits"
 OK = "ok"

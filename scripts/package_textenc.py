@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.model_store import Architecture, ModelStore, TensorSpec
+from service.engine.model_store import ModelStore
+from service.manifest import Architecture, TensorSpec
 from service.models.textenc import PAD_ID, TextEncoder
 
 VOCABULARY = 1000

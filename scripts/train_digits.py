@@ -19,7 +19,8 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.model_store import Architecture, ModelStore, TensorSpec
+from service.engine.model_store import ModelStore
+from service.manifest import Architecture, TensorSpec
 from service.models.digits import DigitsCNN
 
 ARCHITECTURE = Architecture(import_path="service.models.digits:DigitsCNN", kwargs={})

@@ -33,6 +33,7 @@ LATENCY_BUCKETS_S = (
     0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 BATCH_SIZE_BUCKETS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+FRONTEND_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -120,6 +121,12 @@ class EngineMetrics:
             "batchserve_batch_size_rows",
             "Rows (instances) per forward pass.",
             buckets=BATCH_SIZE_BUCKETS_ROWS,
+            registry=r,
+        )
+        self.batch_sources = Histogram(
+            "batchserve_batch_frontends",
+            "Front-end processes whose requests shared a batch (1 with one process).",
+            buckets=FRONTEND_COUNT_BUCKETS,
             registry=r,
         )
         self.inference_latency = Histogram(

@@ -8,7 +8,8 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.model_store import Architecture, ModelStore, TensorSpec
+from service.engine.model_store import ModelStore
+from service.manifest import Architecture, TensorSpec
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 
@@ -18,7 +19,9 @@ def copy_bundled_digits(repository: Path) -> None:
     shutil.copytree(BUNDLED_MODEL_REPOSITORY / "digits", repository / "digits")
 
 
-def add_digits_version(repository: Path, bias_shift: float) -> str:
+def add_digits_version(
+    repository: Path, bias_shift: float, architecture: str = "service.models.digits:DigitsCNN"
+) -> str:
     """Package the bundled digits weights with the output bias shifted: a new version id."""
     weights = load_file(str(BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact))
     weights["classifier.3.bias"] = weights["classifier.3.bias"] + bias_shift
@@ -28,7 +31,7 @@ def add_digits_version(repository: Path, bias_shift: float) -> str:
         name="digits",
         artifact=artifact,
         format="safetensors",
-        architecture=Architecture(import_path="service.models.digits:DigitsCNN"),
+        architecture=Architecture(import_path=architecture),
         inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8)),),
         outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
     )

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
-from service.batching import BatchFunction, DynamicBatcher
-from service.metrics import ServiceMetrics
+from service.engine.batching import BatchFunction, DynamicBatcher
+from service.metrics import EngineMetrics
 
 Payload = list[int]
 Batcher = DynamicBatcher[Payload, Payload]
@@ -155,7 +155,7 @@ class BatcherFactory:
         self,
         run_batch: BatchFunction[Payload, Payload],
         *,
-        metrics: ServiceMetrics | None = None,
+        metrics: EngineMetrics | None = None,
         executor: Executor | None = None,
         max_batch_size: int = 4,
         max_wait_ms: float = 50,
@@ -168,7 +168,7 @@ class BatcherFactory:
         batcher = Batcher(
             run_batch,
             executor=executor,
-            metrics=metrics if metrics is not None else ServiceMetrics(),
+            metrics=metrics if metrics is not None else EngineMetrics(),
             max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms,
             max_queue_size=max_queue_size,
@@ -198,7 +198,7 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> N
         await asyncio.sleep(0.001)
 
 
-def dropped(metrics: ServiceMetrics, reason: str) -> float:
+def dropped(metrics: EngineMetrics, reason: str) -> float:
     """``batchserve_dropped_requests_total{reason=...}``, 0 when never incremented."""
     value = metrics.registry.get_sample_value(
         "batchserve_dropped_requests_total", {"reason": reason}
@@ -206,7 +206,7 @@ def dropped(metrics: ServiceMetrics, reason: str) -> float:
     return value if value is not None else 0.0
 
 
-def sample(metrics: ServiceMetrics, name: str) -> float:
+def sample(metrics: EngineMetrics, name: str) -> float:
     """An unlabelled sample's value, 0 when absent."""
     value = metrics.registry.get_sample_value(name)
     return value if value is not None else 0.0

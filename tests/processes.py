@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 BATCHSERVE = Path(sys.executable).with_name("batchserve")
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
@@ -109,3 +110,69 @@ def answers(url: str, status: int = 200) -> bool:
         return httpx.get(url, timeout=2.0).status_code == status
     except httpx.TransportError:
         return False
+
+
+def scraped(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample of ``url``/metrics (0 when absent): the sum over every process."""
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == (labels or {}):
+                return float(sample.value)
+    return 0.0
+
+
+@contextlib.contextmanager
+def serve_with_engines(tmp_path: Path, workers: int, **variables: str) -> Iterator[Running]:
+    """``batchserve serve`` with a supervisor, engine processes and ``workers`` front ends."""
+    port = free_port()
+    env = batchserve_environment(
+        port, BATCHSERVE_WORKERS=str(workers), BATCHSERVE_ENGINE_MODE="process", **variables
+    )
+    url = f"http://127.0.0.1:{port}"
+    with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as server:
+        yield server
+
+
+def wait_until_serving(server: Running, workers: int, engines: int = 1) -> None:
+    """Every front end started, and every one of them reaches ``engines`` ready engines."""
+    wait_for(
+        lambda: server.output().count('"event":"frontend_ready"') >= workers,
+        f"{workers} front ends ready",
+        server,
+    )
+
+    def all_engines_ready() -> bool:
+        try:
+            return scraped(server.url, "batchserve_engines_ready") == engines
+        except httpx.TransportError:
+            return False
+
+    wait_for(all_engines_ready, f"{engines} engine(s) ready in every front end", server)
+
+
+def engine_pids(server: Running) -> list[int]:
+    """The engine processes, in device order, as a front end sees them."""
+    engines = httpx.get(server.url + "/models", timeout=5.0).json()["engines"]
+    return [int(engine["pid"]) for engine in engines]
+
+
+def children_of(pid: int) -> list[int]:
+    listed = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(child) for child in listed.stdout.split()]
+
+
+def frontend_pids(server: Running) -> list[int]:
+    """The gunicorn workers: children of the supervisor's child that is not an engine."""
+    engines = set(engine_pids(server))
+    masters = [pid for pid in children_of(server.process.pid) if pid not in engines]
+    return [pid for master in masters for pid in children_of(master)]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"

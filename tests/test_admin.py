@@ -10,9 +10,10 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from service.app import create_app
 from service.config import Settings
-from service.version_sync import VERSION_DIR_ENV, PublishedVersion, publish, read_published
+from service.engine.published import PublishedVersion, publish, read_published
+from service.processes import RUN_DIR_ENV
+from service.server.single import create_app
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 
 TOKEN = "s3cret-admin-token-for-tests"
@@ -155,13 +156,13 @@ async def test_nothing_to_roll_back_to_is_a_conflict(client: httpx.AsyncClient) 
     assert response.status_code == 409
 
 
-async def test_a_worker_started_after_a_switch_serves_it_and_can_roll_it_back(
+async def test_an_engine_started_after_a_switch_serves_it_and_can_roll_it_back(
     repository: tuple[Path, Versions], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under gunicorn a replacement worker starts on the version its siblings switched to
-    (``version_sync``), not on ``model_version``, and knows what came before it."""
+    """A replacement engine starts on the version recorded by the engines before it
+    (``engine/published.py``), not on ``model_version``, and knows what came before it."""
     root, versions = repository
-    monkeypatch.setenv(VERSION_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     publish(PublishedVersion("digits", versions.retrained, previous=("digits", versions.original)))
     settings = Settings(
         model_repository=root, model_version=versions.original, device="cpu", admin_token=TOKEN

@@ -17,11 +17,11 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from service.app import create_app
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
-from service.lifecycle import load_version, switch_to
-from service.model_store import ModelStore
-from service.state import ServiceState
+from service.engine.lifecycle import load_version, switch_to
+from service.engine.model_store import ModelStore
+from service.server.single import create_app
+from tests.apps import engine_of, frontend_of, registry_of, runner_of
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 
@@ -54,16 +54,9 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-def service_of(app: FastAPI) -> ServiceState:
-    state: ServiceState = app.state.service
-    return state
-
-
 def reference_forward(app: FastAPI, instances: np.ndarray) -> np.ndarray:
     """The served module run in-process on one input at a time (no batching)."""
-    runner = service_of(app).runner
-    assert runner is not None
-    module = runner._model
+    module = runner_of(app)._model
     rows = []
     with torch.inference_mode():
         for instance in instances:
@@ -114,7 +107,7 @@ async def test_300_concurrent_callers_each_get_their_own_rows(
             rtol=1e-5,
             atol=1e-5,
         )
-    registry = service_of(app).metrics.registry
+    registry = registry_of(app)
     batches = registry.get_sample_value("batchserve_batch_size_rows_count")
     rows = registry.get_sample_value("batchserve_batch_size_rows_sum")
     single_row_batches = registry.get_sample_value(
@@ -143,7 +136,7 @@ async def test_request_larger_than_max_batch_size_is_split_and_rejoined_in_order
                 rtol=1e-5,
                 atol=1e-5,
             )
-            registry = service_of(application).metrics.registry
+            registry = registry_of(application)
             assert registry.get_sample_value("batchserve_batch_size_rows_count") == 3
     finally:
         await manager.__aexit__(None, None, None)
@@ -255,7 +248,7 @@ async def test_a_bad_request_leaves_concurrent_good_ones_untouched(
 
 
 async def test_health_readiness_and_models(client: httpx.AsyncClient, app: FastAPI) -> None:
-    assert (await client.get("/healthz")).json() == {"status": "alive"}
+    assert (await client.get("/healthz")).json() == {"status": "alive", "engine": "ready"}
     ready = await client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json() == {"status": "ready", "model": "digits", "version": DIGITS.version}
@@ -266,7 +259,7 @@ async def test_health_readiness_and_models(client: httpx.AsyncClient, app: FastA
     assert models["loaded"]["manifest"]["metadata"]["test_accuracy"] >= 0.95
     assert DIGITS.version in [version["version"] for version in models["versions"]]
 
-    service_of(app).draining = True
+    frontend_of(app).draining = True
     draining = await client.get("/readyz")
     assert draining.status_code == 503
     assert draining.json()["status"] == "draining"
@@ -291,7 +284,7 @@ async def test_metrics_expose_every_documented_family(client: httpx.AsyncClient)
         'batchserve_device_memory_allocated_bytes{device="cpu"} 0.0',
     ):
         assert sample in text, sample
-    assert "batchserve_process_resident_memory_bytes " in text
+    assert 'batchserve_process_resident_memory_bytes{role="server"} ' in text
     assert "# TYPE batchserve_dropped_requests_total counter" in text
 
 
@@ -322,7 +315,7 @@ async def test_a_model_failing_its_hash_check_is_never_served(tmp_path: Path) ->
     manager = await start(application)
     try:
         assert failures == ["x"]
-        assert "refusing to load" in (service_of(application).load_error or "")
+        assert "refusing to load" in (engine_of(application).state.load_error or "")
         transport = httpx.ASGITransport(app=application)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             ready = await http.get("/readyz")
@@ -346,8 +339,8 @@ async def test_the_served_heap_is_frozen_and_a_retired_version_is_still_collecte
     """Full collections over torch's heap stopped the event loop ~100 ms each under load, so
     what is alive once a version serves is frozen; a version switch must still free the old
     model, even when only the cycle collector can (here a reference cycle through it)."""
-    service = service_of(app)
-    old = service.served
+    engine = engine_of(app).state
+    old = engine.served
     assert old is not None
     tracked = {id(obj) for obj in gc.get_objects()}
     assert gc.get_freeze_count() > 0
@@ -356,6 +349,6 @@ async def test_the_served_heap_is_frozen_and_a_retired_version_is_still_collecte
     retired_model = weakref.ref(old.runner._model)
     del old, tracked
 
-    switch_to(service, await load_version(service, "digits", DIGITS.version))
-    await asyncio.gather(*service.retiring)
+    switch_to(engine, await load_version(engine, "digits", DIGITS.version))
+    await asyncio.gather(*engine.retiring)
     assert retired_model() is None

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from service.batching import DynamicBatcher
+from service.engine.batching import DynamicBatcher
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -24,8 +24,9 @@ from service.errors import (
     NotReadyError,
     QueueFullError,
 )
-from service.metrics import ServiceMetrics
+from service.metrics import EngineMetrics
 from tests.fixtures import (
+    Batcher,
     BatcherFactory,
     GatedModel,
     ManualExecutor,
@@ -190,7 +191,7 @@ async def test_groups_are_never_mixed_in_one_batch(make_batcher: BatcherFactory)
 async def test_request_cancelled_while_queued_is_never_computed(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=4, max_wait_ms=50)
     busy = asyncio.create_task(batcher.submit([100], group="g"))
@@ -217,7 +218,7 @@ async def test_request_cancelled_while_queued_is_never_computed(
 async def test_request_cancelled_while_its_batch_runs_leaves_batch_mates_unharmed(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=2, max_wait_ms=LONG_WAIT_MS)
     cancelled = asyncio.create_task(batcher.submit([1], group="g"))
@@ -240,7 +241,7 @@ async def test_request_cancelled_while_its_batch_runs_leaves_batch_mates_unharme
 async def test_request_cancelled_just_as_the_device_frees_is_counted_and_never_computed(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = RecordingDoubler()
     device = ManualExecutor()
     batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=1)
@@ -267,7 +268,7 @@ async def test_request_cancelled_just_as_the_device_frees_is_counted_and_never_c
 async def test_cancelling_one_chunk_of_a_split_request_drops_its_queued_chunks(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=2, max_wait_ms=LONG_WAIT_MS)
     request = asyncio.create_task(batcher.submit([1, 2, 3, 4, 5, 6], group="g"))
@@ -290,7 +291,7 @@ async def test_cancelling_one_chunk_of_a_split_request_drops_its_queued_chunks(
 
 
 async def test_full_queue_refuses_at_once_with_retry_after(make_batcher: BatcherFactory) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=1, max_queue_size=2)
     running = asyncio.create_task(batcher.submit([0], group="g"))
@@ -316,7 +317,7 @@ async def test_full_queue_refuses_at_once_with_retry_after(make_batcher: Batcher
 async def test_split_request_that_does_not_fit_in_the_queue_is_refused_whole(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = RecordingDoubler()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=2, max_queue_size=2)
 
@@ -334,7 +335,7 @@ async def test_split_request_that_does_not_fit_in_the_queue_is_refused_whole(
 async def test_queued_request_past_its_deadline_is_answered_and_never_computed(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=1, request_timeout_ms=100)
     running = asyncio.create_task(batcher.submit([1], group="g"))
@@ -363,7 +364,7 @@ async def test_queued_request_past_its_deadline_is_answered_and_never_computed(
 async def test_result_arriving_after_the_deadline_does_not_crash_the_collector(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=2, request_timeout_ms=100)
     late = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
@@ -385,7 +386,7 @@ async def test_result_arriving_after_the_deadline_does_not_crash_the_collector(
 async def test_split_request_past_its_deadline_answers_every_chunk(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=2, request_timeout_ms=100)
 
@@ -407,7 +408,7 @@ async def test_split_request_past_its_deadline_answers_every_chunk(
 
 
 async def test_poison_request_is_isolated_by_halving(make_batcher: BatcherFactory) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = PoisonModel(poison=-1)
     batcher = make_batcher(model, metrics=metrics, max_batch_size=8, max_wait_ms=50)
 
@@ -444,7 +445,7 @@ async def test_model_returning_the_wrong_number_of_outputs_fails_each_request(
 async def test_drain_finishes_queued_requests_then_refuses_new_ones(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=2, max_wait_ms=LONG_WAIT_MS)
     running = asyncio.create_task(batcher.submit([0, 0], group="g"))
@@ -470,7 +471,7 @@ async def test_drain_finishes_queued_requests_then_refuses_new_ones(
 
 
 async def test_submit_before_start_is_refused() -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = RecordingDoubler()
     with ThreadPoolExecutor(max_workers=1) as executor:
         batcher = DynamicBatcher[Payload, Payload](
@@ -513,7 +514,7 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
         DynamicBatcher[Payload, Payload](
             RecordingDoubler(),
             executor=executor,
-            metrics=ServiceMetrics(),
+            metrics=EngineMetrics(),
             max_batch_size=max_batch_size,
             max_wait_ms=50,
             max_queue_size=max_queue_size,
@@ -527,7 +528,7 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
 async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwards(
     make_batcher: BatcherFactory,
 ) -> None:
-    metrics = ServiceMetrics()
+    metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=4, max_wait_ms=50)
     running = asyncio.create_task(batcher.submit([0], group="g"))
@@ -567,34 +568,52 @@ async def test_adaptive_policy_dispatches_a_lone_request_at_once(
     assert results == [[[2]]]
 
 
-async def test_adaptive_policy_fills_batches_up_to_the_recent_concurrency(
+async def queue_behind_a_busy_device(
+    batcher: Batcher, model: GatedModel, rows: list[int]
+) -> list[asyncio.Task[list[Payload]]]:
+    """Run a blocker, queue one request per row behind it, release: the next batch holds
+    them all (``len(rows)`` rows), which the adaptive policy then expects again."""
+    blocker = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    queued = [asyncio.create_task(batcher.submit([row], group="g")) for row in rows]
+    await wait_until(lambda: batcher.queue_depth == len(rows))
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(blocker, *queued)
+    return queued
+
+
+async def test_adaptive_policy_fills_batches_up_to_the_last_batch(
     make_batcher: BatcherFactory,
 ) -> None:
-    model = RecordingDoubler()
+    model = GatedModel()
     batcher = make_batcher(model, max_batch_size=4, max_wait_ms=10_000)
+    await queue_behind_a_busy_device(batcher, model, [1, 2])
+    assert model.batch_rows == [1, 2]
 
-    with batcher.in_flight(), batcher.in_flight():  # two requests are being handled at once
-        first = asyncio.create_task(batcher.submit([1], group="g"))
-        await asyncio.sleep(0.1)
-        assert model.batches == [], "must wait for the second request in flight"
-        second = asyncio.create_task(batcher.submit([2], group="g"))
-        async with asyncio.timeout(PROMPTLY_S):
-            assert await first == [[2]]
-            assert await second == [[4]]
-    assert model.batches == [[[1], [2]]]
+    # Two clients came back last time: a lone request waits for the second one.
+    first = asyncio.create_task(batcher.submit([3], group="g"))
+    await asyncio.sleep(0.1)
+    assert model.batch_rows == [1, 2], "must wait for a batch as full as the last one"
+    second = asyncio.create_task(batcher.submit([4], group="g"))
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await first == [[6]]
+        assert await second == [[8]]
+    assert model.batch_rows == [1, 2, 2]
 
 
 async def test_adaptive_wait_for_batch_mates_is_bounded_by_max_wait(
     make_batcher: BatcherFactory,
 ) -> None:
-    model = RecordingDoubler()
+    model = GatedModel()
     batcher = make_batcher(model, max_batch_size=4, max_wait_ms=100)
+    await queue_behind_a_busy_device(batcher, model, [1, 2, 3])
 
-    with batcher.in_flight(), batcher.in_flight(), batcher.in_flight():
-        started_s = time.monotonic()
-        async with asyncio.timeout(PROMPTLY_S):
-            assert await batcher.submit([1], group="g") == [[2]]
-        assert time.monotonic() - started_s >= 0.08
+    started_s = time.monotonic()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([4], group="g") == [[8]]
+    assert time.monotonic() - started_s >= 0.08  # waited for the batch-mates, then went alone
+    assert model.batch_rows == [1, 3, 1]
 
 
 async def test_batch_cost_budget_limits_rows_per_batch_and_chunks(

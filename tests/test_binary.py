@@ -11,8 +11,8 @@ import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from service.app import create_app
 from service.config import Settings
+from service.server.single import create_app
 
 NPY = "application/x-npy"
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.model_store import ModelStore, sha256_of
+from service.engine.model_store import ModelStore
+from service.repository import sha256_of
+from service.server.cli import main
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 DIGITS_WEIGHTS = BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.cli import main
 from service.config import SettingsError, load_settings
+from service.server.cli import main
 
 
 def test_environment_variables_configure_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,7 +49,11 @@ def test_defaults_serve_the_embedded_digits_model() -> None:
         ("BATCHSERVE_MAX_BATCH_SIZE", "5000", "less than or equal to 4096"),
         ("BATCHSERVE_MAX_WAIT_MS", "-1", "greater than or equal to 0"),
         ("BATCHSERVE_PORT", "70000", "less than or equal to 65535"),
-        ("BATCHSERVE_DEVICE", "gpu", "must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (
+            "BATCHSERVE_DEVICE",
+            "gpu",
+            "must be auto, cpu, cuda, cuda:N or a list of cpu and cuda:N, got 'gpu'",
+        ),
         ("BATCHSERVE_PRECISION", "fp8", "'fp32', 'fp16' or 'bf16'"),
         ("BATCHSERVE_COMPILE_MODE", "fast", "'off', 'default'"),
         ("BATCHSERVE_MODEL_VERSION", "../etc", "should match pattern"),

@@ -17,10 +17,13 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from safetensors.torch import save_file
 
-from service.app import create_app
 from service.config import Settings
-from service.model_store import Architecture, ModelStore, TensorSpec
-from service.state import ServiceState
+from service.engine.batching import DynamicBatcher
+from service.engine.model_store import ModelStore
+from service.manifest import Architecture, TensorSpec
+from service.server.single import create_app
+from service.types import Array
+from tests.apps import engine_of, registry_of
 from tests.fixtures import predict_scope, wait_until
 from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
 
@@ -63,7 +66,7 @@ async def serving(
     )
     async with LifespanManager(app):
         await app.state.loading
-        assert app.state.service.load_error is None
+        assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield app, client
@@ -78,8 +81,13 @@ async def predict(client: httpx.AsyncClient, value: float, **headers: str) -> ht
 
 
 def sample(app: FastAPI, name: str, labels: dict[str, str] | None = None) -> float:
-    service: ServiceState = app.state.service
-    return service.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+    return registry_of(app).get_sample_value(name, labels or {}) or 0.0
+
+
+def batcher_of(app: FastAPI) -> DynamicBatcher[Array, Array]:
+    served = engine_of(app).served
+    assert served is not None
+    return served.batcher
 
 
 @pytest.fixture
@@ -159,7 +167,7 @@ async def test_a_hung_model_times_out_requests_and_turns_unhealthy(
         assert stalls == ["stalled"]
         health = await client.get("/healthz")
         assert health.status_code == 503
-        assert health.json() == {"status": "stalled"}
+        assert health.json() == {"status": "stalled", "engine": "stalled"}
         ready = await client.get("/readyz")
         assert ready.status_code == 503
         assert ready.json()["status"] == "stalled"
@@ -176,8 +184,7 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(
         app,
         client,
     ):
-        service: ServiceState = app.state.service
-        assert service.batcher is not None
+        batcher = batcher_of(app)
         blocker = asyncio.create_task(predict(client, HANG_VALUE))  # holds the device
         await asyncio.sleep(0.2)
 
@@ -199,12 +206,12 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(
 
         scope = predict_scope([(b"content-type", b"application/json")])
         leaving = asyncio.create_task(app(scope, receive, send))
-        await wait_until(lambda: service.batcher is not None and service.batcher.queue_depth == 1)
+        await wait_until(lambda: batcher.queue_depth == 1)
         disconnect.set()
         async with asyncio.timeout(PROMPTLY_S):
             await leaving
         assert responses == [], "nobody is left to answer"
-        assert service.batcher.queue_depth == 0
+        assert batcher.queue_depth == 0
         assert sample(app, "batchserve_dropped_requests_total", {"reason": "cancelled"}) == 1
         assert sample(app, "batchserve_requests_total", {"route": "/predict", "status": "499"}) == 1
 
@@ -221,8 +228,7 @@ async def test_high_priority_requests_run_before_waiting_normal_ones(
     async with serving(
         tmp_path, "tests.torch_models:HangsOnValue", max_batch_size=1, stall_timeout_s=0.0
     ) as (app, client):
-        service: ServiceState = app.state.service
-        assert service.batcher is not None
+        batcher = batcher_of(app)
         finished: list[str] = []
 
         async def tracked(name: str, value: float, priority: str) -> None:
@@ -235,7 +241,7 @@ async def test_high_priority_requests_run_before_waiting_normal_ones(
         tasks = [asyncio.create_task(tracked(f"normal{i}", i, "normal")) for i in range(2)]
         await asyncio.sleep(0.05)
         tasks.append(asyncio.create_task(tracked("high", 9.0, "high")))
-        await wait_until(lambda: service.batcher is not None and service.batcher.queue_depth == 3)
+        await wait_until(lambda: batcher.queue_depth == 3)
         HANG_RELEASE.set()
         async with asyncio.timeout(PROMPTLY_S):
             await asyncio.gather(blocker, *tasks)

@@ -24,9 +24,9 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.app import create_app
 from service.config import Settings
-from service.state import ServiceState
+from service.server.single import create_app
+from tests.apps import frontend_of, registry_of
 from tests.fixtures import predict_scope
 
 NPY = "application/x-npy"
@@ -49,17 +49,12 @@ async def serving(**overrides: Any) -> AsyncIterator[FastAPI]:
     app = create_app(Settings(device="cpu", max_wait_ms=1.0, **overrides))
     async with LifespanManager(app):
         await app.state.loading
-        assert service_of(app).ready
+        assert frontend_of(app).ready
         yield app
 
 
 def client_of(app: FastAPI) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-def service_of(app: FastAPI) -> ServiceState:
-    state: ServiceState = app.state.service
-    return state
 
 
 @pytest.fixture
@@ -472,6 +467,6 @@ async def test_errors_never_leave_the_server_half_broken(
             assert_json_error(response)
         else:
             assert response.status_code == 200
-    assert service_of(digits_app).ready
-    registry = service_of(digits_app).metrics.registry
+    assert frontend_of(digits_app).ready
+    registry = registry_of(digits_app)
     assert registry.get_sample_value("batchserve_in_flight_requests") == 0

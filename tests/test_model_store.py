@@ -14,15 +14,15 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from service import model_store
 from service.config import BUNDLED_MODEL_REPOSITORY
+from service.engine import model_store
+from service.engine.model_store import ModelStore
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
-from service.model_store import (
+from service.manifest import (
     MANIFEST_FILE,
     Architecture,
     Manifest,
     ModelFormat,
-    ModelStore,
     TensorSpec,
     check_name,
     check_version,

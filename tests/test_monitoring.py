@@ -14,8 +14,8 @@ import pytest
 import yaml
 from asgi_lifespan import LifespanManager
 
-from service.app import create_app
 from service.config import Settings
+from service.server.single import create_app
 from tests.processes import REPOSITORY_ROOT, require_tool
 from tests.promql import exported_names, metric_names
 

@@ -9,8 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from service.config import CompileMode, Precision
+from service.engine.runner import TorchRunner, batch_sizes_to_warm, resolve_device
 from service.errors import ModelLoadError
-from service.runner import TorchRunner, batch_sizes_to_warm, resolve_device
 from tests.torch_models import (
     FEATURES,
     AffineModel,

@@ -12,10 +12,10 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from service.app import create_app
 from service.buckets import bucket_of, default_edges, resolve_edges
 from service.config import Settings
-from service.state import ServiceState
+from service.server.single import create_app
+from tests.apps import engine_of, frontend_of, registry_of, runner_of
 
 
 def sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -28,7 +28,7 @@ async def textenc() -> AsyncIterator[FastAPI]:
     app = create_app(Settings(model_name="textenc", device="cpu", max_wait_ms=50.0))
     async with LifespanManager(app):
         await app.state.loading
-        assert app.state.service.load_error is None
+        assert engine_of(app).state.load_error is None
         yield app
 
 
@@ -41,10 +41,8 @@ async def client(textenc: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 
 def alone(app: FastAPI, sequence: list[int]) -> np.ndarray:
     """The model on this one sequence, unpadded and unbatched."""
-    service: ServiceState = app.state.service
-    assert service.runner is not None
     with torch.inference_mode():
-        output: np.ndarray = service.runner._model(torch.tensor([sequence]))[0].numpy()
+        output: np.ndarray = runner_of(app)._model(torch.tensor([sequence]))[0].numpy()
     return output
 
 
@@ -69,8 +67,7 @@ async def test_padding_changes_nothing_when_batched_with_longer_sequences(
     responses = await asyncio.gather(
         *(client.post("/predict", json={"instances": [sequence]}) for sequence in batch)
     )
-    service: ServiceState = textenc.state.service
-    registry = service.metrics.registry
+    registry = registry_of(textenc)
     assert registry.get_sample_value("batchserve_batch_size_rows_count") < len(batch)
     for sequence, response in zip(batch, responses, strict=True):
         assert response.status_code == 200
@@ -92,16 +89,16 @@ async def test_a_request_of_mixed_lengths_keeps_each_instance_exact(
 async def test_requests_in_different_buckets_never_share_a_batch(
     textenc: FastAPI, client: httpx.AsyncClient
 ) -> None:
-    service: ServiceState = textenc.state.service
-    assert service.layout is not None
-    assert service.layout.group_and_cost(np.ones((2, 5), dtype=np.int64)) == ((8,), 8)
-    assert service.layout.group_and_cost(np.ones((1, 200), dtype=np.int64)) == ((256,), 256)
+    frontend = frontend_of(textenc)
+    layout = frontend.layout_for(frontend.serving_model())
+    assert layout.group_and_cost(np.ones((2, 5), dtype=np.int64)) == ((8,), 8)
+    assert layout.group_and_cost(np.ones((1, 200), dtype=np.int64)) == ((256,), 256)
     lengths = [5, 200, 6, 201, 7]
     responses = await asyncio.gather(
         *(client.post("/predict", json={"instances": [s]}) for s in sequences(lengths))
     )
     assert all(response.status_code == 200 for response in responses)
-    registry = service.metrics.registry
+    registry = registry_of(textenc)
     # Two buckets (8 and 256): three rows in one batch and two in another, never all five.
     assert registry.get_sample_value("batchserve_batch_size_rows_count") == 2
     assert registry.get_sample_value("batchserve_batch_size_rows_sum") == 5
@@ -124,7 +121,7 @@ async def test_token_budget_limits_the_rows_of_a_batch() -> None:
         np.testing.assert_allclose(
             split.json()["predictions"][4], alone(app, batch[4]), rtol=0, atol=1e-5
         )
-        registry = app.state.service.metrics.registry
+        registry = registry_of(app)
         assert registry.get_sample_value("batchserve_batch_size_rows_bucket", {"le": "2.0"}) == (
             registry.get_sample_value("batchserve_batch_size_rows_count")
         )

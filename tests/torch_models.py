@@ -6,10 +6,15 @@ e.g. ``tests.torch_models:AffineModel``.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import torch
 from torch import nn
+
+from service.models.digits import DigitsCNN
+from service.processes import ENGINE_INDEX_ENV
 
 FEATURES = 4
 
@@ -100,3 +105,30 @@ class HangsOnValue(nn.Module):
         if bool((x == HANG_VALUE).any()):
             HANG_RELEASE.wait(timeout=60)
         return 2 * x + 1
+
+
+class HangsWhileFileExists(nn.Module):
+    """Returns ``2x + 1``, but blocks like a deadlocked kernel while any input equals
+    ``HANG_VALUE`` and the file ``gate`` exists (at most 60 s): a hang that a test can end
+    from another process, by deleting the file."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == HANG_VALUE).any()):
+            deadline_s = time.monotonic() + 60
+            while os.path.exists(self.gate) and time.monotonic() < deadline_s:
+                time.sleep(0.01)
+        return 2 * x + 1
+
+
+class DigitsThatCannotLoadInTheSecondEngine(DigitsCNN):
+    """The digits CNN, except that it cannot be built by the server's second engine: a
+    version one device refuses, for the all-or-none switch across engines."""
+
+    def __init__(self) -> None:
+        if os.environ.get(ENGINE_INDEX_ENV) == "1":
+            raise RuntimeError("this version cannot be built on the second device")
+        super().__init__()

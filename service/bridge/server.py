@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, Self, cast
@@ -53,7 +53,9 @@ class EngineBackend(Protocol):
 
     def status(self) -> EngineStatus: ...
 
-    def enqueue(self, request: InferenceRequest) -> tuple[QueuedRequest, str]: ...
+    def enqueue(self, request: InferenceRequest, source: Hashable) -> tuple[QueuedRequest, str]:
+        """Queue ``request`` from the front end ``source``."""
+        ...
 
     async def prepare(self, name: str, version: str) -> Manifest: ...
 
@@ -247,7 +249,7 @@ class _Connection(asyncio.Protocol):
     def _enqueue(self, call_id: int, request: InferenceRequest) -> None:
         assert self._writer is not None
         try:
-            queued, version = self._server.backend.enqueue(request)
+            queued, version = self._server.backend.enqueue(request, id(self))
         except ServiceError as error:
             self._writer.send(wire.Kind.ERROR, {"id": call_id, "error": error.to_wire()})
             return

@@ -79,6 +79,7 @@ class _Entry(Generic[PayloadT, OutputT]):
     arrival_s: float
     request_id: str
     future: asyncio.Future[OutputT]
+    source: Hashable = None
     queued: bool = True
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -206,12 +207,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     - ``fixed``: wait until the oldest request has waited ``max_wait_ms`` or a batch is full.
     - ``adaptive``: first let requests that have already arrived join; then dispatch as soon
-      as the batch holds as many rows as there are requests queued or running (counted when
-      the batch starts to form, which includes those just answered) or as the last batch
-      had, waiting never past ``max_wait_ms``. A lone client never waits for
-      batch-mates that are not coming; 64 concurrent clients fill batches of 64, because the
-      clients just answered come back within a round trip. Batches also grow while the
-      device is busy, because they are only collected when it is free.
+      as the batch holds as many rows as the last batch had, waiting never past
+      ``max_wait_ms``. A lone client never waits for batch-mates that are not coming; 64
+      concurrent clients fill batches of 64, because the clients just answered come back
+      within a round trip. Batches also grow while the device is busy, because they are only
+      collected when it is free.
     """
 
     def __init__(
@@ -247,7 +247,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._on_stall = on_stall
         self._groups: dict[Hashable, _Group[PayloadT, OutputT]] = {}
         self._queued_entries = 0
-        self._in_flight = 0
         self._last_batch_rows = 1
         self._target_rows = max_batch_size
         self._high_streak = 0
@@ -331,6 +330,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         priority: Priority = "normal",
         request_id: str = "-",
         deadline_s: float | None = None,
+        source: Hashable = None,
     ) -> Ticket[OutputT]:
         """Queue one request now; its ``Ticket`` gets its outputs, one per chunk.
 
@@ -338,7 +338,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         tokens) counts against ``max_batch_cost`` when that is set; a chunk holds at least one
         row whatever its cost. ``high`` priority requests are taken before ``normal`` ones.
         ``deadline_s`` (``time.monotonic()``, which is system-wide, so a front end in another
-        process can set it) defaults to ``request_timeout_ms`` from now.
+        process can set it) defaults to ``request_timeout_ms`` from now. ``source`` names where
+        the request came from (a front end), to count how many share each batch.
 
         Raises ``QueueFullError`` at once when the queue is full and ``NotReadyError`` while
         draining or stalled; the ticket fails with ``DeadlineExceededError`` past the deadline
@@ -378,19 +379,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 arrival_s=arrival_s,
                 request_id=request_id,
                 future=loop.create_future(),
+                source=source,
             )
             for chunk in chunks
         ]
         for entry in entries:
             entry.timer = loop.call_at(deadline, self._expire, entry)
             self._enqueue(entry)
-        self._in_flight += 1
-        ticket = Ticket(self, entries)
-        ticket.add_done_callback(self._answered)
-        return ticket
-
-    def _answered(self, ticket: Ticket[OutputT]) -> None:
-        self._in_flight -= 1
+        return Ticket(self, entries)
 
     def _enqueue(self, entry: _Entry[PayloadT, OutputT]) -> None:
         group = self._groups.get(entry.group)
@@ -464,7 +460,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         self._restore_row_limit()
         yielded = self.policy != "adaptive"
-        target: int | None = None
         while True:
             oldest = self._oldest_entry()
             if oldest is None:
@@ -475,9 +470,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 continue
             full = [group for group in self._groups.values() if self._is_full(group)]
             if self.policy == "adaptive":
-                if target is None:  # once per batch: answered requests leave in_flight soon
-                    target = max(self._in_flight, self._last_batch_rows)
-                    self._target_rows = max(1, min(self._row_limit, target))
+                self._target_rows = max(1, min(self._row_limit, self._last_batch_rows))
                 full = full or [g for g in self._groups.values() if g.rows >= self._target_rows]
             if not (full or yielded):
                 # Requests already received but not yet parsed are queued ahead of us on the
@@ -555,6 +548,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         started_s = time.monotonic()
         for entry in batch:
             self._metrics.queue_wait.observe(started_s - entry.arrival_s)
+        self._metrics.batch_sources.observe(len({entry.source for entry in batch}))
         await self._run_isolating_failures(batch)
 
     async def _run_isolating_failures(self, batch: list[_Entry[PayloadT, OutputT]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -112,8 +112,12 @@ class Engine:
         outputs = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         return InferenceResult(outputs=outputs, version=version)
 
-    def enqueue(self, request: InferenceRequest) -> tuple[Ticket[Array], str]:
+    def enqueue(
+        self, request: InferenceRequest, source: Hashable = None
+    ) -> tuple[Ticket[Array], str]:
         """Queue ``request`` now: its ticket, and the version that will compute it.
+
+        ``source`` names the front end it came from (None: this process).
 
         Raises ``NotReadyError`` when nothing is served, or when the request was validated
         against a version no longer served whose inputs differ from the one served now.
@@ -137,6 +141,7 @@ class Engine:
             priority=request.priority,
             request_id=request.request_id,
             deadline_s=request.deadline_s,
+            source=source,
         )
         return ticket, manifest.version
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -33,6 +34,8 @@ class FrontendState:
     """One process serving alone: a hung model means this process must be replaced. Behind
     the bridge the supervisor replaces the engine and the front end stays alive."""
     draining: bool = False
+    gauge_refreshers: list[Callable[[], None]] = field(default_factory=list)
+    """More gauges to refresh with this process's (an engine in this process adds its own)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
 
     @property
@@ -46,9 +49,7 @@ class FrontendState:
 
     def serving_model(self) -> ModelInfo:
         """The model requests are validated against now; 503 when none can take them."""
-        status = self.engine.status()
-        if self.draining:
-            raise NotReadyError("the server is draining for shutdown; retry on another instance")
+        status = self.engine.status()  # draining: readiness is off, but requests are served
         if status.ready and status.model is not None:
             return status.model
         if status.phase in ("down", "connecting", "stalled"):
@@ -79,3 +80,5 @@ class FrontendState:
         self.metrics.ready.set(1 if self.ready else 0)
         self.metrics.engines_ready.set(sum(engine.ready for engine in self.engine.engines()))
         self.process_metrics.refresh()
+        for refresh in self.gauge_refreshers:
+            refresh()

@@ -51,6 +51,7 @@ def create_app(
         engine=engine,
         repository=ModelRepository(settings.model_repository),
         engine_in_process=True,
+        gauge_refreshers=[engine.state.refresh_device_memory],
     )
 
     @contextlib.asynccontextmanager

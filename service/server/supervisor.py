@@ -41,6 +41,7 @@ from service.metrics import MULTIPROCESS_DIR_ENV
 from service.processes import (
     ENGINE_DEVICE_ENV,
     ENGINE_HEARTBEAT_FILE_ENV,
+    ENGINE_INDEX_ENV,
     ENGINE_SOCKET_ENV,
     ENGINES_ENV,
     EXIT_LOAD_FAILED,
@@ -104,6 +105,7 @@ class EngineProcess:
                 ENGINE_SOCKET_ENV: str(self.socket),
                 ENGINE_DEVICE_ENV: self.device,
                 ENGINE_HEARTBEAT_FILE_ENV: str(self.heartbeat_file),
+                ENGINE_INDEX_ENV: str(self.index),
             },
             preexec_fn=_die_with_parent,
         )

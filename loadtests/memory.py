@@ -1,0 +1,114 @@
+"""Resident memory of every process of a server under test, from ``/proc`` (Linux only).
+
+A server with ``workers`` above 1 is several processes, and what it costs in memory is their
+sum: one ``VmRSS`` per process (``/proc/<pid>/status``), each named by its role in the tree.
+Pages shared after a fork count in every process that maps them, so the sum overstates what
+the forked gunicorn workers cost together; each process's own figure is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+ENGINE_MODULE = "service.engine.process"
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    pid: int
+    role: str
+    """server (one process), supervisor, engine, gunicorn master, gunicorn worker or other."""
+    rss_bytes: int
+    command: str
+
+
+def _is_gunicorn(command: str) -> bool:
+    return any(arg == "gunicorn" or arg.endswith("/gunicorn") for arg in command.split())
+
+
+def roles(root: int, parents: Mapping[int, int], commands: Mapping[int, str]) -> dict[int, str]:
+    """The role of ``root`` and each of its descendants, from who started whom and how.
+
+    gunicorn's workers are forks of its master, with the same command line: a gunicorn
+    process whose parent is gunicorn is a worker. ``root`` is the server itself when it runs
+    alone, and a supervisor when it started engines or gunicorn (the older layout's
+    ``batchserve serve --workers N`` replaced itself with gunicorn's master instead).
+    """
+    found: dict[int, str] = {}
+    for pid in descendants(root, parents):
+        command = commands.get(pid, "")
+        if ENGINE_MODULE in command.split():
+            found[pid] = "engine"
+        elif _is_gunicorn(command):
+            parent_command = commands.get(parents.get(pid, -1), "")
+            worker = pid != root and _is_gunicorn(parent_command)
+            found[pid] = "gunicorn worker" if worker else "gunicorn master"
+        else:
+            found[pid] = "other"
+    if found[root] == "other":
+        started_servers = any(role != "other" for pid, role in found.items() if pid != root)
+        found[root] = "supervisor" if started_servers else "server"
+    return found
+
+
+def descendants(root: int, parents: Mapping[int, int]) -> list[int]:
+    """``root`` and every process below it, parents before children."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree = [root]
+    for pid in tree:  # grows while it is walked; each pid has one parent, so it ends
+        tree += sorted(children.get(pid, []))
+    return tree
+
+
+def _parent(pid: int, proc: Path) -> int | None:
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (command) state ppid ...": the command may hold spaces and parentheses.
+    return int(stat[stat.rindex(")") + 1 :].split()[1])
+
+
+def _rss_bytes(pid: int, proc: Path) -> int | None:
+    try:
+        status = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            value, unit = line.split()[1:3]
+            assert unit == "kB", line
+            return int(value) * 1024
+    return None  # a zombie, or a kernel thread
+
+
+def _command(pid: int, proc: Path) -> str:
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
+def tree_memory(root: int, proc: Path = PROC) -> list[ProcessMemory]:
+    """``VmRSS`` of ``root`` and its descendants now, with their roles (gone ones skipped)."""
+    parents = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            parent = _parent(int(entry.name), proc)
+            if parent is not None:
+                parents[int(entry.name)] = parent
+    tree = descendants(root, parents)
+    commands = {pid: _command(pid, proc) for pid in tree}
+    found = roles(root, parents, commands)
+    measured = []
+    for pid in tree:
+        rss = _rss_bytes(pid, proc)
+        if rss is not None:
+            measured.append(ProcessMemory(pid, found[pid], rss, commands[pid]))
+    return measured

@@ -1,0 +1,266 @@
+"""Faults of a server with engine processes: each process killed under load, a model that
+hangs, an engine that stops answering, a client that leaves while its request is queued.
+
+Each kill happens under closed-loop load from several callers. A dead or hung engine must be
+answered 503 with ``Retry-After`` at once (nothing waits out its deadline), be replaced by
+the supervisor, and serve again; a killed front end loses only its own requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from safetensors.torch import save_file
+
+from service.engine.model_store import ModelStore
+from service.manifest import Architecture, TensorSpec
+from tests.processes import (
+    REPOSITORY_ROOT,
+    Running,
+    engine_pids,
+    frontend_pids,
+    scraped,
+    serve_with_engines,
+    wait_for,
+    wait_until_serving,
+)
+from tests.torch_models import FEATURES, HANG_VALUE
+
+pytestmark = pytest.mark.slow
+
+WORKERS = 2
+CALLERS = 8
+#: A request to a dead or hung engine must be answered sooner than this.
+PROMPTLY_S = 2.0
+LOAD_CAP_S = 60.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    sent_s: float
+    status: int | str
+    seconds: float
+
+
+async def closed_loop(url: str, body: dict[str, object], stop: asyncio.Event) -> list[Outcome]:
+    """``CALLERS`` callers sending ``body`` until ``stop`` is set; what each request got."""
+    outcomes: list[Outcome] = []
+    started_s = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
+
+        async def caller() -> None:
+            while not stop.is_set() and time.monotonic() - started_s < LOAD_CAP_S:
+                sent_s = time.monotonic()
+                try:
+                    status: int | str = (await client.post("/predict", json=body)).status_code
+                except httpx.TransportError as error:
+                    status = type(error).__name__
+                outcomes.append(Outcome(sent_s, status, time.monotonic() - sent_s))
+                if status != 200:
+                    await asyncio.sleep(0.05)  # as a client honouring Retry-After would, briefly
+
+        await asyncio.gather(*(caller() for _ in range(CALLERS)))
+    return outcomes
+
+
+def under_load(
+    server: Running, body: dict[str, object], during_s: float, act: Callable[[], None]
+) -> list[Outcome]:
+    """Closed-loop load for ``during_s``; ``act()`` runs a third of the way through."""
+
+    async def run() -> list[Outcome]:
+        stop = asyncio.Event()
+        load = asyncio.create_task(closed_loop(server.url, body, stop))
+        await asyncio.sleep(during_s / 3)
+        await asyncio.to_thread(act)
+        await asyncio.sleep(2 * during_s / 3)
+        stop.set()
+        return await load
+
+    return asyncio.run(run())
+
+
+DIGIT = {"instances": [[[0.5] * 8] * 8]}
+
+
+def test_an_engine_killed_under_load_is_answered_503_at_once_and_comes_back(
+    tmp_path: Path,
+) -> None:
+    with serve_with_engines(tmp_path, WORKERS) as server:
+        wait_until_serving(server, WORKERS)
+        victim = engine_pids(server)[0]
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(victim, signal.SIGKILL)
+
+        outcomes = under_load(server, DIGIT, 9.0, kill)
+        statuses = {outcome.status for outcome in outcomes}
+        print(f"\nengine kill -9 under load: {len(outcomes)} requests, statuses {statuses}")
+        assert statuses <= {200, 503}, statuses
+        slowest = max(outcome.seconds for outcome in outcomes)
+        assert slowest < PROMPTLY_S, f"a request took {slowest:.2f} s"
+        assert any(o.status == 503 and o.sent_s > killed_at[0] for o in outcomes)
+        # The replacement engine serves the rest of the load.
+        late = [o for o in outcomes if o.sent_s > max(o.sent_s for o in outcomes) - 1.0]
+        assert late
+        assert all(o.status == 200 for o in late), late[-5:]
+        assert engine_pids(server)[0] != victim
+        assert scraped(server.url, "batchserve_engine_starts_total", {"device": "cpu"}) == 2
+        assert '"event":"engine_exited"' in server.output()
+
+
+def test_a_front_end_killed_under_load_loses_only_its_own_requests(tmp_path: Path) -> None:
+    with serve_with_engines(tmp_path, WORKERS) as server:
+        wait_until_serving(server, WORKERS)
+        victim = frontend_pids(server)[0]
+        outcomes = under_load(server, DIGIT, 6.0, lambda: os.kill(victim, signal.SIGKILL))
+        failed = [outcome for outcome in outcomes if outcome.status != 200]
+        print(f"\nfront end kill -9 under load: {len(outcomes)} requests, {len(failed)} failed")
+        # Only the requests in flight on the killed front end can fail: one per caller at most.
+        assert len(failed) <= CALLERS, failed
+        assert len(outcomes) - len(failed) > 100
+        wait_for(lambda: len(frontend_pids(server)) == WORKERS, "a replacement front end", server)
+        wait_until_serving(server, WORKERS + 1)  # the replacement logs frontend_ready too
+        assert httpx.post(server.url + "/predict", json=DIGIT, timeout=5.0).status_code == 200
+
+
+def package_hanging_model(repository: Path, gate: Path) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "empty.safetensors"
+        save_file({}, str(weights))
+        ModelStore(repository).package(
+            name="hangs",
+            artifact=weights,
+            format="safetensors",
+            architecture=Architecture(
+                import_path="tests.torch_models:HangsWhileFileExists", kwargs={"gate": str(gate)}
+            ),
+            inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
+            outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
+        )
+
+
+def serve_hanging_model(
+    tmp_path: Path, gate: Path, **variables: str
+) -> AbstractContextManager[Running]:
+    package_hanging_model(tmp_path / "models", gate)
+    return serve_with_engines(
+        tmp_path,
+        WORKERS,
+        BATCHSERVE_MODEL_REPOSITORY=str(tmp_path / "models"),
+        BATCHSERVE_MODEL_NAME="hangs",
+        BATCHSERVE_WARMUP_BATCH_SIZES="1",
+        PYTHONPATH=str(REPOSITORY_ROOT),  # the model's architecture is in tests/
+        **variables,
+    )
+
+
+HUNG = {"instances": [[HANG_VALUE] * FEATURES]}
+FINE = {"instances": [[1.0] * FEATURES]}
+
+
+def test_a_hung_model_is_answered_503_when_it_stalls_and_its_engine_replaced(
+    tmp_path: Path,
+) -> None:
+    gate = tmp_path / "hold"
+    gate.touch()
+    with serve_hanging_model(
+        tmp_path, gate, BATCHSERVE_STALL_TIMEOUT_S="1", BATCHSERVE_REQUEST_TIMEOUT_MS="20000"
+    ) as server:
+        wait_until_serving(server, WORKERS)
+        victim = engine_pids(server)[0]
+        started_s = time.monotonic()
+        hung = httpx.post(server.url + "/predict", json=HUNG, timeout=30.0)
+        took_s = time.monotonic() - started_s
+        assert hung.status_code == 503, hung.text
+        assert hung.json()["error"]["code"] == "engine_unavailable"
+        assert "Retry-After" in hung.headers
+        assert took_s < 5.0, "answered when the engine stalled, not at the 20 s deadline"
+        assert '"event":"engine_exiting_with_stalled_model"' in server.output()
+        health = httpx.get(server.url + "/healthz", timeout=5.0)
+        assert health.status_code == 200, "a front end stays alive while its engine restarts"
+        gate.unlink()  # the replacement must not hang on warm-up
+        wait_until_serving(server, WORKERS)
+        assert engine_pids(server)[0] != victim
+        assert httpx.post(server.url + "/predict", json=FINE, timeout=5.0).status_code == 200
+
+
+def test_an_engine_that_stops_answering_is_killed_and_replaced(tmp_path: Path) -> None:
+    with serve_with_engines(tmp_path, WORKERS, BATCHSERVE_ENGINE_HEARTBEAT_TIMEOUT_S="2") as server:
+        wait_until_serving(server, WORKERS)
+        victim = engine_pids(server)[0]
+        os.kill(victim, signal.SIGSTOP)  # alive, but silent: a wedged event loop
+        try:
+            started_s = time.monotonic()
+            stuck = httpx.post(server.url + "/predict", json=DIGIT, timeout=30.0)
+            assert stuck.status_code == 503, stuck.text
+            assert time.monotonic() - started_s < 5.0, "answered at the heartbeat timeout"
+            wait_for(lambda: '"event":"engine_unresponsive"' in server.output(), "the kill", server)
+            wait_until_serving(server, WORKERS)
+            assert engine_pids(server)[0] != victim
+            assert httpx.post(server.url + "/predict", json=DIGIT, timeout=5.0).status_code == 200
+        finally:
+            if Path(f"/proc/{victim}").exists():
+                os.kill(victim, signal.SIGKILL)
+
+
+def test_a_client_that_leaves_while_queued_is_never_computed_by_the_engine(
+    tmp_path: Path,
+) -> None:
+    gate = tmp_path / "hold"
+    gate.touch()
+    with serve_hanging_model(tmp_path, gate, BATCHSERVE_STALL_TIMEOUT_S="0") as server:
+        wait_until_serving(server, 1)
+        port = int(server.url.rsplit(":", 1)[1])
+
+        async def scenario() -> int:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30.0) as client:
+                blocker = asyncio.create_task(client.post("/predict", json=HUNG))
+                await asyncio.to_thread(
+                    wait_for, lambda: scraped(server.url, "batchserve_batch_size_rows_sum") == 1,
+                    "the blocker running", server,
+                )  # fmt: skip
+                # A raw client: sends its request, waits until the engine has queued it, leaves.
+                body = orjson.dumps(FINE)
+                with socket.create_connection(("127.0.0.1", port)) as leaving:
+                    leaving.sendall(
+                        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                    await asyncio.to_thread(
+                        wait_for, lambda: scraped(server.url, "batchserve_queue_depth") == 1,
+                        "the request queued", server,
+                    )  # fmt: skip
+                cancelled = {"reason": "cancelled"}
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: (
+                        scraped(server.url, "batchserve_dropped_requests_total", cancelled) == 1
+                    ),
+                    "the engine dropping it",
+                    server,
+                )
+                assert scraped(server.url, "batchserve_queue_depth") == 0
+                gate.unlink()
+                return (await blocker).status_code
+
+        assert asyncio.run(scenario()) == 200
+        # Only the blocker's row was ever computed.
+        assert scraped(server.url, "batchserve_batch_size_rows_sum") == 1
+        status_499 = {"route": "/predict", "status": "499"}
+        assert scraped(server.url, "batchserve_requests_total", status_499) == 1
