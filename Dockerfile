@@ -70,8 +70,9 @@ ENV PATH=/opt/batchserve/bin:${PATH} \
 USER 10001:10001
 WORKDIR /home/batchserve
 EXPOSE 8000
-# Liveness only. One process answers /healthz while its model loads; under gunicorn it answers
-# once the first worker is ready, so the start period allows for torch.compile and warm-up.
+# Liveness only. One process answers /healthz while its model loads; with front ends and
+# engines (BATCHSERVE_WORKERS above 1) the front ends answer once an engine is ready, so the
+# start period allows for torch.compile and warm-up.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
     CMD ["/opt/batchserve/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('BATCHSERVE_PORT', '8000'), timeout=4)"]
 # SIGTERM (the default, said here because shutdown relies on it) turns readiness off, drains

@@ -22,6 +22,7 @@ serve: install
 
 lint: install
 	$(BIN)/ruff check service tests loadtests scripts deploy
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check service tests loadtests scripts deploy
 	$(BIN)/hadolint Dockerfile
 

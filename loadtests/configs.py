@@ -284,9 +284,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
         ),
         Configuration("image-json", IMAGE_JSON, "TinyImageClassifier, JSON in and out", _IMAGE),
         Configuration("image-npy", IMAGE_NPY, "TinyImageClassifier, .npy in and out", _IMAGE),
-        Configuration(
-            "mlp-single", MLP, "PeerMLP, one process (the default for one worker)", _MLP
-        ),
+        Configuration("mlp-single", MLP, "PeerMLP, one process (the default for one worker)", _MLP),
         Configuration(
             "mlp-w1-process",
             MLP,

@@ -2,8 +2,9 @@
 
     python -m loadtests.gpu_check [--requests 2000] [--budget-s 270]
 
-For each configuration it builds the real app (store -> runner -> batcher), sends one request
-through HTTP, then drives the batcher with concurrent requests, and prints throughput, p99
+For each configuration it builds the real one-process app (front end and engine: store ->
+runner -> batcher), sends one request through HTTP, then drives the engine with concurrent
+requests, as the front end submits them (``Engine.infer``), and prints throughput, p99
 latency, peak device memory and the largest deviation from an fp32 eager reference on the
 same inputs. On a machine without CUDA it says so, skips the CUDA configurations and checks
 the CPU equivalents it can (bf16 autocast, and torch.compile in fp32), so CI runs this script
@@ -31,12 +32,16 @@ import numpy as np
 import torch
 from asgi_lifespan import LifespanManager
 
-from service.server.single import create_app
+from service.bridge.interface import InferenceRequest
 from service.config import Settings
-from service.state import ServiceState
+from service.engine.engine import Engine
+from service.frontend.inputs import InputLayout
+from service.frontend.state import FrontendState
+from service.server.single import create_app
 
 RELATIVE_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
 CONCURRENCY = 64
+REQUEST_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -90,27 +95,27 @@ async def run_configuration(
     settings = Settings(
         model_name=configuration.model,
         device=configuration.device,
-        precision=configuration.precision,  # type: ignore[arg-type]
-        compile_mode=configuration.compile_mode,  # type: ignore[arg-type]
+        precision=configuration.precision,
+        compile_mode=configuration.compile_mode,
         max_batch_size=configuration.max_batch_size,
         max_queue_size=100_000,
-        request_timeout_ms=120_000,
+        request_timeout_ms=int(REQUEST_TIMEOUT_S * 1000),
     )
     app = create_app(settings)
     async with LifespanManager(app, startup_timeout=600):
         await app.state.loading
-        service: ServiceState = app.state.service
-        if service.load_error is not None:
-            raise RuntimeError(service.load_error)
-        assert service.batcher is not None
-        assert service.layout is not None
+        engine: Engine = app.state.engine
+        frontend: FrontendState = app.state.frontend
+        if engine.served is None:
+            raise RuntimeError(engine.state.load_error)
+        layout = frontend.layout_for(engine.served.info())
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://check") as client:
             response = await client.post("/predict", json={"instances": inputs[0].tolist()})
             response.raise_for_status()
         if configuration.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        outputs, latencies_s, elapsed_s = await drive(service, inputs)
+        outputs, latencies_s, elapsed_s = await drive(engine, layout, inputs)
         peak_mb = (
             torch.cuda.max_memory_allocated() / 2**20
             if configuration.device.startswith("cuda")
@@ -141,12 +146,11 @@ async def run_configuration(
 
 
 async def drive(
-    service: ServiceState, inputs: list[np.ndarray]
+    engine: Engine, layout: InputLayout, inputs: list[np.ndarray]
 ) -> tuple[list[np.ndarray], list[float], float]:
-    """Closed-loop load straight into the batcher: CONCURRENCY callers, each input once."""
-    batcher, layout = service.batcher, service.layout
-    assert batcher is not None
-    assert layout is not None
+    """Closed-loop load straight into the engine: CONCURRENCY callers, each input once."""
+    served = engine.served
+    assert served is not None
     outputs: list[Any] = [None] * len(inputs)
     latencies_s: list[float] = []
     next_index = 0
@@ -157,10 +161,20 @@ async def drive(
             index = next_index
             next_index += 1
             group, cost = layout.group_and_cost(inputs[index])
+            request = InferenceRequest(
+                model=served.manifest.name,
+                version=served.manifest.version,
+                instances=inputs[index],
+                group=group,
+                cost_per_row=cost,
+                priority="normal",
+                deadline_s=time.monotonic() + REQUEST_TIMEOUT_S,
+                request_id=f"gpu-check-{index}",
+            )
             started_s = time.perf_counter()
-            chunks = await batcher.submit(inputs[index], group=group, cost_per_row=cost)
+            result = await engine.infer(request)
             latencies_s.append(time.perf_counter() - started_s)
-            outputs[index] = chunks[0][0]
+            outputs[index] = result.outputs[0]
 
     started_s = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(CONCURRENCY)))

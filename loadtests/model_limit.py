@@ -1,7 +1,8 @@
 """The model limit: in-process forward throughput (rows/s) at batch sizes 1, 2, 4 ... max.
 
 The model is loaded exactly as the server loads it, by running the lifespan of
-``service.app.create_app`` for the same ``BATCHSERVE_*`` settings: ``ModelStore.load``, then
+``service.server.single.create_app`` for the same ``BATCHSERVE_*`` settings (an engine process
+loads it the same way, with ``service.engine.engine.Engine``): ``ModelStore.load``, then
 ``TorchRunner`` with the same device, precision, compile mode, length buckets and
 ``configure_torch_threads``, and the server's warm-up. Then ``TorchRunner.run_batch``
 (collation, forward, split) is timed with ``time.perf_counter`` in the runner's own device
@@ -24,10 +25,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from service.server.single import create_app
 from service.config import load_settings
-from service.manifest import TensorSpec
+from service.engine.engine import Engine
 from service.engine.runner import batch_sizes_to_warm
+from service.manifest import TensorSpec
+from service.server.single import create_app
 
 WARMUP_ITERATIONS = 3
 MIN_ITERATIONS = 3
@@ -72,10 +74,11 @@ async def measure(
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         await app.state.loading
-        service = app.state.service
-        if service.load_error is not None:
-            raise RuntimeError(f"the model did not load: {service.load_error}")
-        runner, manifest = service.runner, service.manifest
+        engine: Engine = app.state.engine
+        served = engine.served
+        if served is None:
+            raise RuntimeError(f"the model did not load: {engine.state.load_error}")
+        runner, manifest = served.runner, served.manifest
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)
         rows_per_s: dict[int, float] = {}

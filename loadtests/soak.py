@@ -7,8 +7,8 @@ Every 200 is compared with the digits model run in this process on that input al
 (``torch.inference_mode``, no batching; ``rtol = atol = 1e-5``) and must come from the same
 model version. It reports requests, errors by kind (status codes, connection errors,
 timeouts), mismatches, p50/p99 latency per ``--window-s`` window, and the server's resident
-memory (``batchserve_process_resident_memory_bytes`` from ``/metrics``) at the start, at the
-end of every window and at the end.
+memory (``batchserve_process_resident_memory_bytes`` from ``/metrics``, summed over the roles
+of its processes) at the start, at the end of every window and at the end.
 
 Without ``--url`` it starts ``batchserve serve`` (the console script beside this Python) on a
 free 127.0.0.1 port, serving the bundled digits model on the CPU; ``--set NAME=VALUE`` adds
@@ -54,7 +54,8 @@ MISMATCH = "mismatch"
 #: Requests not sent because ``--max-backlog`` scheduled ones were already waiting for a
 #: sender: the client's own bound, so a stalled server cannot make it grow without limit.
 BACKLOG = "not_sent_backlog"
-_RSS = re.compile(r"^batchserve_process_resident_memory_bytes (\S+)$", re.MULTILINE)
+#: One sample per process role (``{role="server"}``, or front ends and engines).
+_RSS = re.compile(r"^batchserve_process_resident_memory_bytes(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -285,10 +286,10 @@ def error_kind(error: BaseException) -> str:
 
 async def _resident_bytes(client: httpx.AsyncClient) -> float | None:
     try:
-        found = _RSS.search((await client.get("/metrics")).text)
+        found = _RSS.findall((await client.get("/metrics")).text)
     except httpx.HTTPError:
         return None
-    return float(found.group(1)) if found else None
+    return sum(float(value) for value in found) if found else None
 
 
 async def soak(url: str, options: SoakOptions, reference: Reference) -> SoakResult:

@@ -15,14 +15,23 @@ Beside the served rates it measures, in the same run:
   - the load generator's ceiling: wrk against a fixed-response server
     (``loadtests.fixed_server``).
 
+The HTTP ceiling of a configuration with gunicorn front ends (``BATCHSERVE_WORKERS`` above 1,
+or ``BATCHSERVE_ENGINE_MODE=process``) is measured with as many front ends. After the warm-up
+the resident memory of each process of the server is read from /proc.
+
+With ``--baseline-checkout PATH`` each configuration is also run as ``<name>@baseline``
+right after it, against the server of another checkout of this project (a git worktree of an
+older commit), started with this Python in PATH; the report sets the two side by side.
+
 Each wrk run is capped at ``--duration-s`` seconds and ``--max-requests`` requests. Only
 127.0.0.1 is ever sent traffic. Outputs (results.csv, http_ceiling.csv, model_limits.csv,
-report.md, throughput.png, latency.png, logs/) go to ``--out``, by default
+memory.csv, report.md, throughput.png, latency.png, logs/) go to ``--out``, by default
 loadtests/results/<timestamp>/ (git-ignored).
 
     python -m loadtests.sweep                              # every configuration, defaults
     python -m loadtests.sweep --configs 'digits-*' --skip-heavy --duration-s 5 --repeats 1
     python -m loadtests.sweep --url http://127.0.0.1:8000 --configs digits-batched
+    python -m loadtests.sweep --configs 'mlp-*' --baseline-checkout ../baseline
     python -m loadtests.sweep --list
 
 Exit status 1 if a selected configuration could not be measured (the reason is in the
@@ -46,12 +55,18 @@ from pathlib import Path
 
 import httpx
 
-from loadtests import configs, servers
-from loadtests.configs import Configuration, Workload
-from loadtests.report import ModelLimit, Point, SweepResult, write_all
+from loadtests import configs, memory, servers
+from loadtests.configs import Configuration, PackagedModel, Workload
+from loadtests.memory import ProcessMemory
+from loadtests.report import BASELINE_SUFFIX, ModelLimit, Point, SweepResult, write_all
 from loadtests.wrk import run_wrk, write_script, wrk_path, wrk_version
 
-RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ROOT = REPO_ROOT / "loadtests" / "results"
+SETTINGS_FIELDS_SCRIPT = (
+    "import json; from service.config import Settings; "
+    "print(json.dumps(sorted(Settings.model_fields)))"
+)
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
 GENERATOR_CONCURRENCY = 64
 WARMUP_CONCURRENCY = 8
@@ -120,7 +135,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=None, help="output folder (default loadtests/results/<time>)"
     )
+    parser.add_argument(
+        "--baseline-checkout",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also run each configuration as <name>@baseline against the checkout at PATH",
+    )
     args = parser.parse_args(argv)
+    if args.baseline_checkout is not None:
+        if args.url:
+            parser.error("--baseline-checkout starts its own servers; it cannot go with --url")
+        args.baseline_checkout = args.baseline_checkout.resolve()
+        try:
+            servers.checkout_command(args.baseline_checkout)
+        except FileNotFoundError as error:
+            parser.error(str(error))
     if any(c < 1 for c in args.concurrency):
         parser.error(f"--concurrency values must be at least 1, got {args.concurrency}")
     if args.duration_s < 1 or args.repeats < 1 or args.max_requests < 0:
@@ -134,6 +164,61 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+class Baseline:
+    """The other checkout of ``--baseline-checkout``: how to start it and what it supports."""
+
+    def __init__(self, checkout: Path) -> None:
+        self.checkout = checkout
+        self.command = servers.checkout_command(checkout)
+        # Its settings, asked of its own code: the fields may differ from this checkout's.
+        completed = subprocess.run(
+            [sys.executable, "-c", SETTINGS_FIELDS_SCRIPT],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if completed.returncode != 0:
+            raise RuntimeError(
+                f"cannot read the settings of {checkout}: {completed.stderr[-2000:]}"
+            )
+        self.settings_fields = frozenset(json.loads(completed.stdout))
+
+    def describe(self) -> str:
+        """The checkout, its commit, and whether its packaged-model modules match ours."""
+        commit = subprocess.run(
+            ["git", "-C", str(self.checkout), "log", "-1", "--format=%h %s"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout.strip()
+        text = f"baseline: {self.checkout} at {commit or 'an unknown commit'}, "
+        text += f"started as `{' '.join(self.command[1:])}` with this Python in that folder"
+        for packaged in (configs.MLP_MODEL, configs.IMAGE_MODEL):
+            ours, theirs = packaged.module_file(REPO_ROOT), packaged.module_file(self.checkout)
+            if not theirs.is_file():
+                continue
+            same = ours.is_file() and ours.read_bytes() == theirs.read_bytes()
+            text += (
+                f"; its {theirs.relative_to(self.checkout)} "
+                + ("is identical to this checkout's" if same else "DIFFERS from this checkout's")
+                + ("" if _tracked(theirs) else " (untracked there: a copy, not part of its commit)")
+            )
+        return text
+
+
+def _tracked(path: Path) -> bool:
+    completed = subprocess.run(
+        ["git", "-C", str(path.parent), "ls-files", "--error-unmatch", path.name],
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    return completed.returncode == 0
+
+
 class Sweep:
     """Holds the options and the scratch folder; each method measures one kind of thing."""
 
@@ -144,8 +229,8 @@ class Sweep:
         self.extra_env = dict(item.split("=", 1) for item in args.set)
         self.scripts: dict[str, Path] = {}
         self.bodies: dict[str, list[bytes]] = {}
-        self.image_repository: Path | None = None
-        self.image_error: str | None = None
+        self.repositories: dict[str, Path] = {}
+        self.package_errors: dict[str, str] = {}
 
     def _bodies(self, workload: Workload) -> list[bytes]:
         if workload.name not in self.bodies:
@@ -164,36 +249,53 @@ class Sweep:
 
     def env_for(self, configuration: Configuration) -> dict[str, str]:
         env = {"BATCHSERVE_LOG_LEVEL": "warning"} | self.extra_env | dict(configuration.env)
-        if configuration.workload.needs_image_repository:
-            env["BATCHSERVE_MODEL_REPOSITORY"] = str(self.ensure_image_repository())
+        if configuration.workload.packaged is not None:
+            repository = self.ensure_repository(configuration.workload.packaged)
+            env["BATCHSERVE_MODEL_REPOSITORY"] = str(repository)
         return servers.server_env(env)
 
-    def ensure_image_repository(self) -> Path:
-        if self.image_repository is None:
-            if self.image_error is None:
-                try:
-                    self.image_repository = configs.package_image_model(self.scratch / "image")
-                except RuntimeError as error:
-                    self.image_error = str(error)
-            if self.image_error is not None:
-                raise servers.ServerError(self.image_error)
-        assert self.image_repository is not None
-        return self.image_repository
+    def ensure_repository(self, model: PackagedModel) -> Path:
+        """Package ``model`` once per sweep; every server (baselines too) reads the same."""
+        if model.name not in self.repositories and model.name not in self.package_errors:
+            try:
+                self.repositories[model.name] = model.package(self.scratch / model.name)
+            except RuntimeError as error:
+                self.package_errors[model.name] = str(error)
+        if model.name in self.package_errors:
+            raise servers.ServerError(self.package_errors[model.name])
+        return self.repositories[model.name]
 
-    def repository_for(self, configuration: Configuration) -> Path:
+    def repository_for(self, configuration: Configuration, checkout: Path | None = None) -> Path:
         from service.config import BUNDLED_MODEL_REPOSITORY
 
         value = self.extra_env.get("BATCHSERVE_MODEL_REPOSITORY")
-        return Path(value) if value else BUNDLED_MODEL_REPOSITORY
+        if value:
+            return Path(value)
+        return BUNDLED_MODEL_REPOSITORY if checkout is None else checkout / "models"
+
+    def ceiling_label(self, configuration: Configuration) -> str:
+        return configs.ceiling_label(configs.front_ends(self.extra_env | dict(configuration.env)))
 
     def measure_points(
-        self, url: str, label: str, workload: Workload, concurrencies: Sequence[int]
+        self,
+        url: str,
+        label: str,
+        workload: Workload,
+        *,
+        ceiling: str = "http-ceiling",
+        limit_of: str | None = None,
     ) -> list[Point]:
         """wrk at each concurrency, ``repeats`` times, with /metrics batch deltas if exported."""
         script = self.script(workload)
         points = []
-        for concurrency in concurrencies:
-            point = Point(label=label, workload=workload.name, concurrency=concurrency)
+        for concurrency in self.args.concurrency:
+            point = Point(
+                label=label,
+                workload=workload.name,
+                concurrency=concurrency,
+                ceiling=ceiling,
+                limit_of=limit_of,
+            )
             for _ in range(self.args.repeats):
                 before = servers.batch_counters(url)
                 result = run_wrk(
@@ -230,28 +332,43 @@ class Sweep:
                 request_timeout_s=self.args.request_timeout_s,
             )
 
-    def configuration(self, configuration: Configuration) -> list[Point]:
+    def configuration(
+        self, configuration: Configuration, baseline: Baseline | None = None
+    ) -> tuple[list[Point], list[ProcessMemory]]:
+        """Served rates of ``configuration`` (on ``baseline``'s code if given), and the memory
+        of each of the server's processes after the warm-up."""
         workload = configuration.workload
+        ceiling = self.ceiling_label(configuration)
         if self.args.url:
             url = servers.check_loopback(self.args.url)
             self.prepare(url, workload)
-            return self.measure_points(url, configuration.name, workload, self.args.concurrency)
+            return self.measure_points(url, configuration.name, workload, ceiling=ceiling), []
+        label, command, cwd = configuration.name, servers.batchserve_command(), None
+        if baseline is not None:
+            label = configuration.name + BASELINE_SUFFIX
+            command, cwd = baseline.command, baseline.checkout
         env = self.env_for(configuration)
-        log_path = self.out / "logs" / f"{configuration.name}.log"
-        with servers.running(
-            servers.batchserve_command(), env, log_path, configuration.ready_timeout_s
-        ) as url:
-            self.prepare(url, workload)
-            return self.measure_points(url, configuration.name, workload, self.args.concurrency)
+        log_path = self.out / "logs" / f"{label}.log"
+        with servers.serving(
+            command, env, log_path, configuration.ready_timeout_s, cwd=cwd
+        ) as server:
+            self.prepare(server.url, workload)
+            processes = memory.tree_memory(server.pid)
+            points = self.measure_points(
+                server.url, label, workload, ceiling=ceiling, limit_of=configuration.name
+            )
+            return points, processes
 
     def http_ceiling(self, configuration: Configuration) -> list[Point]:
+        """The front end alone, answering zeros, with as many front ends as ``configuration``."""
         workload = configuration.workload
+        label = self.ceiling_label(configuration)
         env = self.env_for(configuration)
-        log_path = self.out / "logs" / f"http-ceiling-{workload.name}.log"
+        log_path = self.out / "logs" / f"{label}-{workload.name}.log"
         command = servers.module_command("loadtests.http_ceiling")
         with servers.running(command, env, log_path, ready_timeout_s=120) as url:
             self.prepare(url, workload)
-            return self.measure_points(url, "http-ceiling", workload, self.args.concurrency)
+            return self.measure_points(url, label, workload)
 
     def generator_ceiling(self) -> Point:
         log_path = self.out / "logs" / "fixed-server.log"
@@ -327,6 +444,18 @@ def run(
             f"served rates are of the running server at {args.url}, assumed to run "
             f"{selected[0].name}; the model limit is computed for that configuration"
         )
+    baseline = None
+    if args.baseline_checkout is not None:
+        try:
+            baseline = Baseline(args.baseline_checkout)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+            result.notes.append(f"baseline not measured: {error}")
+            log(f"baseline not measured: {error}")
+        else:
+            result.notes.append(baseline.describe())
+            result.notes.append(
+                "a baseline row is compared with this checkout's HTTP ceiling and model limit"
+            )
     if not args.no_generator_ceiling:
         log("load generator ceiling (fixed-response server)")
         try:
@@ -337,52 +466,100 @@ def run(
             log(f"  failed: {error}")
 
     limits_by_key: dict[tuple[object, ...], dict[str, object]] = {}
-    ceiling_for: dict[str, Configuration] = {}
+    ceiling_for: dict[tuple[str, str], Configuration] = {}
     for configuration in selected:
         log(f"{configuration.name}: {configuration.description}")
-        reason = None
-        if not args.url:
-            reason = configs.unavailable_reason(configuration, sweep.repository_for(configuration))
-        if reason is None:
-            try:
-                result.points += sweep.configuration(configuration)
-            except MEASUREMENT_ERRORS as error:
-                reason = str(error)
-        if reason is not None:
-            result.unavailable[configuration.name] = reason
-            log(f"  NOT MEASURED: {reason}")
+        if not serve(args, sweep, configuration, None, result):
             continue
-        ceiling_for.setdefault(configuration.workload.name, configuration)
-        if args.no_model_limit:
-            continue
-        key = configuration.model_limit_key()
-        try:
-            if key not in limits_by_key:
-                log("  model limit (in-process forward)")
-                limits_by_key[key] = sweep.model_limit(configuration)
-        except MEASUREMENT_ERRORS as error:
-            result.notes.append(f"model limit of {configuration.name} failed: {error}")
-            log(f"  model limit failed: {error}")
-            continue
-        details = limits_by_key[key]
-        raw = details["rows_per_s"]
-        assert isinstance(raw, dict)
-        limit = ModelLimit(
-            configuration.name, {int(size): float(v) for size, v in raw.items()}, details
-        )
-        result.model_limits[configuration.name] = limit
-        size, best = limit.best
-        log(f"  model limit: {best:,.0f} rows/s at batch {size}")
+        if baseline is not None:
+            log(f"{configuration.name}{BASELINE_SUFFIX}: the same on {baseline.checkout}")
+            serve(args, sweep, configuration, baseline, result)
+        key = (configuration.workload.name, sweep.ceiling_label(configuration))
+        ceiling_for.setdefault(key, configuration)
+        if not args.no_model_limit:
+            model_limit(sweep, configuration, limits_by_key, result)
 
     if args.no_http_ceiling:
         return
-    for workload_name, configuration in ceiling_for.items():
-        log(f"HTTP ceiling for {workload_name}")
+    for (workload_name, label), configuration in ceiling_for.items():
+        log(f"HTTP ceiling for {workload_name}: {label}")
         try:
             result.ceilings += sweep.http_ceiling(configuration)
         except MEASUREMENT_ERRORS as error:
-            result.notes.append(f"HTTP ceiling for {workload_name} failed: {error}")
+            result.notes.append(f"{label} for {workload_name} failed: {error}")
             log(f"  HTTP ceiling failed: {error}")
+
+
+def serve(
+    args: argparse.Namespace,
+    sweep: Sweep,
+    configuration: Configuration,
+    baseline: Baseline | None,
+    result: SweepResult,
+) -> bool:
+    """Measure ``configuration`` (on ``baseline``'s code if given) into ``result``; False,
+    with the reason recorded, if it could not be."""
+    label = configuration.name + (BASELINE_SUFFIX if baseline is not None else "")
+    reason = None
+    if baseline is not None:
+        missing = configs.unavailable_reason(
+            configuration,
+            sweep.repository_for(configuration, baseline.checkout),
+            settings_fields=baseline.settings_fields,
+            checkout=baseline.checkout,
+        )
+        if missing is not None:
+            # Older code lacking a newer setting is expected, not a failure of the sweep.
+            result.notes.append(f"{label} not run: {missing}")
+            log(f"  not run: {missing}")
+            return False
+    elif not args.url:
+        reason = configs.unavailable_reason(configuration, sweep.repository_for(configuration))
+    if reason is None:
+        try:
+            points, processes = sweep.configuration(configuration, baseline)
+        except MEASUREMENT_ERRORS as error:
+            reason = str(error)
+        else:
+            result.points += points
+            if processes:
+                result.memory[label] = processes
+                log(
+                    "  resident memory: "
+                    + ", ".join(f"{p.role} {p.rss_bytes / 2**20:,.0f} MiB" for p in processes)
+                )
+    if reason is not None:
+        result.unavailable[label] = reason
+        log(f"  NOT MEASURED: {reason}")
+        return False
+    return True
+
+
+def model_limit(
+    sweep: Sweep,
+    configuration: Configuration,
+    limits_by_key: dict[tuple[object, ...], dict[str, object]],
+    result: SweepResult,
+) -> None:
+    """The model limit of ``configuration``, measured once per model and forward settings."""
+    key = configuration.model_limit_key()
+    try:
+        if key not in limits_by_key:
+            log("  model limit (in-process forward)")
+            limits_by_key[key] = sweep.model_limit(configuration)
+    except MEASUREMENT_ERRORS as error:
+        result.notes.append(f"model limit of {configuration.name} failed: {error}")
+        log(f"  model limit failed: {error}")
+        return
+    details = limits_by_key[key]
+    raw = details["rows_per_s"]
+    assert isinstance(raw, dict)
+    limit = ModelLimit(
+        configuration.name, {int(size): float(v) for size, v in raw.items()}, details
+    )
+    result.model_limits[configuration.name] = limit
+    size, best = limit.best
+    log(f"  model limit: {best:,.0f} rows/s at batch {size}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

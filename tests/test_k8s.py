@@ -19,7 +19,7 @@ import yaml
 
 from deploy.render_kustomize import KustomizeError, render, strategic_merge
 from service.config import ENV_PREFIX, Settings, load_settings
-from service.metrics import EngineMetrics
+from service.metrics import FrontendMetrics
 from service.server.gunicorn_setup import graceful_timeout_s
 
 REPO = Path(__file__).resolve().parent.parent
@@ -320,7 +320,7 @@ def test_autoscaler_metric_is_exported_and_served_by_the_adapter(rendered: Resou
         assert placeholder in rule["metricsQuery"]
 
     exported = {
-        family.name for family in EngineMetrics().registry.collect() if family.type == "gauge"
+        family.name for family in FrontendMetrics().registry.collect() if family.type == "gauge"
     }
     assert name in exported, f"the server exports no gauge named {name}"
 

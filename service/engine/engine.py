@@ -62,6 +62,7 @@ class Engine:
     def start(self) -> asyncio.Task[None]:
         """Begin loading the configured (or recorded) version; call inside the event loop."""
         if self._loading is None:
+            self.state.metrics.starts.labels(self.state.device).inc()
             self._loading = asyncio.get_running_loop().create_task(
                 lifecycle.start_serving(self.state, self._on_load_failure),
                 name="batchserve-engine-load",

@@ -53,7 +53,6 @@ async def serve_engine(
 
     metrics = EngineMetrics()
     process_metrics = ProcessMetrics("engine")
-    metrics.starts.labels(device).inc()
     engine = Engine(
         settings,
         metrics,
