@@ -335,10 +335,23 @@ def ceiling_label(front_end_count: int) -> str:
     return "http-ceiling" if front_end_count == 0 else f"http-ceiling-w{front_end_count}"
 
 
-def current_settings_fields() -> frozenset[str]:
-    from service.config import Settings
+def missing_setting(
+    configuration: Configuration, settings_fields: Collection[str], where: str = "this checkout"
+) -> str | None:
+    """Which setting ``configuration`` needs that a checkout with ``settings_fields`` lacks."""
+    from service.config import ENV_PREFIX
 
-    return frozenset(Settings.model_fields)
+    for variable in configuration.env:
+        name = variable.removeprefix(ENV_PREFIX).lower()
+        if name not in settings_fields:
+            return (
+                f"{variable} is not a batchserve setting in {where} "
+                f"(service.config.Settings has no field {name!r})"
+            )
+    for name in configuration.requires_settings:
+        if name not in settings_fields:
+            return f"service.config.Settings in {where} has no field {name!r}"
+    return None
 
 
 def unavailable_reason(
@@ -353,20 +366,13 @@ def unavailable_reason(
     ``settings_fields`` are the checkout's settings (default: this one's); ``checkout`` is
     another checkout's root, whose files a packaged model's architecture must be found in.
     """
-    from service.config import ENV_PREFIX
+    from service.config import Settings
 
-    fields = current_settings_fields() if settings_fields is None else settings_fields
+    fields = frozenset(Settings.model_fields) if settings_fields is None else settings_fields
     where = "this checkout" if checkout is None else str(checkout)
-    for variable in configuration.env:
-        name = variable.removeprefix(ENV_PREFIX).lower()
-        if name not in fields:
-            return (
-                f"{variable} is not a batchserve setting in {where} "
-                f"(service.config.Settings has no field {name!r})"
-            )
-    for name in configuration.requires_settings:
-        if name not in fields:
-            return f"service.config.Settings in {where} has no field {name!r}"
+    reason = missing_setting(configuration, fields, where)
+    if reason is not None:
+        return reason
     packaged = configuration.workload.packaged
     if packaged is not None:
         if checkout is not None and not packaged.module_file(checkout).is_file():

@@ -57,7 +57,11 @@ from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.server.cli import serves_in_one_process
 from service.server.draining import DrainingServer
-from service.server.launcher import prepare_multiprocess_dir, settings_environment
+from service.server.launcher import (
+    clear_configured_multiprocess_dir,
+    prepare_multiprocess_dir,
+    settings_environment,
+)
 from service.server.supervisor import GUNICORN_CONFIG
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -147,6 +151,7 @@ def create_app_from_environment() -> FastAPI:
 
 def serve_in_one_process(settings: Settings) -> int:
     """uvicorn with the options ``service.server.single.serve`` gives it."""
+    clear_configured_multiprocess_dir()  # as ``batchserve serve`` does before serving alone
     app = create_ceiling_app(settings, in_process=True)
     config = uvicorn.Config(
         app,

@@ -351,7 +351,8 @@ def _memory_section(memory: dict[str, list[ProcessMemory]]) -> list[str]:
                 f"| {name} | {process.role} | {process.pid} | {process.rss_bytes / 2**20:,.1f} |"
             )
         total = sum(process.rss_bytes for process in processes) / 2**20
-        lines.append(f"| {name} | **total** ({len(processes)} processes) | | **{total:,.1f}** |")
+        count = f"{len(processes)} process" + ("" if len(processes) == 1 else "es")
+        lines.append(f"| {name} | **total** ({count}) | | **{total:,.1f}** |")
     lines.append("")
     return lines
 

@@ -469,11 +469,11 @@ def run(
     ceiling_for: dict[tuple[str, str], Configuration] = {}
     for configuration in selected:
         log(f"{configuration.name}: {configuration.description}")
-        if not serve(args, sweep, configuration, None, result):
+        if not measure_configuration(args, sweep, configuration, None, result):
             continue
         if baseline is not None:
             log(f"{configuration.name}{BASELINE_SUFFIX}: the same on {baseline.checkout}")
-            serve(args, sweep, configuration, baseline, result)
+            measure_configuration(args, sweep, configuration, baseline, result)
         key = (configuration.workload.name, sweep.ceiling_label(configuration))
         ceiling_for.setdefault(key, configuration)
         if not args.no_model_limit:
@@ -490,7 +490,7 @@ def run(
             log(f"  HTTP ceiling failed: {error}")
 
 
-def serve(
+def measure_configuration(
     args: argparse.Namespace,
     sweep: Sweep,
     configuration: Configuration,
@@ -502,17 +502,20 @@ def serve(
     label = configuration.name + (BASELINE_SUFFIX if baseline is not None else "")
     reason = None
     if baseline is not None:
-        missing = configs.unavailable_reason(
-            configuration,
-            sweep.repository_for(configuration, baseline.checkout),
-            settings_fields=baseline.settings_fields,
-            checkout=baseline.checkout,
+        missing = configs.missing_setting(
+            configuration, baseline.settings_fields, str(baseline.checkout)
         )
         if missing is not None:
             # Older code lacking a newer setting is expected, not a failure of the sweep.
             result.notes.append(f"{label} not run: {missing}")
             log(f"  not run: {missing}")
             return False
+        reason = configs.unavailable_reason(
+            configuration,
+            sweep.repository_for(configuration, baseline.checkout),
+            settings_fields=baseline.settings_fields,
+            checkout=baseline.checkout,
+        )
     elif not args.url:
         reason = configs.unavailable_reason(configuration, sweep.repository_for(configuration))
     if reason is None:

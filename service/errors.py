@@ -31,10 +31,15 @@ class ServiceError(Exception):
 
 
 def error_from_wire(document: dict[str, Any]) -> ServiceError:
-    """A ``ServiceError`` with the status, code, message and headers an engine sent."""
-    error = ServiceError(str(document["message"]), headers=dict(document.get("headers") or {}))
-    error.status_code = int(document["status"])
-    error.code = str(document["code"])
+    """The error an engine sent, as the class its code names (``QueueFullError`` for
+    ``queue_full``), with the same status, message and headers."""
+    code, status = str(document["code"]), int(document["status"])
+    kind = _ERROR_CLASSES.get((code, status), ServiceError)
+    error = kind.__new__(kind)
+    ServiceError.__init__(
+        error, str(document["message"]), headers=dict(document.get("headers") or {})
+    )
+    error.status_code, error.code = status, code
     return error
 
 
@@ -161,3 +166,13 @@ class ModelLoadError(Exception):
 
 class DeviceOutOfMemoryError(Exception):
     """The runner's device ran out of memory on a batch; the batcher splits it and retries."""
+
+
+def _every_subclass(cls: type[ServiceError]) -> list[type[ServiceError]]:
+    return [cls, *(sub for child in cls.__subclasses__() for sub in _every_subclass(child))]
+
+
+#: Each concrete error by its (code, status), to rebuild errors that crossed the bridge.
+_ERROR_CLASSES: dict[tuple[str, int], type[ServiceError]] = {
+    (cls.code, cls.status_code): cls for cls in reversed(_every_subclass(ServiceError))
+}

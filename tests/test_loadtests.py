@@ -223,6 +223,12 @@ async def test_the_http_ceiling_validates_like_the_server_and_answers_zeros() ->
     assert "(N, 8, 8)" in wrong_shape.json()["error"]["message"]
 
 
+def test_the_http_ceiling_never_imports_torch() -> None:
+    """Its gunicorn front ends must cost what the server's own front ends cost."""
+    check = "import sys, loadtests.http_ceiling; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, timeout=60).returncode == 0
+
+
 @pytest.fixture(scope="module")
 def mlp_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return MLP_MODEL.package(tmp_path_factory.mktemp("mlp"))

@@ -133,7 +133,8 @@ class EngineConnection(asyncio.Protocol):
     def connection_lost(self, error: Exception | None) -> None:
         self._writer = None
         self._transport = None
-        self._fail_everything("down", "the connection to the engine was lost")
+        if self.status.phase != "down":  # given up already (heartbeat): keep that reason
+            self._fail_everything("down", "the connection to the engine was lost")
         self._lost.set()
         logger.warning("engine_connection_lost", extra={"engine": str(self.path)})
 

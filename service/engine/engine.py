@@ -53,6 +53,7 @@ class Engine:
         self._loading: asyncio.Task[None] | None = None
         self._prepared: ServedModel | None = None
         self._holding_prepare = False
+        self._stopped: asyncio.Task[None] | None = None
         self._status: EngineStatus | None = None
         self._inputs_by_version: dict[str, tuple[TensorSpec, ...]] = {}
         self.state.listeners.append(self._forget_status)
@@ -77,7 +78,12 @@ class Engine:
         return self._loading
 
     async def shut_down(self) -> None:
-        """Refuse new requests, answer every queued one, free the device."""
+        """Refuse new requests, answer every queued one, free the device (once)."""
+        if self._stopped is None:
+            self._stopped = asyncio.get_running_loop().create_task(self._shut_down())
+        await asyncio.shield(self._stopped)
+
+    async def _shut_down(self) -> None:
         await self.abort()
         await lifecycle.shut_down(self.state, self.start())
 

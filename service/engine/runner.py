@@ -258,8 +258,10 @@ class TorchRunner:
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
     def close(self) -> None:
-        """Stop the device thread and release the model's device memory."""
+        """Stop the device thread and release the model's device memory (once)."""
         self.executor.shutdown(wait=True)
+        if not hasattr(self, "_model"):
+            return
         del self._forward
         del self._model
         if self.device.type == "cuda":

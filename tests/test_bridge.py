@@ -1,0 +1,302 @@
+"""The bridge between a front end and an engine, both in this test's event loop, over a real
+Unix socket: rows, errors and cancels cross it; a lost or silent engine fails what waits on it
+at once; the client reconnects to the engine that replaces it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import save_file
+
+from service.bridge.client import BridgeClient
+from service.bridge.interface import InferenceRequest
+from service.bridge.server import BridgeServer
+from service.config import Settings
+from service.engine.engine import Engine
+from service.engine.model_store import ModelStore
+from service.errors import (
+    DeadlineExceededError,
+    EngineUnavailableError,
+    NotReadyError,
+    QueueFullError,
+)
+from service.manifest import Architecture, TensorSpec
+from service.metrics import EngineMetrics
+from tests.fixtures import wait_until
+from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
+
+PROMPTLY_S = 5.0
+
+
+def package(repository: Path, architecture: str) -> str:
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "empty.safetensors"
+        save_file({}, str(weights), metadata={"architecture": architecture})
+        return (
+            ModelStore(repository)
+            .package(
+                name="fault",
+                artifact=weights,
+                format="safetensors",
+                architecture=Architecture(import_path=architecture),
+                inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
+                outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
+            )
+            .version
+        )
+
+
+@pytest.fixture
+def hang_released() -> Iterator[None]:
+    HANG_RELEASE.clear()
+    yield
+    HANG_RELEASE.set()
+
+
+@contextlib.asynccontextmanager
+async def engine_behind_a_socket(
+    socket_path: Path, repository: Path, **settings: object
+) -> AsyncIterator[tuple[Engine, BridgeServer]]:
+    values: dict[str, object] = {
+        "model_repository": repository,
+        "model_name": "fault",
+        "device": "cpu",
+        "warmup_batch_sizes": (1,),
+        "max_wait_ms": 1.0,
+    }
+    engine = Engine(Settings(**(values | settings)), EngineMetrics())  # type: ignore[arg-type]
+    server = BridgeServer(engine, socket_path, heartbeat_interval_s=0.2)
+    engine.add_listener(server.status_changed)
+    await server.start()
+    await engine.start()
+    try:
+        yield engine, server
+    finally:
+        HANG_RELEASE.set()
+        await engine.shut_down()
+        await server.close()
+
+
+@contextlib.asynccontextmanager
+async def client_of(
+    socket_path: Path, heartbeat_timeout_s: float = 10.0
+) -> AsyncIterator[BridgeClient]:
+    client = BridgeClient(
+        [(socket_path, "cpu")], heartbeat_timeout_s=heartbeat_timeout_s, request_timeout_ms=5_000
+    )
+    await client.start()
+    try:
+        async with asyncio.timeout(PROMPTLY_S):
+            await client.wait_until_settled()
+        yield client
+    finally:
+        await client.close()
+
+
+def request(client: BridgeClient, rows: np.ndarray, deadline_s: float = 5.0) -> InferenceRequest:
+    model = client.status().model
+    assert model is not None
+    return InferenceRequest(
+        model=model.manifest.name,
+        version=model.manifest.version,
+        instances=rows.astype(np.float32),
+        group=(FEATURES,),
+        cost_per_row=0,
+        priority="normal",
+        deadline_s=time.monotonic() + deadline_s,
+        request_id="test",
+    )
+
+
+def value_rows(value: float, count: int = 1) -> np.ndarray:
+    return np.full((count, FEATURES), value, dtype=np.float32)
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    # Unix socket paths are limited to about 100 characters: pytest's tmp_path can be longer.
+    with tempfile.TemporaryDirectory(prefix="bridge-") as folder:
+        yield Path(folder) / "engine.sock"
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    package(tmp_path, "tests.torch_models:HangsOnValue")
+    return tmp_path
+
+
+async def test_rows_cross_the_bridge_and_a_request_too_large_for_a_batch_is_rejoined(
+    socket_path: Path, repository: Path
+) -> None:
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_batch_size=4),
+        client_of(socket_path) as client,
+    ):
+        rows = np.arange(10 * FEATURES, dtype=np.float32).reshape(10, FEATURES) / 4  # no 13
+        result = await client.infer(request(client, rows))
+        np.testing.assert_array_equal(result.outputs, 2 * rows + 1)
+        assert result.version == client.status().model.manifest.version  # type: ignore[union-attr]
+        assert client.status().ready
+        assert client.engines()[0].pid is not None
+
+
+async def test_errors_cross_with_their_status_code_and_retry_after(
+    socket_path: Path, repository: Path, hang_released: None
+) -> None:
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_queue_size=1) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        blocker = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))
+        served = engine.served
+        assert served is not None
+        await wait_until(lambda: served.batcher.queue_depth == 0 and blocker.done() is False)
+        await asyncio.sleep(0.1)  # the blocker is in the device thread now
+        queued = asyncio.create_task(client.infer(request(client, value_rows(1.0))))
+        await wait_until(lambda: served.batcher.queue_depth == 1)
+        with pytest.raises(QueueFullError) as refused:
+            await client.infer(request(client, value_rows(2.0)))
+        assert refused.value.status_code == 429
+        assert refused.value.headers["Retry-After"] == "1"
+        with pytest.raises(DeadlineExceededError):
+            await client.infer(request(client, value_rows(3.0), deadline_s=-1.0))
+        HANG_RELEASE.set()
+        async with asyncio.timeout(PROMPTLY_S):
+            await asyncio.gather(blocker, queued)
+
+
+async def test_a_cancelled_request_leaves_the_engines_queue_uncomputed(
+    socket_path: Path, repository: Path, hang_released: None
+) -> None:
+    async with (
+        engine_behind_a_socket(socket_path, repository) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        served = engine.served
+        assert served is not None
+        blocker = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))
+        await asyncio.sleep(0.2)
+        leaving = asyncio.create_task(client.infer(request(client, value_rows(5.0))))
+        await wait_until(lambda: served.batcher.queue_depth == 1)
+        leaving.cancel()
+        await wait_until(lambda: served.batcher.queue_depth == 0)
+        dropped = engine.state.metrics.registry.get_sample_value(
+            "batchserve_dropped_requests_total", {"reason": "cancelled"}
+        )
+        assert dropped == 1
+        HANG_RELEASE.set()
+        async with asyncio.timeout(PROMPTLY_S):
+            await blocker
+        rows = engine.state.metrics.registry.get_sample_value("batchserve_batch_size_rows_sum")
+        assert rows == 1, "only the blocker's row was computed"
+
+
+async def test_a_front_end_that_disconnects_has_its_queued_requests_dropped(
+    socket_path: Path, repository: Path, hang_released: None
+) -> None:
+    async with engine_behind_a_socket(socket_path, repository) as (engine, _):
+        served = engine.served
+        assert served is not None
+        async with client_of(socket_path) as leaving, client_of(socket_path) as staying:
+            blocker = asyncio.create_task(staying.infer(request(staying, value_rows(HANG_VALUE))))
+            await asyncio.sleep(0.2)
+            queued = [
+                asyncio.create_task(leaving.infer(request(leaving, value_rows(value))))
+                for value in (1.0, 2.0, 3.0)
+            ]
+            await wait_until(lambda: served.batcher.queue_depth == 3)
+        await wait_until(lambda: served.batcher.queue_depth == 0)
+        for task in queued:
+            with pytest.raises((asyncio.CancelledError, EngineUnavailableError)):
+                await task
+        HANG_RELEASE.set()
+        async with asyncio.timeout(PROMPTLY_S):
+            with pytest.raises((asyncio.CancelledError, EngineUnavailableError)):
+                await blocker  # its own client has closed too
+        rows = engine.state.metrics.registry.get_sample_value("batchserve_batch_size_rows_sum")
+        assert rows == 1
+
+
+async def test_a_lost_engine_fails_what_waits_on_it_at_once_and_its_replacement_serves(
+    socket_path: Path, repository: Path, hang_released: None
+) -> None:
+    async with client_of_engine(socket_path, repository) as (client, server, first_engine):
+        waiting = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))
+        later = request(client, value_rows(1.0))
+        await asyncio.sleep(0.2)
+        lost_at_s = time.monotonic()
+        await server.close()  # the engine's end goes away while its model is still busy
+        with pytest.raises(EngineUnavailableError):
+            await waiting
+        assert time.monotonic() - lost_at_s < PROMPTLY_S
+        assert client.status().phase == "down"
+        with pytest.raises(EngineUnavailableError):
+            await client.infer(later)
+        HANG_RELEASE.set()
+        await first_engine.shut_down()
+
+        async with engine_behind_a_socket(socket_path, repository):
+            async with asyncio.timeout(PROMPTLY_S):
+                await client.wait_until_settled()
+            result = await client.infer(request(client, value_rows(1.0)))
+            np.testing.assert_array_equal(result.outputs, value_rows(3.0))
+
+
+@contextlib.asynccontextmanager
+async def client_of_engine(
+    socket_path: Path, repository: Path
+) -> AsyncIterator[tuple[BridgeClient, BridgeServer, Engine]]:
+    async with (
+        engine_behind_a_socket(socket_path, repository) as (engine, server),
+        client_of(socket_path) as client,
+    ):
+        yield client, server, engine
+
+
+async def test_an_engine_that_goes_silent_is_given_up_at_the_heartbeat_timeout(
+    socket_path: Path,
+) -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # takes the connection and never says a word
+
+    server = await asyncio.start_unix_server(silent, path=str(socket_path))
+    client = BridgeClient([(socket_path, "cpu")], heartbeat_timeout_s=0.5, request_timeout_ms=5_000)
+    await client.start()
+    try:
+        await wait_until(lambda: bool(accepted))
+        assert client.status().phase == "connecting"
+        await wait_until(lambda: client.status().phase == "down", timeout_s=PROMPTLY_S)
+        assert "heartbeat" in (client.status().detail or "")
+    finally:
+        await client.close()
+        server.close()
+        for writer in accepted:
+            writer.close()
+
+
+async def test_a_request_validated_against_the_version_just_replaced_is_still_served(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    first = package(tmp_path, "tests.torch_models:HangsOnValue")
+    second = package(tmp_path, "tests.torch_models:RaisesOnNegative")  # the same inputs
+    async with (
+        engine_behind_a_socket(socket_path, tmp_path, model_version=first) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        validated_against_first = request(client, value_rows(1.0))
+        await engine.switch("fault", second)
+        result = await client.infer(validated_against_first)
+        assert result.version == second
+        np.testing.assert_array_equal(result.outputs, value_rows(3.0))
+        with pytest.raises(NotReadyError, match="no longer served"):
+            await client.infer(dataclasses.replace(validated_against_first, model="other"))
