@@ -68,6 +68,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         policy=settings.batch_policy,
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
+        inline_below_s=state.inline_below_s,
     )
     batcher.start()
     return ServedModel(manifest=loaded.manifest, length_edges=edges, runner=runner, batcher=batcher)

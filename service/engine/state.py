@@ -61,6 +61,9 @@ class EngineState:
     """Called whenever the state a front end sees changes (``Engine.status``)."""
     on_stall: Callable[[], None] | None = None
     """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
+    inline_below_s: float = 0.0
+    """Batches known to take less than this run on the event loop's thread (see
+    ``DynamicBatcher``); only an engine process, whose loop serves no HTTP, sets it."""
 
     def changed(self) -> None:
         for listener in list(self.listeners):
