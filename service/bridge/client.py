@@ -35,7 +35,6 @@ from service.errors import (
     ConflictError,
     DeadlineExceededError,
     EngineUnavailableError,
-    NotReadyError,
     ServiceError,
     error_from_wire,
 )
@@ -318,12 +317,7 @@ class BridgeClient:
         """The ready engine with the fewest of this front end's requests outstanding."""
         ready = [c for c in self._connections if c.status.ready]
         if not ready:
-            status = self.status()
-            if status.phase in ("loading", "draining", "failed"):
-                raise NotReadyError(f"the model is not ready ({status.phase}); retry shortly")
-            raise EngineUnavailableError(
-                f"no inference engine is available ({status.phase}); retry shortly"
-            )
+            raise self.status().refusal()
         return min(ready, key=lambda connection: connection.outstanding)
 
     async def switch(self, name: str, version: str) -> SwitchResult:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from service.errors import EngineUnavailableError, NotReadyError, ServiceError
 from service.manifest import Manifest
 from service.types import Array, Priority
 
@@ -65,6 +66,17 @@ class EngineStatus:
     @property
     def ready(self) -> bool:
         return self.phase == "ready" and self.model is not None
+
+    def refusal(self) -> ServiceError:
+        """What a request is answered while no engine is ready: 503 with ``Retry-After``,
+        ``engine_unavailable`` when the engine is gone or hung, ``not_ready`` otherwise."""
+        if self.phase in ("down", "connecting", "stalled"):
+            return EngineUnavailableError(
+                f"no inference engine is available ({self.phase}); retry shortly"
+            )
+        return NotReadyError(
+            f"the model is not ready ({self.phase}); retry when /readyz answers 200"
+        )
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import EngineClient, ModelInfo
 from service.config import Settings
-from service.errors import EngineUnavailableError, NotReadyError
 from service.frontend.inputs import InputLayout
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
@@ -52,13 +51,7 @@ class FrontendState:
         status = self.engine.status()  # draining: readiness is off, but requests are served
         if status.ready and status.model is not None:
             return status.model
-        if status.phase in ("down", "connecting", "stalled"):
-            raise EngineUnavailableError(
-                f"no inference engine is available ({status.phase}); retry shortly"
-            )
-        raise NotReadyError(
-            f"the model is not ready ({status.phase}); retry when /readyz answers 200"
-        )
+        raise status.refusal()
 
     def layout_for(self, model: ModelInfo) -> InputLayout:
         """How requests for ``model`` are parsed, validated and grouped (built once a version)."""
