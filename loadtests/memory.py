@@ -3,12 +3,14 @@
 A server with ``workers`` above 1 is several processes, and what it costs in memory is their
 sum: one ``VmRSS`` per process (``/proc/<pid>/status``), each named by its role in the tree.
 Pages shared after a fork count in every process that maps them, so the sum overstates what
-the forked gunicorn workers cost together; each process's own figure is exact.
+the forked gunicorn workers cost together; each process's own figure is exact. The CPU time
+of a tree is read from the same files, to check that servers waiting for their turn are idle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,13 +67,29 @@ def descendants(root: int, parents: Mapping[int, int]) -> list[int]:
     return tree
 
 
-def _parent(pid: int, proc: Path) -> int | None:
+def _stat(pid: int, proc: Path) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command: state, ppid, ... (``man 5 proc``)."""
     try:
         stat = (proc / str(pid) / "stat").read_text()
     except OSError:
         return None
     # "pid (command) state ppid ...": the command may hold spaces and parentheses.
-    return int(stat[stat.rindex(")") + 1 :].split()[1])
+    return stat[stat.rindex(")") + 1 :].split()
+
+
+def _parent(pid: int, proc: Path) -> int | None:
+    fields = _stat(pid, proc)
+    return None if fields is None else int(fields[1])
+
+
+def _parents(proc: Path) -> dict[int, int]:
+    parents = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            parent = _parent(int(entry.name), proc)
+            if parent is not None:
+                parents[int(entry.name)] = parent
+    return parents
 
 
 def _rss_bytes(pid: int, proc: Path) -> int | None:
@@ -97,12 +115,7 @@ def _command(pid: int, proc: Path) -> str:
 
 def tree_memory(root: int, proc: Path = PROC) -> list[ProcessMemory]:
     """``VmRSS`` of ``root`` and its descendants now, with their roles (gone ones skipped)."""
-    parents = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            parent = _parent(int(entry.name), proc)
-            if parent is not None:
-                parents[int(entry.name)] = parent
+    parents = _parents(proc)
     tree = descendants(root, parents)
     commands = {pid: _command(pid, proc) for pid in tree}
     found = roles(root, parents, commands)
@@ -112,3 +125,23 @@ def tree_memory(root: int, proc: Path = PROC) -> list[ProcessMemory]:
         if rss is not None:
             measured.append(ProcessMemory(pid, found[pid], rss, commands[pid]))
     return measured
+
+
+def trees_cpu_seconds(roots: Sequence[int], proc: Path = PROC) -> dict[int, float]:
+    """User plus system CPU seconds so far of each root's process tree, from one look at
+    ``/proc``: the difference between two calls is what the servers used in between, which
+    tells whether a server left idle (waiting for its turn) really idles.
+
+    Only processes alive now count: a tree whose process ended in between seems to shrink.
+    """
+    parents = _parents(proc)
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for root in roots:
+        ticks = 0
+        for pid in descendants(root, parents):
+            fields = _stat(pid, proc)
+            if fields is not None:
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+        used[root] = ticks / ticks_per_s
+    return used

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -92,6 +93,41 @@ class RunningServer:
     url: str
     pid: int
     """The process started: the server, its supervisor, or gunicorn's master."""
+    process: subprocess.Popen[bytes] | None = field(default=None, compare=False, repr=False)
+
+    def exit_status(self) -> int | None:
+        """The process's exit status if it has ended, else None (also when not ours to poll)."""
+        return None if self.process is None else self.process.poll()
+
+
+def start(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    cwd: Path | None = None,
+    *,
+    new_session: bool = False,
+) -> RunningServer:
+    """Start ``command`` on a free 127.0.0.1 port without waiting for it to be ready.
+
+    ``command`` may contain ``{port}``; it also gets ``BATCHSERVE_HOST``/``BATCHSERVE_PORT``.
+    ``new_session`` makes it the leader of its own process group, so that whatever it leaves
+    behind can be found and killed by that group (``stop_all``).
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    full_env = dict(env) | {"BATCHSERVE_HOST": "127.0.0.1", "BATCHSERVE_PORT": str(port)}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [part.format(port=port) for part in command],
+            env=full_env,
+            cwd=cwd,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
+    return RunningServer(url, process.pid, process)
 
 
 @contextlib.contextmanager
@@ -107,23 +143,86 @@ def serving(
 
     ``command`` may contain ``{port}``; the server's output goes to ``log``.
     """
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    full_env = dict(env) | {"BATCHSERVE_HOST": "127.0.0.1", "BATCHSERVE_PORT": str(port)}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [part.format(port=port) for part in command],
-            env=full_env,
-            cwd=cwd,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
+    server = start(command, env, log, cwd)
+    assert server.process is not None
     try:
-        wait_ready(process, url, log, ready_timeout_s)
-        yield RunningServer(url, process.pid)
+        wait_ready(server.process, server.url, log, ready_timeout_s)
+        yield server
     finally:
-        stop(process)
+        stop(server.process)
+
+
+def stop_all(started: Sequence[RunningServer], timeout_s: float = 30.0) -> None:
+    """Stop servers started with ``new_session``: SIGTERM to all at once, then wait for all.
+
+    Sent together, the servers shut down in parallel rather than one after another. Whatever
+    has not ended by ``timeout_s``, or is still waited for when this is interrupted (a second
+    Ctrl-C), is killed, and so is anything left in their process groups: orphaned children.
+    """
+    processes = [server.process for server in started if server.process is not None]
+    try:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=10)
+            # The group is named by the leader's id, which Linux does not hand out again while
+            # any process of the group lives: only this server's own leftovers are killed.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+class ServerPool:
+    """Servers started one after another and kept running together, for interleaved runs.
+
+    Each is the leader of its own process group. Closing the pool (leaving its ``with`` block,
+    on an exception or Ctrl-C too) stops every server it started, ready or not.
+    """
+
+    def __init__(self) -> None:
+        self.started: list[RunningServer] = []
+
+    def __enter__(self) -> ServerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(
+        self,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        log: Path,
+        ready_timeout_s: float,
+        cwd: Path | None = None,
+    ) -> RunningServer:
+        """Start a server and wait until it is ready; ServerError (and stopped) if it is not."""
+        server = start(command, env, log, cwd, new_session=True)
+        self.started.append(server)  # before waiting: a Ctrl-C while it loads must stop it too
+        assert server.process is not None
+        try:
+            wait_ready(server.process, server.url, log, ready_timeout_s)
+        except Exception:
+            self.stop(server)
+            raise
+        return server
+
+    def stop(self, server: RunningServer) -> None:
+        """Stop one server of the pool now (one that failed), leaving the others running."""
+        stop_all([server])
+        self.started.remove(server)
+
+    def close(self) -> None:
+        started, self.started = self.started, []
+        stop_all(started)
 
 
 @contextlib.contextmanager

@@ -176,6 +176,15 @@ class Settings(BaseSettings):
                 "engine_mode in_process serves with one worker on one device; "
                 f"got workers={self.workers}, device={self.device!r}: use engine_mode=process"
             )
+        chunks = math.ceil(self.max_instances_per_request / self.max_batch_size)
+        if chunks > self.max_queue_size:
+            raise ValueError(
+                f"max_queue_size {self.max_queue_size} cannot hold a request of "
+                f"max_instances_per_request {self.max_instances_per_request} instances, which "
+                f"is queued as {chunks} chunks of max_batch_size {self.max_batch_size}: such a "
+                "request would be refused 429 forever; raise max_queue_size or lower "
+                "max_instances_per_request"
+            )
         if any(size > self.max_batch_size for size in self.warmup_batch_sizes):
             raise ValueError(
                 f"warmup_batch_sizes {self.warmup_batch_sizes} must not exceed "

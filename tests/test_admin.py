@@ -175,3 +175,25 @@ async def test_an_engine_started_after_a_switch_serves_it_and_can_roll_it_back(
         assert read_published() == PublishedVersion(
             "digits", versions.original, previous=("digits", versions.retrained)
         )
+
+
+async def test_loading_a_model_the_server_does_not_serve_is_a_conflict() -> None:
+    """A digits server switched to textenc would answer every digits client 422."""
+    async for http in client_for(Settings(device="cpu", admin_token=TOKEN)):  # both models
+        response = await http.post("/admin/models/textenc/versions/latest/load", headers=AUTH)
+        assert response.status_code == 409
+        assert "this server serves digits, not textenc" in response.json()["error"]["message"]
+        assert await serving_version(http) == DIGITS.version
+
+
+async def test_a_version_whose_manifest_names_another_is_refused_with_422(
+    client: httpx.AsyncClient, repository: tuple[Path, Versions]
+) -> None:
+    root, versions = repository
+    folder = root / "digits" / versions.retrained
+    impostor = root / "digits" / "abcdefabcdef"
+    folder.rename(impostor)  # its manifest still says versions.retrained
+    response = await client.post("/admin/models/digits/versions/abcdefabcdef/load", headers=AUTH)
+    assert response.status_code == 422, response.text
+    assert "the manifest describes" in response.json()["error"]["message"]
+    assert await serving_version(client) == versions.original

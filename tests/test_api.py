@@ -352,3 +352,30 @@ async def test_the_served_heap_is_frozen_and_a_retired_version_is_still_collecte
     switch_to(engine, await load_version(engine, "digits", DIGITS.version))
     await asyncio.gather(*engine.retiring)
     assert retired_model() is None
+
+
+@pytest.mark.parametrize("header", ["content-type", "x-priority", "x-request-id"])
+async def test_a_header_that_must_appear_once_but_is_repeated_is_refused(
+    client: httpx.AsyncClient, header: str
+) -> None:
+    values = {
+        "content-type": ["application/json", "application/x-npy"],
+        "x-priority": ["normal", "high"],
+        "x-request-id": ["first-id", "second-id"],
+    }[header]
+    response = await client.post(
+        "/predict",
+        content=orjson.dumps({"instances": random_digits(1, seed=0).tolist()}),
+        headers=[("content-type", "application/json")] * (header != "content-type")
+        + [(header, value) for value in values],
+    )
+    assert response.status_code == 400
+    assert f"the {header} header is repeated" in response.json()["error"]["message"]
+    assert response.headers["x-request-id"] not in values  # neither copy is trusted
+
+
+async def test_health_and_readiness_answer_head_requests(client: httpx.AsyncClient) -> None:
+    for route in ("/healthz", "/readyz"):
+        response = await client.head(route)
+        assert response.status_code == 200
+        assert response.content == b""

@@ -111,3 +111,26 @@ async def test_npz_archives_are_refused(client: httpx.AsyncClient) -> None:
         "/predict", content=buffer.getvalue(), headers={"content-type": NPY}
     )
     assert response.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("accept", "npy_answer"),
+    [
+        (f"{NPY};q=1, application/json;q=0", True),
+        (f"{NPY};q=0.5, application/json;q=0.9", False),
+        (f"{NPY}, application/json;q=0.1", True),
+        (f"{NPY};q=0", False),
+        (f"{NPY};q=banana", False),
+        (f"{NPY}, */*", True),
+        ("application/json", False),
+    ],
+)
+async def test_the_answer_format_follows_the_accept_qualities(
+    client: httpx.AsyncClient, accept: str, npy_answer: bool
+) -> None:
+    images = np.zeros((1, 8, 8), dtype=np.float32)
+    response = await client.post(
+        "/predict", content=npy(images), headers={"content-type": NPY, "accept": accept}
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith(NPY if npy_answer else "application/json")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from service.config import SettingsError, load_settings
+from service.config import Settings, SettingsError, load_settings
 from service.server.cli import main
 
 
@@ -96,3 +97,11 @@ def test_readme_documents_every_setting() -> None:
         name for name in Settings.model_fields if f"`BATCHSERVE_{name.upper()}`" not in readme
     ]
     assert missing == []
+
+
+def test_a_queue_too_small_for_the_largest_request_is_refused_at_start() -> None:
+    """129 instances in chunks of 16 are 9 queue entries: with a queue of 8 such a valid
+    request would be answered 429 forever."""
+    with pytest.raises(ValidationError, match="max_queue_size 8 cannot hold a request"):
+        Settings(max_queue_size=8, max_batch_size=16, max_instances_per_request=129)
+    Settings(max_queue_size=9, max_batch_size=16, max_instances_per_request=129)

@@ -131,10 +131,15 @@ async def prepare_version(state: EngineState, name: str, version: str) -> Served
     """
     current = state.served.manifest if state.served else None
     serving = current.label if current else "nothing"
-    manifest = state.store.resolve(name, version)
-    if current is not None and (current.name, current.version) == (name, manifest.version):
-        return None
     try:
+        manifest = state.store.resolve(name, version)
+        if current is not None and name != current.name:
+            raise ConflictError(
+                f"this server serves {current.name}, not {name}: one model per server, whose "
+                "clients expect its inputs; start another server for it"
+            )
+        if current is not None and current.version == manifest.version:
+            return None
         return await load_version(state, name, manifest.version)
     except (ModelIntegrityError, ModelLoadError) as error:
         reason = str(error).replace(str(state.store.root), "<repository>")

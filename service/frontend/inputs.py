@@ -49,11 +49,34 @@ def body_media_type(content_type: str | None) -> str:
 
 
 def wants_npy(accept: str | None) -> bool:
-    """Whether the client asked for a ``.npy`` answer in its ``Accept`` header."""
+    """Whether the ``Accept`` header prefers a ``.npy`` answer: named with a higher quality
+    than JSON (``q`` is 1 unless given; ``q=0`` means not acceptable; JSON wins a tie)."""
     if not accept:
         return False
-    offered = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
-    return bool(offered & NPY_MEDIA_TYPES) and JSON_MEDIA_TYPE not in offered
+    npy_quality = json_quality = 0.0
+    for part in accept.split(","):
+        media_type, _, parameters = part.partition(";")
+        media_type = media_type.strip().lower()
+        quality = _quality(parameters)
+        if media_type in NPY_MEDIA_TYPES:
+            npy_quality = max(npy_quality, quality)
+        elif media_type == JSON_MEDIA_TYPE:
+            json_quality = max(json_quality, quality)
+    return npy_quality > json_quality
+
+
+def _quality(parameters: str) -> float:
+    """The ``q`` of one ``Accept`` entry's parameters (``;q=0.5``); 1 when absent, 0 when
+    unreadable or out of range, so a malformed entry is never preferred."""
+    for parameter in parameters.split(";"):
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "q":
+            try:
+                quality = float(value.strip())
+            except ValueError:
+                return 0.0
+            return quality if 0.0 <= quality <= 1.0 else 0.0
+    return 1.0
 
 
 def encode_npy(array: Array) -> bytes:

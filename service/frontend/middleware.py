@@ -96,12 +96,12 @@ class ServiceMiddleware:
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:
-    """The client's ``X-Request-ID`` when it is a plain token, else a fresh random one."""
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            candidate: str = value.decode("latin-1")
-            if _CLIENT_REQUEST_ID.fullmatch(candidate):
-                return candidate
-            break
+    """The client's ``X-Request-ID`` when it sent one plain token, else a fresh random one
+    (a repeated header is refused on ``/predict``; its answer still needs an id)."""
+    given = [value for name, value in scope["headers"] if name == b"x-request-id"]
+    if len(given) == 1:
+        candidate: str = given[0].decode("latin-1")
+        if _CLIENT_REQUEST_ID.fullmatch(candidate):
+            return candidate
     # Unique enough to find a request in the logs; no system call per request.
     return f"{ids.getrandbits(128):032x}"

@@ -37,10 +37,19 @@ class PredictHeaders:
 
     @classmethod
     def from_scope(cls, scope: Scope) -> PredictHeaders:
+        """Refuses (400) a header that must appear once but appears again: which copy would
+        win is a guess, and a proxy may have read the other one."""
         found: dict[bytes, str] = {}
         for name, value in scope["headers"]:
-            if name in _PREDICT_HEADERS:
-                found[name] = value.decode("latin-1")
+            if name not in _PREDICT_HEADERS:
+                continue
+            text = value.decode("latin-1")
+            if name not in found:
+                found[name] = text
+            elif name == b"accept":  # a list: repeated, it is one longer list
+                found[name] += ", " + text
+            else:
+                raise BadRequestError(f"the {name.decode()} header is repeated; send it once")
         return cls(
             found.get(b"content-type"),
             found.get(b"accept"),
@@ -60,7 +69,9 @@ class PredictHeaders:
         return priority
 
 
-_PREDICT_HEADERS = frozenset({b"content-type", b"accept", b"content-length", b"x-priority"})
+_PREDICT_HEADERS = frozenset(
+    {b"content-type", b"accept", b"content-length", b"x-priority", b"x-request-id"}
+)
 
 
 class DisconnectWatcher:

@@ -67,6 +67,7 @@ async def predict(request: Request) -> Response:
     )
 
 
+@router.head("/healthz", include_in_schema=False)
 @router.get(
     "/healthz",
     response_model=HealthResponse,
@@ -88,6 +89,7 @@ async def healthz(request: Request) -> Response:
     return json_response({"status": "alive", "engine": engine_phase})
 
 
+@router.head("/readyz", include_in_schema=False)
 @router.get(
     "/readyz",
     response_model=ReadinessResponse,
