@@ -302,6 +302,15 @@ CONFIGURATIONS: dict[str, Configuration] = {
     )
 }
 
+#: Pairs (a, b) of configurations compared by an interleaved sweep (``--interleave``) as the
+#: ratio a / b per round, when both are selected: what gunicorn front ends or an engine
+#: process cost or bring against one process serving alone.
+COMPARISONS: tuple[tuple[str, str], ...] = (
+    ("mlp-w2", "mlp-single"),
+    ("digits-w2", "digits-batched"),
+    ("mlp-w1-process", "mlp-single"),
+)
+
 
 def select(patterns: Sequence[str], *, skip_heavy: bool = False) -> list[Configuration]:
     """Configurations matching any of ``patterns`` (names or shell globs), in table order."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,22 @@ class ModelLimit:
         return size, self.rows_per_s[size]
 
 
+@dataclass(frozen=True)
+class IdleCpu:
+    """CPU one server's processes used while it had no load, in cores (1.0: one core busy)."""
+
+    settled_cores: float
+    """With every server idle, for ``settled_s`` after the warm-ups."""
+    settled_s: float
+    between_turns_cores: float | None
+    """While the other servers were measured (None if there were none)."""
+    between_turns_s: float
+
+
+#: A waiting server using more than this share of a core is flagged in the report.
+IDLE_CPU_FLAG_CORES = 0.02
+
+
 @dataclass
 class SweepResult:
     points: list[Point]
@@ -89,6 +105,13 @@ class SweepResult:
     environment: dict[str, str]
     memory: dict[str, list[ProcessMemory]] = field(default_factory=dict)
     """Per configuration: each process of its server after the warm-up."""
+    rounds: int = 0
+    """Interleaved rounds (``--interleave``): ``runs[i]`` of every point is round i + 1. 0 when
+    each configuration was measured in one stretch."""
+    comparisons: list[tuple[str, str]] = field(default_factory=list)
+    """(a, b) label pairs whose per-round ratio a / b the report gives when interleaved."""
+    idle_cpu: dict[str, IdleCpu] = field(default_factory=dict)
+    """Per interleaved server: what it used while waiting for its turn."""
 
 
 def _ceiling(result: SweepResult, point: Point) -> float | None:
@@ -184,6 +207,26 @@ def memory_rows(memory: dict[str, list[ProcessMemory]]) -> list[dict[str, object
     ]
 
 
+def run_rows(points: Sequence[Point]) -> list[dict[str, object]]:
+    """One row per wrk run, in the order run; ``run`` is the round when interleaved."""
+    return [
+        {
+            "configuration": point.label,
+            "workload": point.workload,
+            "concurrency": point.concurrency,
+            "run": index,
+            "requests_per_s": round(run.requests_per_s, 1),
+            "p50_ms": round(run.p50_ms, 3),
+            "p95_ms": round(run.p95_ms, 3),
+            "p99_ms": round(run.p99_ms, 3),
+            "errors": run.errors,
+            "requests": run.requests,
+        }
+        for point in points
+        for index, run in enumerate(point.runs, start=1)
+    ]
+
+
 def model_limit_rows(limits: dict[str, ModelLimit]) -> list[dict[str, object]]:
     return [
         {"configuration": name, "batch_size": size, "rows_per_s": round(rows_per_s, 1)}
@@ -225,6 +268,14 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
     lines.append("")
 
     lines += ["## Results", ""]
+    if result.rounds:
+        lines.append(
+            f"Served rows interleaved: every server ran at once, idle but for its turns, for "
+            f"{result.rounds} round(s); each round ran one wrk run per concurrency on each server "
+            "in turn. Each point is the median over its rounds. The HTTP ceilings and the model "
+            "limits were measured separately, after the rounds."
+        )
+        lines.append("")
     lines.append(
         "Medians over the runs of each point. *Bound* is min(model limit at its best batch "
         "size, HTTP ceiling at the same concurrency, with as many front ends as the "
@@ -251,7 +302,10 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
         )
     lines.append("")
 
-    lines += _baseline_comparison(result.points)
+    lines += _baseline_comparison(result.points, interleaved=result.rounds > 0)
+    if result.rounds:
+        lines += _round_comparisons(result)
+        lines += _idle_cpu_section(result.idle_cpu)
 
     if result.ceilings:
         lines += ["## HTTP ceiling (the service's front end, no model, no batching)", ""]
@@ -298,7 +352,7 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def _baseline_comparison(points: Sequence[Point]) -> list[str]:
+def _baseline_comparison(points: Sequence[Point], *, interleaved: bool = False) -> list[str]:
     """This checkout against ``--baseline-checkout``, side by side, where both were measured."""
     by_key = {(point.label, point.concurrency): point for point in points}
     pairs = [
@@ -309,10 +363,17 @@ def _baseline_comparison(points: Sequence[Point]) -> list[str]:
     if not pairs:
         return []
     lines = ["## This checkout against the baseline checkout", ""]
-    lines.append(
-        "Same configuration, same wrk load, measured one after the other in this run. "
-        "*new / baseline* is the ratio of req/s."
-    )
+    if interleaved:
+        lines.append(
+            "Same configuration, same wrk load, interleaved round by round in this run. "
+            "*new / baseline* is the ratio of the median req/s; the median of the per-round "
+            "ratios (below) is the figure that drift does not bias."
+        )
+    else:
+        lines.append(
+            "Same configuration, same wrk load, measured one after the other in this run. "
+            "*new / baseline* is the ratio of req/s."
+        )
     lines.append("")
     lines.append(
         "| configuration | c | req/s new | req/s baseline | new / baseline | p50 ms new "
@@ -328,6 +389,125 @@ def _baseline_comparison(points: Sequence[Point]) -> list[str]:
             f"| {new.p50_ms:.2f} | {old.p50_ms:.2f} | {new.p99_ms:.2f} | {old.p99_ms:.2f} "
             f"| {_fmt(new.mean_rows_per_batch, '{:.1f}')} "
             f"| {_fmt(old.mean_rows_per_batch, '{:.1f}')} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _aligned(result: SweepResult, a: str, b: str) -> list[tuple[Point, Point]]:
+    """(a, b) points at each concurrency both were measured at, in ``a``'s order."""
+    by_key = {(point.label, point.concurrency): point for point in result.points}
+    return [
+        (point, by_key[(b, point.concurrency)])
+        for point in result.points
+        if point.label == a and (b, point.concurrency) in by_key
+    ]
+
+
+def per_round(
+    a: Point, b: Point, combine: Callable[[WrkResult, WrkResult], float | None]
+) -> list[float | None]:
+    """``combine`` of the two runs of each round both completed: run i of an interleaved
+    point is round i + 1, measured seconds apart from the other's."""
+    return [combine(x, y) for x, y in zip(a.runs, b.runs, strict=False)]
+
+
+def rate_ratio(a: WrkResult, b: WrkResult) -> float | None:
+    return a.requests_per_s / b.requests_per_s if b.requests_per_s else None
+
+
+def p50_difference_ms(a: WrkResult, b: WrkResult) -> float | None:
+    return a.p50_ms - b.p50_ms
+
+
+def median_of(values: Sequence[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
+
+
+def _round_comparisons(result: SweepResult) -> list[str]:
+    """Ratio per round of each compared pair, and the p50 difference at the lowest concurrency.
+
+    A ratio of medians mixes runs minutes apart, and the machine's speed drifts by a third in
+    minutes; the two runs of one round are seconds apart, so their ratio mostly cancels drift.
+    """
+    pairs = [(a, b, _aligned(result, a, b)) for a, b in result.comparisons]
+    pairs = [(a, b, points) for a, b, points in pairs if points]
+    if not pairs:
+        return []
+    rounds = range(1, result.rounds + 1)
+    lines = ["## Interleaved comparisons: ratio per round", ""]
+    lines.append(
+        "*a / b* is the ratio of req/s of two servers in the same round, measured seconds "
+        "apart; the median of these per-round ratios is the figure to quote. The ratio of the "
+        "medians (of the Results table) is shown for contrast: it mixes rounds minutes apart."
+    )
+    lines.append("")
+    lines.append(
+        "| a | b | c | "
+        + " | ".join(f"a / b round {r}" for r in rounds)
+        + " | **median of per-round ratios** | ratio of medians |"
+    )
+    lines.append("| --- | --- | --: | " + " | ".join("--:" for _ in rounds) + " | --: | --: |")
+    for a, b, points in pairs:
+        for point_a, point_b in points:
+            ratios = per_round(point_a, point_b, rate_ratio)
+            cells = [_fmt(ratios[r - 1] if r <= len(ratios) else None, "{:.3f}") for r in rounds]
+            rate_b = point_b.requests_per_s
+            of_medians = point_a.requests_per_s / rate_b if rate_b else None
+            lines.append(
+                f"| {a} | {b} | {point_a.concurrency} | "
+                + " | ".join(cells)
+                + f" | **{_fmt(median_of(ratios), '{:.3f}')}** | {_fmt(of_medians, '{:.3f}')} |"
+            )
+    lines.append("")
+
+    lowest = min(point.concurrency for _, _, points in pairs for point, _ in points)
+    lines += [f"### p50 latency difference at c={lowest}, a - b (ms)", ""]
+    lines.append(
+        "| a | b | " + " | ".join(f"round {r}" for r in rounds) + " | **median of differences** |"
+    )
+    lines.append("| --- | --- | " + " | ".join("--:" for _ in rounds) + " | --: |")
+    for a, b, points in pairs:
+        for point_a, point_b in points:
+            if point_a.concurrency != lowest:
+                continue
+            differences = per_round(point_a, point_b, p50_difference_ms)
+            cells = [
+                _fmt(differences[r - 1] if r <= len(differences) else None, "{:+.3f}")
+                for r in rounds
+            ]
+            median = _fmt(median_of(differences), "{:+.3f}")
+            lines.append(f"| {a} | {b} | " + " | ".join(cells) + f" | **{median}** |")
+    lines.append("")
+    return lines
+
+
+def _idle_cpu_section(idle: dict[str, IdleCpu]) -> list[str]:
+    """Whether the servers waiting for their turn stayed out of the measured server's way."""
+    if not idle:
+        return []
+    settled_s = max(value.settled_s for value in idle.values())
+    lines = ["## CPU of the servers while they waited for their turn", ""]
+    lines.append(
+        f"Percent of one core used by all of a server's processes: *settled* with every server "
+        f"idle for {settled_s:.0f} s after the warm-ups; *between turns* while the other "
+        f"servers were measured. Above {IDLE_CPU_FLAG_CORES:.0%} is flagged (**!**): such a "
+        "server takes CPU from the one measured."
+    )
+    lines.append("")
+    lines.append("| server | settled | between turns | seconds between turns |")
+    lines.append("| --- | --: | --: | --: |")
+
+    def cell(cores: float | None) -> str:
+        if cores is None:
+            return "-"
+        return f"{cores:.2%}" + (" **!**" if cores > IDLE_CPU_FLAG_CORES else "")
+
+    for label, value in idle.items():
+        lines.append(
+            f"| {label} | {cell(value.settled_cores)} | {cell(value.between_turns_cores)} "
+            f"| {value.between_turns_s:.0f} |"
         )
     lines.append("")
     return lines
@@ -446,9 +626,11 @@ def write_all(result: SweepResult, folder: Path) -> dict[str, Path]:
         "http_ceiling": folder / "http_ceiling.csv",
         "model_limits": folder / "model_limits.csv",
         "memory": folder / "memory.csv",
+        "runs": folder / "runs.csv",
         "report": folder / "report.md",
     }
     write_csv(paths["results"], rows)
+    write_csv(paths["runs"], run_rows(result.points))
     generator = [result.generator] if result.generator and result.generator.runs else []
     write_csv(paths["http_ceiling"], ceiling_rows([*result.ceilings, *generator]))
     write_csv(paths["model_limits"], model_limit_rows(result.model_limits))

@@ -23,6 +23,15 @@ With ``--baseline-checkout PATH`` each configuration is also run as ``<name>@bas
 right after it, against the server of another checkout of this project (a git worktree of an
 older commit), started with this Python in PATH; the report sets the two side by side.
 
+With ``--interleave`` every server (baselines too) is started first, each on its own port, and
+warmed up once; they then take turns, in rounds: for each of the ``--repeats`` rounds, for each
+concurrency, one wrk run on each server in turn (the order reversed every other round). A
+machine whose speed drifts within minutes then slows all servers of a round alike, and the
+report gives, for each pair compared (``name`` against ``name@baseline``, and the pairs of
+``configs.COMPARISONS``), the ratio of req/s in each round and the median of those ratios. It
+also reports the CPU the waiting servers used. The ceilings and model limits are measured
+separately, after the rounds.
+
 Each wrk run is capped at ``--duration-s`` seconds and ``--max-requests`` requests. Only
 127.0.0.1 is ever sent traffic. Outputs (results.csv, http_ceiling.csv, model_limits.csv,
 memory.csv, report.md, throughput.png, latency.png, logs/) go to ``--out``, by default
@@ -32,6 +41,7 @@ loadtests/results/<timestamp>/ (git-ignored).
     python -m loadtests.sweep --configs 'digits-*' --skip-heavy --duration-s 5 --repeats 1
     python -m loadtests.sweep --url http://127.0.0.1:8000 --configs digits-batched
     python -m loadtests.sweep --configs 'mlp-*' --baseline-checkout ../baseline
+    python -m loadtests.sweep --configs mlp-single mlp-w2 --interleave --baseline-checkout ../b
     python -m loadtests.sweep --list
 
 Exit status 1 if a selected configuration could not be measured (the reason is in the
@@ -49,6 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
@@ -58,8 +69,16 @@ import httpx
 from loadtests import configs, memory, servers
 from loadtests.configs import Configuration, PackagedModel, Workload
 from loadtests.memory import ProcessMemory
-from loadtests.report import BASELINE_SUFFIX, ModelLimit, Point, SweepResult, write_all
-from loadtests.wrk import run_wrk, write_script, wrk_path, wrk_version
+from loadtests.report import (
+    BASELINE_SUFFIX,
+    IDLE_CPU_FLAG_CORES,
+    IdleCpu,
+    ModelLimit,
+    Point,
+    SweepResult,
+    write_all,
+)
+from loadtests.wrk import WrkResult, run_wrk, write_script, wrk_path, wrk_version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = REPO_ROOT / "loadtests" / "results"
@@ -71,6 +90,8 @@ DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
 GENERATOR_CONCURRENCY = 64
 WARMUP_CONCURRENCY = 8
 PROBE_BODIES = 3
+IDLE_SETTLE_S = 2.0
+"""How long every interleaved server is watched idle, together, before the rounds."""
 
 
 _STARTED_S = time.monotonic()
@@ -142,7 +163,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="also run each configuration as <name>@baseline against the checkout at PATH",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every server first, then measure them in rounds, one run each in turn "
+        "(--repeats rounds); reports the ratio of each compared pair per round",
+    )
     args = parser.parse_args(argv)
+    if args.interleave and args.url:
+        parser.error("--interleave starts its own servers; it cannot go with --url")
     if args.baseline_checkout is not None:
         if args.url:
             parser.error("--baseline-checkout starts its own servers; it cannot go with --url")
@@ -217,6 +246,24 @@ def _tracked(path: Path) -> bool:
         check=False,
     )
     return completed.returncode == 0
+
+
+@dataclass
+class Contender:
+    """One server of an interleaved sweep, running from its start to the end of the rounds."""
+
+    configuration: Configuration
+    label: str
+    server: servers.RunningServer
+    points: list[Point]
+    """One per concurrency, in ``--concurrency`` order; run i of each is round i + 1."""
+    processes: list[ProcessMemory]
+    """Its processes' memory after the warm-up."""
+    failure: str | None = None
+    settled_cpu_s: float = 0.0
+    waiting_cpu_s: float = 0.0
+    """CPU its processes used while another server had its turn, and how long that was."""
+    waiting_s: float = 0.0
 
 
 class Sweep:
@@ -297,20 +344,7 @@ class Sweep:
                 limit_of=limit_of,
             )
             for _ in range(self.args.repeats):
-                before = servers.batch_counters(url)
-                result = run_wrk(
-                    url + "/predict",
-                    script,
-                    concurrency=concurrency,
-                    duration_s=self.args.duration_s,
-                    request_timeout_s=self.args.request_timeout_s,
-                )
-                after = servers.batch_counters(url)
-                if before is not None and after is not None:
-                    point.has_batch_metrics = True
-                    point.batch_rows += after[0] - before[0]
-                    point.batches += after[1] - before[1]
-                point.runs.append(result)
+                self.measure_run(url, script, point)
             rows = point.mean_rows_per_batch
             log(
                 f"  {label} c={concurrency}: {point.requests_per_s:,.0f} req/s, "
@@ -319,6 +353,28 @@ class Sweep:
             )
             points.append(point)
         return points
+
+    def measure_run(self, url: str, script: Path, point: Point) -> tuple[WrkResult, float | None]:
+        """One wrk run at ``point``'s concurrency, added to ``point`` with the batch rows
+        /metrics counted meanwhile; returns the run and its mean rows per batch, if exported."""
+        before = servers.batch_counters(url)
+        result = run_wrk(
+            url + "/predict",
+            script,
+            concurrency=point.concurrency,
+            duration_s=self.args.duration_s,
+            request_timeout_s=self.args.request_timeout_s,
+        )
+        after = servers.batch_counters(url)
+        rows_per_batch = None
+        if before is not None and after is not None:
+            point.has_batch_metrics = True
+            point.batch_rows += after[0] - before[0]
+            point.batches += after[1] - before[1]
+            if after[1] > before[1]:
+                rows_per_batch = (after[0] - before[0]) / (after[1] - before[1])
+        point.runs.append(result)
+        return result, rows_per_batch
 
     def prepare(self, url: str, workload: Workload) -> None:
         bodies = self._bodies(workload)
@@ -343,10 +399,7 @@ class Sweep:
             url = servers.check_loopback(self.args.url)
             self.prepare(url, workload)
             return self.measure_points(url, configuration.name, workload, ceiling=ceiling), []
-        label, command, cwd = configuration.name, servers.batchserve_command(), None
-        if baseline is not None:
-            label = configuration.name + BASELINE_SUFFIX
-            command, cwd = baseline.command, baseline.checkout
+        label, command, cwd = self.server_command(configuration, baseline)
         env = self.env_for(configuration)
         log_path = self.out / "logs" / f"{label}.log"
         with servers.serving(
@@ -358,6 +411,40 @@ class Sweep:
                 server.url, label, workload, ceiling=ceiling, limit_of=configuration.name
             )
             return points, processes
+
+    def server_command(
+        self, configuration: Configuration, baseline: Baseline | None
+    ) -> tuple[str, list[str], Path | None]:
+        """The label, command and folder of ``configuration``'s server (``baseline``'s if given)."""
+        if baseline is None:
+            return configuration.name, servers.batchserve_command(), None
+        return configuration.name + BASELINE_SUFFIX, baseline.command, baseline.checkout
+
+    def start_contender(
+        self, pool: servers.ServerPool, configuration: Configuration, baseline: Baseline | None
+    ) -> Contender:
+        """Start ``configuration``'s server in ``pool``, check and warm it up once, and read
+        its memory; it then idles until its turns. Stopped again if it fails."""
+        label, command, cwd = self.server_command(configuration, baseline)
+        log_path = self.out / "logs" / f"{label}.log"
+        env = self.env_for(configuration)
+        server = pool.start(command, env, log_path, configuration.ready_timeout_s, cwd=cwd)
+        try:
+            self.prepare(server.url, configuration.workload)
+        except BaseException:
+            pool.stop(server)
+            raise
+        points = [
+            Point(
+                label=label,
+                workload=configuration.workload.name,
+                concurrency=concurrency,
+                ceiling=self.ceiling_label(configuration),
+                limit_of=configuration.name,
+            )
+            for concurrency in self.args.concurrency
+        ]
+        return Contender(configuration, label, server, points, memory.tree_memory(server.pid))
 
     def http_ceiling(self, configuration: Configuration) -> list[Point]:
         """The front end alone, answering zeros, with as many front ends as ``configuration``."""
@@ -420,14 +507,20 @@ class Sweep:
 
 def environment(args: argparse.Namespace) -> dict[str, str]:
     load = os.getloadavg()
+    runs = (
+        f"interleaved, {args.repeats} round(s) of one run per server and concurrency "
+        "(median over rounds)"
+        if args.interleave
+        else f"{args.repeats} run(s) per point (median)"
+    )
     return {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs",
         "software": f"Python {platform.python_version()}, torch {version('torch')}, "
         f"{wrk_version()}",
         "load": f"one thread of wrk, closed loop; {args.duration_s:g} s and at most "
-        f"{args.max_requests or 'unlimited'} requests per run, {args.repeats} run(s) per point "
-        f"(median), {args.warmup_s:g} s warm-up per server",
+        f"{args.max_requests or 'unlimited'} requests per run, {runs}, "
+        f"{args.warmup_s:g} s warm-up per server",
         "load average at start": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
     }
 
@@ -465,20 +558,35 @@ def run(
             result.notes.append(f"load generator ceiling failed: {error}")
             log(f"  failed: {error}")
 
+    names = {configuration.name for configuration in selected}
+    if baseline is not None:
+        result.comparisons += [(name, name + BASELINE_SUFFIX) for name in sorted(names)]
+    result.comparisons += [(a, b) for a, b in configs.COMPARISONS if {a, b} <= names]
+
     limits_by_key: dict[tuple[object, ...], dict[str, object]] = {}
+    if args.interleave:
+        measured = run_interleaved(args, sweep, selected, baseline, result)
+        if not args.no_model_limit:
+            for configuration in measured:
+                log(f"{configuration.name}: model limit")
+                model_limit(sweep, configuration, limits_by_key, result)
+    else:
+        measured = []
+        for configuration in selected:
+            log(f"{configuration.name}: {configuration.description}")
+            if not measure_configuration(args, sweep, configuration, None, result):
+                continue
+            measured.append(configuration)
+            if baseline is not None:
+                log(f"{configuration.name}{BASELINE_SUFFIX}: the same on {baseline.checkout}")
+                measure_configuration(args, sweep, configuration, baseline, result)
+            if not args.no_model_limit:
+                model_limit(sweep, configuration, limits_by_key, result)
+
     ceiling_for: dict[tuple[str, str], Configuration] = {}
-    for configuration in selected:
-        log(f"{configuration.name}: {configuration.description}")
-        if not measure_configuration(args, sweep, configuration, None, result):
-            continue
-        if baseline is not None:
-            log(f"{configuration.name}{BASELINE_SUFFIX}: the same on {baseline.checkout}")
-            measure_configuration(args, sweep, configuration, baseline, result)
+    for configuration in measured:
         key = (configuration.workload.name, sweep.ceiling_label(configuration))
         ceiling_for.setdefault(key, configuration)
-        if not args.no_model_limit:
-            model_limit(sweep, configuration, limits_by_key, result)
-
     if args.no_http_ceiling:
         return
     for (workload_name, label), configuration in ceiling_for.items():
@@ -500,6 +608,29 @@ def measure_configuration(
     """Measure ``configuration`` (on ``baseline``'s code if given) into ``result``; False,
     with the reason recorded, if it could not be."""
     label = configuration.name + (BASELINE_SUFFIX if baseline is not None else "")
+    if not runnable(args, sweep, configuration, baseline, result):
+        return False
+    try:
+        points, processes = sweep.configuration(configuration, baseline)
+    except MEASUREMENT_ERRORS as error:
+        not_measured(result, label, str(error))
+        return False
+    result.points += points
+    if processes:
+        record_memory(result, label, processes)
+    return True
+
+
+def runnable(
+    args: argparse.Namespace,
+    sweep: Sweep,
+    configuration: Configuration,
+    baseline: Baseline | None,
+    result: SweepResult,
+) -> bool:
+    """Whether the checkout (``baseline``'s if given) can run ``configuration``; if not, the
+    reason is recorded: as unavailable, or as a note for a setting older code lacks."""
+    label = configuration.name + (BASELINE_SUFFIX if baseline is not None else "")
     reason = None
     if baseline is not None:
         missing = configs.missing_setting(
@@ -518,24 +649,160 @@ def measure_configuration(
         )
     elif not args.url:
         reason = configs.unavailable_reason(configuration, sweep.repository_for(configuration))
-    if reason is None:
-        try:
-            points, processes = sweep.configuration(configuration, baseline)
-        except MEASUREMENT_ERRORS as error:
-            reason = str(error)
-        else:
-            result.points += points
-            if processes:
-                result.memory[label] = processes
-                log(
-                    "  resident memory: "
-                    + ", ".join(f"{p.role} {p.rss_bytes / 2**20:,.0f} MiB" for p in processes)
-                )
     if reason is not None:
-        result.unavailable[label] = reason
-        log(f"  NOT MEASURED: {reason}")
+        not_measured(result, label, reason)
         return False
     return True
+
+
+def not_measured(result: SweepResult, label: str, reason: str) -> None:
+    result.unavailable[label] = reason
+    log(f"  NOT MEASURED: {reason}")
+
+
+def record_memory(result: SweepResult, label: str, processes: list[ProcessMemory]) -> None:
+    result.memory[label] = processes
+    log(
+        "  resident memory: "
+        + ", ".join(f"{p.role} {p.rss_bytes / 2**20:,.0f} MiB" for p in processes)
+    )
+
+
+def run_interleaved(
+    args: argparse.Namespace,
+    sweep: Sweep,
+    selected: Sequence[Configuration],
+    baseline: Baseline | None,
+    result: SweepResult,
+) -> list[Configuration]:
+    """Start every server first (a configuration's baseline right after it), then measure
+    them in rounds; returns the configurations whose own server was measured to the end.
+
+    A server that does not start, or fails during the rounds, is reported unavailable and
+    the others go on. Every server is stopped when this returns or raises (Ctrl-C too).
+    """
+    contenders: list[Contender] = []
+    with servers.ServerPool() as pool:
+        for configuration in selected:
+            targets = [None] if baseline is None else [None, baseline]
+            for target in targets:
+                label = configuration.name + (BASELINE_SUFFIX if target is not None else "")
+                where = configuration.description if target is None else target.checkout
+                log(f"start {label}: {where}")
+                if not runnable(args, sweep, configuration, target, result):
+                    break  # without its own server, its baseline has nothing to compare with
+                try:
+                    contender = sweep.start_contender(pool, configuration, target)
+                except MEASUREMENT_ERRORS as error:
+                    not_measured(result, label, str(error))
+                    break
+                contenders.append(contender)
+                record_memory(result, label, contender.processes)
+        if not contenders:
+            return []
+        result.notes.append(
+            f"served rows interleaved: {len(contenders)} server(s) started first and kept "
+            f"running, idle but for their turns; {args.repeats} round(s), each one wrk run per "
+            "concurrency on each server in turn (order reversed every other round); HTTP "
+            "ceilings and model limits measured separately, after the rounds"
+        )
+        try:
+            watch_idle(contenders)
+            measure_rounds(args, sweep, pool, contenders, result)
+        finally:
+            # What the rounds measured is kept, even when they were cut short.
+            for contender in contenders:
+                if contender.failure is not None:
+                    continue
+                result.points += [point for point in contender.points if point.runs]
+                waited_s = contender.waiting_s
+                result.idle_cpu[contender.label] = IdleCpu(
+                    settled_cores=contender.settled_cpu_s / IDLE_SETTLE_S,
+                    settled_s=IDLE_SETTLE_S,
+                    between_turns_cores=contender.waiting_cpu_s / waited_s if waited_s else None,
+                    between_turns_s=waited_s,
+                )
+    return [
+        c.configuration for c in contenders if c.failure is None and c.label == c.configuration.name
+    ]
+
+
+def watch_idle(contenders: Sequence[Contender]) -> None:
+    """CPU of every server over ``IDLE_SETTLE_S`` with all of them idle: a server that keeps
+    working when nobody asks would take CPU from each of the others' turns."""
+    pids = [contender.server.pid for contender in contenders]
+    before = memory.trees_cpu_seconds(pids)
+    time.sleep(IDLE_SETTLE_S)
+    after = memory.trees_cpu_seconds(pids)
+    for contender in contenders:
+        contender.settled_cpu_s = max(
+            0.0, after[contender.server.pid] - before[contender.server.pid]
+        )
+        share = contender.settled_cpu_s / IDLE_SETTLE_S
+        flag = "  (more than a waiting server should use)" if share > IDLE_CPU_FLAG_CORES else ""
+        log(f"  {contender.label} idle: {share:.2%} of a core{flag}")
+
+
+def measure_rounds(
+    args: argparse.Namespace,
+    sweep: Sweep,
+    pool: servers.ServerPool,
+    contenders: Sequence[Contender],
+    result: SweepResult,
+) -> None:
+    """``--repeats`` rounds: per concurrency, one run of each server in turn, in the given
+    order in odd rounds and reversed in even ones, so that no server always goes first."""
+    for round_index in range(args.repeats):
+        result.rounds = round_index + 1
+        order = list(contenders) if round_index % 2 == 0 else list(reversed(contenders))
+        log(f"round {round_index + 1} of {args.repeats}")
+        for index in range(len(args.concurrency)):
+            for contender in order:
+                if contender.failure is None:
+                    take_turn(sweep, pool, contenders, contender, index, round_index, result)
+        if all(contender.failure is not None for contender in contenders):
+            return
+
+
+def take_turn(
+    sweep: Sweep,
+    pool: servers.ServerPool,
+    contenders: Sequence[Contender],
+    contender: Contender,
+    index: int,
+    round_index: int,
+    result: SweepResult,
+) -> None:
+    """One wrk run of ``contender`` at its ``index``-th concurrency, counting the CPU the
+    others use meanwhile; a server that fails is stopped and reported unavailable."""
+    point = contender.points[index]
+    waiting = [c for c in contenders if c is not contender and c.failure is None]
+    pids = [c.server.pid for c in waiting]
+    before, started_s = memory.trees_cpu_seconds(pids), time.monotonic()
+    try:
+        status = contender.server.exit_status()
+        if status is not None:
+            raise servers.ServerError(f"the server exited with status {status}")
+        run, rows = sweep.measure_run(
+            contender.server.url, sweep.script(contender.configuration.workload), point
+        )
+    except MEASUREMENT_ERRORS as error:
+        contender.failure = f"failed in round {round_index + 1}, c={point.concurrency}: {error}"
+        not_measured(result, contender.label, contender.failure)
+        result.memory.pop(contender.label, None)
+        pool.stop(contender.server)
+        return
+    elapsed_s = time.monotonic() - started_s
+    after = memory.trees_cpu_seconds(pids)
+    for other in waiting:
+        pid = other.server.pid
+        other.waiting_cpu_s += max(0.0, after[pid] - before[pid])
+        other.waiting_s += elapsed_s
+    log(
+        f"  c={point.concurrency} {contender.label}: {run.requests_per_s:,.0f} req/s, "
+        f"p50 {run.p50_ms:.2f} ms, p99 {run.p99_ms:.2f} ms, {run.errors} errors"
+        + (f", {rows:.1f} rows/batch" if rows is not None else "")
+    )
 
 
 def model_limit(
@@ -565,6 +832,30 @@ def model_limit(
     log(f"  model limit: {best:,.0f} rows/s at batch {size}")
 
 
+def plan(args: argparse.Namespace, selected: Sequence[Configuration]) -> str:
+    """The served measurement as it will run, and the most time its load can take."""
+    count = len(selected) * (1 if args.baseline_checkout is None else 2)
+    runs = count * len(args.concurrency) * args.repeats
+    load_s = count * args.warmup_s + runs * args.duration_s
+    if args.interleave:
+        text = (
+            f"interleaved: {count} server(s) started first and kept running, then "
+            f"{args.repeats} round(s) x {len(args.concurrency)} concurrencies x {count} "
+            f"server(s) = {runs} wrk runs, each server's turn every {count * args.duration_s:g} s "
+            f"at most"
+        )
+        load_s += IDLE_SETTLE_S
+    else:
+        text = (
+            f"{count} server(s) one after another x {len(args.concurrency)} concurrencies x "
+            f"{args.repeats} run(s) = {runs} wrk runs"
+        )
+    return (
+        f"{text}: at most about {load_s / 60:.1f} min of load (warm-ups included), plus "
+        "ceilings, model limits and start-ups"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
@@ -589,12 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = args.out or RESULTS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    per_server_s = args.warmup_s + len(args.concurrency) * args.repeats * args.duration_s
-    log(
-        f"{len(selected)} configuration(s) x {len(args.concurrency)} concurrencies x "
-        f"{args.repeats} run(s): at most about {per_server_s * len(selected) / 60:.1f} min of "
-        f"load, plus ceilings, model limits and start-ups; writing to {out}"
-    )
+    log(f"{plan(args, selected)}; writing to {out}")
     result = SweepResult(
         points=[],
         ceilings=[],

@@ -77,7 +77,11 @@ def main() -> None:
             artifact=weights,
             format="safetensors",
             architecture=ARCHITECTURE,
-            inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8)),),
+            inputs=(
+                TensorSpec(
+                    name="image", dtype="float32", shape=(-1, 8, 8), min_value=0.0, max_value=1.0
+                ),
+            ),
             outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
             metadata={
                 "description": "CNN over 8x8 grey-scale digits; pixel values in [0, 1] "

@@ -32,7 +32,7 @@ def add_digits_version(
         artifact=artifact,
         format="safetensors",
         architecture=Architecture(import_path=architecture),
-        inputs=(TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8)),),
+        inputs=DIGITS.inputs,
         outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
     )
     artifact.unlink()

@@ -379,3 +379,13 @@ async def test_health_and_readiness_answer_head_requests(client: httpx.AsyncClie
         response = await client.head(route)
         assert response.status_code == 200
         assert response.content == b""
+
+
+async def test_digits_refuse_pixels_outside_their_declared_range(
+    client: httpx.AsyncClient,
+) -> None:
+    assert DIGITS.input.min_value == 0.0
+    assert DIGITS.input.max_value == 1.0
+    response = await post_json(client, {"instances": [[[1e38] * 8] * 8]})
+    assert response.status_code == 422
+    assert "values must lie in [0, 1]" in response.json()["error"]["message"]

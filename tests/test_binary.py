@@ -134,3 +134,23 @@ async def test_the_answer_format_follows_the_accept_qualities(
     )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith(NPY if npy_answer else "application/json")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 8, 8, }",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': '(1",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 8, 8), 'x': \"\"\"",
+    ],
+)
+async def test_an_npy_header_python_cannot_tokenize_is_400(
+    client: httpx.AsyncClient, header: str
+) -> None:
+    """numpy reads the header with Python's tokenizer, which raised TokenError (a 500)."""
+    text = header.encode("latin-1")
+    text += b" " * ((64 - (10 + len(text) + 1) % 64) % 64) + b"\n"
+    body = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + bytes(256)
+    response = await client.post("/predict", content=body, headers={"content-type": NPY})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "bad_request"

@@ -253,3 +253,20 @@ async def test_an_unknown_priority_is_refused(tmp_path: Path) -> None:
         response = await predict(client, 1.0, **{"X-Priority": "urgent"})
         assert response.status_code == 422
         assert "X-Priority must be 'high' or 'normal'" in response.json()["error"]["message"]
+
+
+async def test_non_finite_outputs_fail_only_their_request_never_200_with_nulls(
+    tmp_path: Path,
+) -> None:
+    async with serving(
+        tmp_path, "tests.torch_models:OverflowsOnSeven", max_wait_ms=100.0, batch_policy="fixed"
+    ) as (app, client):
+        values = [1.0, 7.0, 2.0]
+        responses = await asyncio.gather(*(predict(client, value) for value in values))
+        assert [response.status_code for response in responses] == [200, 500, 200]
+        assert responses[0].json()["predictions"] == rows(3.0)
+        assert responses[2].json()["predictions"] == rows(5.0)
+        error = responses[1].json()["error"]
+        assert error["code"] == "inference_failed"
+        assert "not finite" in error["message"]
+        assert sample(app, "batchserve_batch_size_rows_count") == 1, "one batch, no retries"

@@ -148,6 +148,19 @@ def forged_npy(draw: st.DrawFn) -> bytes:
 
 
 @st.composite
+def mangled_npy(draw: st.DrawFn) -> bytes:
+    """A valid ``.npy`` header with a slice of it replaced by Python-ish punctuation: what
+    numpy's header parser (Python's tokenizer) makes of unclosed brackets and strings."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((1, 8, 8), dtype=np.float32), allow_pickle=False)
+    data = buffer.getvalue()
+    start = draw(st.integers(min_value=10, max_value=70))
+    end = draw(st.integers(min_value=start, max_value=80))
+    junk = draw(st.text(alphabet="(){}[]'\",:# 0123456789abcdef\\", max_size=12))
+    return data[:start] + junk.encode() + data[end:]
+
+
+@st.composite
 def real_npy(draw: st.DrawFn) -> bytes:
     dtype = draw(st.sampled_from(["<f4", ">f4", "<f8", "<i8", "|u1", "|b1"]))
     shape = tuple(draw(st.lists(st.integers(min_value=0, max_value=9), max_size=4)))
@@ -231,7 +244,7 @@ def requests(
         ).map(dumps),
         mutated(valid),
     )
-    npy_bodies = st.one_of(forged_npy(), real_npy(), raw_bytes)
+    npy_bodies = st.one_of(forged_npy(), mangled_npy(), real_npy(), raw_bytes)
     return st.one_of(
         st.tuples(json_bodies, json_types | st.none()),
         st.tuples(npy_bodies, npy_types),
@@ -341,7 +354,8 @@ def nested(depth: int, inner: Any = 0.5) -> Any:
         (dumps({"instances": [[[1e39] * 8] * 8]}), 422, "not finite"),
         # orjson reads integers beyond 64 bits as floats: 1e40 is beyond float32.
         (dumps({"instances": [[[10**40] * 8] * 8]}), 422, "not finite"),
-        (dumps({"instances": [[[2**64 - 1] * 8] * 8]}), 200, ""),
+        # Finite in float32, but outside the [0, 1] the digits manifest declares.
+        (dumps({"instances": [[[2**64 - 1] * 8] * 8]}), 422, "values must lie in [0, 1]"),
         (dumps({"instances": [[["0.5"] * 8] * 8]}), 422, "only numbers"),
         (dumps({"instances": [[[0.5] * 7 + ["0.5"]] * 8]}), 422, "only numbers"),
         (dumps({"instances": [[[0.5] * 7 + [None]] * 8]}), 422, "only numbers"),

@@ -1,5 +1,5 @@
-"""The load-test harness: its wrk scripts, workloads, HTTP ceiling, process memory, and the
-sweep end to end at tiny scale."""
+"""The load-test harness: its wrk scripts, workloads, HTTP ceiling, process memory, the
+servers kept running for interleaved rounds, and the sweep end to end at tiny scale."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import collections
 import csv
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +21,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import memory, servers
+from loadtests import memory, servers, sweep
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -32,7 +34,8 @@ from loadtests.configs import (
     unavailable_reason,
 )
 from loadtests.http_ceiling import create_ceiling_app
-from loadtests.wrk import lua_long_string, parse_result, write_script
+from loadtests.report import Point, SweepResult, markdown, summary_rows
+from loadtests.wrk import WrkResult, lua_long_string, parse_result, write_script
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.server.cli import serves_in_one_process
@@ -200,6 +203,87 @@ def test_tree_memory_reads_each_process_of_the_tree() -> None:
     assert "time.sleep(30)" in found[child.pid].command
 
 
+def wrk_run(requests_per_s: float, p50_ms: float) -> WrkResult:
+    return WrkResult(int(requests_per_s), 1.0, 0, 0, p50_ms, p50_ms * 2, p50_ms * 3)
+
+
+def interleaved_result(rates: dict[str, list[float]], p50s: dict[str, list[float]]) -> SweepResult:
+    """A result of interleaved rounds at c=1: run i of each label is round i + 1."""
+    points = [
+        Point(
+            label, "mlp", 1, [wrk_run(r, p) for r, p in zip(rates[label], p50s[label], strict=True)]
+        )
+        for label in rates
+    ]
+    return SweepResult(
+        points=points,
+        ceilings=[],
+        generator=None,
+        model_limits={},
+        unavailable={},
+        notes=[],
+        environment={},
+        rounds=3,
+        comparisons=[("mlp-w2", "mlp-single"), ("digits-w2", "digits-batched")],
+    )
+
+
+def test_the_report_gives_the_median_of_per_round_ratios_not_the_ratio_of_medians() -> None:
+    # The machine slows by half in round 2 and speeds up in round 3; mlp-w2 is 10 % faster
+    # than mlp-single in every round, which the ratio of the two medians (1.375) hides.
+    result = interleaved_result(
+        {"mlp-w2": [1100, 550, 2200], "mlp-single": [1000, 500, 2000]},
+        {"mlp-w2": [1.0, 2.0, 0.5], "mlp-single": [1.2, 2.5, 0.4]},
+    )
+    result.points[1].runs[1] = wrk_run(400, 2.5)  # mlp-single's round 2 is the slowest of all
+    report = markdown(result, summary_rows(result))
+    assert "## Interleaved comparisons: ratio per round" in report
+    assert "| mlp-w2 | mlp-single | 1 | 1.100 | 1.375 | 1.100 | **1.100** | 1.100 |" in report
+    # p50 differences per round: -0.2, -0.5, +0.1; their median is -0.2.
+    assert "| mlp-w2 | mlp-single | -0.200 | -0.500 | +0.100 | **-0.200** |" in report
+    assert "digits-w2" not in report  # a pair not measured is left out
+    assert "Served rows interleaved" in report
+
+
+def test_the_plan_counts_every_server_of_the_interleaved_rounds() -> None:
+    args = sweep.parse_args(
+        ["--interleave", "--concurrency", "1", "4", "--repeats", "3", "--duration-s", "2"]
+    )
+    selected = [CONFIGURATIONS["mlp-single"], CONFIGURATIONS["mlp-w2"]]
+    text = sweep.plan(args, selected)
+    assert "2 server(s) started first" in text
+    assert "3 round(s) x 2 concurrencies x 2 server(s) = 12 wrk runs" in text
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--interleave", "--url", "http://127.0.0.1:8000"])
+
+
+def test_a_server_pool_keeps_going_after_a_failed_start_and_stops_all_on_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    """Servers in their own process groups: what one leaves behind is stopped too."""
+    fixed = servers.module_command("loadtests.fixed_server")
+    # A server that leaves a child behind when it is stopped.
+    leaves_a_child = ["sh", "-c", f"sleep 60 & exec {' '.join(fixed)}"]
+    env = servers.server_env({})
+    started = []
+    with pytest.raises(KeyboardInterrupt), servers.ServerPool() as pool:
+        started.append(pool.start(fixed, env, tmp_path / "a.log", 30))
+        with pytest.raises(servers.ServerError, match="exited with status 3"):
+            pool.start([sys.executable, "-c", "exit(3)"], env, tmp_path / "b.log", 30)
+        started.append(pool.start(leaves_a_child, env, tmp_path / "c.log", 30))
+        assert len(pool.started) == 2
+        for server in started:
+            assert httpx.get(server.url + "/readyz", timeout=5).status_code == 200
+        child = memory.descendants(started[1].pid, memory._parents(memory.PROC))[1]
+        raise KeyboardInterrupt
+    assert all(server.exit_status() is not None for server in started)
+    assert started[1].exit_status() == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # killed, then reaped by init
+    assert not Path(f"/proc/{child}").exists()
+
+
 async def post_json(app: FastAPI, bodies: list[bytes]) -> list[httpx.Response]:
     async with LifespanManager(app):
         await app.state.loading
@@ -257,21 +341,15 @@ async def test_the_mlp_workload_is_answered_by_the_packaged_peer_mlp(
         np.testing.assert_allclose(response.json()["predictions"], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
-def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
-    """Two front ends and an engine, against the same code run as the baseline checkout."""
+def run_sweep(out: Path, *options: str) -> None:
+    """A tiny sweep against the same code run as the baseline checkout."""
     require_wrk()
-    out = tmp_path / "bench"
     completed = subprocess.run(
         [
             sys.executable, "-m", "loadtests.sweep",
-            "--configs", "mlp-w2",
-            "--concurrency", "1", "4",
+            *options,
             "--duration-s", "1",
-            "--repeats", "1",
             "--warmup-s", "0",
-            "--model-limit-s", "0.1",
-            "--generator-duration-s", "1",
             "--baseline-checkout", str(REPO_ROOT),
             "--out", str(out),
         ],
@@ -282,6 +360,20 @@ def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
         check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
+    """Two front ends and an engine, against the same code run as the baseline checkout."""
+    out = tmp_path / "bench"
+    run_sweep(
+        out,
+        "--configs", "mlp-w2",
+        "--concurrency", "1", "4",
+        "--repeats", "1",
+        "--model-limit-s", "0.1",
+        "--generator-duration-s", "1",
+    )  # fmt: skip
 
     rows = read_csv(out / "results.csv")
     assert [(row["configuration"], int(row["concurrency"])) for row in rows] == [
@@ -333,3 +425,50 @@ def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
         image = (out / name).read_bytes()
         assert image.startswith(PNG_SIGNATURE)
         assert len(image) > 10_000
+
+
+@pytest.mark.slow
+def test_an_interleaved_sweep_reports_the_ratio_per_round(tmp_path: Path) -> None:
+    """Both servers up at once, taking turns: a run of each per concurrency and round."""
+    out = tmp_path / "bench"
+    run_sweep(
+        out,
+        "--configs", "mlp-single",
+        "--interleave",
+        "--concurrency", "1", "4",
+        "--repeats", "2",
+        "--no-model-limit",
+        "--no-http-ceiling",
+        "--no-generator-ceiling",
+    )  # fmt: skip
+    runs = read_csv(out / "runs.csv")
+    assert [(row["configuration"], row["concurrency"], row["run"]) for row in runs] == [
+        (label, concurrency, run)
+        for label in ("mlp-single", "mlp-single@baseline")
+        for concurrency in ("1", "4")
+        for run in ("1", "2")
+    ]
+    assert all(float(row["requests_per_s"]) > 0 and row["errors"] == "0" for row in runs)
+    rows = read_csv(out / "results.csv")
+    assert [row["runs"] for row in rows] == ["2"] * 4
+    assert all(float(row["mean_rows_per_batch"]) >= 1.0 for row in rows)
+    assert {row["configuration"] for row in read_csv(out / "memory.csv")} == {
+        "mlp-single",
+        "mlp-single@baseline",
+    }
+
+    report = (out / "report.md").read_text()
+    assert "served rows interleaved: 2 server(s) started first" in report
+    assert "for 2 round(s)" in report
+    assert "## Interleaved comparisons: ratio per round" in report
+    table = [line for line in report.splitlines() if line.startswith("| mlp-single | mlp-single@")]
+    per_round, p50 = table[:2], table[2:]
+    assert [line.split(" | ")[2] for line in per_round] == ["1", "4"]
+    for line in per_round:
+        *rounds, median, of_medians = line.strip("| ").split(" | ")[3:]
+        assert len(rounds) == 2
+        assert 0 < float(median.strip("*")) < 10
+    assert len(p50) == 1
+    assert "## CPU of the servers while they waited for their turn" in report
+    idle = [line for line in report.splitlines() if line.startswith("| mlp-single") and "%" in line]
+    assert len(idle) == 2

@@ -132,3 +132,12 @@ class DigitsThatCannotLoadInTheSecondEngine(DigitsCNN):
         if os.environ.get(ENGINE_INDEX_ENV) == "1":
             raise RuntimeError("this version cannot be built on the second device")
         super().__init__()
+
+
+class OverflowsOnSeven(nn.Module):
+    """Returns ``2x + 1``, but infinity in every row whose input contains 7: a model that
+    overflows on some inputs (as fp16 autocast can), finite inputs or not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        overflowing = (x == 7).any(dim=1, keepdim=True)
+        return torch.where(overflowing, torch.full_like(x, float("inf")), 2 * x + 1)

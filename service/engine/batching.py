@@ -67,8 +67,9 @@ class Rows(Protocol):
 PayloadT = TypeVar("PayloadT", bound=Rows)
 OutputT = TypeVar("OutputT")
 
-#: Runs one batch in the executor thread: one output per payload, in order; raises if it fails.
-BatchFunction = Callable[[list[PayloadT]], Sequence[OutputT]]
+#: Runs one batch in the executor thread: one output per payload, in order; raises if the
+#: whole batch fails, or gives an exception as the output of a payload that fails alone.
+BatchFunction = Callable[[list[PayloadT]], Sequence[OutputT | Exception]]
 
 
 @dataclass(eq=False)
@@ -600,9 +601,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             return
         self._metrics.inference_latency.observe(time.perf_counter() - started_s)
         for entry, output in zip(batch, outputs, strict=True):
-            entry.resolve(output)
+            if isinstance(output, Exception):
+                entry.reject(output)
+            else:
+                entry.resolve(output)
 
-    async def _forward(self, payloads: list[PayloadT], rows: int) -> Sequence[OutputT]:
+    async def _forward(
+        self, payloads: list[PayloadT], rows: int
+    ) -> Sequence[OutputT | Exception]:
         """``run_batch`` in the executor, watching for a batch that never comes back; or on
         this thread when batches of this size are known to be quick (``inline_below_s``)."""
         size = rows.bit_length()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from service.config import CompileMode, Precision
-from service.errors import DeviceOutOfMemoryError, ModelLoadError
+from service.errors import DeviceOutOfMemoryError, InferenceError, ModelLoadError
 from service.types import Array
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,13 @@ class TorchRunner:
         )
         return elapsed_s
 
-    def run_batch(self, payloads: Sequence[Array]) -> list[Array]:
-        """Stack the payloads, run one forward pass, and split the output rows back per payload."""
+    def run_batch(self, payloads: Sequence[Array]) -> list[Array | InferenceError]:
+        """Stack the payloads, run one forward pass, and split the output rows back per payload.
+
+        A payload whose outputs are not all finite (NaN or infinity: an input the model cannot
+        handle, or fp16 overflowing) gets an ``InferenceError`` instead of its rows; its
+        batch-mates are answered as usual.
+        """
         rows = [len(payload) for payload in payloads]
         if self._variable_axis is not None:
             payloads = self._pad_lengths(payloads)
@@ -220,12 +225,13 @@ class TorchRunner:
             )
         # One device-to-host copy per batch, in fp32 whatever the autocast precision.
         host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
-        if len(rows) == 1:
-            return [host_outputs]
-        split, start = [], 0
+        split: list[Array | InferenceError] = []
+        start = 0
         for count in rows:  # slices, not np.split: a tenth of its cost per batch
             split.append(host_outputs[start : start + count])
             start += count
+        if not np.isfinite(host_outputs).all():
+            split = [_finite_or_error(output) for output in split]
         return split
 
     def _pad_lengths(self, payloads: Sequence[Array]) -> Sequence[Array]:
@@ -266,3 +272,12 @@ class TorchRunner:
         del self._model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _finite_or_error(output: Array | InferenceError) -> Array | InferenceError:
+    if isinstance(output, InferenceError) or np.isfinite(output).all():
+        return output
+    return InferenceError(
+        "the model produced values that are not finite (NaN or infinity) for this input; "
+        "check that the input lies in the range the model was trained on"
+    )

@@ -137,7 +137,9 @@ class InputLayout:
         try:
             _check_npy_data_size(body)
             array = np.load(io.BytesIO(body), allow_pickle=False)
-        except (ValueError, OSError, EOFError) as error:
+        except Exception as error:
+            # numpy parses the header with Python's tokenizer, which raises what it likes on a
+            # forged one (TokenError, SyntaxError, MemoryError...): all the body's fault.
             raise BadRequestError(f"the body is not a valid .npy array: {error}") from None
         if not isinstance(array, np.ndarray):
             raise BadRequestError("the body must be one .npy array, not an .npz archive")
