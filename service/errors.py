@@ -14,6 +14,9 @@ class ServiceError(Exception):
 
     status_code: int = 500
     code: str = "internal_error"
+    closes_connection: bool = False
+    """Answered with ``Connection: close``: what the client sends next on this connection
+    cannot be trusted to start a request (an unread body, a body still arriving)."""
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -60,6 +63,15 @@ class InvalidInputError(ServiceError):
 class PayloadTooLargeError(ServiceError):
     status_code = 413
     code = "payload_too_large"
+    closes_connection = True
+
+
+class RequestTimeoutError(ServiceError):
+    """The body did not arrive by the request's deadline."""
+
+    status_code = 408
+    code = "request_timeout"
+    closes_connection = True
 
 
 class UnsupportedMediaTypeError(ServiceError):

@@ -606,9 +606,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             else:
                 entry.resolve(output)
 
-    async def _forward(
-        self, payloads: list[PayloadT], rows: int
-    ) -> Sequence[OutputT | Exception]:
+    async def _forward(self, payloads: list[PayloadT], rows: int) -> Sequence[OutputT | Exception]:
         """``run_batch`` in the executor, watching for a batch that never comes back; or on
         this thread when batches of this size are known to be quick (``inline_below_s``)."""
         size = rows.bit_length()

@@ -57,7 +57,11 @@ class ServiceMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableHeaders(scope=message).append("X-Request-ID", request_id)
+                headers = MutableHeaders(scope=message)
+                headers.append("X-Request-ID", request_id)
+                if self.frontend.draining and "connection" not in headers:
+                    # A keep-alive client would send its next request to a closing socket.
+                    headers.append("Connection", "close")
             await send(message)
 
         predicting = route == PREDICT_PATH and scope["method"] == "POST"

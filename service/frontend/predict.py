@@ -15,7 +15,12 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope
 
 from service.bridge.interface import InferenceRequest
-from service.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
+from service.errors import (
+    BadRequestError,
+    InvalidInputError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
 from service.frontend.inputs import NPY_MEDIA_TYPE, body_media_type, encode_npy, wants_npy
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
@@ -122,8 +127,12 @@ class DisconnectWatcher:
             raise ClientDisconnectedError from None
 
 
-async def read_body(receive: Receive, declared_length: str | None, max_bytes: int) -> bytes:
-    """The request body, refusing more than ``max_bytes`` before reading it whole."""
+async def read_body(
+    receive: Receive, declared_length: str | None, max_bytes: int, deadline_s: float
+) -> bytes:
+    """The request body, refusing more than ``max_bytes`` before reading it whole, and a body
+    still arriving at ``deadline_s`` (``time.monotonic()``): a slow client holds a connection
+    no longer than any request may take."""
     if declared_length is not None:
         if not declared_length.isdigit():
             raise BadRequestError(f"invalid Content-Length {declared_length[:32]!r}")
@@ -134,16 +143,23 @@ async def read_body(receive: Receive, declared_length: str | None, max_bytes: in
     chunks: list[bytes] = []
     received = 0
     more_body = True
-    while more_body:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnectedError
-        chunk: bytes = message.get("body", b"")
-        received += len(chunk)
-        if received > max_bytes:
-            raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
-        chunks.append(chunk)
-        more_body = message.get("more_body", False)
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(loop.time() + deadline_s - time.monotonic()):
+            while more_body:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnectedError
+                chunk: bytes = message.get("body", b"")
+                received += len(chunk)
+                if received > max_bytes:
+                    raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
+                chunks.append(chunk)
+                more_body = message.get("more_body", False)
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"the body was not received within the request's deadline ({received} bytes came)"
+        ) from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
@@ -159,7 +175,9 @@ async def serve_prediction(
     deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
     media_type = body_media_type(headers.content_type)
     frontend.serving_model()  # refuse at once, before reading a body nobody can serve
-    body = await read_body(receive, headers.content_length, frontend.settings.max_body_bytes)
+    body = await read_body(
+        receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
+    )
     model = frontend.serving_model()
     layout = frontend.layout_for(model)
     instances = layout.parse(body, media_type)

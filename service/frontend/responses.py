@@ -35,7 +35,10 @@ def error_response(
 
 
 def service_error_response(error: ServiceError, request_id: str) -> Response:
-    return error_response(error.status_code, error.code, error.message, request_id, error.headers)
+    headers = error.headers
+    if error.closes_connection:
+        headers = {**headers, "Connection": "close"}
+    return error_response(error.status_code, error.code, error.message, request_id, headers)
 
 
 def internal_error_response(request_id: str) -> Response:

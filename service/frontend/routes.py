@@ -25,7 +25,8 @@ from service.metrics import METRICS_CONTENT_TYPE, render
 router = APIRouter()
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 404, 413, 415, 422, 429, 500, 503, 504)
+    status: {"model": ErrorResponse}
+    for status in (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)
 }
 
 
