@@ -33,9 +33,9 @@ also reports the CPU the waiting servers used. The ceilings and model limits are
 separately, after the rounds.
 
 Each wrk run is capped at ``--duration-s`` seconds and ``--max-requests`` requests. Only
-127.0.0.1 is ever sent traffic. Outputs (results.csv, http_ceiling.csv, model_limits.csv,
-memory.csv, report.md, throughput.png, latency.png, logs/) go to ``--out``, by default
-loadtests/results/<timestamp>/ (git-ignored).
+127.0.0.1 is ever sent traffic. Outputs (results.csv, runs.csv, http_ceiling.csv,
+model_limits.csv, memory.csv, report.md, throughput.png, latency.png, logs/) go to ``--out``,
+by default loadtests/results/<timestamp>/ (git-ignored).
 
     python -m loadtests.sweep                              # every configuration, defaults
     python -m loadtests.sweep --configs 'digits-*' --skip-heavy --duration-s 5 --repeats 1

@@ -9,6 +9,7 @@ would make the short one pay for the long one.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 
 from service.manifest import TensorSpec
@@ -53,3 +54,19 @@ def bucket_of(length: int, edges: Sequence[int]) -> int:
     if index == len(edges):
         raise ValueError(f"length {length} exceeds the largest bucket {edges[-1]}")
     return edges[index]
+
+
+def group_and_cost(
+    instance_shape: Sequence[int], variable_axis: int | None, edges: Sequence[int]
+) -> tuple[tuple[int, ...], int]:
+    """The batch group of instances of ``instance_shape`` (their shape, the variable axis
+    rounded up to its bucket) and their cost per row (padded positions, or 0 without buckets).
+
+    Front ends compute it for each request and engines for their warm-up batches, so that the
+    warm-up's timings apply to the groups requests will be queued in."""
+    shape = tuple(int(size) for size in instance_shape)
+    if variable_axis is None or not edges:
+        return shape, 0
+    bucketed = list(shape)
+    bucketed[variable_axis] = bucket_of(shape[variable_axis], edges)
+    return tuple(bucketed), math.prod(bucketed)

@@ -134,6 +134,13 @@ class QueueFullError(RetryLaterError):
     code = "queue_full"
 
 
+class OverloadedError(RetryLaterError):
+    """The work queued ahead would keep this request past its deadline."""
+
+    status_code = 429
+    code = "overloaded"
+
+
 class DeadlineExceededError(ServiceError):
     status_code = 504
     code = "deadline_exceeded"

@@ -45,6 +45,7 @@ class DropReason(StrEnum):
     """Label values of ``batchserve_dropped_requests_total``."""
 
     QUEUE_FULL = "queue_full"
+    DEADLINE_UNREACHABLE = "deadline_unreachable"
     EXPIRED = "expired"
     CANCELLED = "cancelled"
     DRAINING = "draining"
@@ -138,7 +139,8 @@ class EngineMetrics:
         self.dropped = Counter(
             "batchserve_dropped_requests",
             "Requests not computed (a split request counts once per chunk): queue full, "
-            "deadline expired, client gone, or draining.",
+            "deadline unreachable (refused or dropped by estimate), deadline expired, client "
+            "gone, or draining.",
             ["reason"],
             registry=r,
         )

@@ -695,17 +695,26 @@ class ThreadNoting(RecordingDoubler):
         return super().__call__(payloads)
 
 
-async def test_batches_of_a_size_known_to_be_quick_run_on_the_loops_thread(
+async def test_batches_known_to_be_quick_run_on_the_loops_thread(
     make_batcher: BatcherFactory,
 ) -> None:
     model = ThreadNoting()
-    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=1, inline_below_s=60.0)
-    for rows in ([1], [2], [3, 4], [5, 6]):
+    batcher = make_batcher(
+        model, max_batch_size=4, max_wait_ms=1, inline_below_s=1.0, measured=False
+    )
+    for rows in ([1], [2], [3, 4]):
         async with asyncio.timeout(PROMPTLY_S):
             assert await batcher.submit(rows, group="g") == [doubled(rows)]
     loop_thread = threading.current_thread().name
-    # Each size runs in the executor until its duration is known, then on the loop's thread.
-    assert model.threads == ["fake-device_0", loop_thread, "fake-device_0", loop_thread]
+    # The group runs in the executor until a duration of it is known, then on the loop's.
+    assert model.threads == ["fake-device_0", loop_thread, loop_thread]
+
+    for _ in range(3):
+        batcher.times.record("g", 4, 2.0)  # four rows are known to be slow
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.submit([5, 6, 7, 8], group="g")
+        await batcher.submit([9], group="g")
+    assert model.threads[3:] == ["fake-device_0", loop_thread]
 
 
 async def test_without_inline_below_every_batch_runs_in_the_executor(

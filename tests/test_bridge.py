@@ -152,7 +152,9 @@ async def test_errors_cross_with_their_status_code_and_retry_after(
     socket_path: Path, repository: Path, hang_released: None
 ) -> None:
     async with (
-        engine_behind_a_socket(socket_path, repository, max_queue_size=1) as (engine, _),
+        engine_behind_a_socket(
+            socket_path, repository, max_queue_size=1, max_instances_per_request=64
+        ) as (engine, _),
         client_of(socket_path) as client,
     ):
         blocker = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))

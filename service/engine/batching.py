@@ -11,6 +11,14 @@ Each request's future is resolved exactly once, by whichever comes first: its re
 error, its deadline, or its caller going away. A request whose caller has gone, or whose
 deadline has passed, is removed from the queue and never computed.
 
+Fairness: a group whose oldest request has waited ``max_wait_ms`` is due like a full one, and
+among the groups due the one whose oldest request came first runs next; so a request waits at
+most ``max_wait_ms`` plus the batches of requests that came before it, however full another
+group keeps. Deadlines: from recent forward durations (``estimates.BatchTimes``) the batcher
+refuses at once what cannot be served in time (429 with ``Retry-After`` when the queue holds
+too much work, 422 when the request alone needs longer than its deadline), and answers 504 at
+once, uncomputed, the rows of a batch that would finish after their deadline.
+
 A batch that raises is retried by halves, so only the request that causes the error fails. A
 batch that runs out of device memory is retried by halves too, and for a while batches are
 capped at half the rows that failed. A batch that runs longer than ``stall_timeout_s`` marks
@@ -22,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -30,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 from service.config import BatchPolicy
+from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
     DeviceOutOfMemoryError,
@@ -37,6 +47,7 @@ from service.errors import (
     InsufficientDeviceMemoryError,
     InvalidInputError,
     NotReadyError,
+    OverloadedError,
     QueueFullError,
     ServiceError,
 )
@@ -82,6 +93,7 @@ class _Entry(Generic[PayloadT, OutputT]):
     group: Hashable
     priority: Priority
     arrival_s: float
+    deadline_s: float
     request_id: str
     future: asyncio.Future[OutputT]
     source: Hashable = None
@@ -117,13 +129,15 @@ class _Entry(Generic[PayloadT, OutputT]):
 class _Group(Generic[PayloadT, OutputT]):
     """The queued entries of one group, one FIFO lane per priority, with running totals."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
         self.lanes: dict[Priority, deque[_Entry[PayloadT, OutputT]]] = {
             priority: deque() for priority in PRIORITIES
         }
         self.size = 0
         self.rows = 0
         self.cost = 0
+        self.high_rows = 0
 
     def append(self, entry: _Entry[PayloadT, OutputT]) -> None:
         self.lanes[entry.priority].append(entry)
@@ -150,6 +164,8 @@ class _Group(Generic[PayloadT, OutputT]):
         self.size += sign
         self.rows += sign * entry.rows
         self.cost += sign * entry.cost
+        if entry.priority == "high":
+            self.high_rows += sign * entry.rows
 
 
 class Ticket(Generic[OutputT]):
@@ -257,8 +273,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._on_stall = on_stall
         self._inline_below_s = inline_below_s
         self._queue_depth_refresh: asyncio.TimerHandle | None = None
-        self._last_forward_s: dict[int, float] = {}
-        """Seconds the last forward of each size (rows, rounded up to a power of two) took."""
+        self.times = BatchTimes()
+        """Recent forward durations by group and size; the warm-up seeds them."""
+        self._running_until_s = 0.0
         self._groups: dict[Hashable, _Group[PayloadT, OutputT]] = {}
         self._queued_entries = 0
         self._last_batch_rows = 1
@@ -355,9 +372,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         process can set it) defaults to ``request_timeout_ms`` from now. ``source`` names where
         the request came from (a front end), to count how many share each batch.
 
-        Raises ``QueueFullError`` at once when the queue is full and ``NotReadyError`` while
-        draining or stalled; the ticket fails with ``DeadlineExceededError`` past the deadline
-        and ``InferenceError`` when the model fails on this request's input.
+        Raises at once ``QueueFullError`` when the queue is full, ``OverloadedError`` when the
+        work queued ahead would not let it finish by its deadline, ``InvalidInputError`` when
+        it alone needs longer than its deadline, and ``NotReadyError`` while draining or
+        stalled; the ticket fails with ``DeadlineExceededError`` past the deadline (or at once
+        when its batch would finish later) and ``InferenceError`` when the model fails on
+        this request's input.
         """
         if not self.accepting or self._collector is None:
             self._metrics.dropped.labels(DropReason.DRAINING).inc()
@@ -380,9 +400,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
         loop = asyncio.get_running_loop()
         arrival_s = time.monotonic()
+        if deadline_s is None:
+            deadline_s = arrival_s + self._request_timeout_s
+        self._admit([len(chunk) for chunk in chunks], group, priority, deadline_s - arrival_s)
         # The loop's clock may be coarser than time.monotonic() (uvloop's is in milliseconds).
-        remaining_s = self._request_timeout_s if deadline_s is None else deadline_s - arrival_s
-        deadline = loop.time() + remaining_s
+        deadline = loop.time() + deadline_s - arrival_s
         entries = [
             _Entry(
                 payload=chunk,
@@ -391,6 +413,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 group=group,
                 priority=priority,
                 arrival_s=arrival_s,
+                deadline_s=deadline_s,
                 request_id=request_id,
                 future=loop.create_future(),
                 source=source,
@@ -402,10 +425,53 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._enqueue(entry)
         return Ticket(self, entries)
 
+    def _admit(
+        self, chunk_rows: list[int], group: Hashable, priority: Priority, left_s: float
+    ) -> None:
+        """Refuse now what the estimates say cannot be answered within ``left_s``."""
+        own = [self.times.estimate(group, rows) for rows in chunk_rows]
+        if any(seconds is None for seconds in own):
+            return  # never measured: nothing to refuse it on
+        own_s = sum(seconds for seconds in own if seconds is not None)
+        if own_s > left_s:
+            self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+            raise InvalidInputError(
+                f"these {sum(chunk_rows)} instances need about {own_s * 1000:.0f} ms of "
+                f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
+                "deadline; send fewer instances per request"
+            )
+        wait_s = self.estimated_wait_s(priority)
+        if wait_s + own_s > left_s:
+            self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+            raise OverloadedError(
+                f"the queue holds about {wait_s * 1000:.0f} ms of work, and this request "
+                f"needs {own_s * 1000:.0f} ms more: it could not be answered within the "
+                f"{left_s * 1000:.0f} ms left before its deadline; retry shortly",
+                retry_after_s=max(1, math.ceil(wait_s)),
+            )
+
+    def estimated_wait_s(self, priority: Priority = "normal") -> float:
+        """How long a request queued now would wait for the device: what is left of the
+        running batch, then the queued batches it would not go before (all of them for a
+        normal request; the high-priority ones for a high one). Unmeasured groups count 0."""
+        wait_s = max(0.0, self._running_until_s - time.monotonic())
+        for group in self._groups.values():
+            rows = group.high_rows if priority == "high" else group.rows
+            if rows == 0:
+                continue
+            per_batch = self._row_limit
+            if self.max_batch_cost and group.cost:
+                per_batch = max(1, min(per_batch, self.max_batch_cost * group.rows // group.cost))
+            full_batches, rest = divmod(rows, per_batch)
+            for count, batch_rows in ((full_batches, per_batch), (1 if rest else 0, rest)):
+                if count:
+                    wait_s += count * (self.times.estimate(group.key, batch_rows) or 0.0)
+        return wait_s
+
     def _enqueue(self, entry: _Entry[PayloadT, OutputT]) -> None:
         group = self._groups.get(entry.group)
         if group is None:
-            group = self._groups[entry.group] = _Group()
+            group = self._groups[entry.group] = _Group(entry.group)
         group.append(entry)
         self._queued_entries += 1
         self._queue_depth_changed()
@@ -483,6 +549,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     async def _next_batch(self) -> list[_Entry[PayloadT, OutputT]] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         self._restore_row_limit()
+        if self.policy == "adaptive":
+            self._target_rows = max(1, min(self._row_limit, self._last_batch_rows))
         yielded = self.policy != "adaptive"
         while True:
             oldest = self._oldest_entry()
@@ -492,23 +560,31 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            full = [group for group in self._groups.values() if self._is_full(group)]
-            if self.policy == "adaptive":
-                self._target_rows = max(1, min(self._row_limit, self._last_batch_rows))
-                full = full or [g for g in self._groups.values() if g.rows >= self._target_rows]
-            if not (full or yielded):
+            now_s = time.monotonic()
+            due = [group for group in self._groups.values() if self._is_due(group, now_s)]
+            if not (due or yielded):
                 # Requests already received but not yet parsed are queued ahead of us on the
                 # event loop: let them run once so they can join. Not when a batch is ready:
                 # the device would wait for every answer of the last batch to be written.
                 yielded = True
                 await asyncio.sleep(0)
                 continue
-            remaining_s = oldest.arrival_s + self._max_wait_s - time.monotonic()
-            if full or remaining_s <= 0 or self._closing:
-                return self._take(full or list(self._groups.values()))
+            if due or self._closing:
+                return self._take(due or list(self._groups.values()))
+            remaining_s = oldest.arrival_s + self._max_wait_s - now_s
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=remaining_s)
+
+    def _is_due(self, group: _Group[PayloadT, OutputT], now_s: float) -> bool:
+        """Full, or as full as the adaptive target, or its oldest request has waited long
+        enough: due groups compete for the next batch by the age of their oldest request."""
+        if self._is_full(group):
+            return True
+        if self.policy == "adaptive" and group.rows >= self._target_rows:
+            return True
+        oldest = group.oldest()
+        return oldest is not None and now_s - oldest.arrival_s >= self._max_wait_s
 
     def _oldest_entry(self) -> _Entry[PayloadT, OutputT] | None:
         heads = [group.oldest() for group in self._groups.values()]
@@ -555,7 +631,30 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._last_batch_rows = max(1, rows)
         led_by_high = bool(batch) and batch[0].priority == "high"
         self._high_streak = self._high_streak + 1 if led_by_high and normal_waiting else 0
-        return batch
+        return self._without_late_entries(batch, group.key, rows)
+
+    def _without_late_entries(
+        self, batch: list[_Entry[PayloadT, OutputT]], group: Hashable, rows: int
+    ) -> list[_Entry[PayloadT, OutputT]]:
+        """Answer 504 now, uncomputed, the entries this batch would finish after their
+        deadline: computing them would only spend the device on answers nobody gets."""
+        seconds = self.times.estimate(group, rows)
+        if seconds is None:
+            return batch
+        finish_s = time.monotonic() + seconds
+        on_time = []
+        for entry in batch:
+            if entry.deadline_s >= finish_s:
+                on_time.append(entry)
+                continue
+            self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+            entry.reject(
+                DeadlineExceededError(
+                    f"the request could not be answered within {self._request_timeout_s * 1000:.0f}"
+                    f" ms: its batch would take about {seconds * 1000:.0f} ms"
+                )
+            )
+        return on_time
 
     def _fits(self, rows: int, cost: int, entry: _Entry[PayloadT, OutputT], first: bool) -> bool:
         if first:
@@ -584,7 +683,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._metrics.batch_size.observe(rows)
         started_s = time.perf_counter()
         try:
-            outputs = await self._forward([entry.payload for entry in batch], rows)
+            outputs = await self._forward([entry.payload for entry in batch], rows, batch[0].group)
             if len(outputs) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)}")
         except Exception as error:
@@ -606,17 +705,20 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             else:
                 entry.resolve(output)
 
-    async def _forward(self, payloads: list[PayloadT], rows: int) -> Sequence[OutputT | Exception]:
+    async def _forward(
+        self, payloads: list[PayloadT], rows: int, group: Hashable
+    ) -> Sequence[OutputT | Exception]:
         """``run_batch`` in the executor, watching for a batch that never comes back; or on
-        this thread when batches of this size are known to be quick (``inline_below_s``)."""
-        size = rows.bit_length()
-        started_s = time.perf_counter()
-        if self._last_forward_s.get(size, self._inline_below_s) < self._inline_below_s:
+        this thread when batches like it are known to be quick (``inline_below_s``)."""
+        estimate_s = self.times.estimate(group, rows)
+        started_s = time.monotonic()
+        if estimate_s is not None and estimate_s < self._inline_below_s:
             # A hang here stops the whole event loop: the engine's heartbeat stops with it,
             # and its supervisor replaces it (engine_heartbeat_timeout_s).
             outputs = self._run_batch(payloads)
-            self._last_forward_s[size] = time.perf_counter() - started_s
+            self.times.record(group, rows, time.monotonic() - started_s)
             return outputs
+        self._running_until_s = started_s + (estimate_s or 0.0)
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(self._executor, self._run_batch, payloads)
         watchdog = None
@@ -625,9 +727,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         try:
             outputs = await running
         finally:
+            self._running_until_s = 0.0
             if watchdog is not None:
                 watchdog.cancel()
-        self._last_forward_s[size] = time.perf_counter() - started_s
+        self.times.record(group, rows, time.monotonic() - started_s)
         return outputs
 
     def _report_stall(self) -> None:

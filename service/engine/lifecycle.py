@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.buckets import length_edges
+from service.buckets import group_and_cost, length_edges
 from service.config import Settings
 from service.engine import published
 from service.engine.batching import DynamicBatcher
@@ -49,9 +49,10 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         pad_value=spec.pad_value,
         length_edges=edges,
     )
+    batches = warmup_batches(spec, edges, runner, settings)
     try:
-        await asyncio.get_running_loop().run_in_executor(
-            runner.executor, runner.warm_up, warmup_batches(spec, edges, runner, settings)
+        warmup_s = await asyncio.get_running_loop().run_in_executor(
+            runner.executor, runner.warm_up, batches
         )
     except BaseException:
         await asyncio.to_thread(runner.close)
@@ -70,6 +71,10 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         on_stall=state.report_stall,
         inline_below_s=state.inline_below_s,
     )
+    for batch, seconds in zip(batches, warmup_s, strict=True):
+        # The warm-up's timings let the deadlines be judged from the first request on.
+        group, _ = group_and_cost(batch.shape[1:], spec.variable_axis, edges)
+        batcher.times.record(group, len(batch), seconds)
     batcher.start()
     return ServedModel(manifest=loaded.manifest, length_edges=edges, runner=runner, batcher=batcher)
 

@@ -167,13 +167,18 @@ class TorchRunner:
         """The batch sizes a compiled model meets (powers of two and ``max_batch_size``)."""
         return list(self._padded_sizes)
 
-    def warm_up(self, batches: Sequence[Array]) -> float:
-        """Run each batch once, compiling its shape and warming allocators; returns seconds."""
+    def warm_up(self, batches: Sequence[Array]) -> list[float]:
+        """Run each batch twice: once to compile its shape and warm the allocators, once to
+        time it as requests will find it. Returns the second run's seconds, per batch."""
         started_s = time.perf_counter()
+        steady_s = []
         for batch in batches:
             self.run_batch([batch])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            timed_s = time.perf_counter()
+            self.run_batch([batch])
+            if self._on_cuda:
+                torch.cuda.synchronize(self.device)
+            steady_s.append(time.perf_counter() - timed_s)
         elapsed_s = time.perf_counter() - started_s
         logger.info(
             "model_warmed_up",
@@ -183,7 +188,7 @@ class TorchRunner:
                 "device": str(self.device),
             },
         )
-        return elapsed_s
+        return steady_s
 
     def run_batch(self, payloads: Sequence[Array]) -> list[Array | InferenceError]:
         """Stack the payloads, run one forward pass, and split the output rows back per payload.

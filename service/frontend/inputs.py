@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
-from service.buckets import bucket_of
+from service.buckets import group_and_cost
 from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
 from service.manifest import TensorSpec
 from service.types import Array
@@ -153,13 +153,7 @@ class InputLayout:
 
     def group_and_cost(self, instances: Array) -> tuple[tuple[int, ...], int]:
         """Requests with the same group may share a batch; cost is padded positions per row."""
-        shape = instances.shape[1:]
-        axis = self.spec.variable_axis
-        if axis is None or not self.length_edges:
-            return shape, 0
-        bucketed = list(shape)
-        bucketed[axis] = bucket_of(shape[axis], self.length_edges)
-        return tuple(bucketed), math.prod(bucketed)
+        return group_and_cost(instances.shape[1:], self.spec.variable_axis, self.length_edges)
 
     def _check_count(self, count: int) -> None:
         if count == 0:
