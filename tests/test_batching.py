@@ -23,6 +23,7 @@ from service.errors import (
     InferenceError,
     InvalidInputError,
     NotReadyError,
+    OverloadedError,
     QueueFullError,
 )
 from service.metrics import EngineMetrics
@@ -726,3 +727,116 @@ async def test_without_inline_below_every_batch_runs_in_the_executor(
         async with asyncio.timeout(PROMPTLY_S):
             await batcher.submit(rows, group="g")
     assert model.threads == ["fake-device_0"] * 3
+
+
+# ----------------------------------------------------------------- fairness and deadlines
+
+
+async def test_a_full_group_does_not_starve_a_request_that_has_waited_max_wait(
+    make_batcher: BatcherFactory,
+) -> None:
+    """The collector took a full group whenever there was one: kept full by new arrivals,
+    a long bucket held a short request back until its deadline."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=2, max_wait_ms=50)
+    first = [asyncio.create_task(batcher.submit([row], group="long")) for row in (1, 2)]
+    await wait_until(lambda: device.pending == 1)  # [1, 2] runs
+    short = asyncio.create_task(batcher.submit([100], group="short"))
+    await asyncio.sleep(0.01)
+    refills = [asyncio.create_task(batcher.submit([row], group="long")) for row in (3, 4, 5, 6)]
+    await asyncio.sleep(0.1)  # the short request has waited max_wait_ms: it is due
+    for _ in range(4):
+        await wait_until(lambda: device.pending == 1)
+        device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, short, *refills)
+    # After the running batch, the short request (older than the refills) runs next.
+    assert model.batches == [[[1], [2]], [[100]], [[3], [4]], [[5], [6]]]
+
+
+async def test_among_due_groups_the_oldest_request_runs_first(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=30)
+    blocker = asyncio.create_task(batcher.submit([0], group="x"))
+    await wait_until(lambda: device.pending == 1)
+    older = asyncio.create_task(batcher.submit([1], group="a"))
+    await asyncio.sleep(0.01)
+    newer = asyncio.create_task(batcher.submit([2], group="b"))
+    await asyncio.sleep(0.1)  # both due now
+    for _ in range(3):
+        await wait_until(lambda: device.pending == 1)
+        device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(blocker, older, newer)
+    assert model.computed_rows == [0, 1, 2]
+
+
+async def test_a_request_needing_longer_than_its_deadline_is_refused_at_once(
+    make_batcher: BatcherFactory,
+) -> None:
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=2, measured=False)
+    for _ in range(3):
+        batcher.times.record("g", 2, 0.3)  # two rows take 300 ms
+    with pytest.raises(InvalidInputError, match="send fewer instances") as refused:
+        batcher.enqueue([1, 2, 3, 4], group="g", deadline_s=time.monotonic() + 0.5)
+    assert refused.value.status_code == 422
+    assert "about 600 ms of compute" in refused.value.message
+    assert dropped(metrics, "deadline_unreachable") == 1
+    assert batcher.queue_depth == 0
+    async with asyncio.timeout(PROMPTLY_S):  # the same with time enough is served
+        assert await batcher.submit([1, 2], group="g", deadline_s=time.monotonic() + 5) == [[2, 4]]
+
+
+async def test_a_request_the_queue_cannot_serve_in_time_is_refused_429_with_the_wait(
+    make_batcher: BatcherFactory,
+) -> None:
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=1, measured=False)
+    for _ in range(3):
+        batcher.times.record("g", 1, 0.4)
+    running = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    queued = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: batcher.queue_depth == 4)
+    assert 1.6 <= batcher.estimated_wait_s() <= 2.0  # four batches and what is left of one
+    with pytest.raises(OverloadedError) as refused:
+        batcher.enqueue([9], group="g", deadline_s=time.monotonic() + 1.0)
+    assert refused.value.status_code == 429
+    assert refused.value.headers["Retry-After"] == "2"
+    # A high-priority request goes before the queued normal ones: it fits.
+    high = batcher.enqueue([8], group="g", priority="high", deadline_s=time.monotonic() + 1.0)
+    assert batcher.estimated_wait_s("high") <= 0.8
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(running, *queued, high.wait())
+    assert dropped(metrics, "deadline_unreachable") == 1
+
+
+async def test_rows_a_batch_would_finish_late_are_answered_504_and_never_computed(
+    make_batcher: BatcherFactory,
+) -> None:
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=2, max_wait_ms=1)
+    blocker = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    soon = asyncio.create_task(batcher.submit([1], group="g", deadline_s=time.monotonic() + 0.3))
+    later = asyncio.create_task(batcher.submit([2], group="g", deadline_s=time.monotonic() + 5))
+    await wait_until(lambda: batcher.queue_depth == 2)
+    for _ in range(3):
+        batcher.times.record("g", 2, 1.0)  # admitted when quick; now a batch takes a second
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        with pytest.raises(DeadlineExceededError, match="would take about 1000 ms"):
+            await soon
+        assert await later == [[4]]
+        await blocker
+    assert model.computed_rows == [0, 2]
+    assert dropped(metrics, "deadline_unreachable") == 1

@@ -281,3 +281,25 @@ def test_an_admin_switch_reaches_both_engines_or_neither(tmp_path: Path) -> None
         response = switch(server.url, "/rollback")
         assert response.status_code == 200, response.text
         assert served_versions(server.url) == {f"digits@{DIGITS.version}"}
+
+
+def test_rollback_gives_the_same_answer_whichever_front_end_takes_it(tmp_path: Path) -> None:
+    """With a model copy per worker, rollback answered 409 from the workers that had not made
+    the switch themselves; the engine keeps the one history."""
+    repository = tmp_path / "models"
+    copy_bundled_digits(repository)
+    retrained = add_digits_version(repository, 0.5)
+    with serve_with_engines(
+        tmp_path,
+        WORKERS,
+        BATCHSERVE_MODEL_REPOSITORY=str(repository),
+        BATCHSERVE_MODEL_VERSION=DIGITS.version,
+        BATCHSERVE_ADMIN_TOKEN=TOKEN,
+    ) as server:
+        wait_until_serving(server, WORKERS)
+        assert switch(server.url, f"/models/digits/versions/{retrained}/load").status_code == 200
+        expected = [DIGITS.version, retrained] * 3
+        for version in expected:  # each on a new connection: either front end may answer
+            response = switch(server.url, "/rollback")
+            assert response.status_code == 200, response.text
+            assert response.json()["serving"]["version"] == version

@@ -1,0 +1,48 @@
+"""Batch durations: what the deadline decisions are made from."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine import estimates
+from service.engine.estimates import BatchTimes, size_class
+
+
+def test_size_classes_double() -> None:
+    assert [size_class(rows) for rows in (0, 1, 2, 3, 4, 7, 8, 64)] == [1, 1, 2, 2, 3, 3, 4, 7]
+
+
+def test_an_unmeasured_group_has_no_estimate() -> None:
+    times = BatchTimes()
+    times.record("a", 4, 0.010)
+    assert times.estimate("b", 4) is None
+
+
+def test_one_slow_batch_does_not_move_the_estimate() -> None:
+    times = BatchTimes()
+    for seconds in (0.010, 0.011, 0.012, 2.0):
+        times.record("g", 4, seconds)
+    assert times.estimate("g", 4) == 0.011  # the lower median
+    times.record("g", 4, 3.0)
+    times.record("g", 4, 3.0)
+    assert times.estimate("g", 4) == 2.0  # slower for good: the estimate follows
+
+
+def test_a_size_not_measured_is_scaled_from_the_nearest_one() -> None:
+    times = BatchTimes()
+    times.record("g", 1, 0.010)  # class 1
+    times.record("g", 16, 0.100)  # class 5
+    assert times.estimate("g", 2) == 0.020  # class 2: one class above 1, twice as long
+    assert times.estimate("g", 64) == 0.400  # class 7: two classes above 5
+    assert times.estimate("g", 8) == 0.100  # class 4: below 5 (nearer than 1), as long at most
+
+
+def test_durations_are_forgotten_after_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refusals stop new measurements: a stale estimate must not go on refusing forever."""
+    now = [1000.0]
+    monkeypatch.setattr(estimates.time, "monotonic", lambda: now[0])
+    times = BatchTimes()
+    times.record("g", 1, 5.0)
+    assert times.estimate("g", 1) == 5.0
+    now[0] += estimates.FORGET_AFTER_S + 1
+    assert times.estimate("g", 1) is None
