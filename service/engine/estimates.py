@@ -6,12 +6,15 @@ admission what the queue cannot serve in time (429 with a ``Retry-After`` from t
 wait), and to run batches known to be quick on the event loop's own thread.
 
 Durations are kept per group (shape or length bucket) and per size class (rows rounded up to
-a power of two). The estimate is the lower median of the last few durations younger than
-``FORGET_AFTER_S``: one slow batch (a pause, a neighbour's burst) does not move it, and since
-refusals stop new measurements, an estimate that has gone stale is dropped rather than kept
-refusing. A size not measured lately is estimated from the nearest one of its group, scaled
-by rows when larger (forwards rarely grow slower than their rows, so this errs long); a group
-with no recent measurement has no estimate, and nothing is refused on its account.
+a power of two). The estimate is the lower median of the last few durations: one slow batch
+(a pause, a neighbour's burst) does not move it. Since refusals stop new measurements, a size
+whose newest duration is older than ``FORGET_AFTER_S`` is forgotten rather than kept refusing.
+A size not measured lately is estimated from the nearest one of its group, scaled by rows when
+larger (forwards rarely grow slower than their rows, so this errs long); a group with no
+recent measurement has no estimate, and nothing is refused on its account.
+
+The batcher asks for an estimate on every request, so each is a lookup: the median is taken
+when a duration is recorded (once per batch), not when it is read.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 #: Durations kept per group and size class.
 SAMPLES = 5
-#: Older durations no longer count.
+#: A size whose newest duration is older than this no longer counts.
 FORGET_AFTER_S = 30.0
 
 
@@ -31,33 +35,44 @@ def size_class(rows: int) -> int:
     return max(1, rows).bit_length()
 
 
+@dataclass
+class _Durations:
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    typical_s: float = 0.0
+    newest_at_s: float = 0.0
+
+
 class BatchTimes:
     """Recent forward durations, in seconds, by group and size class."""
 
     def __init__(self) -> None:
-        self._samples: dict[Hashable, dict[int, deque[tuple[float, float]]]] = {}
+        self._durations: dict[Hashable, dict[int, _Durations]] = {}
 
     def record(self, group: Hashable, rows: int, seconds: float) -> None:
-        by_size = self._samples.setdefault(group, {})
-        samples = by_size.setdefault(size_class(rows), deque(maxlen=SAMPLES))
-        samples.append((time.monotonic(), seconds))
+        by_size = self._durations.setdefault(group, {})
+        durations = by_size.setdefault(size_class(rows), _Durations())
+        durations.samples.append(seconds)
+        ordered = sorted(durations.samples)
+        durations.typical_s = ordered[(len(ordered) - 1) // 2]
+        durations.newest_at_s = time.monotonic()
 
     def estimate(self, group: Hashable, rows: int) -> float | None:
         """Seconds a batch of ``rows`` rows of ``group`` should take; None if unknown."""
-        by_size = self._samples.get(group)
+        by_size = self._durations.get(group)
         if not by_size:
             return None
-        fresh_after_s = time.monotonic() - FORGET_AFTER_S
-        typical: dict[int, float] = {}
-        for size, samples in by_size.items():
-            recent = sorted(seconds for at_s, seconds in samples if at_s >= fresh_after_s)
-            if recent:
-                typical[size] = recent[(len(recent) - 1) // 2]
-        if not typical:
-            return None
+        forgotten_before_s = time.monotonic() - FORGET_AFTER_S
         size = size_class(rows)
-        if size in typical:
-            return typical[size]
-        nearest = min(typical, key=lambda measured: (abs(measured - size), -measured))
-        seconds = typical[nearest]
+        durations = by_size.get(size)
+        if durations is not None and durations.newest_at_s >= forgotten_before_s:
+            return durations.typical_s
+        recent = {
+            measured: known.typical_s
+            for measured, known in by_size.items()
+            if known.newest_at_s >= forgotten_before_s
+        }
+        if not recent:
+            return None
+        nearest = min(recent, key=lambda measured: (abs(measured - size), -measured))
+        seconds = recent[nearest]
         return seconds * 2 ** (size - nearest) if size > nearest else seconds

@@ -1,0 +1,307 @@
+"""Three attacks on a real ``batchserve serve``, each measured against the same server unattacked.
+
+- ``goodput``: ``textenc`` at 512 tokens per request, ``max_queue_size`` 8 and a 300 ms
+  deadline, closed-loop clients at 1, 4 and 64: requests answered 200 per second (goodput),
+  and how late each 504 came after its deadline. Clients send their next request as soon as
+  they have an answer, 429 included: the harshest client there is.
+- ``fairness``: two clients keep the 512-token bucket full (32 x 512 tokens per request, one
+  full batch each) while a third sends 3-token requests: their latency beside the long bucket
+  against alone.
+- ``slow-uploads``: 8 connections send half a body and stall; a lone client's latency beside
+  them against alone.
+
+Every server runs on a free 127.0.0.1 port with one torch thread; every loop is bounded in
+time and count. Writes a Markdown report to stdout.
+
+    python -m loadtests.attacks                       # all three, about 3 minutes
+    python -m loadtests.attacks --scenario fairness --duration-s 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from loadtests import servers
+from loadtests.soak import HttpConnection
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+GOODPUT_CLIENTS = (1, 4, 64)
+DEADLINE_MS = 300
+SLOW_UPLOADS = 8
+#: Bounds of every loop: requests per client and seconds per measurement.
+MAX_REQUESTS_PER_CLIENT = 100_000
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int | str
+    latency_s: float
+
+
+def token_body(rng: np.random.Generator, rows: int, length: int) -> bytes:
+    ids = rng.integers(1, 1000, size=(rows, length)).tolist()
+    return json.dumps({"instances": ids}).encode()
+
+
+@contextmanager
+def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tuple[str, int]]:
+    env = servers.server_env(
+        {
+            "BATCHSERVE_DEVICE": "cpu",
+            "BATCHSERVE_TORCH_THREADS": "1",
+            "BATCHSERVE_LOG_LEVEL": "warning",
+            **settings,
+        }
+    )
+    log = scratch / f"{name}.log"
+    with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=180) as url:
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None
+        yield parts.hostname, parts.port
+
+
+async def closed_loop(
+    host: str, port: int, body: bytes, clients: int, duration_s: float
+) -> tuple[list[Outcome], float]:
+    """``clients`` connections, each sending ``body`` again as soon as it has an answer."""
+    outcomes: list[Outcome] = []
+    started_s = time.monotonic()
+
+    async def client() -> None:
+        connection = HttpConnection(host, port)
+        try:
+            for _ in range(MAX_REQUESTS_PER_CLIENT):
+                if time.monotonic() - started_s >= duration_s:
+                    return
+                sent_s = time.monotonic()
+                try:
+                    response = await connection.request("POST", "/predict", body, JSON_HEADERS)
+                    status: int | str = response.status
+                except (OSError, asyncio.IncompleteReadError) as error:
+                    status = type(error).__name__
+                outcomes.append(Outcome(status, time.monotonic() - sent_s))
+        finally:
+            await connection.close()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return outcomes, time.monotonic() - started_s
+
+
+def percentile_ms(values: Sequence[float], quantile: float) -> float:
+    if not values:
+        return float("nan")
+    return float(np.percentile(values, quantile)) * 1000
+
+
+# --------------------------------------------------------------------------- goodput
+
+
+def goodput(scratch: Path, duration_s: float) -> list[str]:
+    rng = np.random.default_rng(0)
+    body = token_body(rng, 1, 512)
+    settings = {
+        "BATCHSERVE_MODEL_NAME": "textenc",
+        "BATCHSERVE_MAX_QUEUE_SIZE": "8",
+        "BATCHSERVE_MAX_INSTANCES_PER_REQUEST": "64",
+        "BATCHSERVE_REQUEST_TIMEOUT_MS": str(DEADLINE_MS),
+    }
+    lines = [
+        "## Goodput under overload",
+        "",
+        f"`textenc`, 512 tokens per request, `max_queue_size=8`, deadline {DEADLINE_MS} ms; "
+        f"closed loop for {duration_s:.0f} s per point, the next request sent as soon as an "
+        "answer (429 included) arrives.",
+        "",
+        "| clients | 200/s | vs 1 client | answers by status | 504 after deadline p50 / max ms |",
+        "| --: | --: | --: | --- | --- |",
+    ]
+    with server(settings, scratch, "goodput") as (host, port):
+        asyncio.run(closed_loop(host, port, body, 1, 2.0))  # warm-up
+        one_client = None
+        for clients in GOODPUT_CLIENTS:
+            outcomes, elapsed_s = asyncio.run(closed_loop(host, port, body, clients, duration_s))
+            ok_per_s = sum(o.status == 200 for o in outcomes) / elapsed_s
+            one_client = one_client or ok_per_s
+            late = [o.latency_s - DEADLINE_MS / 1000 for o in outcomes if o.status == 504]
+            statuses = ", ".join(f"{s}: {n}" for s, n in sorted(Counter(
+                str(o.status) for o in outcomes).items()))  # fmt: skip
+            lateness = (
+                f"{percentile_ms(late, 50):.1f} / {max(late) * 1000:.1f}" if late else "no 504"
+            )
+            lines.append(
+                f"| {clients} | {ok_per_s:.1f} | {ok_per_s / one_client:.2f}x | {statuses} | "
+                f"{lateness} |"
+            )
+    return lines
+
+
+# --------------------------------------------------------------------------- fairness
+
+
+async def short_requests(host: str, port: int, body: bytes, count: int) -> list[Outcome]:
+    """``count`` short requests one after another, 100 ms apart."""
+    connection = HttpConnection(host, port)
+    outcomes = []
+    try:
+        for _ in range(count):
+            sent_s = time.monotonic()
+            response = await connection.request("POST", "/predict", body, JSON_HEADERS)
+            outcomes.append(Outcome(response.status, time.monotonic() - sent_s))
+            await asyncio.sleep(0.1)
+    finally:
+        await connection.close()
+    return outcomes
+
+
+async def shorts_beside_longs(
+    host: str, port: int, short: bytes, long: bytes, count: int
+) -> tuple[list[Outcome], list[Outcome]]:
+    stop_after_s = 120.0
+    longs = asyncio.create_task(closed_loop(host, port, long, 2, stop_after_s))
+    await asyncio.sleep(1.0)  # the long bucket is full
+    shorts = await short_requests(host, port, short, count)
+    longs.cancel()
+    try:
+        long_outcomes, _ = await longs
+    except asyncio.CancelledError:
+        long_outcomes = []
+    return shorts, long_outcomes
+
+
+def fairness(scratch: Path, count: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    short = token_body(rng, 1, 3)
+    long = token_body(rng, 32, 512)
+    with server({"BATCHSERVE_MODEL_NAME": "textenc"}, scratch, "fairness") as (host, port):
+        alone = asyncio.run(short_requests(host, port, short, count))
+        beside, _ = asyncio.run(shorts_beside_longs(host, port, short, long, count))
+    lines = [
+        "## Fairness: short requests beside a full long bucket",
+        "",
+        f"`textenc` defaults; {count} requests of 3 tokens, 100 ms apart, alone and while two "
+        "clients keep the 512-token bucket full (32 x 512 tokens per request: one full batch "
+        "each).",
+        "",
+        "| short requests | answered 200 | p50 ms | p99 ms | max ms |",
+        "| --- | --: | --: | --: | --: |",
+    ]
+    for label, outcomes in (("alone", alone), ("beside the long bucket", beside)):
+        latencies = [o.latency_s for o in outcomes if o.status == 200]
+        lines.append(
+            f"| {label} | {len(latencies)} of {len(outcomes)} | "
+            f"{percentile_ms(latencies, 50):.1f} | {percentile_ms(latencies, 99):.1f} | "
+            f"{max(latencies, default=float('nan')) * 1000:.1f} |"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------- slow uploads
+
+
+async def stalled_upload(host: str, port: int, body: bytes, stop: asyncio.Event) -> int:
+    """Send half a body and stall; when the server gives up on it, start again. Returns how
+    many times the server closed such a connection."""
+    closed = 0
+    while not stop.is_set():
+        reader, writer = await asyncio.open_connection(host, port)
+        head = (
+            f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        writer.write(head + body[: len(body) // 2])
+        await writer.drain()
+        read = asyncio.create_task(reader.read())
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (read, stopped):
+            task.cancel()
+        closed += read in done
+        writer.close()
+    return closed
+
+
+async def lone_beside_uploads(
+    host: str, port: int, body: bytes, count: int, uploads: int
+) -> tuple[list[Outcome], int]:
+    stop = asyncio.Event()
+    stalled = [asyncio.create_task(stalled_upload(host, port, body, stop)) for _ in range(uploads)]
+    await asyncio.sleep(0.5)
+    lone = await short_requests(host, port, body, count)
+    stop.set()
+    closed = sum(await asyncio.gather(*stalled))
+    return lone, closed
+
+
+def slow_uploads(scratch: Path, count: int) -> list[str]:
+    digit = json.dumps({"instances": np.full((1, 8, 8), 0.5).tolist()}).encode()
+    settings = {"BATCHSERVE_REQUEST_TIMEOUT_MS": "2000"}
+    with server(settings, scratch, "slow-uploads") as (host, port):
+        alone = asyncio.run(short_requests(host, port, digit, count))
+        beside, closed = asyncio.run(lone_beside_uploads(host, port, digit, count, SLOW_UPLOADS))
+    p50_alone = statistics.median(o.latency_s for o in alone) * 1000
+    p50_beside = statistics.median(o.latency_s for o in beside) * 1000
+    return [
+        "## Slow uploads",
+        "",
+        f"`digits`, deadline 2 s; {count} requests one after another, 100 ms apart, alone and "
+        f"beside {SLOW_UPLOADS} connections that send half a body and stall (when the server "
+        "answers one 408 and closes it, it starts again).",
+        "",
+        "| lone client | answered 200 | p50 ms | p99 ms |",
+        "| --- | --: | --: | --: |",
+        f"| alone | {sum(o.status == 200 for o in alone)} of {len(alone)} | {p50_alone:.2f} | "
+        f"{percentile_ms([o.latency_s for o in alone], 99):.2f} |",
+        f"| beside {SLOW_UPLOADS} stalled uploads | {sum(o.status == 200 for o in beside)} of "
+        f"{len(beside)} | {p50_beside:.2f} | "
+        f"{percentile_ms([o.latency_s for o in beside], 99):.2f} |",
+        "",
+        f"p50 beside / alone: {p50_beside / p50_alone:.2f}; stalled connections the server "
+        f"closed (408): {closed}.",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=["goodput", "fairness", "slow-uploads"],
+        action="append",
+        help="the attacks to run (default: all)",
+    )
+    parser.add_argument("--duration-s", type=float, default=10.0, help="per goodput point")
+    parser.add_argument("--count", type=int, default=30, help="short or lone requests")
+    args = parser.parse_args(argv)
+    chosen = args.scenario or ["goodput", "fairness", "slow-uploads"]
+    report = ["# Attacks on batchserve", ""]
+    with tempfile.TemporaryDirectory(prefix="batchserve-attacks-") as folder:
+        scratch = Path(folder)
+        for scenario in chosen:
+            if scenario == "goodput":
+                report += goodput(scratch, args.duration_s)
+            elif scenario == "fairness":
+                report += fairness(scratch, args.count)
+            else:
+                report += slow_uploads(scratch, args.count)
+            report.append("")
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
