@@ -302,3 +302,21 @@ async def test_a_request_validated_against_the_version_just_replaced_is_still_se
         np.testing.assert_array_equal(result.outputs, value_rows(3.0))
         with pytest.raises(NotReadyError, match="no longer served"):
             await client.infer(dataclasses.replace(validated_against_first, model="other"))
+
+
+def test_a_front_ends_load_counts_only_while_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.engine import state as engine_state
+
+    now = [100.0]
+    monkeypatch.setattr(engine_state.time, "monotonic", lambda: now[0])
+    held = engine_state.EngineState(
+        settings=Settings(device="cpu"),
+        metrics=EngineMetrics(),
+        store=None,
+        device="cpu",  # type: ignore[arg-type]
+    )
+    held.frontend_loads["a"] = (30, 100.0)
+    held.frontend_loads["b"] = (5, 99.99)
+    assert held.expected_requests() == 35
+    now[0] = 100.0 + engine_state.LOAD_FRESH_S + 0.001  # a has gone quiet too
+    assert held.expected_requests() == 0

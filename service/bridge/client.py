@@ -202,6 +202,7 @@ class EngineConnection(asyncio.Protocol):
             priority=request.priority,
             deadline=request.deadline_s,
             request_id=request.request_id,
+            load=request.frontend_load,
         )
         self._writer.send(wire.Kind.SUBMIT, header, wire.array_bytes(request.instances))
         return call_id, future

@@ -118,6 +118,10 @@ class InferenceRequest:
     deadline_s: float
     """``time.monotonic()`` at which the request is answered 504 (the clock is system-wide)."""
     request_id: str
+    frontend_load: int = 1
+    """Requests the front end holds now, their bodies read and not yet answered, this one
+    included: how many batch-mates the adaptive policy may wait for (uploads still arriving
+    do not count)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,6 +229,7 @@ class _Connection(asyncio.Protocol):
                 priority=header["priority"],
                 deadline_s=float(header["deadline"]),
                 request_id=header["request_id"],
+                frontend_load=int(header.get("load", 1)),
             )
             self._enqueue(call_id, request)
         elif frame.kind == wire.Kind.CANCEL:

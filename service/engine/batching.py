@@ -228,11 +228,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     - ``fixed``: wait until the oldest request has waited ``max_wait_ms`` or a batch is full.
     - ``adaptive``: first let requests that have already arrived join; then dispatch as soon
-      as the batch holds as many rows as the last batch had, waiting never past
-      ``max_wait_ms``. A lone client never waits for batch-mates that are not coming; 64
-      concurrent clients fill batches of 64, because the clients just answered come back
-      within a round trip. Batches also grow while the device is busy, because they are only
-      collected when it is free.
+      as the batch holds as many rows as the last batch had, or as the front ends hold
+      requests (``expected_requests``: bodies read, not yet answered, which includes the
+      clients just answered and about to come back), waiting never past ``max_wait_ms``. A
+      lone client never waits for batch-mates that are not coming, nor for uploads still
+      arriving; 64 concurrent clients fill batches of 64. Batches also grow while the device
+      is busy, because they are only collected when it is free.
     """
 
     def __init__(
@@ -250,6 +251,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         stall_timeout_s: float = 0.0,
         on_stall: Callable[[], None] | None = None,
         inline_below_s: float = 0.0,
+        expected_requests: Callable[[], int] = lambda: 0,
     ) -> None:
         """``inline_below_s``: a batch of a size that last took less than this runs on the
         event loop's own thread rather than in ``executor``, saving the two thread hand-offs
@@ -272,6 +274,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._stall_timeout_s = stall_timeout_s
         self._on_stall = on_stall
         self._inline_below_s = inline_below_s
+        self._expected_requests = expected_requests
         self._queue_depth_refresh: asyncio.TimerHandle | None = None
         self.times = BatchTimes()
         """Recent forward durations by group and size; the warm-up seeds them."""
@@ -550,7 +553,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         self._restore_row_limit()
         if self.policy == "adaptive":
-            self._target_rows = max(1, min(self._row_limit, self._last_batch_rows))
+            expected = max(self._last_batch_rows, self._expected_requests())
+            self._target_rows = max(1, min(self._row_limit, expected))
         yielded = self.policy != "adaptive"
         while True:
             oldest = self._oldest_entry()

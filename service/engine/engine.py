@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -143,6 +144,7 @@ class Engine:
                 f"{request.model}@{request.version} is no longer served (now {manifest.label}) "
                 "and its inputs differ; retry"
             )
+        self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
         ticket = served.batcher.enqueue(
             request.instances,
             group=request.group,

@@ -70,6 +70,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
         inline_below_s=state.inline_below_s,
+        expected_requests=state.expected_requests,
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):
         # The warm-up's timings let the deadlines be judged from the first request on.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,10 @@ from service.types import Array
 
 if TYPE_CHECKING:
     from service.engine.runner import TorchRunner
+
+#: A front end's reported load counts this long: it reports with every request, so one that
+#: has been quiet longer has nothing arriving.
+LOAD_FRESH_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,17 @@ class EngineState:
     """Called whenever the state a front end sees changes (``Engine.status``)."""
     on_stall: Callable[[], None] | None = None
     """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
+    frontend_loads: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
+    """Each front end's last reported load (``InferenceRequest.frontend_load``) and when."""
     inline_below_s: float = 0.0
     """Batches known to take less than this run on the event loop's thread (see
     ``DynamicBatcher``); only an engine process, whose loop serves no HTTP, sets it."""
+
+    def expected_requests(self) -> int:
+        """Requests the front ends hold now, as they last said within ``LOAD_FRESH_S``:
+        what the adaptive policy may wait for. An idle front end's word goes stale."""
+        fresh_after_s = time.monotonic() - LOAD_FRESH_S
+        return sum(load for load, at_s in self.frontend_loads.values() if at_s >= fresh_after_s)
 
     def changed(self) -> None:
         for listener in list(self.listeners):

@@ -178,22 +178,27 @@ async def serve_prediction(
     body = await read_body(
         receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
     )
-    model = frontend.serving_model()
-    layout = frontend.layout_for(model)
-    instances = layout.parse(body, media_type)
-    group, cost_per_row = layout.group_and_cost(instances)
-    request = InferenceRequest(
-        model=model.manifest.name,
-        version=model.manifest.version,
-        instances=instances,
-        group=group,
-        cost_per_row=cost_per_row,
-        priority=headers.batch_priority(),
-        deadline_s=deadline_s,
-        request_id=request_id,
-    )
-    with DisconnectWatcher(receive):
-        result = await frontend.engine.infer(request)
+    frontend.holding += 1
+    try:
+        model = frontend.serving_model()
+        layout = frontend.layout_for(model)
+        instances = layout.parse(body, media_type)
+        group, cost_per_row = layout.group_and_cost(instances)
+        request = InferenceRequest(
+            model=model.manifest.name,
+            version=model.manifest.version,
+            instances=instances,
+            group=group,
+            cost_per_row=cost_per_row,
+            priority=headers.batch_priority(),
+            deadline_s=deadline_s,
+            request_id=request_id,
+            frontend_load=frontend.holding,
+        )
+        with DisconnectWatcher(receive):
+            result = await frontend.engine.infer(request)
+    finally:
+        frontend.holding -= 1
     name, version = model.manifest.name, result.version
     response_headers = {"X-Model-Version": f"{name}@{version}"}
     if wants_npy(headers.accept):

@@ -33,6 +33,8 @@ class FrontendState:
     """One process serving alone: a hung model means this process must be replaced. Behind
     the bridge the supervisor replaces the engine and the front end stays alive."""
     draining: bool = False
+    holding: int = 0
+    """Requests whose body has been read and that are not answered yet."""
     gauge_refreshers: list[Callable[[], None]] = field(default_factory=list)
     """More gauges to refresh with this process's (an engine in this process adds its own)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
