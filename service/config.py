@@ -116,6 +116,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     """Largest accepted request body; a larger one is answered 413 before it is read whole."""
 
+    max_requests_per_frontend: int = Field(default=1024, ge=1, le=1_000_000)
+    """Most prediction requests one front end holds at once, uploads still arriving included
+    (each at most ``request_timeout_ms``); the next is answered 503 with ``Retry-After`` at
+    once. Bounds what slow clients can pin."""
+
     max_instances_per_request: int = Field(default=1024, ge=1, le=1_000_000)
     """Most instances in one request; requests above ``max_batch_size`` are split and rejoined."""
 

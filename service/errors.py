@@ -153,6 +153,14 @@ class NotReadyError(RetryLaterError):
     code = "not_ready"
 
 
+class FrontendBusyError(RetryLaterError):
+    """The front end holds ``max_requests_per_frontend`` requests already."""
+
+    status_code = 503
+    code = "too_many_requests_in_progress"
+    closes_connection = True
+
+
 class EngineUnavailableError(RetryLaterError):
     """No engine can take the request: it died, hung or is restarting."""
 

@@ -389,3 +389,38 @@ async def test_digits_refuse_pixels_outside_their_declared_range(
     response = await post_json(client, {"instances": [[[1e38] * 8] * 8]})
     assert response.status_code == 422
     assert "values must lie in [0, 1]" in response.json()["error"]["message"]
+
+
+async def test_a_front_end_holds_at_most_its_limit_of_requests_slow_uploads_included() -> None:
+    from tests.fixtures import predict_scope
+
+    application = create_app(make_settings(max_requests_per_frontend=2))
+    manager = await start(application)
+    stalled = asyncio.Event()
+    try:
+
+        async def never_finishes() -> dict[str, object]:
+            await stalled.wait()
+            return {"type": "http.disconnect"}
+
+        async def ignore(message: dict[str, object]) -> None:
+            pass
+
+        scope = predict_scope([(b"content-type", b"application/json")])
+        uploads = [
+            asyncio.create_task(application(scope, never_finishes, ignore)) for _ in range(2)
+        ]
+        await asyncio.sleep(0.05)
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            refused = await post_json(http, {"instances": random_digits(1, seed=0).tolist()})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "too_many_requests_in_progress"
+            assert refused.headers["retry-after"] == "1"
+            stalled.set()
+            await asyncio.gather(*uploads)
+            served = await post_json(http, {"instances": random_digits(1, seed=0).tolist()})
+            assert served.status_code == 200
+    finally:
+        stalled.set()
+        await manager.__aexit__(None, None, None)

@@ -17,7 +17,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import ServiceError
+from service.errors import FrontendBusyError, ServiceError
 from service.frontend.predict import ClientDisconnectedError, PredictHeaders, serve_prediction
 from service.frontend.responses import internal_error_response, service_error_response
 from service.frontend.state import FrontendState
@@ -68,6 +68,7 @@ class ServiceMiddleware:
         try:
             if predicting:
                 self.metrics.in_flight.inc()
+                self.frontend.receiving += 1
                 response = await self._predict(scope, receive, request_id)
                 if response is None:
                     status = CLIENT_CLOSED_STATUS
@@ -78,6 +79,7 @@ class ServiceMiddleware:
         finally:
             if predicting:
                 self.metrics.in_flight.dec()
+                self.frontend.receiving -= 1
             status_label = str(status)
             self.metrics.requests.labels(route, status_label).inc()
             self.metrics.request_latency.labels(route, status_label).observe(
@@ -87,6 +89,12 @@ class ServiceMiddleware:
     async def _predict(self, scope: Scope, receive: Receive, request_id: str) -> Response | None:
         """The prediction's response, an error response, or None if the client left."""
         try:
+            limit = self.frontend.settings.max_requests_per_frontend
+            if self.frontend.receiving > limit:
+                raise FrontendBusyError(
+                    f"this front end holds {limit} requests already (max_requests_per_frontend);"
+                    " retry shortly"
+                )
             return await serve_prediction(
                 self.frontend, PredictHeaders.from_scope(scope), receive, request_id
             )

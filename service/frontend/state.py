@@ -35,6 +35,8 @@ class FrontendState:
     draining: bool = False
     holding: int = 0
     """Requests whose body has been read and that are not answered yet."""
+    receiving: int = 0
+    """Prediction requests in this front end, from their first byte to their answer."""
     gauge_refreshers: list[Callable[[], None]] = field(default_factory=list)
     """More gauges to refresh with this process's (an engine in this process adds its own)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
