@@ -43,7 +43,7 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
         echo "pip installed a second torch over the base image's; pin the base's version" >&2; \
         exit 1; \
     fi \
-    && /opt/batchserve/bin/python -c "import torch, service.app; print('torch', torch.__version__)"
+    && /opt/batchserve/bin/python -c "import torch, service.server.single, service.server.frontend_process; print('torch', torch.__version__)"
 # `batchserve package` leaves version folders private to their creator (mkdtemp's 0700):
 # readable by everyone here, writable by no one but root.
 COPY models/ /models/

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # while the set-up installs the build this project is tested with.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test lint typecheck unit clean container-smoke
+.PHONY: install serve test lint typecheck unit clean container-smoke mutate
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ unit: install
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# Mutation score of the batcher and the input parsing against their fast unit tests (about 15 minutes; not part of `make test`).
+mutate: install
+	$(BIN)/python scripts/mutate.py --module service/engine/batching.py --tests tests/test_batching.py --fail-under 90
+	$(BIN)/python scripts/mutate.py --module service/frontend/inputs.py --tests tests/test_inputs.py --fail-under 90
 
 # Builds ./Dockerfile with buildah and runs the image (deploy/container_smoke.sh says how);
 # needs root and `apt-get install buildah debootstrap`.

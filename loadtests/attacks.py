@@ -70,7 +70,8 @@ def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tu
     log = scratch / f"{name}.log"
     with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=180) as url:
         parts = urlsplit(url)
-        assert parts.hostname is not None and parts.port is not None
+        assert parts.hostname is not None
+        assert parts.port is not None
         yield parts.hostname, parts.port
 
 

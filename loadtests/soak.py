@@ -54,6 +54,9 @@ MISMATCH = "mismatch"
 #: Requests not sent because ``--max-backlog`` scheduled ones were already waiting for a
 #: sender: the client's own bound, so a stalled server cannot make it grow without limit.
 BACKLOG = "not_sent_backlog"
+#: Answers an overload soak expects: refused at once (429), not ready or busy (503), or past
+#: the deadline (504). Answered, so nothing is lost; not computed, so nothing is wrong.
+REFUSALS = frozenset({"status_429", "status_503", "status_504"})
 #: One sample per process role (``{role="server"}``, or front ends and engines).
 _RSS = re.compile(r"^batchserve_process_resident_memory_bytes(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
@@ -70,6 +73,8 @@ class SoakOptions:
     max_backlog: int = 2000
     pool: int = 256
     seed: int = 0
+    overload: bool = False
+    """More than the server can take: refusals (``REFUSALS``) are expected, not errors."""
 
     @property
     def total(self) -> int:
@@ -103,8 +108,19 @@ class SoakResult:
 
     @property
     def errors(self) -> Counter[str]:
-        """Every outcome other than a correct 200 or a mismatch, by kind."""
-        return Counter({kind: n for kind, n in self.kinds.items() if kind not in (OK, MISMATCH)})
+        """Every outcome other than a correct 200, a mismatch, or (in an overload soak) a
+        refusal, by kind."""
+        expected = {OK, MISMATCH} | (REFUSALS if self.options.overload else set())
+        return Counter({kind: n for kind, n in self.kinds.items() if kind not in expected})
+
+    @property
+    def refusals(self) -> Counter[str]:
+        return Counter({kind: n for kind, n in self.kinds.items() if kind in REFUSALS})
+
+    @property
+    def goodput_per_s(self) -> float:
+        """Correct answers per second of the run."""
+        return self.kinds[OK] / self.options.duration_s
 
     @property
     def passed(self) -> bool:
@@ -379,6 +395,14 @@ def report_markdown(result: SoakResult, note: str = "") -> str:
     ]
     if note:
         lines += ["", note]
+    if options.overload:
+        refused = ", ".join(f"{kind} {n}" for kind, n in sorted(result.refusals.items()))
+        lines += [
+            "",
+            f"Overload soak: goodput {result.goodput_per_s:.1f} correct answers/s "
+            f"({result.goodput_per_s / options.rate:.0%} of the offered rate); refused: "
+            f"{refused or 'none'}.",
+        ]
     lines += [
         "",
         "| requests | answered | correct 200 | errors | mismatches | p50 ms | p99 ms | result |",
@@ -459,6 +483,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="a BATCHSERVE_* setting for the server this starts (repeatable)",
     )
+    parser.add_argument(
+        "--overload",
+        action="store_true",
+        help="offer more than the server can take: 429, 503 and 504 answers are expected "
+        "refusals, reported with the goodput, not errors",
+    )
     parser.add_argument("--csv", type=Path, help="also write one row per window to this file")
     parser.add_argument("--note", default="", help="a line added to the report, e.g. the machine")
     args = parser.parse_args(argv)
@@ -497,6 +527,7 @@ def run(argv: Sequence[str] | None = None) -> SoakResult:
         max_backlog=args.max_backlog,
         pool=args.pool,
         seed=args.seed,
+        overload=args.overload,
     )
     torch.set_num_threads(1)  # the reference is computed once, before the load
     reference = Reference(options.pool, options.seed)

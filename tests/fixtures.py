@@ -17,6 +17,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from service.engine.batching import BatchFunction, DynamicBatcher
+from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.metrics import EngineMetrics
 
 Payload = list[int]
@@ -98,16 +99,51 @@ class GatedModel(RecordingDoubler):
 
 
 class PoisonModel(RecordingDoubler):
-    """Raises ``ValueError`` for any batch holding a row equal to ``poison``; doubles otherwise."""
+    """Raises ``error`` (``ValueError`` unless given) for any batch holding a row equal to
+    ``poison``; doubles otherwise."""
+
+    def __init__(self, poison: int, error: type[Exception] = ValueError) -> None:
+        super().__init__()
+        self.poison = poison
+        self.error = error
+
+    def __call__(self, payloads: list[Payload]) -> list[Payload]:
+        self._record(payloads)
+        if any(self.poison in payload for payload in payloads):
+            raise self.error(f"the model cannot handle row {self.poison}")
+        return [doubled(payload) for payload in payloads]
+
+
+class PoisonAnsweringModel(RecordingDoubler):
+    """Answers a payload holding ``poison`` with an exception as its output (a row the model
+    fails on alone, as a runner reports non-finite outputs), and doubles the others."""
 
     def __init__(self, poison: int) -> None:
         super().__init__()
         self.poison = poison
 
+    def __call__(self, payloads: list[Payload]) -> list[Payload | Exception]:  # type: ignore[override]
+        self._record(payloads)
+        return [
+            InferenceError(f"row {self.poison} gave no finite output")
+            if self.poison in payload
+            else doubled(payload)
+            for payload in payloads
+        ]
+
+
+class OutOfMemoryAbove(RecordingDoubler):
+    """A device with room for ``max_rows`` rows: a larger batch raises
+    ``DeviceOutOfMemoryError`` (and is recorded); the test may change ``max_rows``."""
+
+    def __init__(self, max_rows: int) -> None:
+        super().__init__()
+        self.max_rows = max_rows
+
     def __call__(self, payloads: list[Payload]) -> list[Payload]:
         self._record(payloads)
-        if any(self.poison in payload for payload in payloads):
-            raise ValueError(f"the model cannot handle row {self.poison}")
+        if sum(len(payload) for payload in payloads) > self.max_rows:
+            raise DeviceOutOfMemoryError("CUDA out of memory (fake)")
         return [doubled(payload) for payload in payloads]
 
 
@@ -137,11 +173,53 @@ class ManualExecutor(Executor):
 
     def finish_next(self) -> None:
         future, fn, args = self._calls.popleft()
-        future.set_result(fn(*args))
+        try:
+            result = fn(*args)
+        except Exception as error:  # the device failed: its caller gets the error
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    async def finish_until(self, done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+        """Finish calls one by one, as they come, until ``done()``."""
+        async with asyncio.timeout(timeout_s):
+            while not done():
+                await wait_until(lambda: self.pending > 0 or done(), timeout_s)
+                if self.pending:
+                    self.finish_next()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         while self._calls:
             self._calls.popleft()[0].cancel()
+
+
+class SteppedClock:
+    """Stands in for the batcher's ``time`` module: real time plus an offset the test moves
+    on with ``advance``, so a test can say how long requests have waited (or how long ago
+    the device ran out of memory) without sleeping. Counts how often the batcher reads it.
+    ``freeze`` stops it, for tests of what happens exactly at a limit."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+        self.reads = 0
+        self._frozen_at_s: float | None = None
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        now_s = time.monotonic() if self._frozen_at_s is None else self._frozen_at_s
+        return now_s + self.offset_s
+
+    def freeze(self, at_s: float = 1000.0) -> None:
+        """Read ``at_s`` from now on (plus what ``advance`` adds): a round number, so that the
+        sums and differences of the durations a test sets are exact."""
+        self._frozen_at_s = at_s
+        self.offset_s = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+    def advance(self, seconds: float) -> None:
+        self.offset_s += seconds
 
 
 #: What a fake's forward takes as the warm-up would have measured it: the fakes answer at
@@ -151,7 +229,8 @@ MEASURED_FORWARD_S = 0.001
 
 class BatcherFactory:
     """Builds started batchers, each on its own one-thread executor unless given one; ``aclose``
-    releases every gated fake, drains every batcher and shuts the executors down.
+    releases every gated fake, drains every batcher (finishing the calls a ``ManualExecutor``
+    still holds) and shuts the executors down.
 
     Unless ``measured=False``, each batcher knows (as a model's warm-up tells it) that batches
     of group ``"g"`` take ``MEASURED_FORWARD_S`` at every size up to ``max_batch_size``."""
@@ -198,7 +277,10 @@ class BatcherFactory:
                 run_batch.release()
         for batcher, executor, _ in self._built:
             async with asyncio.timeout(GATE_TIMEOUT_S):
-                await batcher.drain()
+                draining = asyncio.ensure_future(batcher.drain())
+                if isinstance(executor, ManualExecutor):  # finish what the test left running
+                    await executor.finish_until(draining.done, GATE_TIMEOUT_S)
+                await draining
             executor.shutdown(wait=True)
 
 

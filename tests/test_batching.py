@@ -11,16 +11,20 @@ import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 
-from service.engine.batching import DynamicBatcher
+from service.engine import batching
+from service.engine.batching import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, DynamicBatcher, Ticket
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
+    InsufficientDeviceMemoryError,
     InvalidInputError,
     NotReadyError,
     OverloadedError,
@@ -33,9 +37,12 @@ from tests.fixtures import (
     GatedModel,
     ManualExecutor,
     MiscountingModel,
+    OutOfMemoryAbove,
     Payload,
+    PoisonAnsweringModel,
     PoisonModel,
     RecordingDoubler,
+    SteppedClock,
     doubled,
     dropped,
     flatten,
@@ -67,7 +74,7 @@ async def make_batcher() -> AsyncIterator[BatcherFactory]:
     loop_errors: list[dict[str, Any]] = []
     previous_handler = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: loop_errors.append(context))
-    batching_log = logging.getLogger("service.batching")
+    batching_log = logging.getLogger("service.engine.batching")
     records = _Records()
     batching_log.addHandler(records)
     factory = BatcherFactory()
@@ -80,6 +87,14 @@ async def make_batcher() -> AsyncIterator[BatcherFactory]:
         batching_log.removeHandler(records)
     assert loop_errors == []
     assert "batch_failed_unexpectedly" not in records.messages
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> SteppedClock:
+    """The batcher's clock, moved on by the test (``clock.advance``)."""
+    stepped = SteppedClock()
+    monkeypatch.setattr(batching, "time", stepped)
+    return stepped
 
 
 async def submit_all(batcher: Any, payloads: list[Payload], group: object = "g") -> list[Any]:
@@ -414,6 +429,7 @@ async def test_poison_request_is_isolated_by_halving(make_batcher: BatcherFactor
     model = PoisonModel(poison=-1)
     batcher = make_batcher(model, metrics=metrics, max_batch_size=8, max_wait_ms=50)
 
+    started_s = time.monotonic()
     async with asyncio.timeout(PROMPTLY_S):
         results = await submit_all(batcher, [[1], [2, 3], [-1, 4], [5]])
 
@@ -425,6 +441,11 @@ async def test_poison_request_is_isolated_by_halving(make_batcher: BatcherFactor
     assert model.batches[0] == [[1], [2, 3], [-1, 4], [5]]
     assert [[-1, 4]] in model.batches  # the culprit ran alone
     assert sample(metrics, "batchserve_batch_failures_total") > 0
+    # Failed forwards are timed too.
+    assert sample(metrics, "batchserve_inference_duration_seconds_count") == model.calls
+    assert (
+        sample(metrics, "batchserve_inference_duration_seconds_sum") < time.monotonic() - started_s
+    )
 
 
 async def test_model_returning_the_wrong_number_of_outputs_fails_each_request(
@@ -533,8 +554,10 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=4, max_wait_ms=50)
+    started_s = time.monotonic()
     running = asyncio.create_task(batcher.submit([0], group="g"))
     await model.wait_started()
+    await asyncio.sleep(2 * QUEUE_DEPTH_REFRESH_S)  # the gauge has followed the first one out
     queued = [asyncio.create_task(batcher.submit([row, row], group="g")) for row in (1, 2, 3)]
     await wait_until(lambda: batcher.queue_depth == 3)
     # The gauge follows within QUEUE_DEPTH_REFRESH_S, not at every change.
@@ -557,6 +580,9 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     )
     assert sample(metrics, "batchserve_queue_wait_seconds_count") == 3
     assert sample(metrics, "batchserve_inference_duration_seconds_count") == 2
+    elapsed_s = time.monotonic() - started_s
+    assert 0 < sample(metrics, "batchserve_queue_wait_seconds_sum") < elapsed_s
+    assert 0 < sample(metrics, "batchserve_inference_duration_seconds_sum") < elapsed_s
 
 
 async def test_adaptive_policy_dispatches_a_lone_request_at_once(
@@ -718,6 +744,27 @@ async def test_batches_known_to_be_quick_run_on_the_loops_thread(
     assert model.threads[3:] == ["fake-device_0", loop_thread]
 
 
+async def test_inline_forwards_are_timed_and_only_batches_below_the_limit_run_inline(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = ThreadNoting()
+    batcher = make_batcher(
+        model, max_batch_size=4, max_wait_ms=1, inline_below_s=1.0, measured=False
+    )
+    for _ in range(3):
+        batcher.times.record("g", 1, 0.5)  # below inline_below_s
+        batcher.times.record("g", 2, 1.0)  # not below it
+    for rows in ([1], [2], [3], [4, 5]):
+        async with asyncio.timeout(PROMPTLY_S):
+            assert await batcher.submit(rows, group="g") == [doubled(rows)]
+    loop_thread = threading.current_thread().name
+    assert model.threads == [loop_thread] * 3 + ["fake-device_0"]
+    # The three forwards on the loop's thread outvote the 0.5 s measured before.
+    estimate = batcher.times.estimate("g", 1)
+    assert estimate is not None
+    assert estimate < 0.1
+
+
 async def test_without_inline_below_every_batch_runs_in_the_executor(
     make_batcher: BatcherFactory,
 ) -> None:
@@ -840,3 +887,640 @@ async def test_rows_a_batch_would_finish_late_are_answered_504_and_never_compute
         await blocker
     assert model.computed_rows == [0, 2]
     assert dropped(metrics, "deadline_unreachable") == 1
+
+
+async def test_adaptive_policy_waits_for_the_requests_the_front_ends_hold(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Two requests are held by the front ends (bodies read, not answered): the first
+    waits for the second, though the last batch had one row."""
+    model = RecordingDoubler()
+    held = [2]
+    batcher = make_batcher(
+        model, max_batch_size=4, max_wait_ms=10_000, expected_requests=lambda: held[0]
+    )
+    first = asyncio.create_task(batcher.submit([1], group="g"))
+    await asyncio.sleep(0.1)
+    assert model.batches == [], "must wait for the second request the front ends hold"
+    second = asyncio.create_task(batcher.submit([2], group="g"))
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await first == [[2]]
+        assert await second == [[4]]
+    assert model.batches == [[[1], [2]]]
+
+
+# ----------------------------------------------------------------- tickets
+
+
+async def test_a_tickets_callbacks_run_once_when_its_last_chunk_is_answered(
+    make_batcher: BatcherFactory,
+) -> None:
+    device = ManualExecutor()
+    batcher = make_batcher(RecordingDoubler(), executor=device, max_batch_size=2)
+    ticket = batcher.enqueue([1, 2, 3, 4, 5], group="g")
+    calls: list[Ticket[Payload]] = []
+    ticket.add_done_callback(calls.append)
+
+    for _ in range(2):
+        await wait_until(lambda: device.pending == 1)
+        device.finish_next()
+    await wait_until(lambda: device.pending == 1)
+    await asyncio.sleep(0)  # the answered chunks' callbacks have run
+    assert calls == [], "two chunks of three answered"
+    device.finish_next()
+    await wait_until(lambda: calls == [ticket])
+    assert ticket.outputs() == [[2, 4], [6, 8], [10]]
+
+    late: list[Ticket[Payload]] = []
+    ticket.add_done_callback(late.append)
+    assert late == [], "called from the event loop, never from inside add_done_callback"
+    await wait_until(lambda: late == [ticket])
+    await asyncio.sleep(0)
+    assert calls == [ticket]
+
+
+async def test_a_cancelled_ticket_finishes_and_its_queued_chunks_are_dropped(
+    make_batcher: BatcherFactory,
+) -> None:
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, metrics=metrics, executor=device, max_batch_size=2, request_timeout_ms=LONG_WAIT_MS
+    )
+    ticket = batcher.enqueue([1, 2, 3, 4, 5, 6], group="g")
+    calls: list[Ticket[Payload]] = []
+    ticket.add_done_callback(calls.append)
+    await wait_until(lambda: device.pending == 1)  # the first chunk runs
+
+    ticket.cancel()
+    assert batcher.queue_depth == 0
+    assert dropped(metrics, "cancelled") == 2
+    await wait_until(lambda: calls == [ticket])  # every chunk answered: cancelled
+    with pytest.raises(asyncio.CancelledError):
+        ticket.outputs()
+    device.finish_next()  # the running chunk comes back to a cancelled future
+    follow = asyncio.create_task(batcher.submit([7], group="g"))
+    await device.finish_until(follow.done)
+    assert await follow == [[14]]
+    assert model.computed_rows == [1, 2, 7]
+
+
+async def test_once_a_chunk_fails_the_requests_queued_chunks_are_dropped(
+    make_batcher: BatcherFactory,
+) -> None:
+    """The bridge waits on the ticket, not on each chunk: a failed chunk fails the request,
+    and what is still queued of it is never computed."""
+    metrics = EngineMetrics()
+    model = PoisonModel(poison=-1)
+    device = ManualExecutor()
+    batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=2)
+    ticket = batcher.enqueue([-1, 2, 3, 4, 5, 6], group="g")
+    calls: list[Ticket[Payload]] = []
+    ticket.add_done_callback(calls.append)
+
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()  # [-1, 2] fails
+    await wait_until(lambda: calls == [ticket])
+    with pytest.raises(InferenceError):
+        ticket.outputs()
+    assert batcher.queue_depth == 0
+    assert dropped(metrics, "cancelled") == 1  # [5, 6]; [3, 4] had left the queue already
+    assert device.pending == 1
+    device.finish_next()
+    assert model.computed_rows == [-1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------- memory
+
+
+def outcome_of(ticket: Ticket[Payload]) -> object:
+    """The ticket's outputs, or the type of its error (not the error, whose traceback would
+    hold the ticket's frames)."""
+    try:
+        return ticket.outputs()
+    except BaseException as error:
+        return type(error)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "expected"),
+    [("answered", [[2]]), ("failed", InferenceError), ("cancelled", asyncio.CancelledError)],
+)
+async def test_a_finished_request_is_let_go_before_its_deadline(
+    make_batcher: BatcherFactory, outcome: str, expected: object
+) -> None:
+    """Its deadline timer is cancelled with it: a timer left to run would hold the request
+    and its payload in memory for the whole ``request_timeout_ms``."""
+    device = ManualExecutor()
+    batcher = make_batcher(
+        PoisonAnsweringModel(poison=-1),
+        executor=device,
+        max_batch_size=1,
+        request_timeout_ms=LONG_WAIT_MS,
+    )
+    first = asyncio.create_task(batcher.submit([0], group="g"))
+    await wait_until(lambda: device.pending == 1)
+    payload = np.array([-1 if outcome == "failed" else 1])  # chunks are views: they hold it
+    payload_alive = weakref.ref(payload)
+    ticket = batcher.enqueue(payload, group="g")  # type: ignore[arg-type]
+    del payload
+    finished: list[Ticket[Payload]] = []
+    ticket.add_done_callback(finished.append)
+    if outcome == "cancelled":
+        ticket.cancel()
+    # A last request, so that the collector lets go of the batch before it.
+    last = asyncio.create_task(batcher.submit([2], group="g"))
+    await device.finish_until(last.done)
+    assert await asyncio.gather(first, last) == [[[0]], [[4]]]
+    await wait_until(lambda: len(finished) == 1)
+
+    assert outcome_of(ticket) == expected
+    finished.clear()
+    del ticket
+    await asyncio.sleep(0)
+    gc.collect()
+    assert payload_alive() is None
+
+
+# ----------------------------------------------------------------- more forming
+
+
+async def test_fixed_policy_runs_a_batch_once_full_by_rows_or_by_cost(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    batcher = make_batcher(
+        model, max_batch_size=4, max_batch_cost=10, max_wait_ms=LONG_WAIT_MS, policy="fixed"
+    )
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await submit_all(batcher, [[1], [2], [3], [4]]) == [[[2]], [[4]], [[6]], [[8]]]
+
+    half = asyncio.create_task(batcher.submit([5], group="g", cost_per_row=5))
+    await asyncio.sleep(0.1)
+    assert model.calls == 1, "half the budget: the batch waits for max_wait_ms"
+    async with asyncio.timeout(PROMPTLY_S):  # exactly the budget: full
+        assert await batcher.submit([6], group="g", cost_per_row=5) == [[12]]
+        assert await half == [[10]]
+    assert model.batches == [[[1], [2], [3], [4]], [[5], [6]]]
+
+
+async def test_drain_runs_the_partial_batches_left_in_every_group(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Also once other groups have emptied, by their batch or by a cancel."""
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=2, max_wait_ms=LONG_WAIT_MS, policy="fixed")
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([1, 2], group="a") == [[2, 4]]
+    leaving = asyncio.create_task(batcher.submit([9], group="c"))
+    waiting = asyncio.create_task(batcher.submit([3], group="b"))
+    await wait_until(lambda: batcher.queue_depth == 2)
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.drain()
+    assert await waiting == [[6]]
+    assert model.batches == [[[1, 2]], [[3]]]
+
+
+async def test_a_request_taking_a_group_past_the_adaptive_target_is_dispatched_at_once(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = GatedModel()
+    batcher = make_batcher(model, max_batch_size=8, max_wait_ms=LONG_WAIT_MS)
+    await queue_behind_a_busy_device(batcher, model, [1, 2])  # the target is two rows
+
+    first = asyncio.create_task(batcher.submit([3], group="g"))
+    await asyncio.sleep(0.1)
+    assert model.batch_rows == [1, 2], "one row of two: waits"
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([4, 5], group="g") == [[8, 10]]
+        assert await first == [[6]]
+    assert model.batch_rows == [1, 2, 3]
+
+
+async def test_without_a_budget_costs_limit_nothing(make_batcher: BatcherFactory) -> None:
+    model = GatedModel()
+    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=LONG_WAIT_MS)
+    blocker = asyncio.create_task(batcher.submit([0], group="g", cost_per_row=100))
+    await model.wait_started()
+    queued = [
+        asyncio.create_task(batcher.submit(rows, group="g", cost_per_row=100))
+        for rows in ([1, 2], [3], [4])
+    ]
+    await wait_until(lambda: batcher.queue_depth == 3)
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await asyncio.gather(blocker, *queued) == [[[0]], [[2, 4]], [[6]], [[8]]]
+    assert model.batch_rows == [1, 4]
+
+
+async def test_requests_without_a_cost_are_not_held_to_the_budget(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=4, max_batch_cost=2)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([1, 2, 3, 4], group="g") == [[2, 4, 6, 8]]
+        assert await batcher.enqueue([5, 6, 7, 8], group="g").wait() == [[10, 12, 14, 16]]
+    assert model.batch_rows == [4, 4]
+
+
+async def test_a_queue_and_batches_of_one_serve(make_batcher: BatcherFactory) -> None:
+    batcher = make_batcher(RecordingDoubler(), max_batch_size=1, max_queue_size=1)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([1], group="g") == [[2]]
+
+
+async def test_the_high_priority_streak_counts_from_the_first_batch(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=1, max_wait_ms=LONG_WAIT_MS)
+    normal = batcher.submit([100], group="g")
+    high = [batcher.submit([row], group="g", priority="high") for row in (1, 2, 3, 4)]
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(normal, *high)  # all queued before the first batch
+    assert model.computed_rows == [1, 2, 3, 100, 4]
+
+
+async def test_among_due_groups_the_oldest_high_priority_request_runs_first(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    blocker = asyncio.create_task(batcher.submit([0], group="x"))
+    await wait_until(lambda: device.pending == 1)
+    older = asyncio.create_task(batcher.submit([1], group="a", priority="high"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    clock.advance(0.05)
+    newer = asyncio.create_task(batcher.submit([2], group="b", priority="high"))
+    await wait_until(lambda: batcher.queue_depth == 2)
+    clock.advance(0.2)  # both due
+    await device.finish_until(lambda: newer.done() and older.done())
+    await blocker
+    assert model.computed_rows == [0, 1, 2]
+
+
+# ----------------------------------------------------------------- failures, more
+
+
+async def test_a_row_the_model_fails_alone_fails_only_its_request(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = PoisonAnsweringModel(poison=-1)
+    batcher = make_batcher(model, max_batch_size=4)
+    async with asyncio.timeout(PROMPTLY_S):
+        results = await submit_all(batcher, [[1], [-1], [3]])
+    assert results[0] == [[2]]
+    assert isinstance(results[1], InferenceError)
+    assert results[1].message == "row -1 gave no finite output"
+    assert results[2] == [[6]]
+    assert model.calls == 1  # nothing to isolate: no halving
+
+
+async def test_a_service_error_the_model_raises_reaches_its_request_unchanged(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = PoisonModel(poison=-1, error=InvalidInputError)
+    batcher = make_batcher(model, max_batch_size=4)
+    async with asyncio.timeout(PROMPTLY_S):
+        results = await submit_all(batcher, [[1], [-1, 2]])
+    assert results[0] == [[2]]
+    assert isinstance(results[1], InvalidInputError)
+    assert results[1].message == "the model cannot handle row -1"
+
+
+async def test_an_unexpected_error_running_a_batch_fails_that_batch_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not through ``make_batcher``, which fails any test that logs such an error."""
+    metrics = EngineMetrics()
+    observe = metrics.batch_sources.observe
+    observed: list[float] = []
+
+    def observe_failing_once(value: float) -> None:
+        observed.append(value)
+        if len(observed) == 1:
+            raise RuntimeError("metrics backend gone")
+        observe(value)
+
+    monkeypatch.setattr(metrics.batch_sources, "observe", observe_failing_once)
+    factory = BatcherFactory()
+    try:
+        batcher = factory(RecordingDoubler(), metrics=metrics)
+        async with asyncio.timeout(PROMPTLY_S):
+            with pytest.raises(InferenceError, match="internal error while running the batch"):
+                await batcher.submit([1], group="g")
+            assert await batcher.submit([2], group="g") == [[4]]
+    finally:
+        await factory.aclose()
+
+
+async def test_a_batch_back_in_time_does_not_mark_the_batcher_stalled(
+    make_batcher: BatcherFactory,
+) -> None:
+    stalls: list[str] = []
+    batcher = make_batcher(
+        RecordingDoubler(), stall_timeout_s=0.1, on_stall=lambda: stalls.append("stalled")
+    )
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([1], group="g") == [[2]]
+    await asyncio.sleep(0.2)  # past the stall timeout of the batch that came back
+    assert stalls == []
+    assert batcher.accepting
+
+
+async def test_batches_count_the_front_ends_they_serve(make_batcher: BatcherFactory) -> None:
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=4)
+    tickets = [batcher.enqueue([row], group="g", source=source) for row, source in enumerate("aab")]
+    async with asyncio.timeout(PROMPTLY_S):
+        assert [await ticket.wait() for ticket in tickets] == [[[0]], [[2]], [[4]]]
+    assert model.calls == 1
+    assert sample(metrics, "batchserve_batch_frontends_count") == 1
+    assert sample(metrics, "batchserve_batch_frontends_sum") == 2
+
+
+# ----------------------------------------------------------------- out of device memory
+
+
+async def test_out_of_memory_caps_batches_at_half_then_the_cap_doubles_back(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    metrics = EngineMetrics()
+    model = OutOfMemoryAbove(max_rows=4)
+    device = ManualExecutor()
+    batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=8)
+
+    def effective() -> float:
+        return sample(metrics, "batchserve_effective_max_batch_size")
+
+    async def run_behind_a_blocker(rows: int) -> list[int]:
+        """A blocker (alone, it waits up to max_wait_ms for as many rows as the last batch
+        had), then ``rows`` one-row requests queued behind it; the rows of each forward."""
+        calls = model.calls
+        blocker = asyncio.create_task(batcher.submit([0], group="g"))
+        await wait_until(lambda: device.pending == 1)
+        queued = [asyncio.create_task(batcher.submit([row], group="g")) for row in range(rows)]
+        await wait_until(lambda: batcher.queue_depth == rows)
+        await device.finish_until(lambda: all(task.done() for task in (blocker, *queued)))
+        assert [task.result() for task in queued] == [[[2 * row]] for row in range(rows)]
+        return model.batch_rows[calls:]
+
+    assert (batcher.row_limit, effective()) == (8, 8)
+    # Seven rows run out of memory: retried by halves, and batches capped at 7 // 2.
+    assert await run_behind_a_blocker(7) == [1, 7, 3, 4]
+    assert (batcher.row_limit, effective()) == (3, 3)
+    assert sample(metrics, "batchserve_out_of_memory_total") == 1
+
+    clock.advance(OOM_BACKOFF_S - 1)
+    assert await run_behind_a_blocker(6) == [1, 3, 3]
+    assert batcher.row_limit == 3
+
+    model.max_rows = 8  # memory freed
+    clock.advance(2)  # the cap doubles after the blocker's batch
+    assert await run_behind_a_blocker(8) == [1, 6, 2]
+    assert (batcher.row_limit, effective()) == (6, 6)
+
+    clock.advance(OOM_BACKOFF_S - 1)
+    assert await run_behind_a_blocker(8) == [1, 6, 2]
+    clock.advance(2)
+    assert await run_behind_a_blocker(8) == [1, 8]
+    assert (batcher.row_limit, effective()) == (8, 8)
+    assert sample(metrics, "batchserve_out_of_memory_total") == 1
+
+
+async def test_a_row_out_of_memory_alone_is_503_and_batches_keep_one_row(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = OutOfMemoryAbove(max_rows=0)
+    batcher = make_batcher(model, max_batch_size=4)
+    async with asyncio.timeout(PROMPTLY_S):
+        with pytest.raises(InsufficientDeviceMemoryError) as refused:
+            await batcher.submit([1], group="g")
+    assert refused.value.status_code == 503
+    assert refused.value.message == (
+        "out of device memory for this request's 1 instance(s) even alone; retry later or with "
+        "fewer instances"
+    )
+    assert batcher.row_limit == 1
+    model.max_rows = 4
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([2], group="g") == [[4]]
+
+
+async def test_the_cap_doubles_once_exactly_oom_backoff_has_passed(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    clock.freeze()
+    model = OutOfMemoryAbove(max_rows=1)
+    batcher = make_batcher(model, max_batch_size=2)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await submit_all(batcher, [[1], [2]]) == [[[2]], [[4]]]
+    assert model.batch_rows == [2, 1, 1]
+    assert batcher.row_limit == 1
+
+    model.max_rows = 2
+    clock.advance(OOM_BACKOFF_S)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([3], group="g") == [[6]]
+    await wait_until(lambda: batcher.row_limit == 2)  # after the batch that followed
+
+
+# ----------------------------------------------------------------- estimates and admission
+
+
+async def test_a_request_that_would_finish_exactly_at_its_deadline_is_served(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """Admitted (its own batch and the work ahead fit exactly), and run when collected."""
+    clock.freeze()
+    model = RecordingDoubler()
+    batcher = make_batcher(model, max_batch_size=1, measured=False)
+    for _ in range(3):
+        batcher.times.record("g", 1, 2.0)
+    ticket = batcher.enqueue([1], group="g", deadline_s=clock.monotonic() + 2.0)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await ticket.wait() == [[2]]
+    assert model.computed_rows == [1]
+
+
+async def test_the_estimated_wait_counts_the_batches_queued_ahead(
+    make_batcher: BatcherFactory,
+) -> None:
+    device = ManualExecutor()
+    batcher = make_batcher(
+        RecordingDoubler(),
+        executor=device,
+        max_batch_size=4,
+        max_batch_cost=10,
+        max_wait_ms=LONG_WAIT_MS,
+        measured=False,
+    )
+    for group, seconds in (("g", 0.1), ("c", 0.1), ("x", 0.3)):
+        for _ in range(3):
+            for rows, factor in ((1, 1.0), (2, 1.5), (4, 2.0)):
+                batcher.times.record(group, rows, seconds * factor)
+    assert batcher.estimated_wait_s() == 0.0  # nothing running, nothing queued
+    blocker = asyncio.create_task(batcher.submit([0], group="unmeasured"))
+    await wait_until(lambda: device.pending == 1)
+    assert batcher.estimated_wait_s() == 0.0  # a running batch of unknown duration counts 0
+
+    plain = [batcher.enqueue([row], group="g") for row in (1, 2, 3)]  # no cost
+    high = batcher.enqueue([4, 4], group="g", priority="high")
+    costly = [batcher.enqueue([row], group="c", cost_per_row=5) for row in (5, 6, 7)]
+    alone = batcher.enqueue([8], group="x", cost_per_row=50)  # over the budget: a batch alone
+    unknown = batcher.enqueue([9], group="u")
+    # g: five rows, a batch of four and one of one (0.2 + 0.1); c: 15 of cost, two rows per
+    # batch (0.15 + 0.1); x: one batch (0.3); u: unmeasured (0). High priority: g's two rows.
+    assert batcher.estimated_wait_s() == pytest.approx(0.85)
+    assert batcher.estimated_wait_s("high") == pytest.approx(0.15)
+
+    plain[0].cancel()  # g: four rows, one batch
+    assert batcher.estimated_wait_s() == pytest.approx(0.75)
+    high.cancel()  # g: two rows
+    assert batcher.estimated_wait_s() == pytest.approx(0.7)
+    assert batcher.estimated_wait_s("high") == 0.0
+
+    draining = asyncio.ensure_future(batcher.drain())
+    await device.finish_until(draining.done)
+    await blocker
+    for ticket in (*plain[1:], *costly, alone, unknown):
+        assert len(ticket.outputs()) == 1
+
+
+async def test_the_estimated_wait_counts_what_is_left_of_the_running_batch(
+    make_batcher: BatcherFactory,
+) -> None:
+    device = ManualExecutor()
+    batcher = make_batcher(RecordingDoubler(), executor=device, measured=False)
+    for _ in range(3):
+        batcher.times.record("g", 1, 10.0)
+    running = asyncio.create_task(batcher.submit([1], group="g", deadline_s=time.monotonic() + 60))
+    await wait_until(lambda: device.pending == 1)
+    assert 9.0 < batcher.estimated_wait_s() <= 10.0
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await running == [[2]]
+    assert batcher.estimated_wait_s() == 0.0
+
+
+async def test_a_request_is_refused_when_the_work_ahead_and_its_own_end_past_its_deadline(
+    make_batcher: BatcherFactory,
+) -> None:
+    device = ManualExecutor()
+    batcher = make_batcher(RecordingDoubler(), executor=device, max_batch_size=1, measured=False)
+    for _ in range(3):
+        batcher.times.record("g", 1, 0.4)
+    blocker = asyncio.create_task(batcher.submit([0], group="unmeasured"))
+    await wait_until(lambda: device.pending == 1)
+    ahead = batcher.enqueue([1], group="g")  # 0.4 s of work ahead
+    with pytest.raises(OverloadedError) as refused:  # 0.4 + 0.4 > 0.6
+        batcher.enqueue([2], group="g", deadline_s=time.monotonic() + 0.6)
+    assert refused.value.headers["Retry-After"] == "1"
+    served = batcher.enqueue([3], group="g", deadline_s=time.monotonic() + 5)
+    draining = asyncio.ensure_future(batcher.drain())
+    await device.finish_until(draining.done)
+    await blocker
+    assert ahead.outputs() == [[2]]
+    assert served.outputs() == [[6]]
+
+
+# ----------------------------------------------------------------- the collector's clock
+
+
+async def test_a_request_is_due_once_it_has_waited_exactly_max_wait(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    clock.freeze()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, executor=device, max_batch_size=4, max_wait_ms=500, policy="fixed"
+    )
+    blocker = asyncio.create_task(batcher.submit([0, 0, 0, 0], group="x"))  # full: runs
+    await wait_until(lambda: device.pending == 1)
+    waiting = asyncio.create_task(batcher.submit([1], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    clock.advance(0.5)
+    device.finish_next()
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await asyncio.gather(blocker, waiting) == [[[0, 0, 0, 0]], [[2]]]
+
+
+async def test_max_wait_counts_from_the_oldest_request_of_either_priority(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model,
+        executor=device,
+        max_batch_size=4,
+        max_wait_ms=100_000,
+        policy="fixed",
+        request_timeout_ms=600_000,
+    )
+    blocker = asyncio.create_task(batcher.submit([0, 0, 0, 0], group="x"))  # full: runs
+    await wait_until(lambda: device.pending == 1)
+    normal = asyncio.create_task(batcher.submit([1], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    clock.advance(50)
+    high = asyncio.create_task(batcher.submit([2], group="g", priority="high"))
+    await wait_until(lambda: batcher.queue_depth == 2)
+    clock.advance(50.5)  # the normal request has waited max_wait, the high one half of it
+
+    device.finish_next()
+    await wait_until(lambda: device.pending == 1)  # due now, not in another 50 s
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await asyncio.gather(blocker, normal, high) == [[[0, 0, 0, 0]], [[2]], [[4]]]
+    assert model.batches[1] == [[2], [1]]
+
+
+async def test_the_collector_wakes_when_the_oldest_of_several_groups_is_due(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, executor=device, max_batch_size=4, max_wait_ms=1_000, policy="fixed"
+    )
+    blocker = asyncio.create_task(batcher.submit([0, 0, 0, 0], group="x"))  # full: runs
+    await wait_until(lambda: device.pending == 1)
+    older = asyncio.create_task(batcher.submit([1], group="a"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    clock.advance(0.9)
+    newer = asyncio.create_task(batcher.submit([2], group="b"))
+    await wait_until(lambda: batcher.queue_depth == 2)
+
+    device.finish_next()  # the collector waits for "a": 0.1 s more, not the 1 s "b" has left
+    async with asyncio.timeout(0.6):
+        await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    assert model.computed_rows == [0, 0, 0, 0, 1]
+    draining = asyncio.ensure_future(batcher.drain())
+    await device.finish_until(draining.done)
+    assert await asyncio.gather(blocker, older, newer) == [[[0, 0, 0, 0]], [[2]], [[4]]]
+
+
+async def test_a_waiting_collector_sleeps_instead_of_polling(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    batcher = make_batcher(RecordingDoubler(), max_wait_ms=LONG_WAIT_MS, policy="fixed")
+    waiting = asyncio.create_task(batcher.submit([1], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    reads = clock.reads
+    await asyncio.sleep(0.1)
+    assert clock.reads - reads < 10, "the collector polls the clock while it waits"
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.drain()
+    assert await waiting == [[2]]

@@ -1,0 +1,494 @@
+"""Request bodies decoded and validated against an input spec: ``InputLayout``, no torch."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from numpy.lib import format as npy_format
+
+from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
+from service.frontend.inputs import (
+    JSON_MEDIA_TYPE,
+    NPY_MEDIA_TYPE,
+    InputLayout,
+    body_media_type,
+    encode_npy,
+    wants_npy,
+)
+from service.manifest import TensorSpec
+from service.types import Array
+
+#: Pairs of floats, any value.
+PAIRS = InputLayout(TensorSpec(name="pairs", dtype="float32", shape=(-1, 2)))
+#: Token ids 1..9, 0 pads, at most 4 tokens.
+TOKENS = InputLayout(
+    TensorSpec(name="tokens", dtype="int64", shape=(-1, -1), max_length=4, min_value=1, max_value=9)
+)
+#: Sequences of 2-vectors, as long as the buckets allow.
+VECTORS = InputLayout(
+    TensorSpec(name="vectors", dtype="float32", shape=(-1, -1, 2), pad_value=-1),
+    length_edges=(2, 4, 8),
+)
+
+
+def layout(dtype: str = "float32", shape: tuple[int, ...] = (-1, 2), **spec: Any) -> InputLayout:
+    return InputLayout(TensorSpec(name="x", dtype=dtype, shape=shape, **spec))  # type: ignore[arg-type]
+
+
+def body(instances: object) -> bytes:
+    return orjson.dumps({"instances": instances})
+
+
+def npy(array: Array, **options: Any) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, **options)
+    return buffer.getvalue()
+
+
+def npy_version(array: Array, version: tuple[int, int]) -> bytes:
+    buffer = io.BytesIO()
+    npy_format.write_array(buffer, array, version=version)
+    return buffer.getvalue()
+
+
+def refusal(parse: Any, *arguments: object) -> str:
+    """The message of the ``InvalidInputError`` that ``parse(*arguments)`` raises."""
+    with pytest.raises(InvalidInputError) as refused:
+        parse(*arguments)
+    assert refused.value.status_code == 422
+    return refused.value.message
+
+
+def bad_request(parse: Any, *arguments: object) -> str:
+    with pytest.raises(BadRequestError) as refused:
+        parse(*arguments)
+    assert refused.value.status_code == 400
+    return refused.value.message
+
+
+def same(actual: Array, expected: Array) -> None:
+    """Equal values, shape and dtype (native byte order)."""
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    np.testing.assert_array_equal(actual, expected)
+
+
+# --------------------------------------------------------------------------- media types
+
+
+@pytest.mark.parametrize(
+    ("content_type", "media_type"),
+    [
+        (None, JSON_MEDIA_TYPE),
+        ("", JSON_MEDIA_TYPE),
+        ("; charset=utf-8", JSON_MEDIA_TYPE),
+        ("application/json", JSON_MEDIA_TYPE),
+        (" Application/JSON ; charset=utf-8", JSON_MEDIA_TYPE),
+        ("application/x-npy", NPY_MEDIA_TYPE),
+        ("application/octet-stream; x=application/json", NPY_MEDIA_TYPE),
+    ],
+)
+def test_the_body_is_read_by_its_content_type(content_type: str | None, media_type: str) -> None:
+    assert body_media_type(content_type) == media_type
+
+
+def test_another_content_type_is_415_naming_the_accepted_ones() -> None:
+    with pytest.raises(UnsupportedMediaTypeError) as refused:
+        body_media_type("Text/CSV; a=application/json")
+    assert refused.value.status_code == 415
+    assert refused.value.message == (
+        "send the body as application/json or application/x-npy, got content-type 'text/csv'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("accept", "npy_answer"),
+    [
+        (None, False),
+        ("", False),
+        ("application/json", False),
+        ("application/x-npy", True),
+        ("APPLICATION/OCTET-STREAM", True),
+        ("text/html, application/x-npy;q=0.5", True),
+        ("application/x-npy;q=0.5", True),
+        ("application/x-npy; Q = 0.5 , application/json;q=0.4", True),
+        ("application/x-npy;level=1;q=0.5, application/json;q=0.9", False),
+        ("application/json, application/x-npy", False),  # a tie goes to JSON
+        ("application/x-npy, application/json;q=1", False),
+        ("application/x-npy;q=1, application/json;q=0.5", True),
+        ("application/x-npy;q=0.2, application/octet-stream;q=0.8, application/json;q=0.5", True),
+        ("application/json;q=0.1, application/json;q=0.9, application/x-npy;q=0.5", False),
+        ("application/x-npy;q=0", False),
+        ("application/x-npy;q=banana", False),
+        ("application/x-npy;q=2, application/json;q=0.5", False),  # out of range: unreadable
+        ("application/x-npy;q=-1", False),
+    ],
+)
+def test_an_npy_answer_needs_a_higher_quality_than_json(
+    accept: str | None, npy_answer: bool
+) -> None:
+    assert wants_npy(accept) is npy_answer
+
+
+def test_answers_encode_as_npy_and_never_as_pickles() -> None:
+    predictions = np.array([[0.25, -1.5]], dtype=np.float32)
+    same(np.load(io.BytesIO(encode_npy(predictions)), allow_pickle=False), predictions)
+    objects = np.array([{"a": 1}], dtype=object)
+    with pytest.raises(ValueError, match="allow_pickle=False"):
+        encode_npy(objects)
+
+
+def test_parse_follows_the_media_type() -> None:
+    expected = np.array([[1.0, 2.0]], dtype=np.float32)
+    same(PAIRS.parse(npy(expected), NPY_MEDIA_TYPE), expected)
+    same(PAIRS.parse(body([[1, 2]]), JSON_MEDIA_TYPE), expected)
+
+
+# --------------------------------------------------------------------------- JSON, fixed shape
+
+
+def test_json_floats_become_the_specs_dtype_exactly() -> None:
+    """0.1 is not exactly a float32: it is rounded, not refused."""
+    same(PAIRS.parse_json(body([[0.1, 2], [-3.5, 1e-3]])), np.array([[0.1, 2], [-3.5, 1e-3]], "f4"))
+    same(layout("float16").parse_json(body([[0.1, 65504]])), np.array([[0.1, 65504]], "f2"))
+    same(layout("float64").parse_json(body([[0.1, 1e300]])), np.array([[0.1, 1e300]], "f8"))
+
+
+def test_the_largest_float32_is_accepted_and_beyond_it_is_not_finite() -> None:
+    largest = float(np.finfo(np.float32).max)
+    same(PAIRS.parse_json(body([[largest, 0]])), np.array([[largest, 0]], dtype=np.float32))
+    assert refusal(PAIRS.parse_json, body([[1e39, 0]])) == (
+        "instances contain values that are not finite in float32 (NaN, infinity, or beyond its "
+        "range)"
+    )
+    assert "not finite in float16" in refusal(layout("float16").parse_json, body([[70000.0, 0]]))
+
+
+@pytest.mark.parametrize(("dtype", "largest"), [("int64", 2**63 - 1), ("int32", 2**31 - 1)])
+def test_integer_inputs_take_integers_within_their_dtype(dtype: str, largest: int) -> None:
+    integers = layout(dtype)
+    same(integers.parse_json(body([[largest, -3]])), np.array([[largest, -3]], dtype=dtype))
+    assert refusal(integers.parse_json, body([[largest + 1]])) == (
+        f"instances contain integers outside the range of {dtype}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("instances", "message"),
+    [
+        ([[1.5]], "instances must contain only integers (int64); got fractional numbers"),
+        ([["a"]], "instances must contain only integers (int64); got strings"),
+        ([[True, False]], "instances must contain only integers (int64); got booleans"),
+    ],
+)
+def test_integer_inputs_refuse_other_values(instances: object, message: str) -> None:
+    assert refusal(layout("int64", (-1, -1)).parse_json, body(instances)) == message
+
+
+@pytest.mark.parametrize(
+    ("instances", "message"),
+    [
+        ([[1, 2, 3]], "expected instances of shape (N, 2), got (1, 3)"),
+        (
+            [[1, 2], [3]],
+            "instances must be nested lists of numbers shaped (N, 2); got lists of uneven lengths",
+        ),
+        ([1, 2], "expected instances of shape (N, 2), got (2)"),
+        ([[]], "expected instances of shape (N, 2), got (1, 0)"),
+        ([], "'instances' is empty; send at least one instance"),
+        ([["a", 1]], "instances must contain only numbers (float32); got strings"),
+        (
+            [[None, 1]],
+            "instances must contain only numbers (float32); got mixed values, nulls or objects",
+        ),
+        ([[True, False]], "instances must contain only numbers (float32); got booleans"),
+        ([[True, 1]], "instances must contain only numbers (float32); got booleans"),
+        ([[1, False]], "instances must contain only numbers (float32); got booleans"),
+    ],
+)
+def test_json_instances_are_refused_with_what_was_expected(instances: object, message: str) -> None:
+    assert refusal(PAIRS.parse_json, body(instances)) == message
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (b"[1, 2]", 'the body must be a JSON object {"instances": [...]}, got a list'),
+        (b'"abc"', 'the body must be a JSON object {"instances": [...]}, got a string'),
+        (b"1.5", 'the body must be a JSON object {"instances": [...]}, got a number'),
+        (b"true", 'the body must be a JSON object {"instances": [...]}, got a boolean'),
+        (b"null", 'the body must be a JSON object {"instances": [...]}, got null'),
+        (b"{}", "missing field 'instances' (a list of instances)"),
+        (b'{"instances": {"a": 1}}', "'instances' must be a list, got an object"),
+        (b'{"instances": 3}', "'instances' must be a list, got a number"),
+        (
+            b'{"instances": [[1, 2]], "b": 1, "a": 2}',
+            "unknown field(s) ['a', 'b']; the body takes only 'instances'",
+        ),
+    ],
+)
+def test_a_body_of_another_form_is_refused(document: bytes, message: str) -> None:
+    assert refusal(PAIRS.parse_json, document) == message
+
+
+def test_a_body_that_is_not_json_is_400() -> None:
+    assert bad_request(PAIRS.parse_json, b'{"instances": [').startswith(
+        "the body is not valid JSON: "
+    )
+
+
+def test_at_most_max_instances_per_request() -> None:
+    default = layout()
+    assert default.parse_json(body([[0, 0]] * 1024)).shape == (1024, 2)
+    assert refusal(default.parse_json, body([[0, 0]] * 1025)) == (
+        "1025 instances in one request; at most 1024 are accepted"
+    )
+    three = InputLayout(PAIRS.spec, max_instances=3)
+    assert three.parse_json(body([[0, 0]] * 3)).shape == (3, 2)
+    assert refusal(three.parse_json, body([[0, 0]] * 4)) == (
+        "4 instances in one request; at most 3 are accepted"
+    )
+    assert refusal(three.parse_npy, npy(np.zeros((4, 2), np.float32))) == (
+        "4 instances in one request; at most 3 are accepted"
+    )
+
+
+# --------------------------------------------------------------------------- value ranges
+
+
+def test_values_must_lie_in_the_range_inclusive() -> None:
+    pixels = layout(min_value=0, max_value=1)
+    same(pixels.parse_json(body([[0, 1], [0.5, 1]])), np.array([[0, 1], [0.5, 1]], "f4"))
+    assert refusal(pixels.parse_json, body([[0.5, 1.25]])) == (
+        "values must lie in [0, 1] (or be the padding value 0), got 1.25"
+    )
+    assert refusal(pixels.parse_json, body([[-0.5, 0.5]])) == (
+        "values must lie in [0, 1] (or be the padding value 0), got -0.5"
+    )
+    # The first value outside, in row order.
+    assert refusal(pixels.parse_json, body([[0.5, 3], [-2, 0]])).endswith("got 3")
+
+
+def test_a_range_open_on_one_side() -> None:
+    at_least_one = layout(min_value=1, pad_value=-1)
+    same(at_least_one.parse_json(body([[1, 1e30]])), np.array([[1, 1e30]], "f4"))
+    assert refusal(at_least_one.parse_json, body([[0.5, 2]])) == (
+        "values must lie in [1, inf] (or be the padding value -1), got 0.5"
+    )
+    at_most_one = layout(max_value=1)
+    same(at_most_one.parse_json(body([[-1e30, 1]])), np.array([[-1e30, 1]], "f4"))
+    assert refusal(at_most_one.parse_json, body([[0, 1.5]])) == (
+        "values must lie in [-inf, 1] (or be the padding value 0), got 1.5"
+    )
+
+
+def test_the_padding_value_is_accepted_outside_the_range() -> None:
+    same(TOKENS.parse_json(body([[0, 9, 1]])), np.array([[0, 9, 1]]))
+    assert refusal(TOKENS.parse_json, body([[10]])) == (
+        "values must lie in [1, 9] (or be the padding value 0), got 10"
+    )
+
+
+# --------------------------------------------------------------------------- variable length
+
+
+def test_variable_length_instances_are_padded_to_the_longest() -> None:
+    same(
+        TOKENS.parse_json(body([[1, 2], [3], [4, 5, 6]])),
+        np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]]),
+    )
+    same(
+        VECTORS.parse_json(body([[[1, 2]], [[3, 4], [5, 6]]])),
+        np.array([[[1, 2], [-1, -1]], [[3, 4], [5, 6]]], dtype=np.float32),
+    )
+    middle = layout(shape=(-1, 2, -1), pad_value=7)
+    same(
+        middle.parse_json(body([[[1], [2]], [[3, 4], [5, 6]]])),
+        np.array([[[1, 7], [2, 7]], [[3, 4], [5, 6]]], dtype=np.float32),
+    )
+
+
+def test_one_token_is_enough_and_max_length_is_the_limit() -> None:
+    same(TOKENS.parse_json(body([[5]])), np.array([[5]]))
+    same(TOKENS.parse_json(body([[5]] * 6)), np.full((6, 1), 5))  # more instances than tokens
+    same(TOKENS.parse_json(body([[1, 2, 3, 4]])), np.array([[1, 2, 3, 4]]))
+    assert refusal(TOKENS.parse_json, body([[1, 2, 3, 4, 5]])) == (
+        "instances must be 1 to 4 long on their variable axis, got 5"
+    )
+
+
+def test_without_max_length_the_largest_bucket_is_the_limit() -> None:
+    same(VECTORS.parse_json(body([[[0, 0]] * 8])), np.zeros((1, 8, 2), np.float32))
+    assert refusal(VECTORS.parse_json, body([[[0, 0]] * 9])) == (
+        "instances must be 1 to 8 long on their variable axis, got 9"
+    )
+    capped = InputLayout(VECTORS.spec.model_copy(update={"max_length": 3}), length_edges=(2, 4))
+    assert refusal(capped.parse_json, body([[[0, 0]] * 4])) == (
+        "instances must be 1 to 3 long on their variable axis, got 4"
+    )
+
+
+def test_without_max_length_or_buckets_any_length_is_accepted() -> None:
+    unbounded = layout("int64", (-1, -1))
+    same(unbounded.parse_json(body([list(range(100))])), np.arange(100)[np.newaxis])
+    same(unbounded.parse_npy(npy(np.arange(5))), np.arange(5)[np.newaxis])
+
+
+@pytest.mark.parametrize(
+    ("instances", "message"),
+    [
+        (
+            [[1, 2], []],
+            "instance 1 is empty; every instance needs at least one element on its variable axis",
+        ),
+        (
+            [[]],
+            "instance 0 is empty; every instance needs at least one element on its variable axis",
+        ),
+        (
+            [[[1, 2]]],
+            "expected instances of shape (N, L); got an instance with 2 dimension(s) instead of 1",
+        ),
+        (
+            [7],
+            "expected instances of shape (N, L); got an instance with 0 dimension(s) instead of 1",
+        ),
+        ([[1.5]], "instances must contain only integers (int64); got fractional numbers"),
+        ([[1], [True]], "instances must contain only integers (int64); got booleans"),
+    ],
+)
+def test_variable_length_instances_are_refused_with_what_was_expected(
+    instances: object, message: str
+) -> None:
+    assert refusal(TOKENS.parse_json, body(instances)) == message
+
+
+def test_instances_differing_outside_the_variable_axis_are_refused() -> None:
+    assert refusal(VECTORS.parse_json, body([[[1, 2]], [[1, 2, 3]]])) == (
+        "expected instances of shape (N, L, 2)"
+    )
+    assert refusal(VECTORS.parse_json, body([[[1, 2, 3]]])) == (
+        "expected instances of shape (N, L, 2), got (1, 1, 3)"
+    )
+
+
+def test_the_length_checked_is_the_variable_axis() -> None:
+    """Not the batch axis, nor a fixed one."""
+    too_long = np.zeros((1, 9, 2), dtype=np.float32)
+    assert refusal(VECTORS.parse_npy, npy(too_long)).endswith("got 9")
+    wide = layout(shape=(-1, -1, 16), max_length=4)
+    same(wide.parse_npy(npy(np.zeros((8, 4, 16), "f4"))), np.zeros((8, 4, 16), "f4"))
+
+
+def test_group_and_cost_follow_the_length_bucket() -> None:
+    assert TOKENS.group_and_cost(np.zeros((5, 3), np.int64)) == ((3,), 0)  # no buckets
+    assert VECTORS.group_and_cost(np.zeros((5, 3, 2), np.float32)) == ((4, 2), 8)
+    assert PAIRS.group_and_cost(np.zeros((5, 2), np.float32)) == ((2,), 0)
+
+
+# --------------------------------------------------------------------------- .npy bodies
+
+
+def test_npy_bodies_of_one_instance_or_a_batch() -> None:
+    batch = np.array([[1.5, -2]], dtype=np.float32)
+    same(PAIRS.parse_npy(npy(batch)), batch)
+    same(PAIRS.parse_npy(npy(batch[0])), batch)  # one instance, no batch axis
+    same(TOKENS.parse_npy(npy(np.array([[1, 2, 3]]))), np.array([[1, 2, 3]]))
+
+
+def test_npy_in_another_byte_order_or_layout_is_read_natively() -> None:
+    values = np.array([[1.5, -2], [3, 4]], dtype=np.float32)
+    same(PAIRS.parse_npy(npy(values.astype(">f4"))), values)
+    same(TOKENS.parse_npy(npy(np.array([[1, 2]], dtype=">i8"))), np.array([[1, 2]]))
+    parsed = PAIRS.parse_npy(npy(np.asfortranarray(values)))
+    same(parsed, values)
+    assert parsed.flags.c_contiguous
+
+
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.zeros((1, 2), np.float64), "expected dtype float32, got float64"),
+        (np.zeros((1, 2), ">f8"), "expected dtype float32, got float64"),
+        (np.zeros((1, 2), np.int32), "expected dtype float32, got int32"),
+        (np.zeros((1, 2), np.float16), "expected dtype float32, got float16"),
+        (np.zeros((0, 2), np.float32), "'instances' is empty; send at least one instance"),
+        (np.zeros((1, 3), np.float32), "expected instances of shape (N, 2), got (1, 3)"),
+        (np.zeros((1, 1, 2), np.float32), "expected instances of shape (N, 2), got (1, 1, 2)"),
+        (
+            np.array([[np.nan, 0]], np.float32),
+            "instances contain values that are not finite in float32 (NaN, infinity, or beyond "
+            "its range)",
+        ),
+        (
+            np.array([[0, -np.inf]], np.float32),
+            "instances contain values that are not finite in float32 (NaN, infinity, or beyond "
+            "its range)",
+        ),
+    ],
+)
+def test_npy_bodies_are_validated_like_json(array: Array, message: str) -> None:
+    assert refusal(PAIRS.parse_npy, npy(array)) == message
+
+
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.zeros((1, 2), np.int32), "expected dtype int64, got int32"),
+        (np.zeros((1, 0), np.int64), "instances must be 1 to 4 long on their variable axis, got 0"),
+        (np.array([[1, 11]]), "values must lie in [1, 9] (or be the padding value 0), got 11"),
+    ],
+)
+def test_npy_token_bodies_are_validated(array: Array, message: str) -> None:
+    assert refusal(TOKENS.parse_npy, npy(array)) == message
+
+
+def test_npy_format_version_2_is_read_and_its_size_checked() -> None:
+    values = np.arange(6, dtype=np.float32).reshape(3, 2)
+    same(PAIRS.parse_npy(npy_version(values, (2, 0))), values)
+    assert bad_request(PAIRS.parse_npy, npy_version(values, (2, 0))[:-4]) == (
+        "the body is not a valid .npy array: the header declares shape (3, 2) of float32 "
+        "(24 bytes), but only 20 bytes of data follow"
+    )
+    assert bad_request(PAIRS.parse_npy, npy_version(values, (3, 0))) == (
+        "the body is not a valid .npy array: unsupported .npy format version 3.0"
+    )
+
+
+def test_a_header_claiming_more_data_than_the_body_holds_is_refused_before_allocating() -> None:
+    body = npy(np.arange(6, dtype=np.float32).reshape(3, 2))
+    assert bad_request(PAIRS.parse_npy, body[:-4]) == (
+        "the body is not a valid .npy array: the header declares shape (3, 2) of float32 "
+        "(24 bytes), but only 20 bytes of data follow"
+    )
+    header = io.BytesIO()
+    npy_format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**12, 2)}
+    )
+    assert bad_request(PAIRS.parse_npy, header.getvalue() + bytes(24)) == (
+        "the body is not a valid .npy array: the header declares shape (1000000000000, 2) of "
+        "float32 (8000000000000 bytes), but only 24 bytes of data follow"
+    )
+
+
+def test_object_arrays_are_refused_without_unpickling() -> None:
+    objects = np.array([{"a": 1}, None], dtype=object)
+    assert bad_request(PAIRS.parse_npy, npy(objects, allow_pickle=True)) == (
+        "the body is not a valid .npy array: Object arrays cannot be loaded when allow_pickle=False"
+    )
+
+
+@pytest.mark.parametrize("body", [b"PK\x03\x04rest of an npz", b"PK\x05\x06" + bytes(18)])
+def test_npz_archives_are_refused(body: bytes) -> None:
+    assert bad_request(PAIRS.parse_npy, body) == (
+        "the body must be one .npy array, not an .npz archive"
+    )
+
+
+@pytest.mark.parametrize("body", [b"", b"garbage", b"\x93NUMPY\x01\x00garbage"])
+def test_other_bodies_are_not_npy(body: bytes) -> None:
+    assert bad_request(PAIRS.parse_npy, body).startswith("the body is not a valid .npy array: ")
