@@ -1,23 +1,27 @@
 """Soak test: steady open-loop load on ``/predict``, every answer checked against a reference.
 
-Sends ``--rate`` requests per second for ``--duration-s`` seconds (one 8x8 digit each, drawn
-from a fixed pool), on a fixed schedule whatever the server does (open loop: a slow answer does
-not slow the sender, and latency is counted from the scheduled send time, so queueing shows).
-Every 200 is compared with the digits model run in this process on that input alone
-(``torch.inference_mode``, no batching; ``rtol = atol = 1e-5``) and must come from the same
-model version. It reports requests, errors by kind (status codes, connection errors,
-timeouts), mismatches, p50/p99 latency per ``--window-s`` window, and the server's resident
-memory (``batchserve_process_resident_memory_bytes`` from ``/metrics``, summed over the roles
-of its processes) at the start, at the end of every window and at the end.
+Sends ``--rate`` requests per second for ``--duration-s`` seconds (one instance each, drawn
+from a fixed pool: an 8x8 digit, or with ``--model textenc`` a sequence of ``--tokens`` token
+ids), on a fixed schedule whatever the server does (open loop: a slow answer does not slow the
+sender, and latency is counted from the scheduled send time, so queueing shows). Every 200 is
+compared with the bundled model run in this process on that input alone
+(``torch.inference_mode``, no batching; ``rtol = atol = 1e-5`` for digits, ``1e-4`` for the
+deeper textenc) and must come from the same model version. It reports requests, errors by
+kind (status codes, connection errors, timeouts), mismatches, p50/p99 latency per
+``--window-s`` window, and the server's resident memory
+(``batchserve_process_resident_memory_bytes`` from ``/metrics``, summed over the roles of its
+processes) at the start, at the end of every window and at the end.
 
 Without ``--url`` it starts ``batchserve serve`` (the console script beside this Python) on a
-free 127.0.0.1 port, serving the bundled digits model on the CPU; ``--set NAME=VALUE`` adds
+free 127.0.0.1 port, serving the bundled model on the CPU; ``--set NAME=VALUE`` adds
 ``BATCHSERVE_*`` settings. Only 127.0.0.1 is ever sent traffic; the run is bounded by
 ``rate x duration`` requests and by ``--max-backlog`` requests waiting to be sent.
 
     python -m loadtests.soak                                  # 200 req/s for 600 s
     python -m loadtests.soak --rate 200 --duration-s 120 --csv soak.csv
     python -m loadtests.soak --url http://127.0.0.1:8000      # a server already running
+    python -m loadtests.soak --model textenc --overload --rate 30 --duration-s 120 \
+        --set BATCHSERVE_MAX_QUEUE_SIZE=8 --set BATCHSERVE_REQUEST_TIMEOUT_MS=300
 
 Writes a Markdown report to stdout; exit status 0 when there was no error and no mismatch.
 """
@@ -48,7 +52,9 @@ from loadtests import servers
 from service.config import BUNDLED_MODEL_REPOSITORY
 from service.engine.model_store import ModelStore
 
-MODEL = "digits"
+MODELS = ("digits", "textenc")
+#: Token ids drawn for textenc inputs: 1 up to its vocabulary (0 is padding).
+TEXTENC_VOCABULARY = 1000
 OK = "ok"
 MISMATCH = "mismatch"
 #: Requests not sent because ``--max-backlog`` scheduled ones were already waiting for a
@@ -73,6 +79,9 @@ class SoakOptions:
     max_backlog: int = 2000
     pool: int = 256
     seed: int = 0
+    model: str = "digits"
+    tokens: int = 512
+    """Sequence length of each textenc input (ignored for digits)."""
     overload: bool = False
     """More than the server can take: refusals (``REFUSALS``) are expected, not errors."""
 
@@ -168,19 +177,29 @@ class Window:
 
 
 class Reference:
-    """The bundled digits model, run in this process on each pool input alone."""
+    """A bundled model (digits or textenc), run in this process on each pool input alone."""
 
-    def __init__(self, pool: int, seed: int) -> None:
-        loaded = ModelStore(BUNDLED_MODEL_REPOSITORY).load(MODEL)
+    def __init__(self, pool: int, seed: int, model: str = "digits", tokens: int = 512) -> None:
+        if model not in MODELS:
+            raise ValueError(f"the soak knows the models {MODELS}, not {model!r}")
+        loaded = ModelStore(BUNDLED_MODEL_REPOSITORY).load(model)
+        self.model = model
         self.version = loaded.manifest.version
-        self.inputs: FloatArray = np.random.default_rng(seed).random((pool, 8, 8), dtype=np.float32)
+        rng = np.random.default_rng(seed)
+        inputs: list[npt.NDArray[np.generic]]
+        if model == "digits":
+            inputs = list(rng.random((pool, 8, 8), dtype=np.float32))
+            self.tolerance = 1e-5
+        else:
+            inputs = list(rng.integers(1, TEXTENC_VOCABULARY, size=(pool, tokens), dtype=np.int64))
+            self.tolerance = 1e-4  # four layers: batched and alone differ in the last bits
         module = loaded.module.eval()
         with torch.inference_mode():
             self.expected: list[FloatArray] = [
-                module(torch.from_numpy(image[np.newaxis].copy()))[0].numpy().copy()
-                for image in self.inputs
+                module(torch.from_numpy(item[np.newaxis].copy()))[0].numpy().copy()
+                for item in inputs
             ]
-        self.bodies = [orjson.dumps({"instances": [image.tolist()]}) for image in self.inputs]
+        self.bodies = [orjson.dumps({"instances": [item.tolist()]}) for item in inputs]
 
     def check(self, index: int, body: bytes) -> str:
         """OK if ``body`` is this model version's answer for pool input ``index``."""
@@ -194,7 +213,8 @@ class Reference:
         expected = self.expected[index % len(self.expected)]
         if predictions.shape != (1, *expected.shape):
             return MISMATCH
-        return OK if np.allclose(predictions[0], expected, rtol=1e-5, atol=1e-5) else MISMATCH
+        close = np.allclose(predictions[0], expected, rtol=self.tolerance, atol=self.tolerance)
+        return OK if close else MISMATCH
 
 
 # ------------------------------------------------------------------------------ the load
@@ -389,7 +409,7 @@ def report_markdown(result: SoakResult, note: str = "") -> str:
         "## Soak test",
         "",
         f"{options.rate:g} req/s for {options.duration_s:g} s against {result.url} "
-        f"(model {MODEL}@{result.version}); open loop, {options.connections} connections, "
+        f"(model {options.model}@{result.version}); open loop, {options.connections} connections, "
         f"request timeout {options.request_timeout_s:g} s. Latency is counted from each "
         f"request's scheduled send time. Wall time {result.wall_s:.1f} s.",
     ]
@@ -475,6 +495,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--pool", type=int, default=defaults.pool, help="distinct inputs")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--model", choices=MODELS, default=defaults.model)
+    parser.add_argument(
+        "--tokens", type=int, default=defaults.tokens, help="token ids per textenc input"
+    )
     parser.add_argument("--url", help="a running server on 127.0.0.1 (default: start one)")
     parser.add_argument(
         "--set",
@@ -504,6 +528,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ("--connections", args.connections),
         ("--max-backlog", args.max_backlog),
         ("--pool", args.pool),
+        ("--tokens", args.tokens),
     ):
         if value < 1:
             parser.error(f"{name} must be at least 1, got {value}")
@@ -527,15 +552,17 @@ def run(argv: Sequence[str] | None = None) -> SoakResult:
         max_backlog=args.max_backlog,
         pool=args.pool,
         seed=args.seed,
+        model=args.model,
+        tokens=args.tokens,
         overload=args.overload,
     )
     torch.set_num_threads(1)  # the reference is computed once, before the load
-    reference = Reference(options.pool, options.seed)
+    reference = Reference(options.pool, options.seed, options.model, options.tokens)
     if args.url:
         return asyncio.run(soak(args.url, options, reference))
     overrides = dict(setting.split("=", 1) for setting in args.set)
     env = servers.server_env(
-        {"BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_MODEL_NAME": MODEL} | overrides
+        {"BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_MODEL_NAME": options.model} | overrides
     )
     with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
         log = Path(scratch) / "server.log"

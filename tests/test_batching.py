@@ -802,6 +802,28 @@ async def test_a_full_group_does_not_starve_a_request_that_has_waited_max_wait(
     assert model.batches == [[[1], [2]], [[100]], [[3], [4]], [[5], [6]]]
 
 
+async def test_the_group_of_the_last_batch_goes_after_the_other_groups_due(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Round robin: a short request that came after the long bucket's refills still runs
+    right after the long batch running, not after every long batch queued before it."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=2, max_wait_ms=30)
+    first = [asyncio.create_task(batcher.submit([row], group="long")) for row in (1, 2)]
+    await wait_until(lambda: device.pending == 1)  # [1, 2] runs
+    refills = [asyncio.create_task(batcher.submit([row], group="long")) for row in (3, 4, 5, 6)]
+    await asyncio.sleep(0.01)
+    short = asyncio.create_task(batcher.submit([100], group="short"))
+    await asyncio.sleep(0.1)  # both groups due; the long refills are older
+    for _ in range(4):
+        await wait_until(lambda: device.pending == 1)
+        device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, short, *refills)
+    assert model.batches == [[[1], [2]], [[100]], [[3], [4]], [[5], [6]]]
+
+
 async def test_among_due_groups_the_oldest_request_runs_first(
     make_batcher: BatcherFactory,
 ) -> None:
@@ -866,7 +888,7 @@ async def test_a_request_the_queue_cannot_serve_in_time_is_refused_429_with_the_
     assert dropped(metrics, "deadline_unreachable") == 1
 
 
-async def test_rows_a_batch_would_finish_late_are_answered_504_and_never_computed(
+async def test_rows_that_cannot_finish_even_alone_are_answered_504_and_never_computed(
     make_batcher: BatcherFactory,
 ) -> None:
     metrics = EngineMetrics()
@@ -877,8 +899,9 @@ async def test_rows_a_batch_would_finish_late_are_answered_504_and_never_compute
     soon = asyncio.create_task(batcher.submit([1], group="g", deadline_s=time.monotonic() + 0.3))
     later = asyncio.create_task(batcher.submit([2], group="g", deadline_s=time.monotonic() + 5))
     await wait_until(lambda: batcher.queue_depth == 2)
-    for _ in range(3):
-        batcher.times.record("g", 2, 1.0)  # admitted when quick; now a batch takes a second
+    for rows in (1, 2):
+        for _ in range(3):
+            batcher.times.record("g", rows, 1.0)  # admitted when quick; now a row takes 1 s
     model.release()
     async with asyncio.timeout(PROMPTLY_S):
         with pytest.raises(DeadlineExceededError, match="would take about 1000 ms"):
@@ -887,6 +910,36 @@ async def test_rows_a_batch_would_finish_late_are_answered_504_and_never_compute
         await blocker
     assert model.computed_rows == [0, 2]
     assert dropped(metrics, "deadline_unreachable") == 1
+
+
+async def test_a_batch_takes_only_the_requests_it_can_finish_before_their_deadlines(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Overload: one row takes 0.2 s, two or three 0.5 s, four 1 s. Of three queued requests
+    the first has 0.8 s left: the batch holds it and the next (2 rows), not the third (4 rows
+    would end too late for the first), and the third runs next instead of all being late."""
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=4, max_wait_ms=1)
+    blocker = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    now_s = time.monotonic()
+    tight = asyncio.create_task(batcher.submit([1], group="g", deadline_s=now_s + 0.8))
+    loose = [
+        asyncio.create_task(batcher.submit(rows, group="g", deadline_s=now_s + 5))
+        for rows in ([2], [3, 4])
+    ]
+    await wait_until(lambda: batcher.queue_depth == 3)
+    for rows, seconds in ((1, 0.2), (2, 0.5), (4, 1.0)):
+        for _ in range(3):
+            batcher.times.record("g", rows, seconds)
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await tight == [[2]]
+        assert [await task for task in loose] == [[[4]], [[6, 8]]]
+        await blocker
+    assert model.batches == [[[0]], [[1], [2]], [[3, 4]]]
+    assert dropped(metrics, "deadline_unreachable") == 0
 
 
 async def test_adaptive_policy_waits_for_the_requests_the_front_ends_hold(

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
 from loadtests import soak
+from tests.processes import (
+    BATCHSERVE,
+    answers,
+    batchserve_environment,
+    free_port,
+    running,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +63,55 @@ def test_ten_seconds_of_steady_load_with_no_error_and_no_mismatch(tmp_path: Path
         rows = list(csv.DictReader(file))
     assert [row["requests"] for row in rows] == ["100", "100"]
     assert all(float(row["p99_ms"]) > 0 for row in rows)
+
+
+async def one_client_rate_per_s(host: str, port: int, body: bytes, seconds: float) -> float:
+    """Answers per second of one client sending each request once it has the last answer."""
+    answered = 0
+    connection = soak.HttpConnection(host, port)
+    started_s = time.monotonic()
+    try:
+        while time.monotonic() - started_s < seconds:
+            response = await connection.request(
+                "POST", "/predict", body, {"Content-Type": "application/json"}
+            )
+            answered += response.status == 200
+    finally:
+        await connection.close()
+    return answered / (time.monotonic() - started_s)
+
+
+@pytest.mark.slow
+def test_twice_the_capacity_keeps_the_goodput_loses_nothing_and_memory_stays_flat(
+    tmp_path: Path,
+) -> None:
+    """textenc, 512 tokens a request, a 300 ms deadline: open-loop load at twice what one
+    client gets answered, every answer checked. The excess is refused at once, nothing is lost
+    or wrong, and the correct answers keep coming at least at 0.8x the one-client rate: the
+    batcher does not spend the device on rows that would be late."""
+    port = free_port()
+    env = batchserve_environment(
+        port,
+        BATCHSERVE_MODEL_NAME="textenc",
+        BATCHSERVE_MAX_QUEUE_SIZE="8",
+        BATCHSERVE_MAX_INSTANCES_PER_REQUEST="64",
+        BATCHSERVE_REQUEST_TIMEOUT_MS="300",
+    )
+    url = f"http://127.0.0.1:{port}"
+    with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as server:
+        wait_for(lambda: answers(url + "/readyz"), "ready", server)
+        reference = soak.Reference(pool=1, seed=0, model="textenc")
+        one_client = asyncio.run(one_client_rate_per_s("127.0.0.1", port, reference.bodies[0], 3.0))
+        result = soak.run(
+            ["--url", url, "--model", "textenc", "--overload", "--rate", f"{2 * one_client:.1f}",
+             "--duration-s", "20", "--window-s", "10", "--connections", "64", "--pool", "8",
+             "--request-timeout-s", "5"]
+        )  # fmt: skip
+        report = soak.report_markdown(result, note=f"one client: {one_client:.1f} answers/s")
+        print(report)
+    assert result.errors == {}, report  # every request answered: nothing lost
+    assert result.mismatches == 0, report
+    assert sum(result.refusals.values()) > 0, "twice the capacity must be refused in part"
+    assert result.goodput_per_s >= 0.8 * one_client, report
+    rss = [value for _, value in result.rss if value is not None]
+    assert max(rss) - rss[0] < 64 * 2**20, report

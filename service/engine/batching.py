@@ -12,12 +12,15 @@ error, its deadline, or its caller going away. A request whose caller has gone, 
 deadline has passed, is removed from the queue and never computed.
 
 Fairness: a group whose oldest request has waited ``max_wait_ms`` is due like a full one, and
-among the groups due the one whose oldest request came first runs next; so a request waits at
-most ``max_wait_ms`` plus the batches of requests that came before it, however full another
-group keeps. Deadlines: from recent forward durations (``estimates.BatchTimes``) the batcher
+among the groups due the one whose oldest request came first runs next, except the group of
+the last batch, which goes after the others (round robin); so a request waits at most
+``max_wait_ms``, the batch running, and one batch of each other group due, however full
+another group keeps. Deadlines: from recent forward durations (``estimates.BatchTimes``) the batcher
 refuses at once what cannot be served in time (429 with ``Retry-After`` when the queue holds
-too much work, 422 when the request alone needs longer than its deadline), and answers 504 at
-once, uncomputed, the rows of a batch that would finish after their deadline.
+too much work, 422 when the request alone needs longer than its deadline); a batch takes only
+the requests it can finish before every deadline in it (the others wait for the next batch),
+and a request that cannot finish by its deadline even alone is answered 504 at once,
+uncomputed. Under overload the device thus keeps computing answers someone gets.
 
 A batch that raises is retried by halves, so only the request that causes the error fails. A
 batch that runs out of device memory is retried by halves too, and for a while batches are
@@ -284,6 +287,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._last_batch_rows = 1
         self._target_rows = max_batch_size
         self._high_streak = 0
+        self._last_group: Hashable | None = None
         self._row_limit = max_batch_size
         self._row_limit_until_s = 0.0
         self._wakeup = asyncio.Event()
@@ -609,6 +613,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         if self._high_streak >= HIGH_PRIORITY_STREAK_LIMIT and normal_waiting:
             lead = "normal"
             candidates = list(self._groups.values())
+        if len(candidates) > 1:
+            # Round robin: the group of the last batch goes after the other groups due.
+            candidates = [g for g in candidates if g.key != self._last_group] or candidates
         with_lead = [group for group in candidates if group.head(lead) is not None]
         if with_lead:
             group = min(with_lead, key=lambda g: g.head(lead).arrival_s)  # type: ignore[union-attr]
@@ -617,55 +624,75 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         order: tuple[Priority, ...] = ("high", "normal") if lead == "high" else ("normal", "high")
         batch: list[_Entry[PayloadT, OutputT]] = []
         rows = cost = 0
+        finish_by_s = math.inf  # the earliest deadline in the batch
         for priority in order:
-            while (head := group.head(priority)) is not None and self._fits(
-                rows, cost, head, first=not batch
-            ):
-                entry = group.pop(priority)
-                self._forget_queued(entry, group)
-                if entry.future.done():  # answered already (deadline or cancel): skip it
+            while (head := group.head(priority)) is not None:
+                if head.future.done():  # answered already (deadline or cancel): skip it
+                    group.pop(priority)
+                    self._forget_queued(head, group)
                     # Its caller was cancelled but has not run its clean-up yet; that clean-up
                     # counts only entries still queued, so count the drop here.
-                    if entry.future.cancelled():
+                    if head.future.cancelled():
                         self._metrics.dropped.labels(DropReason.CANCELLED).inc()
                     continue
-                batch.append(entry)
-                rows += entry.rows
-                cost += entry.cost
+                if not batch and self._would_finish_late(head, group.key, head.rows, math.inf):
+                    group.pop(priority)
+                    self._forget_queued(head, group)
+                    self._answer_late(head, group.key)
+                    continue
+                if batch and not self._fits(rows, cost, head, group.key, finish_by_s):
+                    break
+                group.pop(priority)
+                self._forget_queued(head, group)
+                batch.append(head)
+                rows += head.rows
+                cost += head.cost
+                finish_by_s = min(finish_by_s, head.deadline_s)
         self._last_batch_rows = max(1, rows)
+        self._last_group = group.key
         led_by_high = bool(batch) and batch[0].priority == "high"
         self._high_streak = self._high_streak + 1 if led_by_high and normal_waiting else 0
-        return self._without_late_entries(batch, group.key, rows)
+        return batch
 
-    def _without_late_entries(
-        self, batch: list[_Entry[PayloadT, OutputT]], group: Hashable, rows: int
-    ) -> list[_Entry[PayloadT, OutputT]]:
-        """Answer 504 now, uncomputed, the entries this batch would finish after their
-        deadline: computing them would only spend the device on answers nobody gets."""
+    def _would_finish_late(
+        self, entry: _Entry[PayloadT, OutputT], group: Hashable, rows: int, finish_by_s: float
+    ) -> bool:
+        """Whether a batch of ``rows`` rows holding ``entry``, started now, is estimated to end
+        after ``entry``'s deadline or ``finish_by_s``. Unmeasured: not late."""
         seconds = self.times.estimate(group, rows)
         if seconds is None:
-            return batch
-        finish_s = time.monotonic() + seconds
-        on_time = []
-        for entry in batch:
-            if entry.deadline_s >= finish_s:
-                on_time.append(entry)
-                continue
-            self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
-            entry.reject(
-                DeadlineExceededError(
-                    f"the request could not be answered within {self._request_timeout_s * 1000:.0f}"
-                    f" ms: its batch would take about {seconds * 1000:.0f} ms"
-                )
-            )
-        return on_time
+            return False
+        return time.monotonic() + seconds > min(finish_by_s, entry.deadline_s)
 
-    def _fits(self, rows: int, cost: int, entry: _Entry[PayloadT, OutputT], first: bool) -> bool:
-        if first:
-            return True  # a chunk larger than the current limits still runs, alone
+    def _answer_late(self, entry: _Entry[PayloadT, OutputT], group: Hashable) -> None:
+        """504 now, uncomputed, for an entry that cannot finish by its deadline even alone:
+        computing it would only spend the device on an answer nobody gets."""
+        seconds = self.times.estimate(group, entry.rows) or 0.0
+        self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+        entry.reject(
+            DeadlineExceededError(
+                f"the request could not be answered within {self._request_timeout_s * 1000:.0f}"
+                f" ms: its rows would take about {seconds * 1000:.0f} ms"
+            )
+        )
+
+    def _fits(
+        self,
+        rows: int,
+        cost: int,
+        entry: _Entry[PayloadT, OutputT],
+        group: Hashable,
+        finish_by_s: float,
+    ) -> bool:
+        """Whether ``entry`` may join a batch of ``rows`` rows and ``cost``: within the row
+        limit and the token budget, and the larger batch still estimated to end before every
+        deadline in it (an entry that would make it late waits for the next batch). The first
+        entry of a batch is not asked: a chunk larger than the current limits runs alone."""
         if rows + entry.rows > self._row_limit:
             return False
-        return not self.max_batch_cost or cost + entry.cost <= self.max_batch_cost
+        if self.max_batch_cost and cost + entry.cost > self.max_batch_cost:
+            return False
+        return not self._would_finish_late(entry, group, rows + entry.rows, finish_by_s)
 
     # ----------------------------------------------------------------- running
 
