@@ -568,15 +568,16 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            now_s = time.monotonic()
-            due = [group for group in self._groups.values() if self._is_due(group, now_s)]
-            if not (due or yielded):
+            if not yielded and not any(self._is_ready(group) for group in self._groups.values()):
                 # Requests already received but not yet parsed are queued ahead of us on the
-                # event loop: let them run once so they can join. Not when a batch is ready:
-                # the device would wait for every answer of the last batch to be written.
+                # event loop: let them run once so they can join, even if the oldest has
+                # waited max_wait (it waited while the device was busy). Not when a batch is
+                # ready: the device would wait for every answer of the last batch to be written.
                 yielded = True
                 await asyncio.sleep(0)
                 continue
+            now_s = time.monotonic()
+            due = [group for group in self._groups.values() if self._is_due(group, now_s)]
             if due or self._closing:
                 return self._take(due or list(self._groups.values()))
             remaining_s = oldest.arrival_s + self._max_wait_s - now_s
@@ -587,12 +588,16 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     def _is_due(self, group: _Group[PayloadT, OutputT], now_s: float) -> bool:
         """Full, or as full as the adaptive target, or its oldest request has waited long
         enough: due groups compete for the next batch by the age of their oldest request."""
-        if self._is_full(group):
-            return True
-        if self.policy == "adaptive" and group.rows >= self._target_rows:
+        if self._is_ready(group):
             return True
         oldest = group.oldest()
         return oldest is not None and now_s - oldest.arrival_s >= self._max_wait_s
+
+    def _is_ready(self, group: _Group[PayloadT, OutputT]) -> bool:
+        """Full, or (adaptive) holding as many rows as the batch should have."""
+        return self._is_full(group) or (
+            self.policy == "adaptive" and group.rows >= self._target_rows
+        )
 
     def _oldest_entry(self) -> _Entry[PayloadT, OutputT] | None:
         heads = [group.oldest() for group in self._groups.values()]
