@@ -618,9 +618,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         if self._high_streak >= HIGH_PRIORITY_STREAK_LIMIT and normal_waiting:
             lead = "normal"
             candidates = list(self._groups.values())
-        if len(candidates) > 1:
-            # Round robin: the group of the last batch goes after the other groups due.
-            candidates = [g for g in candidates if g.key != self._last_group] or candidates
+        # Round robin: the group of the last batch goes after the other groups due.
+        candidates = [g for g in candidates if g.key != self._last_group] or candidates
         with_lead = [group for group in candidates if group.head(lead) is not None]
         if with_lead:
             group = min(with_lead, key=lambda g: g.head(lead).arrival_s)  # type: ignore[union-attr]
@@ -633,31 +632,35 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         for priority in order:
             while (head := group.head(priority)) is not None:
                 if head.future.done():  # answered already (deadline or cancel): skip it
-                    group.pop(priority)
-                    self._forget_queued(head, group)
+                    self._pop(group, priority)
                     # Its caller was cancelled but has not run its clean-up yet; that clean-up
                     # counts only entries still queued, so count the drop here.
                     if head.future.cancelled():
                         self._metrics.dropped.labels(DropReason.CANCELLED).inc()
                     continue
                 if not batch and self._would_finish_late(head, group.key, head.rows, math.inf):
-                    group.pop(priority)
-                    self._forget_queued(head, group)
-                    self._answer_late(head, group.key)
+                    self._answer_late(self._pop(group, priority), group.key)
                     continue
                 if batch and not self._fits(rows, cost, head, group.key, finish_by_s):
                     break
-                group.pop(priority)
-                self._forget_queued(head, group)
-                batch.append(head)
-                rows += head.rows
-                cost += head.cost
-                finish_by_s = min(finish_by_s, head.deadline_s)
+                entry = self._pop(group, priority)
+                batch.append(entry)
+                rows += entry.rows
+                cost += entry.cost
+                finish_by_s = min(finish_by_s, entry.deadline_s)
         self._last_batch_rows = max(1, rows)
         self._last_group = group.key
         led_by_high = bool(batch) and batch[0].priority == "high"
         self._high_streak = self._high_streak + 1 if led_by_high and normal_waiting else 0
         return batch
+
+    def _pop(
+        self, group: _Group[PayloadT, OutputT], priority: Priority
+    ) -> _Entry[PayloadT, OutputT]:
+        """Take the head of ``group``'s ``priority`` lane out of the queue."""
+        entry = group.pop(priority)
+        self._forget_queued(entry, group)
+        return entry
 
     def _would_finish_late(
         self, entry: _Entry[PayloadT, OutputT], group: Hashable, rows: int, finish_by_s: float
