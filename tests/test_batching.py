@@ -779,48 +779,30 @@ async def test_without_inline_below_every_batch_runs_in_the_executor(
 # ----------------------------------------------------------------- fairness and deadlines
 
 
+@pytest.mark.parametrize("short_first", [True, False], ids=["short-first", "refills-first"])
 async def test_a_full_group_does_not_starve_a_request_that_has_waited_max_wait(
-    make_batcher: BatcherFactory,
+    make_batcher: BatcherFactory, short_first: bool
 ) -> None:
     """The collector took a full group whenever there was one: kept full by new arrivals,
-    a long bucket held a short request back until its deadline."""
-    model = RecordingDoubler()
-    device = ManualExecutor()
-    batcher = make_batcher(model, executor=device, max_batch_size=2, max_wait_ms=50)
-    first = [asyncio.create_task(batcher.submit([row], group="long")) for row in (1, 2)]
-    await wait_until(lambda: device.pending == 1)  # [1, 2] runs
-    short = asyncio.create_task(batcher.submit([100], group="short"))
-    await asyncio.sleep(0.01)
-    refills = [asyncio.create_task(batcher.submit([row], group="long")) for row in (3, 4, 5, 6)]
-    await asyncio.sleep(0.1)  # the short request has waited max_wait_ms: it is due
-    for _ in range(4):
-        await wait_until(lambda: device.pending == 1)
-        device.finish_next()
-    async with asyncio.timeout(PROMPTLY_S):
-        await asyncio.gather(*first, short, *refills)
-    # After the running batch, the short request (older than the refills) runs next.
-    assert model.batches == [[[1], [2]], [[100]], [[3], [4]], [[5], [6]]]
-
-
-async def test_the_group_of_the_last_batch_goes_after_the_other_groups_due(
-    make_batcher: BatcherFactory,
-) -> None:
-    """Round robin: a short request that came after the long bucket's refills still runs
-    right after the long batch running, not after every long batch queued before it."""
+    a long bucket held a short request back until its deadline. Now the short request runs
+    right after the long batch running, whether it came before the long bucket's refills
+    (oldest first) or after them (round robin: the group of the last batch goes after the
+    other groups due)."""
     model = RecordingDoubler()
     device = ManualExecutor()
     batcher = make_batcher(model, executor=device, max_batch_size=2, max_wait_ms=30)
     first = [asyncio.create_task(batcher.submit([row], group="long")) for row in (1, 2)]
     await wait_until(lambda: device.pending == 1)  # [1, 2] runs
-    refills = [asyncio.create_task(batcher.submit([row], group="long")) for row in (3, 4, 5, 6)]
-    await asyncio.sleep(0.01)
-    short = asyncio.create_task(batcher.submit([100], group="short"))
-    await asyncio.sleep(0.1)  # both groups due; the long refills are older
+    arrivals: list[asyncio.Task[list[Payload]]] = []
+    for group, rows in sorted([("short", [100]), ("long", [3, 4, 5, 6])], reverse=short_first):
+        arrivals += [asyncio.create_task(batcher.submit([row], group=group)) for row in rows]
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # both groups due
     for _ in range(4):
         await wait_until(lambda: device.pending == 1)
         device.finish_next()
     async with asyncio.timeout(PROMPTLY_S):
-        await asyncio.gather(*first, short, *refills)
+        await asyncio.gather(*first, *arrivals)
     assert model.batches == [[[1], [2]], [[100]], [[3], [4]], [[5], [6]]]
 
 
