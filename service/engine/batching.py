@@ -12,10 +12,10 @@ error, its deadline, or its caller going away. A request whose caller has gone, 
 deadline has passed, is removed from the queue and never computed.
 
 Fairness: a group whose oldest request has waited ``max_wait_ms`` is due like a full one, and
-among the groups due the one whose oldest request came first runs next, except the group of
-the last batch, which goes after the others (round robin); so a request waits at most
-``max_wait_ms``, the batch running, and one batch of each other group due, however full
-another group keeps. Deadlines: from recent forward durations (``estimates.BatchTimes``) the batcher
+among the groups due the one whose oldest request came first runs next, except the group of the
+last batch, which goes after the others (round robin); so a request waits at most
+``max_wait_ms``, the batch running, and one batch of each other group due, however full another
+group keeps. Deadlines: from recent forward durations (``estimates.BatchTimes``) the batcher
 refuses at once what cannot be served in time (429 with ``Retry-After`` when the queue holds
 too much work, 422 when the request alone needs longer than its deadline); a batch takes only
 the requests it can finish before every deadline in it (the others wait for the next batch),
