@@ -137,7 +137,6 @@ class _Group(Generic[PayloadT, OutputT]):
         self.lanes: dict[Priority, deque[_Entry[PayloadT, OutputT]]] = {
             priority: deque() for priority in PRIORITIES
         }
-        self.size = 0
         self.rows = 0
         self.cost = 0
         self.high_rows = 0
@@ -164,7 +163,6 @@ class _Group(Generic[PayloadT, OutputT]):
         return min(heads, key=lambda entry: entry.arrival_s, default=None)
 
     def _count(self, entry: _Entry[PayloadT, OutputT], sign: int) -> None:
-        self.size += sign
         self.rows += sign * entry.rows
         self.cost += sign * entry.cost
         if entry.priority == "high":
@@ -512,7 +510,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self, entry: _Entry[PayloadT, OutputT], group: _Group[PayloadT, OutputT]
     ) -> None:
         entry.queued = False
-        if group.size == 0:
+        if group.rows == 0:  # every entry holds a row at least
             del self._groups[entry.group]
         self._queued_entries -= 1
         self._queue_depth_changed()
