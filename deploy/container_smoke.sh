@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the real image from ./Dockerfile and run it: ready, one digit classified, metrics
-# scraped, the image's HEALTHCHECK passes, and SIGTERM drains to exit status 0.
+# Build the real image from ./Dockerfile and run it twice, as one process and with two front
+# ends and an engine process: each time ready, one digit classified, metrics scraped, the
+# image's HEALTHCHECK passes, and SIGTERM drains to exit status 0.
 #
 # No Docker engine is needed and no registry is reached: buildah builds and runs the image
 # with chroot isolation (as root), on a Debian bookworm + Python 3.11 base made here with
@@ -53,7 +54,7 @@ if [[ ${1:-} == --clean ]]; then
 fi
 
 [[ $(id -u) == 0 ]] || die "buildah's chroot isolation needs root here; run as root"
-for tool in buildah debootstrap ss flock timeout; do
+for tool in buildah debootstrap ss pgrep flock timeout; do
     command -v "$tool" >/dev/null || die "$tool not found: apt-get install buildah debootstrap"
 done
 [[ -x $PYTHON ]] || PYTHON=$(command -v python3.11 || true)
@@ -73,7 +74,7 @@ runner_pid=""
 cleanup() {
     if [[ -n $runner_pid ]] && kill -0 "$runner_pid" 2>/dev/null; then
         kill -KILL "$runner_pid" 2>/dev/null || true
-        server_pid=$(listener_pid || true)
+        server_pid=$(main_pid || listener_pid || true)
         [[ -z $server_pid ]] || kill -KILL "$server_pid" 2>/dev/null || true
     fi
     [[ -z $container ]] || buildah rm "$container" >/dev/null 2>&1 || true
@@ -177,16 +178,14 @@ mapfile -t healthcheck < <(config healthcheck)
 ok "image config: user $user, command ${command[*]}, a HEALTHCHECK"
 
 # ---------------------------------------------------------------------------------------------
-# 4. Run it with its own entrypoint, on a free port of 127.0.0.1 (the host's network).
+# 4. Run it with its own entrypoint, on a free port of 127.0.0.1 (the host's network): once as
+#    one process, once with two front ends and an engine process (BATCHSERVE_WORKERS=2).
 port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 url=http://127.0.0.1:$port
 listener_pid() { ss -ltnpH "sport = :$port" | grep -oE 'pid=[0-9]+' | head -n 1 | cut -d= -f2; }
-container=$(buildah from --pull=never --name "batchserve-smoke-$$" "$IMAGE")
-say "run: ${command[*]} on $url"
-# Host network: the container's server listens on the host's loopback only (BATCHSERVE_HOST).
-buildah run --network host -e BATCHSERVE_HOST=127.0.0.1 -e BATCHSERVE_PORT="$port" \
-    -e BATCHSERVE_DEVICE=cpu -e BATCHSERVE_DRAIN_DELAY_S=2 "$container" -- "${command[@]}" >"$work/server.log" 2>&1 &
-runner_pid=$!
+# The process the image's command started (the server alone, or the supervisor of the front
+# ends and engines): SIGTERM goes to it, as Kubernetes sends it to PID 1.
+main_pid() { pgrep -o -u 10001 -f 'bin/batchserve serve'; }
 
 http() {
     # http METHOD PATH [BODY]: prints "STATUS BODY"; status 0 when nothing answers.
@@ -205,71 +204,96 @@ except OSError:
 EOF
 }
 
-deadline_s=$((SECONDS + READY_TIMEOUT_S))
-until [[ $(http GET /readyz) == 200* ]]; do
-    kill -0 "$runner_pid" 2>/dev/null || {
-        cat "$work/server.log" >&2
-        die "the server exited before it was ready (log above)"
-    }
-    ((SECONDS < deadline_s)) || {
-        cat "$work/server.log" >&2
-        die "not ready after ${READY_TIMEOUT_S} s (log above)"
-    }
-    sleep 1
-done
-ok "ready: $(http GET /readyz)"
-
-server_pid=$(listener_pid)
-server_uid=$(awk '/^Uid:/ {print $2}' "/proc/$server_pid/status")
-[[ $server_uid == 10001 ]] || die "the server runs as uid $server_uid, expected 10001"
-ok "the server (pid $server_pid) runs as uid $server_uid"
-
 # scikit-learn's digits image 0 (a zero), pixel values / 16.
 zero='{"instances": [[
 [0,0,0.3125,0.8125,0.5625,0.0625,0,0], [0,0,0.8125,0.9375,0.625,0.9375,0.3125,0],
 [0,0.1875,0.9375,0.125,0,0.6875,0.5,0], [0,0.25,0.75,0,0,0.5,0.5,0],
 [0,0.3125,0.5,0,0,0.5625,0.5,0], [0,0.25,0.6875,0,0.0625,0.75,0.4375,0],
 [0,0.125,0.875,0.3125,0.625,0.75,0,0], [0,0,0.375,0.8125,0.625,0,0,0]]]}'
-answer=$(http POST /predict "$zero")
-say "predict: ${answer:0:160}"
-digit=$("$PYTHON" -c 'import json, sys
+
+serve_and_stop() {
+    local workers=$1
+    container=$(buildah from --pull=never --name "batchserve-smoke-$$-$workers" "$IMAGE")
+    say "run (workers=$workers): ${command[*]} on $url"
+    # Host network: the container's server listens on the host's loopback only.
+    buildah run --network host -e BATCHSERVE_HOST=127.0.0.1 -e BATCHSERVE_PORT="$port" \
+        -e BATCHSERVE_DEVICE=cpu -e BATCHSERVE_DRAIN_DELAY_S=3 -e BATCHSERVE_WORKERS="$workers" \
+        "$container" -- "${command[@]}" >"$work/server.log" 2>&1 &
+    runner_pid=$!
+
+    local deadline_s=$((SECONDS + READY_TIMEOUT_S))
+    until [[ $(http GET /readyz) == 200* ]]; do
+        kill -0 "$runner_pid" 2>/dev/null || {
+            cat "$work/server.log" >&2
+            die "the server exited before it was ready (log above)"
+        }
+        ((SECONDS < deadline_s)) || {
+            cat "$work/server.log" >&2
+            die "not ready after ${READY_TIMEOUT_S} s (log above)"
+        }
+        sleep 1
+    done
+    ok "workers=$workers ready: $(http GET /readyz)"
+
+    server_pid=$(main_pid)
+    local pid uid
+    for pid in $server_pid $(listener_pid); do
+        uid=$(awk '/^Uid:/ {print $2}' "/proc/$pid/status")
+        [[ $uid == 10001 ]] || die "pid $pid runs as uid $uid, expected 10001"
+    done
+    ok "workers=$workers: the server (pid $server_pid) and its listener run as uid 10001"
+
+    local answer digit metrics counted
+    answer=$(http POST /predict "$zero")
+    say "predict: ${answer:0:160}"
+    digit=$("$PYTHON" -c 'import json, sys
 status, _, body = sys.argv[1].partition(" ")
 row = json.loads(body)["predictions"][0] if status == "200" else [None]
 print(max(range(len(row)), key=row.__getitem__) if status == "200" else "none")' "$answer")
-[[ $digit == 0 ]] || die "expected the digit 0, got '$digit' from: $answer"
-ok "predict: class $digit"
+    [[ $digit == 0 ]] || die "expected the digit 0, got '$digit' from: $answer"
+    ok "workers=$workers predict: class $digit"
 
-metrics=$(http GET /metrics)
-counted=$(grep -E '^batchserve_requests_total\{.*route="/predict".*\} 1\.0$' <<<"${metrics#* }") ||
-    die "/metrics does not count the prediction"
-ok "metrics: $counted"
+    metrics=$(http GET /metrics)
+    counted=$(grep -E '^batchserve_requests_total\{.*route="/predict".*\} 1\.0$' <<<"${metrics#* }") ||
+        die "/metrics does not count the prediction"
+    ok "workers=$workers metrics: $counted"
 
-buildah run --network host -e BATCHSERVE_PORT="$port" "$container" -- "${healthcheck[@]}" ||
-    die "the image's HEALTHCHECK command failed against the running server"
-ok "the image's HEALTHCHECK command passes against the server"
+    buildah run --network host -e BATCHSERVE_PORT="$port" "$container" -- "${healthcheck[@]}" ||
+        die "the image's HEALTHCHECK command failed against the running server"
+    ok "workers=$workers: the image's HEALTHCHECK command passes against the server"
 
-# ---------------------------------------------------------------------------------------------
-# 5. SIGTERM: readiness turns 503 while requests are still answered for the drain delay,
-#    then the server drains and exits 0 (a SIGTERM that killed it would give 143).
-say "stop: SIGTERM to pid $server_pid"
-kill -TERM "$server_pid"
-readiness=$(http GET /readyz)
-during_drain=$(http POST /predict "$zero")
-[[ $readiness == 503* ]] || die "/readyz answered '$readiness' after SIGTERM, expected 503"
-[[ $during_drain == 200* ]] || die "a request during the drain delay got '${during_drain:0:80}'"
-ok "after SIGTERM: /readyz ${readiness:0:40}, /predict still ${during_drain:0:3}"
-drain_deadline_s=$((SECONDS + DRAIN_TIMEOUT_S))
-while kill -0 "$runner_pid" 2>/dev/null && ((SECONDS < drain_deadline_s)); do
-    sleep 0.2
-done
-kill -0 "$runner_pid" 2>/dev/null && die "still running ${DRAIN_TIMEOUT_S} s after SIGTERM"
-status=0
-wait "$runner_pid" || status=$?
-runner_pid=""
-[[ $status == 0 ]] || {
-    cat "$work/server.log" >&2
-    die "the server exited with status $status after SIGTERM, expected 0 (log above)"
+    # 5. SIGTERM: readiness turns 503 while requests are still answered for the drain delay,
+    #    then the server drains and exits 0 (a SIGTERM that killed it would give 143). With
+    #    front ends the signal reaches them through the supervisor: allow it a moment.
+    say "stop: SIGTERM to pid $server_pid"
+    kill -TERM "$server_pid"
+    local readiness during_drain
+    for _ in $(seq 20); do
+        readiness=$(http GET /readyz)
+        [[ $readiness == 503* ]] && break
+        sleep 0.05
+    done
+    during_drain=$(http POST /predict "$zero")
+    [[ $readiness == 503* ]] || die "/readyz answered '$readiness' after SIGTERM, expected 503"
+    [[ $during_drain == 200* ]] || die "a request during the drain delay got '${during_drain:0:80}'"
+    ok "workers=$workers after SIGTERM: /readyz ${readiness:0:40}, /predict still ${during_drain:0:3}"
+    local drain_deadline_s=$((SECONDS + DRAIN_TIMEOUT_S)) status=0
+    while kill -0 "$runner_pid" 2>/dev/null && ((SECONDS < drain_deadline_s)); do
+        sleep 0.2
+    done
+    kill -0 "$runner_pid" 2>/dev/null && die "still running ${DRAIN_TIMEOUT_S} s after SIGTERM"
+    wait "$runner_pid" || status=$?
+    runner_pid=""
+    [[ $status == 0 ]] || {
+        cat "$work/server.log" >&2
+        die "the server exited with status $status after SIGTERM, expected 0 (log above)"
+    }
+    ok "workers=$workers drained and exited 0; last log line: $(tail -n 1 "$work/server.log" | cut -c 1-120)"
+    buildah rm "$container" >/dev/null
+    container=""
 }
-ok "drained and exited 0; last log line: $(tail -n 1 "$work/server.log" | cut -c 1-120)"
-say "PASSED in $((SECONDS - started_s)) s: built, served, classified a 0, drained on SIGTERM"
+
+serve_and_stop 1
+serve_and_stop 2
+say "PASSED in $((SECONDS - started_s)) s: built, served alone and with front ends, classified a 0, drained on SIGTERM"
 echo "container_smoke: $passed passed, 0 failed"

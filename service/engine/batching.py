@@ -381,8 +381,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         work queued ahead would not let it finish by its deadline, ``InvalidInputError`` when
         it alone needs longer than its deadline, and ``NotReadyError`` while draining or
         stalled; the ticket fails with ``DeadlineExceededError`` past the deadline (or at once
-        when its batch would finish later) and ``InferenceError`` when the model fails on
-        this request's input.
+        when it could not finish by then even alone) and ``InferenceError`` when the model
+        fails on this request's input.
         """
         if not self.accepting or self._collector is None:
             self._metrics.dropped.labels(DropReason.DRAINING).inc()
