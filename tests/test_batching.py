@@ -722,57 +722,18 @@ class ThreadNoting(RecordingDoubler):
         return super().__call__(payloads)
 
 
-async def test_batches_known_to_be_quick_run_on_the_loops_thread(
+async def test_every_batch_runs_in_the_executor_even_one_known_to_be_quick(
     make_batcher: BatcherFactory,
 ) -> None:
+    """Never on the event loop's thread: a model that hangs there would stop the loop, and
+    with it the stall watchdog, the deadlines and the engine's heartbeats."""
     model = ThreadNoting()
-    batcher = make_batcher(
-        model, max_batch_size=4, max_wait_ms=1, inline_below_s=1.0, measured=False
-    )
-    for rows in ([1], [2], [3, 4]):
-        async with asyncio.timeout(PROMPTLY_S):
-            assert await batcher.submit(rows, group="g") == [doubled(rows)]
-    loop_thread = threading.current_thread().name
-    # The group runs in the executor until a duration of it is known, then on the loop's.
-    assert model.threads == ["fake-device_0", loop_thread, loop_thread]
-
+    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=1, measured=False)
     for _ in range(3):
-        batcher.times.record("g", 4, 2.0)  # four rows are known to be slow
-    async with asyncio.timeout(PROMPTLY_S):
-        await batcher.submit([5, 6, 7, 8], group="g")
-        await batcher.submit([9], group="g")
-    assert model.threads[3:] == ["fake-device_0", loop_thread]
-
-
-async def test_inline_forwards_are_timed_and_only_batches_below_the_limit_run_inline(
-    make_batcher: BatcherFactory,
-) -> None:
-    model = ThreadNoting()
-    batcher = make_batcher(
-        model, max_batch_size=4, max_wait_ms=1, inline_below_s=1.0, measured=False
-    )
-    for _ in range(3):
-        batcher.times.record("g", 1, 0.5)  # below inline_below_s
-        batcher.times.record("g", 2, 1.0)  # not below it
-    for rows in ([1], [2], [3], [4, 5]):
-        async with asyncio.timeout(PROMPTLY_S):
-            assert await batcher.submit(rows, group="g") == [doubled(rows)]
-    loop_thread = threading.current_thread().name
-    assert model.threads == [loop_thread] * 3 + ["fake-device_0"]
-    # The three forwards on the loop's thread outvote the 0.5 s measured before.
-    estimate = batcher.times.estimate("g", 1)
-    assert estimate is not None
-    assert estimate < 0.1
-
-
-async def test_without_inline_below_every_batch_runs_in_the_executor(
-    make_batcher: BatcherFactory,
-) -> None:
-    model = ThreadNoting()
-    batcher = make_batcher(model, max_batch_size=4, max_wait_ms=1)
+        batcher.times.record("g", 1, 1e-6)
     for rows in ([1], [2], [3]):
         async with asyncio.timeout(PROMPTLY_S):
-            await batcher.submit(rows, group="g")
+            assert await batcher.submit(rows, group="g") == [doubled(rows)]
     assert model.threads == ["fake-device_0"] * 3
 
 

@@ -18,7 +18,6 @@ import contextlib
 import json
 import socket
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,11 +27,8 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import save_file
 
 from loadtests.soak import HttpConnection, ProtocolError, error_kind
-from service.engine.model_store import ModelStore
-from service.manifest import Architecture, TensorSpec
 from tests.processes import (
     BATCHSERVE,
     REPOSITORY_ROOT,
@@ -43,7 +39,7 @@ from tests.processes import (
     running,
     wait_for,
 )
-from tests.torch_models import FEATURES, HANG_VALUE
+from tests.torch_models import FEATURES, HANG_VALUE, package_hanging_model
 
 pytestmark = pytest.mark.slow
 
@@ -268,22 +264,6 @@ def test_a_request_that_cannot_finish_by_its_deadline_is_refused_at_once(
         assert dropped == 1
 
 
-def package_model_that_hangs(repository: Path, gate: Path) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        weights = Path(scratch) / "empty.safetensors"
-        save_file({}, str(weights))
-        ModelStore(repository).package(
-            name="hangs",
-            artifact=weights,
-            format="safetensors",
-            architecture=Architecture(
-                import_path="tests.torch_models:HangsWhileFileExists", kwargs={"gate": str(gate)}
-            ),
-            inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
-            outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
-        )
-
-
 def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs_past_its_estimate(
     tmp_path: Path,
 ) -> None:
@@ -292,7 +272,7 @@ def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs_past_its_e
     computed. The running request itself is answered 504 at its deadline too."""
     gate = tmp_path / "hold"
     gate.touch()
-    package_model_that_hangs(tmp_path / "models", gate)
+    package_hanging_model(tmp_path / "models", gate)
     port = free_port()
     env = batchserve_environment(
         port,

@@ -12,7 +12,6 @@ import asyncio
 import os
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -22,10 +21,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from safetensors.torch import save_file
 
-from service.engine.model_store import ModelStore
-from service.manifest import Architecture, TensorSpec
 from tests.processes import (
     REPOSITORY_ROOT,
     Running,
@@ -36,7 +32,7 @@ from tests.processes import (
     wait_for,
     wait_until_serving,
 )
-from tests.torch_models import FEATURES, HANG_VALUE
+from tests.torch_models import FEATURES, HANG_VALUE, package_hanging_model
 
 pytestmark = pytest.mark.slow
 
@@ -136,22 +132,6 @@ def test_a_front_end_killed_under_load_loses_only_its_own_requests(tmp_path: Pat
         wait_for(lambda: len(frontend_pids(server)) == WORKERS, "a replacement front end", server)
         wait_until_serving(server, WORKERS + 1)  # the replacement logs frontend_ready too
         assert httpx.post(server.url + "/predict", json=DIGIT, timeout=5.0).status_code == 200
-
-
-def package_hanging_model(repository: Path, gate: Path) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        weights = Path(scratch) / "empty.safetensors"
-        save_file({}, str(weights))
-        ModelStore(repository).package(
-            name="hangs",
-            artifact=weights,
-            format="safetensors",
-            architecture=Architecture(
-                import_path="tests.torch_models:HangsWhileFileExists", kwargs={"gate": str(gate)}
-            ),
-            inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
-            outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
-        )
 
 
 def serve_hanging_model(

@@ -7,12 +7,17 @@ e.g. ``tests.torch_models:AffineModel``.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
+from service.engine.model_store import ModelStore
+from service.manifest import Architecture, TensorSpec
 from service.models.digits import DigitsCNN
 from service.processes import ENGINE_INDEX_ENV
 
@@ -141,3 +146,21 @@ class OverflowsOnSeven(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         overflowing = (x == 7).any(dim=1, keepdim=True)
         return torch.where(overflowing, torch.full_like(x, float("inf")), 2 * x + 1)
+
+
+def package_hanging_model(repository: Path, gate: Path) -> None:
+    """Package ``hangs`` (``HangsWhileFileExists`` on ``gate``, no weights) into
+    ``repository``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "empty.safetensors"
+        save_file({}, str(weights))
+        ModelStore(repository).package(
+            name="hangs",
+            artifact=weights,
+            format="safetensors",
+            architecture=Architecture(
+                import_path="tests.torch_models:HangsWhileFileExists", kwargs={"gate": str(gate)}
+            ),
+            inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
+            outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
+        )

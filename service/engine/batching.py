@@ -251,13 +251,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         policy: BatchPolicy = "adaptive",
         stall_timeout_s: float = 0.0,
         on_stall: Callable[[], None] | None = None,
-        inline_below_s: float = 0.0,
         expected_requests: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``inline_below_s``: a batch of a size that last took less than this runs on the
-        event loop's own thread rather than in ``executor``, saving the two thread hand-offs
-        (about 80 us on a small VM, more than such a forward). Only for an event loop that
-        has nothing else to do meanwhile, as an engine process's; 0 never does it."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
@@ -274,7 +269,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._request_timeout_s = request_timeout_ms / 1000.0
         self._stall_timeout_s = stall_timeout_s
         self._on_stall = on_stall
-        self._inline_below_s = inline_below_s
         self._expected_requests = expected_requests
         self._queue_depth_refresh: asyncio.TimerHandle | None = None
         self.times = BatchTimes()
@@ -745,16 +739,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     async def _forward(
         self, payloads: list[PayloadT], rows: int, group: Hashable
     ) -> Sequence[OutputT | Exception]:
-        """``run_batch`` in the executor, watching for a batch that never comes back; or on
-        this thread when batches like it are known to be quick (``inline_below_s``)."""
+        """``run_batch`` in the executor (never on this thread, however quick: a model that
+        hangs must not stop the event loop), watching for a batch that never comes back."""
         estimate_s = self.times.estimate(group, rows)
         started_s = time.monotonic()
-        if estimate_s is not None and estimate_s < self._inline_below_s:
-            # A hang here stops the whole event loop: the engine's heartbeat stops with it,
-            # and its supervisor replaces it (engine_heartbeat_timeout_s).
-            outputs = self._run_batch(payloads)
-            self.times.record(group, rows, time.monotonic() - started_s)
-            return outputs
         self._running_until_s = started_s + (estimate_s or 0.0)
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(self._executor, self._run_batch, payloads)

@@ -42,7 +42,6 @@ class Engine:
         device: str | None = None,
         on_load_failure: Callable[[], None] | None = None,
         on_stall: Callable[[], None] | None = None,
-        inline_below_s: float = 0.0,
     ) -> None:
         self.state = EngineState(
             settings=settings,
@@ -50,7 +49,6 @@ class Engine:
             store=ModelStore(settings.model_repository),
             device=device or settings.device,
             on_stall=on_stall,
-            inline_below_s=inline_below_s,
         )
         self._on_load_failure = on_load_failure
         self._loading: asyncio.Task[None] | None = None

@@ -1,10 +1,9 @@
 """How long a batch will take: recent forward durations by group and size.
 
-The batcher uses the estimate three ways: to give a batch only the requests it can finish
+The batcher uses the estimate two ways: to give a batch only the requests it can finish
 before their deadlines (one that cannot finish even alone is answered 504 at once instead of
-being computed for nobody), to refuse at admission what the queue cannot serve in time (429
-with a ``Retry-After`` from the estimated wait), and to run batches known to be quick on the
-event loop's own thread.
+being computed for nobody), and to refuse at admission what the queue cannot serve in time
+(429 with a ``Retry-After`` from the estimated wait).
 
 Durations are kept per group (shape or length bucket) and per size class (rows rounded up to
 a power of two). The estimate is the lower median of the last few durations: one slow batch

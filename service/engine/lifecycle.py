@@ -69,7 +69,6 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         policy=settings.batch_policy,
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
-        inline_below_s=state.inline_below_s,
         expected_requests=state.expected_requests,
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):

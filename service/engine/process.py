@@ -33,11 +33,6 @@ from service.processes import (
 
 logger = logging.getLogger(__name__)
 
-#: Batches known to take less than this run on the engine's event loop thread, not its device
-#: thread: the two hand-offs cost more. Measured at one client on a 2-core VM: 493 -> 405 us
-#: per round trip through the bridge for a small model. Longer batches keep the device thread,
-#: so the loop goes on reading requests meanwhile.
-INLINE_FORWARD_BELOW_S = 0.001
 #: How often the engine tells front ends (a status frame) and the supervisor (its heartbeat
 #: file) that it is alive, and refreshes its memory gauges.
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -64,7 +59,6 @@ async def serve_engine(
         device=device,
         on_load_failure=lambda: stop_with(EXIT_LOAD_FAILED),
         on_stall=lambda: stop_with(EXIT_STALLED),
-        inline_below_s=INLINE_FORWARD_BELOW_S,
     )
     bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=HOUSEKEEPING_INTERVAL_S)
     engine.add_listener(bridge.status_changed)

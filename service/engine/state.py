@@ -68,9 +68,6 @@ class EngineState:
     """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
     frontend_loads: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
     """Each front end's last reported load (``InferenceRequest.frontend_load``) and when."""
-    inline_below_s: float = 0.0
-    """Batches known to take less than this run on the event loop's thread (see
-    ``DynamicBatcher``); only an engine process, whose loop serves no HTTP, sets it."""
 
     def expected_requests(self) -> int:
         """Requests the front ends hold now, as they last said within ``LOAD_FRESH_S``:
