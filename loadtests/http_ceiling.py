@@ -36,7 +36,6 @@ from pathlib import Path
 from types import FrameType
 
 import numpy as np
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
@@ -56,7 +55,7 @@ from service.logs import configure_logging
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.server.cli import serves_in_one_process
-from service.server.draining import DrainingServer
+from service.server.draining import DrainingServer, uvicorn_config
 from service.server.launcher import (
     clear_configured_multiprocess_dir,
     prepare_multiprocess_dir,
@@ -153,16 +152,7 @@ def serve_in_one_process(settings: Settings) -> int:
     """uvicorn with the options ``service.server.single.serve`` gives it."""
     clear_configured_multiprocess_dir()  # as ``batchserve serve`` does before serving alone
     app = create_ceiling_app(settings, in_process=True)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        server_header=False,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-    )
-    DrainingServer(config, app.state.frontend, settings.drain_delay_s).run()
+    DrainingServer(uvicorn_config(app, settings), app.state.frontend, settings.drain_delay_s).run()
     return 0
 
 

@@ -11,8 +11,24 @@ import socket
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
+from service.config import Settings
 from service.frontend.state import FrontendState
+
+
+def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """uvicorn serving ``app`` in one process: our JSON logs, no access log, no ``Server``
+    header, and the settings' address and shutdown grace."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
 
 
 class DrainingServer(uvicorn.Server):

@@ -12,7 +12,6 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
@@ -23,7 +22,7 @@ from service.frontend.state import FrontendState
 from service.metrics import EngineMetrics, FrontendMetrics, ProcessMetrics
 from service.processes import EXIT_STALLED
 from service.repository import ModelRepository
-from service.server.draining import DrainingServer
+from service.server.draining import DrainingServer, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +77,9 @@ def serve(settings: Settings) -> int:
             server.stop()
 
     app = create_app(settings, on_load_failure=stop_serving, on_stall=stop_serving)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        server_header=False,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    server = DrainingServer(
+        uvicorn_config(app, settings), app.state.frontend, settings.drain_delay_s
     )
-    server = DrainingServer(config, app.state.frontend, settings.drain_delay_s)
     server.run()
     engine: Engine = app.state.engine
     if engine.state.stalled:
