@@ -184,8 +184,9 @@ port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)
 url=http://127.0.0.1:$port
 listener_pid() { ss -ltnpH "sport = :$port" | grep -oE 'pid=[0-9]+' | head -n 1 | cut -d= -f2; }
 # The process the image's command started (the server alone, or the supervisor of the front
-# ends and engines): SIGTERM goes to it, as Kubernetes sends it to PID 1.
-main_pid() { pgrep -o -u 10001 -f 'bin/batchserve serve'; }
+# ends and engines): SIGTERM goes to it, as Kubernetes sends it to PID 1. Matched on the
+# interpreter too: buildah's chroot runner, which holds the same words, is not the server.
+main_pid() { pgrep -o -u 10001 -f '^/opt/batchserve/bin/python[0-9.]* /opt/batchserve/bin/batchserve serve'; }
 
 http() {
     # http METHOD PATH [BODY]: prints "STATUS BODY"; status 0 when nothing answers.
@@ -235,7 +236,10 @@ serve_and_stop() {
     done
     ok "workers=$workers ready: $(http GET /readyz)"
 
-    server_pid=$(main_pid)
+    server_pid=$(main_pid) || die "no server process found (pgrep)"
+    if ((workers == 1)); then
+        [[ $server_pid == "$(listener_pid)" ]] || die "pid $server_pid is not the listener"
+    fi
     local pid uid
     for pid in $server_pid $(listener_pid); do
         uid=$(awk '/^Uid:/ {print $2}' "/proc/$pid/status")
@@ -274,8 +278,11 @@ print(max(range(len(row)), key=row.__getitem__) if status == "200" else "none")'
         sleep 0.05
     done
     during_drain=$(http POST /predict "$zero")
-    [[ $readiness == 503* ]] || die "/readyz answered '$readiness' after SIGTERM, expected 503"
-    [[ $during_drain == 200* ]] || die "a request during the drain delay got '${during_drain:0:80}'"
+    [[ $readiness == 503* && $during_drain == 200* ]] || {
+        cat "$work/server.log" >&2
+        die "after SIGTERM: /readyz '${readiness:0:80}' (expected 503), /predict" \
+            "'${during_drain:0:80}' (expected 200 during the drain delay); log above"
+    }
     ok "workers=$workers after SIGTERM: /readyz ${readiness:0:40}, /predict still ${during_drain:0:3}"
     local drain_deadline_s=$((SECONDS + DRAIN_TIMEOUT_S)) status=0
     while kill -0 "$runner_pid" 2>/dev/null && ((SECONDS < drain_deadline_s)); do
