@@ -230,14 +230,14 @@ class TorchRunner:
             )
         # One device-to-host copy per batch, in fp32 whatever the autocast precision.
         host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
-        split: list[Array | InferenceError] = []
+        split: list[Array] = []
         start = 0
         for count in rows:  # slices, not np.split: a tenth of its cost per batch
             split.append(host_outputs[start : start + count])
             start += count
-        if not np.isfinite(host_outputs).all():
-            split = [_finite_or_error(output) for output in split]
-        return split
+        if np.isfinite(host_outputs).all():
+            return list(split)
+        return [_finite_or_error(output) for output in split]
 
     def _pad_lengths(self, payloads: Sequence[Array]) -> Sequence[Array]:
         """Pad the variable axis of every payload to the batch's length (its bucket if compiled)."""
@@ -279,8 +279,8 @@ class TorchRunner:
             torch.cuda.empty_cache()
 
 
-def _finite_or_error(output: Array | InferenceError) -> Array | InferenceError:
-    if isinstance(output, InferenceError) or np.isfinite(output).all():
+def _finite_or_error(output: Array) -> Array | InferenceError:
+    if np.isfinite(output).all():
         return output
     return InferenceError(
         "the model produced values that are not finite (NaN or infinity) for this input; "
