@@ -82,7 +82,14 @@ def main() -> None:
                     name="image", dtype="float32", shape=(-1, 8, 8), min_value=0.0, max_value=1.0
                 ),
             ),
-            outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
+            outputs=(
+                TensorSpec(
+                    name="logits",
+                    dtype="float32",
+                    shape=(-1, 10),
+                    labels=tuple(str(digit) for digit in range(10)),
+                ),
+            ),
             metadata={
                 "description": "CNN over 8x8 grey-scale digits; pixel values in [0, 1] "
                 "(scikit-learn's values divided by 16); output: 10 class logits.",

@@ -12,11 +12,13 @@ import bisect
 import math
 from collections.abc import Sequence
 
-from service.manifest import TensorSpec
+from service.manifest import Manifest, TensorSpec
+from service.tensors import NamedArrays
 
 SMALLEST_DEFAULT_EDGE = 8
-#: Longest variable length assumed when a spec gives no ``max_length`` and no buckets are set.
-DEFAULT_MAX_LENGTH = 4096
+#: Longest variable length assumed when a spec gives no ``max_length`` and no buckets are set:
+#: BERT's, and what most position embeddings hold (a longer one fails with "index out of range").
+DEFAULT_MAX_LENGTH = 512
 
 
 def length_edges(spec: TensorSpec, configured: Sequence[int]) -> tuple[int, ...]:
@@ -25,6 +27,21 @@ def length_edges(spec: TensorSpec, configured: Sequence[int]) -> tuple[int, ...]
         return ()
     longest = spec.max_length or max(configured, default=DEFAULT_MAX_LENGTH)
     return resolve_edges(configured, longest)
+
+
+def manifest_length_edges(manifest: Manifest, configured: Sequence[int]) -> tuple[int, ...]:
+    """The bucket edges of the model's shared variable length; none when every input is fixed."""
+    variable = manifest.variable_input
+    return () if variable is None else length_edges(variable, configured)
+
+
+def batch_group(
+    manifest: Manifest, instances: NamedArrays, edges: Sequence[int]
+) -> tuple[tuple[int, ...], int]:
+    """``group_and_cost`` of a model's named inputs: decided by its variable-length input
+    (every input with a variable axis shares that length), else by its first input."""
+    spec = manifest.variable_input or manifest.input
+    return group_and_cost(instances[spec.name].shape[1:], spec.variable_axis, edges)
 
 
 def default_edges(max_length: int) -> tuple[int, ...]:

@@ -183,6 +183,21 @@ class InferenceError(ServiceError):
     code = "inference_failed"
 
 
+class HandlerError(ServiceError):
+    """The version's handler (pre- or post-processing) failed on this request, or cannot be
+    loaded; other requests are unaffected."""
+
+    status_code = 500
+    code = "handler_failed"
+
+
+class NotAcceptableError(ServiceError):
+    """The ``Accept`` header asks for an answer format this model cannot give."""
+
+    status_code = 406
+    code = "not_acceptable"
+
+
 class ModelIntegrityError(Exception):
     """A model's files do not match the hashes in its manifest, or cannot be read; never served."""
 

@@ -7,11 +7,13 @@ here before they reach a path.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import datetime
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.errors import ModelNotFoundError
@@ -25,7 +27,22 @@ FILE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 IMPORT_PATH_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 ModelFormat = Literal["safetensors", "state_dict", "torchscript", "exported_program"]
-DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32"]
+DType = Literal[
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+]
+#: Schema of the manifests this code writes and reads; version 1 hashed only the weights.
+SCHEMA_VERSION = 2
+#: numpy has no bfloat16: such tensors travel as float32 outside the engine's device thread.
+_NUMPY_DTYPES: dict[str, str] = {"bfloat16": "float32"}
 FORMATS_NEEDING_ARCHITECTURE: frozenset[str] = frozenset({"safetensors", "state_dict"})
 ARTIFACT_SUFFIXES: dict[str, str] = {
     "safetensors": ".safetensors",
@@ -51,6 +68,8 @@ class TensorSpec(BaseModel):
     """Largest accepted value (inclusive), e.g. vocabulary size - 1 for token ids."""
     pad_value: float = 0
     """Value that pads the variable axis up to the batch's length; the model must ignore it."""
+    labels: tuple[str, ...] | None = None
+    """Outputs: the name of each class along the last axis (classification handlers use them)."""
 
     @field_validator("shape")
     @classmethod
@@ -63,6 +82,19 @@ class TensorSpec(BaseModel):
             raise ValueError(f"at most one variable axis besides the batch, got {shape}")
         return shape
 
+    @model_validator(mode="after")
+    def _check_labels(self) -> TensorSpec:
+        if self.labels is not None and self.shape[-1] != len(self.labels):
+            raise ValueError(
+                f"{self.name}: {len(self.labels)} labels for a last axis of {self.shape[-1]}"
+            )
+        return self
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        """The dtype of this tensor's arrays outside the engine (bfloat16 travels as float32)."""
+        return np.dtype(_NUMPY_DTYPES.get(self.dtype, self.dtype))
+
     @property
     def instance_shape(self) -> tuple[int, ...]:
         """The shape of one instance: the spec without its batch axis."""
@@ -73,11 +105,25 @@ class TensorSpec(BaseModel):
         """Index of the variable axis within an instance (not counting the batch), if any."""
         return self.instance_shape.index(-1) if -1 in self.instance_shape else None
 
-    def example_instance(self, length: int = 1) -> Array:
-        """A valid instance for warm-up, ``length`` long on the variable axis."""
-        fill = self.min_value if self.min_value is not None else 0
-        shape = [length if size == -1 else size for size in self.instance_shape]
-        return np.full(shape, fill, dtype=self.dtype)
+    def example_instances(self, rows: int, length: int, rng: np.random.Generator) -> Array:
+        """``rows`` realistic instances for warm-up, ``length`` long on the variable axis:
+        random values within the declared range, never the padding value (a batch of padding
+        is not what requests send, and masked models fail on it)."""
+        shape = (rows, *(length if size == -1 else size for size in self.instance_shape))
+        dtype = self.numpy_dtype
+        if dtype.kind == "b":
+            return np.ones(shape, dtype=dtype) if self.pad_value == 0 else np.zeros(shape, dtype)
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            low = int(self.min_value) if self.min_value is not None else max(info.min, 0)
+            high = int(self.max_value) if self.max_value is not None else min(info.max, low + 99)
+            values = rng.integers(low, high, size=shape, endpoint=True)
+            if low < high:  # the padding value only where nothing else is allowed
+                values[values == self.pad_value] = high if self.pad_value != high else low
+            return values.astype(dtype)
+        low_float = self.min_value if self.min_value is not None else -1.0
+        high_float = self.max_value if self.max_value is not None else 1.0
+        return rng.uniform(low_float, high_float, size=shape).astype(dtype)
 
 
 class Architecture(BaseModel):
@@ -89,12 +135,33 @@ class Architecture(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class HandlerSpec(BaseModel):
+    """The pre- and post-processing a version's front ends run around the model.
+
+    ``import_path`` names a class (``module:Class``) in a module bundled with the version or
+    in batchserve (``service.handlers...``); ``options`` are its constructor's keyword
+    arguments. Operator configuration, packaged and hashed with the version: never taken
+    from a request.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    import_path: str = Field(pattern=IMPORT_PATH_PATTERN.pattern)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class Manifest(BaseModel):
-    """Everything the server needs to know about one model version."""
+    """Everything the server needs to know about one model version.
+
+    The version id is the first 12 hex characters of the SHA-256 of everything that decides
+    the answers (``content_digest``): every file's hash (weights, tokenizer, bundled code),
+    the format, architecture, tensors, handler and metadata. Only ``created_at`` is left out,
+    so packaging the same thing twice gives the same version, and any change a new one.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    schema_version: Literal[1] = 1
+    schema_version: int = SCHEMA_VERSION
     name: str = Field(pattern=NAME_PATTERN.pattern)
     version: str = Field(pattern=VERSION_PATTERN.pattern)
     format: ModelFormat
@@ -102,10 +169,26 @@ class Manifest(BaseModel):
     files: dict[str, str]
     """File name -> SHA-256 hex digest, for every file of the version except the manifest."""
     architecture: Architecture | None = None
-    inputs: tuple[TensorSpec] = Field(description="Exactly one input tensor (for now).")
-    outputs: tuple[TensorSpec]
+    inputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    outputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    handler: HandlerSpec | None = None
     created_at: datetime
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def create(cls, **fields: Any) -> Manifest:
+        """A manifest whose version is computed from its content."""
+        draft = cls(version="0" * VERSION_LENGTH, **fields)
+        return draft.model_copy(update={"version": draft.content_digest()[:VERSION_LENGTH]})
+
+    def content_digest(self) -> str:
+        """SHA-256 of everything that decides the answers (all but version and created_at)."""
+        document = self.model_dump(mode="json", exclude={"version", "created_at"})
+        return hashlib.sha256(orjson.dumps(document, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    @property
+    def version_matches_content(self) -> bool:
+        return self.content_digest().startswith(self.version)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Manifest:
@@ -114,21 +197,48 @@ class Manifest(BaseModel):
                 raise ValueError(f"file names must be plain names, got {file_name!r}")
             if not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise ValueError(f"sha256 of {file_name!r} is not 64 hex characters")
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"manifest schema {self.schema_version} was written by an older batchserve, whose "
+                f"version ids covered the weights only; package the model again (schema "
+                f"{SCHEMA_VERSION})"
+            )
         if self.artifact not in self.files:
             raise ValueError(f"the artifact {self.artifact!r} has no hash in files")
-        if not self.files[self.artifact].startswith(self.version):
-            raise ValueError("the version must be the first 12 hex characters of the artifact hash")
         if self.format in FORMATS_NEEDING_ARCHITECTURE and self.architecture is None:
             raise ValueError(f"format {self.format!r} needs an architecture (import path)")
+        for kind, specs in (("input", self.inputs), ("output", self.outputs)):
+            names = [spec.name for spec in specs]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ValueError(f"{kind} names must be unique, got {repeated} more than once")
+        lengths = {spec.max_length for spec in self.inputs if spec.variable_axis is not None}
+        if len(lengths) > 1:
+            raise ValueError(
+                "inputs with a variable axis share one length (e.g. ids and mask) and must "
+                f"declare the same max_length, got {sorted(lengths, key=str)}"
+            )
         return self
 
     @property
     def input(self) -> TensorSpec:
+        """The first input: the only one of most models, and the one that decides batching."""
         return self.inputs[0]
 
     @property
     def output(self) -> TensorSpec:
         return self.outputs[0]
+
+    @property
+    def variable_input(self) -> TensorSpec | None:
+        """The first input with a variable axis: its length buckets the requests."""
+        return next((spec for spec in self.inputs if spec.variable_axis is not None), None)
+
+    @property
+    def bundled_modules(self) -> tuple[str, ...]:
+        """Python modules shipped in the version folder (``name.py`` files), importable by the
+        architecture and the handler without ``PYTHONPATH``."""
+        return tuple(sorted(name[:-3] for name in self.files if name.endswith(".py")))
 
     @property
     def label(self) -> str:

@@ -1,10 +1,11 @@
-"""The model repository on disk: ``<root>/<name>/<version>/manifest.json`` plus artifact files.
+"""The model repository on disk: ``<root>/<name>/<version>/manifest.json`` plus its files.
 
-A version id is the first 12 hex characters of the artifact's SHA-256, so the same weights
-always get the same version and different weights never share one. This module lists, reads
-and verifies versions, and writes new ones atomically; it never deserializes an artifact
-(``engine/model_store.py`` does, after ``verify``), so the front ends and the CLI can use it
-without torch.
+A version id is the first 12 hex characters of the SHA-256 of everything that decides the
+answers (``Manifest.content_digest``: every file's hash, the tensors, architecture, handler and
+metadata), so packaging the same thing twice gives the same version and any change a new one.
+This module lists, reads and verifies versions, and writes new ones atomically; it never
+deserializes an artifact (``engine/model_store.py`` does, after ``verify``), so the front ends
+and the CLI can use it without torch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -22,6 +24,7 @@ from service.errors import ModelIntegrityError, ModelNotFoundError
 from service.manifest import (
     MANIFEST_FILE,
     NAME_PATTERN,
+    VERSION_LENGTH,
     VERSION_PATTERN,
     Manifest,
     check_name,
@@ -72,6 +75,17 @@ class ModelRepository:
                 )
         return sorted(manifests, key=lambda manifest: (manifest.created_at, manifest.version))
 
+    def version_ids(self, name: str) -> list[str]:
+        """Every version folder of ``name``, readable or not (``models verify`` reports each)."""
+        folder = self.root / check_name(name)
+        if not folder.is_dir():
+            raise ModelNotFoundError(f"no model named {name!r} in the repository")
+        return sorted(
+            entry.name
+            for entry in folder.iterdir()
+            if entry.is_dir() and VERSION_PATTERN.fullmatch(entry.name)
+        )
+
     def resolve(self, name: str, version: str = "latest") -> Manifest:
         """The manifest of ``name`` at ``version`` (``latest``: newest by creation time)."""
         check_version(version)
@@ -84,10 +98,23 @@ class ModelRepository:
             raise ModelNotFoundError(f"model {name!r} has no readable version")
         return manifests[-1]
 
-    def verify(self, manifest: Manifest) -> None:
-        """Check every file against its recorded SHA-256; raise ``ModelIntegrityError`` if not."""
+    def verify(self, manifest: Manifest, *, weights: bool = True) -> None:
+        """Check the manifest against its version id and every file against its recorded
+        SHA-256; raise ``ModelIntegrityError`` if anything differs.
+
+        ``weights=False`` skips the artifact: a front end checks the files it reads itself
+        (tokenizer, handler code) without hashing gigabytes of weights it never opens.
+        """
+        if not manifest.version_matches_content:
+            raise ModelIntegrityError(
+                f"{manifest.label}: the manifest does not match its version id (its content "
+                f"hashes to {manifest.content_digest()[:VERSION_LENGTH]}): it was edited after "
+                "packaging; package the model again instead; refusing to load"
+            )
         folder = self.version_folder(manifest.name, manifest.version)
         for file_name, expected in manifest.files.items():
+            if not weights and file_name == manifest.artifact:
+                continue
             path = folder / file_name
             if not path.is_file():
                 raise ModelIntegrityError(
@@ -124,19 +151,23 @@ class ModelRepository:
             )
         return manifest
 
-    def add(self, manifest: Manifest, artifact: Path) -> Manifest:
-        """Copy ``artifact`` in as ``manifest`` describes; an existing version is kept as is.
+    def add(self, manifest: Manifest, sources: Mapping[str, Path]) -> Manifest:
+        """Copy each file in (``sources``: file name in the version -> where it is now) as
+        ``manifest`` describes; an existing version is kept as is.
 
         The files are written into a temporary sibling folder that is then renamed, so a
         half-written version never appears.
         """
+        if set(sources) != set(manifest.files):
+            raise ValueError(f"files {sorted(sources)} differ from the manifest's")
         if self.has(manifest):
             return self.read_manifest(manifest.name, manifest.version)
         target = self.version_folder(manifest.name, manifest.version)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{manifest.version}-", dir=target.parent))
         try:
-            shutil.copyfile(artifact, staging / manifest.artifact)
+            for file_name, source in sources.items():
+                shutil.copyfile(source, staging / file_name)
             (staging / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
             staging.chmod(0o755)  # mkdtemp makes it private; servers run as other users
             os.rename(staging, target)

@@ -1,4 +1,4 @@
-"""Request bodies decoded and validated against an input spec: ``InputLayout``, no torch."""
+"""Request bodies decoded and validated against an input spec: ``TensorLayout``, no torch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaT
 from service.frontend.inputs import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
-    InputLayout,
+    TensorLayout,
     body_media_type,
     encode_npy,
     wants_npy,
@@ -23,20 +23,20 @@ from service.manifest import TensorSpec
 from service.types import Array
 
 #: Pairs of floats, any value.
-PAIRS = InputLayout(TensorSpec(name="pairs", dtype="float32", shape=(-1, 2)))
+PAIRS = TensorLayout(TensorSpec(name="pairs", dtype="float32", shape=(-1, 2)))
 #: Token ids 1..9, 0 pads, at most 4 tokens.
-TOKENS = InputLayout(
+TOKENS = TensorLayout(
     TensorSpec(name="tokens", dtype="int64", shape=(-1, -1), max_length=4, min_value=1, max_value=9)
 )
 #: Sequences of 2-vectors, as long as the buckets allow.
-VECTORS = InputLayout(
+VECTORS = TensorLayout(
     TensorSpec(name="vectors", dtype="float32", shape=(-1, -1, 2), pad_value=-1),
     length_edges=(2, 4, 8),
 )
 
 
-def layout(dtype: str = "float32", shape: tuple[int, ...] = (-1, 2), **spec: Any) -> InputLayout:
-    return InputLayout(TensorSpec(name="x", dtype=dtype, shape=shape, **spec))  # type: ignore[arg-type]
+def layout(dtype: str = "float32", shape: tuple[int, ...] = (-1, 2), **spec: Any) -> TensorLayout:
+    return TensorLayout(TensorSpec(name="x", dtype=dtype, shape=shape, **spec))  # type: ignore[arg-type]
 
 
 def body(instances: object) -> bytes:
@@ -101,7 +101,8 @@ def test_another_content_type_is_415_naming_the_accepted_ones() -> None:
         body_media_type("Text/CSV; a=application/json")
     assert refused.value.status_code == 415
     assert refused.value.message == (
-        "send the body as application/json or application/x-npy, got content-type 'text/csv'"
+        "send the body as application/json, application/x-npy or application/x-npz, got "
+        "content-type 'text/csv'"
     )
 
 
@@ -247,7 +248,7 @@ def test_at_most_max_instances_per_request() -> None:
     assert refusal(default.parse_json, body([[0, 0]] * 1025)) == (
         "1025 instances in one request; at most 1024 are accepted"
     )
-    three = InputLayout(PAIRS.spec, max_instances=3)
+    three = TensorLayout(PAIRS.spec, max_instances=3)
     assert three.parse_json(body([[0, 0]] * 3)).shape == (3, 2)
     assert refusal(three.parse_json, body([[0, 0]] * 4)) == (
         "4 instances in one request; at most 3 are accepted"
@@ -326,7 +327,7 @@ def test_without_max_length_the_largest_bucket_is_the_limit() -> None:
     assert refusal(VECTORS.parse_json, body([[[0, 0]] * 9])) == (
         "instances must be 1 to 8 long on their variable axis, got 9"
     )
-    capped = InputLayout(VECTORS.spec.model_copy(update={"max_length": 3}), length_edges=(2, 4))
+    capped = TensorLayout(VECTORS.spec.model_copy(update={"max_length": 3}), length_edges=(2, 4))
     assert refusal(capped.parse_json, body([[[0, 0]] * 4])) == (
         "instances must be 1 to 3 long on their variable axis, got 4"
     )

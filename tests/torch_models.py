@@ -164,3 +164,61 @@ def package_hanging_model(repository: Path, gate: Path) -> None:
             inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
             outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
         )
+
+
+class PairClassifier(nn.Module):
+    """HuggingFace-style: ``forward(input_ids, attention_mask)`` -> a dict with ``logits``
+    (N, 3) float32 and ``label`` (N,) int64 (the argmax), over a masked mean of embeddings,
+    so the padding a batch adds changes nothing."""
+
+    def __init__(self, vocabulary: int = 100, width: int = 8) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.head = nn.Linear(width, 3)
+        with torch.no_grad():
+            self.embedding.weight.copy_(torch.randn(vocabulary, width, generator=generator))
+            self.head.weight.copy_(torch.randn(3, width, generator=generator))
+            self.head.bias.zero_()
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        keep = attention_mask.unsqueeze(-1).to(torch.float32)
+        pooled = (self.embedding(input_ids) * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        logits: torch.Tensor = self.head(pooled)
+        return {"logits": logits, "label": logits.argmax(dim=-1)}
+
+
+PAIR_INPUTS = (
+    TensorSpec(
+        name="input_ids", dtype="int64", shape=(-1, -1), max_length=32, min_value=1,
+        max_value=99, pad_value=0,
+    ),
+    TensorSpec(
+        name="attention_mask", dtype="int64", shape=(-1, -1), max_length=32, min_value=0,
+        max_value=1, pad_value=0,
+    ),
+)  # fmt: skip
+PAIR_OUTPUTS = (
+    TensorSpec(name="logits", dtype="float32", shape=(-1, 3), labels=("a", "b", "c")),
+    TensorSpec(name="label", dtype="int64", shape=(-1,)),
+)
+
+
+def package_pair_classifier(repository: Path, **changes: object) -> str:
+    """Package ``PairClassifier`` as ``pairs`` (``changes`` replace package() arguments);
+    returns the version."""
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "pairs.safetensors"
+        save_file(dict(PairClassifier().state_dict()), str(weights))
+        arguments: dict[str, object] = {
+            "name": "pairs",
+            "artifact": weights,
+            "format": "safetensors",
+            "architecture": Architecture(import_path="tests.torch_models:PairClassifier"),
+            "inputs": PAIR_INPUTS,
+            "outputs": PAIR_OUTPUTS,
+            **changes,
+        }
+        return ModelStore(repository).package(**arguments).version  # type: ignore[arg-type]

@@ -169,7 +169,7 @@ class EngineConnection(asyncio.Protocol):
             if frame.kind == wire.Kind.RESULT:
                 future = self._requests.pop(int(header["id"]), None)
                 if future is not None and not future.done():
-                    outputs = wire.array_from(header, frame.data)
+                    outputs = wire.arrays_from(header, frame.data)
                     future.set_result(InferenceResult(outputs=outputs, version=header["version"]))
             elif frame.kind == wire.Kind.ERROR:
                 future = self._requests.pop(int(header["id"]), None)
@@ -192,7 +192,7 @@ class EngineConnection(asyncio.Protocol):
         call_id = next(self._ids)
         future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
         self._requests[call_id] = future
-        header = wire.array_header(request.instances)
+        header, data = wire.arrays_frame(request.instances)
         header.update(
             id=call_id,
             model=request.model,
@@ -204,7 +204,7 @@ class EngineConnection(asyncio.Protocol):
             request_id=request.request_id,
             load=request.frontend_load,
         )
-        self._writer.send(wire.Kind.SUBMIT, header, wire.array_bytes(request.instances))
+        self._writer.send(wire.Kind.SUBMIT, header, data)
         return call_id, future
 
     def cancel(self, call_id: int) -> None:

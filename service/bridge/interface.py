@@ -13,7 +13,8 @@ from typing import Any, Literal, Protocol
 
 from service.errors import EngineUnavailableError, NotReadyError, ServiceError
 from service.manifest import Manifest
-from service.types import Array, Priority
+from service.tensors import NamedArrays
+from service.types import Priority
 
 Phase = Literal["connecting", "loading", "ready", "draining", "stalled", "failed", "down"]
 """``connecting``: a front end has not reached the engine yet; ``down``: it lost it."""
@@ -28,7 +29,7 @@ class ModelInfo:
     precision: str
     compiled: bool
     length_edges: tuple[int, ...]
-    """Length buckets of the input's variable axis (empty for a fixed shape)."""
+    """Length buckets of the inputs' shared variable axis (empty for fixed shapes)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -109,7 +110,8 @@ class InferenceRequest:
     model: str
     version: str
     """The version whose input spec validated ``instances``."""
-    instances: Array
+    instances: NamedArrays
+    """One array per input name, one row per instance."""
     group: tuple[int, ...]
     """Requests share a batch only within a group (shape, or length bucket)."""
     cost_per_row: int
@@ -126,7 +128,8 @@ class InferenceRequest:
 
 @dataclass(frozen=True, slots=True)
 class InferenceResult:
-    outputs: Array
+    outputs: NamedArrays
+    """One array per output name, one row per instance."""
     version: str
     """The version that computed ``outputs``."""
 

@@ -23,13 +23,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, Self, cast
 
-import numpy as np
-
 from service.bridge import wire
 from service.bridge.interface import EngineStatus, InferenceRequest, SwitchResult
 from service.errors import ConflictError, InvalidInputError, ServiceError
 from service.manifest import Manifest, manifest_summary
-from service.types import Array
+from service.tensors import NamedArrays
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ class QueuedRequest(Protocol):
 
     def add_done_callback(self, callback: Callable[[Self], None]) -> None: ...
 
-    def outputs(self) -> list[Array]: ...
+    def outputs(self) -> list[NamedArrays]: ...
 
     def cancel(self) -> None: ...
 
@@ -223,7 +221,7 @@ class _Connection(asyncio.Protocol):
             request = InferenceRequest(
                 model=header["model"],
                 version=header["version"],
-                instances=wire.array_from(header, frame.data),
+                instances=wire.arrays_from(header, frame.data),
                 group=tuple(header["group"]),
                 cost_per_row=int(header["cost"]),
                 priority=header["priority"],
@@ -275,11 +273,10 @@ class _Connection(asyncio.Protocol):
             failure = ServiceError("internal error in the engine")
             writer.send(wire.Kind.ERROR, {"id": call_id, "error": failure.to_wire()})
             return
-        outputs = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-        header = wire.array_header(outputs)
+        header, data = wire.arrays_frame(NamedArrays.concatenate(chunks))
         header["id"] = call_id
         header["version"] = version
-        writer.send(wire.Kind.RESULT, header, wire.array_bytes(outputs))
+        writer.send(wire.Kind.RESULT, header, data)
 
     async def _control(self, call_id: int, op: str, args: dict[str, Any]) -> None:
         assert self._writer is not None

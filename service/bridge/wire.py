@@ -1,8 +1,9 @@
 """The bridge's frames: how front ends and engines talk over a local stream socket.
 
 A frame is a 9-byte prefix (header length, data length, kind), a small orjson header, and raw
-data bytes: the rows of one array, in C order, whose dtype and shape the header gives. Arrays
-cross the socket as their bytes, never pickled, and are rebuilt with one copy on arrival.
+data bytes: the rows of a request's or an answer's named arrays, each in C order at an offset
+aligned to 16 bytes, whose names, dtypes, shapes and offsets the header gives. Arrays cross
+the socket as their bytes, never pickled, and are rebuilt with one copy on arrival.
 
 ``FrameReader`` takes bytes as they come off the socket and returns whole frames; it never
 copies a frame's data twice. ``FrameWriter`` gathers the frames written during one turn of the
@@ -13,7 +14,9 @@ system call rather than 64.
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.types import Array
+from service.tensors import NamedArrays
 
 _PREFIX = struct.Struct("<IIB")
 PREFIX_BYTES = _PREFIX.size
@@ -57,36 +60,57 @@ class Frame:
     data: bytearray | None = None
 
 
-def encode(kind: Kind, header: dict[str, Any], data: bytes | memoryview = b"") -> list[bytes]:
+Data = Sequence[bytes | memoryview]
+#: Each array starts at a multiple of this many bytes within a frame's data, so the arrays
+#: rebuilt in place are aligned for every dtype.
+ALIGNMENT = 16
+_PADDING = bytes(ALIGNMENT)
+
+
+def encode(kind: Kind, header: dict[str, Any], data: Data = ()) -> list[bytes | memoryview]:
     """One frame as the buffers to write (the data is not copied)."""
     header_bytes = orjson.dumps(header)
-    prefix = _PREFIX.pack(len(header_bytes), len(data), kind)
-    if not data:
-        return [prefix + header_bytes]
-    return [prefix + header_bytes, data]  # type: ignore[list-item]
+    prefix = _PREFIX.pack(len(header_bytes), sum(len(part) for part in data), kind)
+    return [prefix + header_bytes, *data]
 
 
-def array_header(array: Array) -> dict[str, Any]:
-    """The dtype and shape that ``array_from`` needs to rebuild ``array`` from its bytes."""
-    return {"dtype": array.dtype.str, "shape": array.shape}
+def arrays_frame(named: NamedArrays) -> tuple[dict[str, Any], list[memoryview]]:
+    """The header entries ``arrays_from`` needs to rebuild ``named``, and its data buffers
+    (the arrays' bytes in C order, without a copy when contiguous, padded to alignment)."""
+    entries = []
+    data: list[memoryview] = []
+    offset = 0
+    for name, array in named.arrays.items():
+        buffer = np.ascontiguousarray(array).data.cast("B")
+        entries.append([name, array.dtype.str, array.shape, offset])
+        data.append(buffer)
+        offset += len(buffer)
+        if offset % ALIGNMENT:
+            pad = ALIGNMENT - offset % ALIGNMENT
+            data.append(memoryview(_PADDING)[:pad])
+            offset += pad
+    return {"arrays": entries}, data
 
 
-def array_bytes(array: Array) -> memoryview:
-    """The array's bytes in C order, without a copy when it is contiguous already."""
-    return np.ascontiguousarray(array).data.cast("B")
-
-
-def array_from(header: dict[str, Any], data: bytearray | None) -> Array:
-    """The array a frame carries; writable, owning the frame's data buffer."""
-    dtype = np.dtype(header["dtype"])
-    if dtype.hasobject:
-        raise ProtocolError("object arrays never cross the bridge")
-    shape = tuple(int(size) for size in header["shape"])
+def arrays_from(header: dict[str, Any], data: bytearray | None) -> NamedArrays:
+    """The named arrays a frame carries; writable, sharing the frame's data buffer."""
     buffer = data if data is not None else bytearray()
+    arrays = {}
     try:
-        return np.frombuffer(buffer, dtype=dtype).reshape(shape)
-    except ValueError as error:
-        raise ProtocolError(f"array of {len(buffer)} bytes is not {dtype} {shape}") from error
+        for name, dtype_text, shape_list, offset in header["arrays"]:
+            dtype = np.dtype(dtype_text)
+            if dtype.hasobject:
+                raise ProtocolError("object arrays never cross the bridge")
+            shape = tuple(int(size) for size in shape_list)
+            count = math.prod(shape)
+            arrays[str(name)] = np.frombuffer(
+                buffer, dtype=dtype, count=count, offset=int(offset)
+            ).reshape(shape)
+        return NamedArrays(arrays)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ProtocolError(
+            f"arrays of {len(buffer)} bytes are not {header.get('arrays')}"
+        ) from error
 
 
 class FrameReader:
@@ -157,9 +181,9 @@ class FrameWriter:
     def __init__(self, transport: asyncio.WriteTransport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._queued: list[bytes] = []
+        self._queued: list[bytes | memoryview] = []
 
-    def send(self, kind: Kind, header: dict[str, Any], data: bytes | memoryview = b"") -> None:
+    def send(self, kind: Kind, header: dict[str, Any], data: Data = ()) -> None:
         if self._transport.is_closing():
             return
         if not self._queued:

@@ -13,8 +13,6 @@ import os
 import time
 from collections.abc import Callable, Hashable
 
-import numpy as np
-
 from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, SwitchResult
 from service.config import Settings
 from service.engine import lifecycle
@@ -24,7 +22,7 @@ from service.engine.state import EngineState, ServedModel
 from service.errors import ConflictError, NotReadyError
 from service.manifest import Manifest, TensorSpec
 from service.metrics import EngineMetrics
-from service.types import Array
+from service.tensors import NamedArrays
 
 #: Versions whose input specs an engine remembers, to accept requests validated against a
 #: version it has just switched away from when the inputs are the same.
@@ -117,12 +115,11 @@ class Engine:
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         ticket, version = self.enqueue(request)
         chunks = await ticket.wait()
-        outputs = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-        return InferenceResult(outputs=outputs, version=version)
+        return InferenceResult(outputs=NamedArrays.concatenate(chunks), version=version)
 
     def enqueue(
         self, request: InferenceRequest, source: Hashable = None
-    ) -> tuple[Ticket[Array], str]:
+    ) -> tuple[Ticket[NamedArrays], str]:
         """Queue ``request`` now: its ticket, and the version that will compute it.
 
         ``source`` names the front end it came from (None: this process).

@@ -17,15 +17,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.buckets import group_and_cost, length_edges
+from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import published
 from service.engine.batching import DynamicBatcher
+from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.engine.state import EngineState, ServedModel
 from service.errors import ConflictError, ModelIntegrityError, ModelLoadError, ModelRejectedError
-from service.manifest import Manifest, TensorSpec
-from service.types import Array
+from service.manifest import Manifest
+from service.tensors import NamedArrays
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +37,20 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     loaded = await asyncio.to_thread(state.store.load, name, version)
     device = resolve_device(state.device)
     configure_torch_threads(settings.torch_threads)
-    spec = loaded.manifest.input
-    edges = length_edges(spec, settings.length_buckets)
+    manifest = loaded.manifest
+    edges = manifest_length_edges(manifest, settings.length_buckets)
     runner = await asyncio.to_thread(
         TorchRunner,
         loaded.module,
+        inputs=manifest.inputs,
+        outputs=manifest.outputs,
         device=device,
         precision=settings.precision,
         compile_mode=settings.compile_mode,
         max_batch_size=settings.max_batch_size,
-        variable_axis=spec.variable_axis,
-        pad_value=spec.pad_value,
         length_edges=edges,
     )
-    batches = warmup_batches(spec, edges, runner, settings)
+    batches = warmup_batches(manifest, edges, runner, settings)
     try:
         warmup_s = await asyncio.get_running_loop().run_in_executor(
             runner.executor, runner.warm_up, batches
@@ -57,7 +58,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     except BaseException:
         await asyncio.to_thread(runner.close)
         raise
-    batcher = DynamicBatcher[Array, Array](
+    batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
         executor=runner.executor,
         metrics=state.metrics,
@@ -73,7 +74,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):
         # The warm-up's timings let the deadlines be judged from the first request on.
-        group, _ = group_and_cost(batch.shape[1:], spec.variable_axis, edges)
+        group, _ = batch_group(manifest, batch, edges)
         batcher.times.record(group, len(batch), seconds)
     batcher.start()
     return ServedModel(manifest=loaded.manifest, length_edges=edges, runner=runner, batcher=batcher)
@@ -243,20 +244,20 @@ def freeze_long_lived_objects() -> None:
 
 
 def warmup_batches(
-    spec: TensorSpec, edges: tuple[int, ...], runner: TorchRunner, settings: Settings
-) -> list[Array]:
-    """The batch shapes to run before readiness.
+    manifest: Manifest, edges: tuple[int, ...], runner: TorchRunner, settings: Settings
+) -> list[NamedArrays]:
+    """The batches to run before readiness, of realistic inputs (random values in the
+    declared ranges, never padding; seeded, so every start warms up alike).
 
     Fixed shapes: every padded batch size (or ``warmup_batch_sizes``). Variable lengths: one
-    row at each bucket edge, plus the largest batch the token budget allows at the smallest.
+    row at each bucket edge up to ``max_length``, plus the largest batch the token budget
+    allows at the smallest.
     """
+    rng = np.random.default_rng(0)
     sizes = list(settings.warmup_batch_sizes) or runner.padded_batch_sizes
     if not edges:
-        return [np.repeat(spec.example_instance()[np.newaxis], size, axis=0) for size in sizes]
+        return [NamedArrays(example_inputs(manifest, size, 1, rng)) for size in sizes]
     shortest = edges[0]
     fullest = max(1, min(settings.max_batch_size, settings.max_batch_tokens // shortest))
     shapes = [(1, edge) for edge in edges] + [(fullest, shortest)]
-    return [
-        np.repeat(spec.example_instance(length)[np.newaxis], rows, axis=0)
-        for rows, length in shapes
-    ]
+    return [NamedArrays(example_inputs(manifest, rows, length, rng)) for rows, length in shapes]

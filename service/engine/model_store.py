@@ -8,9 +8,10 @@ are read with safetensors or ``torch.load(weights_only=True)``: no arbitrary pic
 
 from __future__ import annotations
 
-import importlib
 import logging
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,12 +20,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file as load_safetensors
 
+from service.bundled import import_attribute
+from service.engine.outputs import check_forward
 from service.errors import ModelIntegrityError, ModelLoadError
 from service.manifest import (
     ARTIFACT_SUFFIXES,
+    FILE_NAME_PATTERN,
     FORMATS_NEEDING_ARCHITECTURE,
-    VERSION_LENGTH,
+    MANIFEST_FILE,
     Architecture,
+    HandlerSpec,
     Manifest,
     ModelFormat,
     TensorSpec,
@@ -48,8 +53,8 @@ class ModelStore(ModelRepository):
         """Resolve, verify every hash, then build the model on the CPU."""
         manifest = self.resolve(name, version)
         self.verify(manifest)
-        artifact = self.version_folder(manifest.name, manifest.version) / manifest.artifact
-        module = build_module(manifest, artifact)
+        folder = self.version_folder(manifest.name, manifest.version)
+        module = build_module(manifest, folder / manifest.artifact, folder)
         logger.info(
             "model_loaded",
             extra={"model": manifest.name, "version": manifest.version, "format": manifest.format},
@@ -62,42 +67,76 @@ class ModelStore(ModelRepository):
         name: str,
         artifact: Path,
         format: ModelFormat,
-        inputs: tuple[TensorSpec],
-        outputs: tuple[TensorSpec],
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
         architecture: Architecture | None = None,
+        handler: HandlerSpec | None = None,
+        files: Sequence[Path] = (),
         metadata: Mapping[str, Any] | None = None,
+        check_version: Callable[[Manifest, Path], None] | None = None,
     ) -> Manifest:
-        """Copy ``artifact`` into a new hash-named version folder and write its manifest.
+        """Copy ``artifact`` and ``files`` (a tokenizer, ``.py`` modules holding the
+        architecture or the handler) into a new version folder and write its manifest.
 
-        The artifact is loaded once first, so a version that cannot be served is never
-        written. Packaging the same artifact twice returns the existing version.
+        The version id covers all of it (``Manifest.content_digest``). The model is built
+        and run once on example inputs first (``check``, with torch, in this process), so a
+        version that cannot be served as declared is never written. Packaging the same
+        things twice returns the existing version. ``check_version(manifest, folder)`` may
+        check more (the CLI builds the handler), in a scratch folder holding every file but
+        the artifact.
         """
         check_name(name)
-        digest = sha256_of(artifact)
         artifact_name = "model" + ARTIFACT_SUFFIXES[format]
-        manifest = Manifest(
+        sources = {artifact_name: artifact}
+        for path in files:
+            if not FILE_NAME_PATTERN.fullmatch(path.name) or path.name == MANIFEST_FILE:
+                raise ValueError(f"a packaged file needs a plain name, got {path.name!r}")
+            if path.name in sources:
+                raise ValueError(f"two packaged files are named {path.name!r}")
+            sources[path.name] = path
+        manifest = Manifest.create(
             name=name,
-            version=digest[:VERSION_LENGTH],
             format=format,
             artifact=artifact_name,
-            files={artifact_name: digest},
+            files={file_name: sha256_of(path) for file_name, path in sources.items()},
             architecture=architecture,
-            inputs=inputs,
-            outputs=outputs,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            handler=handler,
             created_at=datetime.now(UTC),
             metadata=dict(metadata or {}),
         )
         if not self.has(manifest):
-            build_module(manifest, artifact)
-        return self.add(manifest, artifact)
+            check_module(manifest, sources, check_version)
+        return self.add(manifest, sources)
 
 
-def build_module(manifest: Manifest, artifact: Path) -> torch.nn.Module:
-    """Deserialize ``artifact`` by format into an ``nn.Module`` on the CPU, in eval mode."""
+def check_module(
+    manifest: Manifest,
+    sources: Mapping[str, Path],
+    check_version: Callable[[Manifest, Path], None] | None = None,
+) -> None:
+    """Build the module from ``sources`` (in a scratch copy of the version folder, so
+    bundled modules import as they will when served) and run a forward on example inputs,
+    checking the outputs against the manifest; raises ``ModelLoadError`` naming a mismatch."""
+    with tempfile.TemporaryDirectory(prefix="batchserve-package-") as scratch:
+        folder = Path(scratch)
+        for file_name, source in sources.items():
+            if file_name != manifest.artifact:
+                shutil.copyfile(source, folder / file_name)
+        module = build_module(manifest, sources[manifest.artifact], folder)
+        check_forward(module, manifest)
+        if check_version is not None:
+            check_version(manifest, folder)
+
+
+def build_module(manifest: Manifest, artifact: Path, folder: Path) -> torch.nn.Module:
+    """Deserialize ``artifact`` by format into an ``nn.Module`` on the CPU, in eval mode;
+    an architecture bundled with the version is imported from ``folder``."""
     try:
         if manifest.format in FORMATS_NEEDING_ARCHITECTURE:
             assert manifest.architecture is not None  # guaranteed by Manifest validation
-            module = instantiate(manifest.architecture)
+            module = instantiate(manifest.architecture, manifest, folder)
             state = _read_state_dict(manifest.format, artifact)
             module.load_state_dict(state, strict=True)
         elif manifest.format == "torchscript":
@@ -127,15 +166,10 @@ def _read_state_dict(format: str, artifact: Path) -> Mapping[str, torch.Tensor]:
     return state
 
 
-def instantiate(architecture: Architecture) -> torch.nn.Module:
-    """Import the architecture's class and build it; only ``nn.Module`` subclasses are allowed."""
-    module_name, _, class_name = architecture.import_path.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ModelLoadError(
-            f"cannot import architecture {architecture.import_path!r}: {error}"
-        ) from error
+def instantiate(architecture: Architecture, manifest: Manifest, folder: Path) -> torch.nn.Module:
+    """Import the architecture's class (bundled with the version, or installed) and build
+    it; only ``nn.Module`` subclasses are allowed."""
+    cls = import_attribute(architecture.import_path, manifest, folder)
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise ModelLoadError(f"{architecture.import_path!r} is not a torch.nn.Module subclass")
     module: torch.nn.Module = cls(**architecture.kwargs)

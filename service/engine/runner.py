@@ -20,8 +20,16 @@ import numpy as np
 import torch
 
 from service.config import CompileMode, Precision
+from service.engine.outputs import (
+    OutputMismatchError,
+    call_model,
+    mismatches,
+    named_outputs,
+    to_host,
+)
 from service.errors import DeviceOutOfMemoryError, InferenceError, ModelLoadError
-from service.types import Array
+from service.manifest import TensorSpec
+from service.tensors import NamedArrays, pad_axis
 
 logger = logging.getLogger(__name__)
 
@@ -103,35 +111,36 @@ def batch_sizes_to_warm(max_batch_size: int) -> list[int]:
 
 
 class TorchRunner:
-    """Owns a model on one device and runs batches of numpy rows through it."""
+    """Owns a model on one device and runs batches of named numpy rows through it."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         *,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
         device: torch.device,
         precision: Precision = "fp32",
         compile_mode: CompileMode = "off",
         max_batch_size: int,
-        variable_axis: int | None = None,
-        pad_value: float = 0,
         length_edges: Sequence[int] = (),
     ) -> None:
-        """``variable_axis`` is the instance axis (batch not counted) whose length varies; a
-        batch pads it with ``pad_value`` to its longest payload, or, when compiled, up to the
-        next of ``length_edges`` so compiled shapes stay few."""
+        """Inputs with a variable axis share one length (ids and mask): a batch pads each,
+        with its own ``pad_value``, to the batch's longest payload, or, when compiled, up to
+        the next of ``length_edges`` so compiled shapes stay few."""
         check_precision(precision, device)
         self.device = device
         self._on_cuda = device.type == "cuda"
         self.precision = precision
         self.compile_mode = compile_mode
         self.max_batch_size = max_batch_size
-        self._variable_axis = None if variable_axis is None else variable_axis + 1
-        self._pad_value = pad_value
+        self._inputs = tuple(inputs)
+        self._input_names = [spec.name for spec in self._inputs]
+        self._outputs = tuple(outputs)
         self._length_edges = tuple(length_edges)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-device")
         self._model = _in_eval_mode(model.to(device))
-        self._forward: Callable[[torch.Tensor], object] = self._model
+        self._forward: Callable[..., object] = self._model
         self._padded_sizes = batch_sizes_to_warm(max_batch_size)
         if device.type == "cuda":
             # Fixed shapes (compiled, padded) let cuDNN pick the fastest kernels, at the cost of
@@ -144,13 +153,17 @@ class TorchRunner:
     def compiled(self) -> bool:
         return self.compile_mode != "off"
 
+    @property
+    def _variable(self) -> bool:
+        return any(spec.variable_axis is not None for spec in self._inputs)
+
     def _compile(self) -> None:
         # Each padded batch size is one static graph; allow them all without recompile warnings.
         # Variable lengths multiply the shapes, so there dynamo may mark axes dynamic instead.
         limit = len(self._padded_sizes) * max(1, len(self._length_edges)) + 4
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         mode = None if self.compile_mode == "default" else self.compile_mode
-        dynamic = None if self._variable_axis is not None else False
+        dynamic = None if self._variable else False
         self._forward = torch.compile(self._model, mode=mode, dynamic=dynamic)
 
     def padded_rows(self, rows: int) -> int:
@@ -167,10 +180,13 @@ class TorchRunner:
         """The batch sizes a compiled model meets (powers of two and ``max_batch_size``)."""
         return list(self._padded_sizes)
 
-    def warm_up(self, batches: Sequence[Array]) -> list[float]:
-        """Run each batch twice: once to compile its shape and warm the allocators, once to
-        time it as requests will find it. Returns the second run's seconds, per batch."""
+    def warm_up(self, batches: Sequence[NamedArrays]) -> list[float]:
+        """Check the outputs of the first batch against the manifest, then run each batch
+        twice: once to compile its shape and warm the allocators, once to time it as requests
+        will find it. Returns the second run's seconds, per batch."""
         started_s = time.perf_counter()
+        if batches:
+            self.check_outputs(batches[0])
         steady_s = []
         for batch in batches:
             self.run_batch([batch])
@@ -183,35 +199,74 @@ class TorchRunner:
         logger.info(
             "model_warmed_up",
             extra={
-                "shapes": [list(batch.shape) for batch in batches],
+                "shapes": [
+                    {name: list(batch[name].shape) for name in batch.names} for batch in batches
+                ],
                 "seconds": round(elapsed_s, 3),
                 "device": str(self.device),
             },
         )
         return steady_s
 
-    def run_batch(self, payloads: Sequence[Array]) -> list[Array | InferenceError]:
-        """Stack the payloads, run one forward pass, and split the output rows back per payload.
+    def check_outputs(self, batch: NamedArrays) -> None:
+        """Refuse a model whose outputs differ from the manifest (names, dtypes, shapes),
+        with a ``ModelLoadError`` naming each mismatch."""
+        try:
+            outputs, rows = self._forward_batch([batch])
+            problems = mismatches(outputs, self._outputs, rows, self.precision != "fp32")
+        except OutputMismatchError as error:
+            problems = [str(error)]
+        if problems:
+            raise ModelLoadError("; ".join(problems))
 
-        A payload whose outputs are not all finite (NaN or infinity: an input the model cannot
-        handle, or fp16 overflowing) gets an ``InferenceError`` instead of its rows; its
-        batch-mates are answered as usual.
+    def run_batch(self, payloads: Sequence[NamedArrays]) -> list[NamedArrays | InferenceError]:
+        """Collate the payloads, run one forward pass, and split the output rows back per
+        payload.
+
+        A payload whose floating outputs are not all finite (NaN or infinity: an input the
+        model cannot handle, or fp16 overflowing) gets an ``InferenceError`` instead of its
+        rows; its batch-mates are answered as usual.
         """
-        rows = [len(payload) for payload in payloads]
-        if self._variable_axis is not None:
-            payloads = self._pad_lengths(payloads)
-        host = payloads[0] if len(payloads) == 1 else np.concatenate(payloads)
-        total_rows = host.shape[0]
-        inputs = torch.from_numpy(np.ascontiguousarray(host))
+        outputs, total_rows = self._forward_batch(payloads)
+        host = to_host(outputs, self._outputs, total_rows)
+        split: list[NamedArrays] = []
+        start = 0
+        for payload in payloads:  # slices, not np.split: a tenth of its cost per batch
+            count = len(payload)
+            split.append(host[start : start + count])
+            start += count
+        floating = [name for name in host.names if host[name].dtype.kind == "f"]
+        if all(np.isfinite(host[name]).all() for name in floating):
+            return list(split)
+        return [_finite_or_error(output, floating) for output in split]
+
+    def _forward_batch(
+        self, payloads: Sequence[NamedArrays]
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """The model's named outputs for the collated payloads (padded rows included), and
+        the number of real rows."""
+        length = self._batch_length(payloads) if self._variable else 0
+        total_rows = sum(len(payload) for payload in payloads)
         padded_rows = self.padded_rows(total_rows)
-        if padded_rows > total_rows:
-            padding = inputs.new_zeros((padded_rows - total_rows, *inputs.shape[1:]))
-            inputs = torch.cat([inputs, padding])
-        if self._on_cuda:
-            inputs = inputs.pin_memory().to(self.device, non_blocking=True)
+        tensors = {}
+        for spec in self._inputs:
+            parts = [payload[spec.name] for payload in payloads]
+            if spec.variable_axis is not None:
+                axis = spec.variable_axis + 1
+                parts = [pad_axis(part, axis, length, spec.pad_value) for part in parts]
+            host = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            tensor = torch.from_numpy(np.ascontiguousarray(host))
+            if padded_rows > total_rows:  # repeat the first row: real data, finite outputs
+                filler = tensor[:1].expand(padded_rows - total_rows, *tensor.shape[1:])
+                tensor = torch.cat([tensor, filler])
+            if spec.dtype == "bfloat16":
+                tensor = tensor.to(torch.bfloat16)
+            if self._on_cuda:
+                tensor = tensor.pin_memory().to(self.device, non_blocking=True)
+            tensors[spec.name] = tensor
         try:
             with torch.inference_mode(), self._autocast():
-                outputs = self._forward(inputs)
+                raw = call_model(self._forward, tensors, self._input_names)
         except torch.OutOfMemoryError as error:
             # Release the failed batch's cached blocks so the retried halves can fit; only
             # here, never on the normal path, where empty_cache() would cost every batch.
@@ -220,41 +275,29 @@ class TorchRunner:
             raise DeviceOutOfMemoryError(
                 f"out of memory on {self.device} for {padded_rows} rows"
             ) from error
-        if not isinstance(outputs, torch.Tensor):
-            raise TypeError(f"the model must return one tensor, got {type(outputs).__name__}")
-        # Checked before the padding is sliced off, so extra rows are refused, not truncated.
-        returned_rows = outputs.shape[0] if outputs.ndim > 0 else 0
-        if returned_rows != padded_rows:
-            raise ValueError(
-                f"the model returned {returned_rows} rows for a batch of {padded_rows}"
-            )
-        # One device-to-host copy per batch, in fp32 whatever the autocast precision.
-        host_outputs = outputs[:total_rows].to("cpu", torch.float32).numpy()
-        split: list[Array] = []
-        start = 0
-        for count in rows:  # slices, not np.split: a tenth of its cost per batch
-            split.append(host_outputs[start : start + count])
-            start += count
-        if np.isfinite(host_outputs).all():
-            return list(split)
-        return [_finite_or_error(output) for output in split]
+        outputs = named_outputs(raw, self._outputs)
+        for name, tensor in outputs.items():
+            # Checked before the padding is sliced off, so extra rows are refused, not truncated.
+            returned_rows = tensor.shape[0] if tensor.ndim > 0 else 0
+            if returned_rows != padded_rows:
+                raise ValueError(
+                    f"the model returned {returned_rows} rows of {name!r} for a batch of "
+                    f"{padded_rows}"
+                )
+        return outputs, total_rows
 
-    def _pad_lengths(self, payloads: Sequence[Array]) -> Sequence[Array]:
-        """Pad the variable axis of every payload to the batch's length (its bucket if compiled)."""
-        axis = self._variable_axis
-        assert axis is not None
-        length = max(payload.shape[axis] for payload in payloads)
+    def _batch_length(self, payloads: Sequence[NamedArrays]) -> int:
+        """The variable axis' length for this batch: its longest payload, or the bucket edge
+        above it when compiled."""
+        length: int = max(
+            payload[spec.name].shape[spec.variable_axis + 1]
+            for payload in payloads
+            for spec in self._inputs
+            if spec.variable_axis is not None
+        )
         if self.compiled and self._length_edges:
             length = next((edge for edge in self._length_edges if edge >= length), length)
-        padded = []
-        for payload in payloads:
-            missing = length - payload.shape[axis]
-            if missing:
-                widths = [(0, 0)] * payload.ndim
-                widths[axis] = (0, missing)
-                payload = np.pad(payload, widths, constant_values=self._pad_value)
-            padded.append(payload)
-        return padded
+        return length
 
     def _autocast(self) -> AbstractContextManager[object]:
         dtype = _AUTOCAST_DTYPES.get(self.precision)
@@ -279,8 +322,8 @@ class TorchRunner:
             torch.cuda.empty_cache()
 
 
-def _finite_or_error(output: Array) -> Array | InferenceError:
-    if np.isfinite(output).all():
+def _finite_or_error(output: NamedArrays, floating: Sequence[str]) -> NamedArrays | InferenceError:
+    if all(np.isfinite(output[name]).all() for name in floating):
         return output
     return InferenceError(
         "the model produced values that are not finite (NaN or infinity) for this input; "

@@ -14,7 +14,7 @@ from service.engine.batching import DynamicBatcher
 from service.engine.model_store import ModelStore
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
-from service.types import Array
+from service.tensors import NamedArrays
 
 if TYPE_CHECKING:
     from service.engine.runner import TorchRunner
@@ -32,7 +32,7 @@ class ServedModel:
     manifest: Manifest
     length_edges: tuple[int, ...]
     runner: TorchRunner
-    batcher: DynamicBatcher[Array, Array]
+    batcher: DynamicBatcher[NamedArrays, NamedArrays]
 
     def info(self) -> ModelInfo:
         return ModelInfo(

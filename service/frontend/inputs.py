@@ -1,31 +1,45 @@
-"""Decode ``/predict`` bodies (JSON or ``.npy``) and validate them against the input spec.
+"""Decode ``/predict`` bodies (JSON, ``.npy`` or ``.npz``) and validate them against the
+model's input specs.
 
 Everything a client can get wrong is caught here, before queuing, so one bad request can never
 reach a batch and fail its batch-mates. Messages say what was expected and what was received.
-The result is one array of shape (instances, *instance shape); variable-length instances are
-padded with the spec's ``pad_value`` to the request's longest one.
+``TensorLayout`` checks one tensor; ``InputLayout`` a model's named inputs. The result is one
+array per input of shape (instances, *instance shape); variable-length instances are padded
+with each spec's ``pad_value`` to the request's longest one, and inputs with a variable axis
+(token ids and their mask) must have the same length for each instance.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
-from service.buckets import group_and_cost
-from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
-from service.manifest import TensorSpec
+from service.buckets import batch_group, group_and_cost
+from service.errors import (
+    BadRequestError,
+    InvalidInputError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
+from service.manifest import Manifest, TensorSpec
+from service.tensors import NamedArrays
 from service.types import Array
 
 JSON_MEDIA_TYPE = "application/json"
 NPY_MEDIA_TYPE = "application/x-npy"
+NPZ_MEDIA_TYPE = "application/x-npz"
 #: Media types read and written as a NumPy ``.npy`` array.
 NPY_MEDIA_TYPES = frozenset({NPY_MEDIA_TYPE, "application/octet-stream"})
+#: Media types a version without a handler reads.
+TENSOR_MEDIA_TYPES = frozenset({JSON_MEDIA_TYPE, NPZ_MEDIA_TYPE} | NPY_MEDIA_TYPES)
 #: How a zip file (an ``.npz`` archive, or an empty zip) starts.
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
 
@@ -33,36 +47,48 @@ _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
 _ACCEPTED_JSON_KINDS: dict[str, frozenset[str]] = {
     "f": frozenset("fiu"),  # float inputs take integers too (0 and 1 are fine pixels)
     "i": frozenset("iu"),  # integer inputs (token ids) refuse fractions
+    "u": frozenset("iu"),  # unsigned ones too; negative values fail the range check
+    "b": frozenset("b"),  # boolean inputs take true/false only
 }
 
 
-def body_media_type(content_type: str | None) -> str:
-    """JSON or NPY by ``Content-Type`` (a missing header is read as JSON); else 415."""
+def body_media_type(content_type: str | None, accepted: frozenset[str] = TENSOR_MEDIA_TYPES) -> str:
+    """The body's media type by ``Content-Type`` (a missing header is read as JSON; the
+    ``.npy`` aliases as ``application/x-npy``), if among ``accepted``; else 415."""
     media_type = (content_type or JSON_MEDIA_TYPE).split(";", 1)[0].strip().lower()
-    if media_type in (JSON_MEDIA_TYPE, ""):
-        return JSON_MEDIA_TYPE
-    if media_type in NPY_MEDIA_TYPES:
-        return NPY_MEDIA_TYPE
+    if media_type == "":
+        media_type = JSON_MEDIA_TYPE
+    if media_type in accepted:
+        return NPY_MEDIA_TYPE if media_type in NPY_MEDIA_TYPES else media_type
+    named = sorted(
+        accepted - {"application/octet-stream"}, key=lambda name: (name != JSON_MEDIA_TYPE, name)
+    )
     raise UnsupportedMediaTypeError(
-        f"send the body as {JSON_MEDIA_TYPE} or {NPY_MEDIA_TYPE}, got content-type {media_type!r}"
+        f"send the body as {', '.join(named[:-1])}{' or ' if len(named) > 1 else ''}{named[-1]}"
+        f", got content-type {media_type!r}"
     )
 
 
-def wants_npy(accept: str | None) -> bool:
-    """Whether the ``Accept`` header prefers a ``.npy`` answer: named with a higher quality
-    than JSON (``q`` is 1 unless given; ``q=0`` means not acceptable; JSON wins a tie)."""
+def answer_media_type(accept: str | None) -> str:
+    """The answer's media type the ``Accept`` header prefers: JSON, ``.npy`` or ``.npz``,
+    whichever is named with the highest quality (``q`` is 1 unless given; ``q=0`` means not
+    acceptable; JSON wins a tie, and is the answer when none of them is named)."""
     if not accept:
-        return False
-    npy_quality = json_quality = 0.0
+        return JSON_MEDIA_TYPE
+    qualities = {JSON_MEDIA_TYPE: 0.0, NPY_MEDIA_TYPE: 0.0, NPZ_MEDIA_TYPE: 0.0}
     for part in accept.split(","):
         media_type, _, parameters = part.partition(";")
         media_type = media_type.strip().lower()
-        quality = _quality(parameters)
-        if media_type in NPY_MEDIA_TYPES:
-            npy_quality = max(npy_quality, quality)
-        elif media_type == JSON_MEDIA_TYPE:
-            json_quality = max(json_quality, quality)
-    return npy_quality > json_quality
+        media_type = NPY_MEDIA_TYPE if media_type in NPY_MEDIA_TYPES else media_type
+        if media_type in qualities:
+            qualities[media_type] = max(qualities[media_type], _quality(parameters))
+    best = max(qualities.values())
+    return next(media for media, quality in qualities.items() if quality == best)
+
+
+def wants_npy(accept: str | None) -> bool:
+    """Whether the ``Accept`` header prefers a ``.npy`` answer to JSON."""
+    return answer_media_type(accept) == NPY_MEDIA_TYPE
 
 
 def _quality(parameters: str) -> float:
@@ -85,9 +111,171 @@ def encode_npy(array: Array) -> bytes:
     return buffer.getvalue()
 
 
+def encode_npz(arrays: NamedArrays) -> bytes:
+    """An uncompressed ``.npz`` archive, one ``.npy`` member per name (no pickles)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **arrays.arrays)
+    return buffer.getvalue()
+
+
 @dataclass(frozen=True)
 class InputLayout:
-    """How requests for one model are validated, grouped into batches and costed."""
+    """How requests for one model are parsed into its named inputs, validated, grouped into
+    batches and costed."""
+
+    manifest: Manifest
+    length_edges: tuple[int, ...] = ()
+    max_instances: int = 1024
+
+    def __post_init__(self) -> None:
+        tensors = {
+            spec.name: TensorLayout(spec, self.length_edges, self.max_instances)
+            for spec in self.manifest.inputs
+        }
+        object.__setattr__(self, "tensors", tensors)
+
+    tensors: dict[str, TensorLayout] = field(init=False, repr=False, compare=False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.manifest.inputs)
+
+    def parse(self, body: bytes, media_type: str) -> NamedArrays:
+        """The body as the model's named inputs: JSON, one ``.npy`` array (a model with one
+        input) or an ``.npz`` archive with one array per input name."""
+        if media_type == NPY_MEDIA_TYPE:
+            if len(self.tensors) > 1:
+                raise InvalidInputError(
+                    f"this model takes {len(self.tensors)} inputs {list(self.names)}: send them "
+                    f"as one {NPZ_MEDIA_TYPE} archive with an array per name, or as JSON"
+                )
+            name = self.names[0]
+            return NamedArrays({name: self.tensors[name].parse_npy(body)})
+        if media_type == NPZ_MEDIA_TYPE:
+            return self.parse_npz(body)
+        if media_type != JSON_MEDIA_TYPE:
+            raise UnsupportedMediaTypeError(
+                f"this model reads {JSON_MEDIA_TYPE}, {NPY_MEDIA_TYPE} or {NPZ_MEDIA_TYPE} "
+                f"bodies, got {media_type!r}"
+            )
+        return self.parse_json(body)
+
+    def parse_json(self, body: bytes) -> NamedArrays:
+        """``{"instances": [...]}``: each instance the bare value of a one-input model, or an
+        object keyed by input name."""
+        instances = _instances_of(body)
+        if len(self.tensors) == 1 and not (instances and isinstance(instances[0], dict)):
+            name = self.names[0]
+            return NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
+        columns: dict[str, list[Any]] = {name: [] for name in self.names}
+        for index, instance in enumerate(instances):
+            if not isinstance(instance, dict):
+                raise InvalidInputError(
+                    f"instance {index} must be an object keyed by input name "
+                    f"{list(self.names)}, got {_json_type(instance)}"
+                )
+            if instance.keys() != columns.keys():
+                missing = sorted(columns.keys() - instance.keys())
+                unknown = sorted(instance.keys() - columns.keys())
+                raise InvalidInputError(
+                    f"instance {index} must have exactly the inputs {list(self.names)}; "
+                    + "; ".join(
+                        text
+                        for text in (
+                            f"missing {missing}" if missing else "",
+                            f"unknown {unknown}" if unknown else "",
+                        )
+                        if text
+                    )
+                )
+            for name, value in instance.items():
+                columns[name].append(value)
+        self._check_shared_lengths(columns)
+        arrays = {
+            name: self.tensors[name].parse_instances(column, body)
+            for name, column in columns.items()
+        }
+        return self._checked_lengths(NamedArrays(arrays))
+
+    def parse_npz(self, body: bytes) -> NamedArrays:
+        """An ``.npz`` archive (``np.savez``, no pickles) with one array per input name."""
+        members = _npz_members(body, self.tensors[self.names[0]].max_body_bytes(body))
+        if members.keys() != set(self.names):
+            raise InvalidInputError(
+                f"the .npz archive must hold exactly the arrays {list(self.names)}, "
+                f"got {sorted(members)}"
+            )
+        arrays = {}
+        for name in self.names:
+            try:
+                arrays[name] = self.tensors[name].parse_npy(members[name])
+            except (InvalidInputError, BadRequestError) as error:
+                raise type(error)(f"input {name!r}: {error.message}") from None
+        counts = {name: len(array) for name, array in arrays.items()}
+        if len(set(counts.values())) > 1:
+            raise InvalidInputError(f"every input needs one row per instance, got {counts}")
+        return self._checked_lengths(NamedArrays(arrays))
+
+    def check(self, arrays: Mapping[str, Array]) -> NamedArrays:
+        """Validate named arrays a handler built against the input specs (dtype, shape,
+        length, range) and return them as the request's inputs."""
+        if arrays.keys() != set(self.names):
+            raise InvalidInputError(
+                f"the handler built inputs {sorted(arrays)}; the model takes {list(self.names)}"
+            )
+        checked = {}
+        for name in self.names:
+            tensor = self.tensors[name]
+            array = np.asarray(arrays[name])
+            if array.dtype != tensor.spec.numpy_dtype:
+                raise InvalidInputError(
+                    f"input {name!r} must be {tensor.spec.dtype}, got {array.dtype.name}"
+                )
+            tensor.check_count(len(array) if array.ndim else 0)
+            checked[name] = tensor.validated(np.ascontiguousarray(array))
+        counts = {name: len(array) for name, array in checked.items()}
+        if len(set(counts.values())) > 1:
+            raise InvalidInputError(f"every input needs one row per instance, got {counts}")
+        return self._checked_lengths(NamedArrays(checked))
+
+    def group_and_cost(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
+        """Requests with the same group may share a batch; cost is padded positions per row."""
+        return batch_group(self.manifest, instances, self.length_edges)
+
+    def _check_shared_lengths(self, columns: dict[str, list[Any]]) -> None:
+        """Inputs with a variable axis (ids and mask) must be as long as each other, instance
+        by instance, before they are padded."""
+        variable = [
+            (name, self.tensors[name].spec.variable_axis)
+            for name in self.names
+            if self.tensors[name].spec.variable_axis is not None
+        ]
+        if len(variable) < 2:
+            return
+        for index in range(len(columns[variable[0][0]])):
+            lengths = {name: _length(columns[name][index], axis or 0) for name, axis in variable}
+            if len(set(lengths.values())) > 1:
+                raise InvalidInputError(
+                    f"instance {index}: inputs with a variable axis must be equally long, "
+                    f"got lengths {lengths}"
+                )
+
+    def _checked_lengths(self, arrays: NamedArrays) -> NamedArrays:
+        lengths = {
+            name: arrays[name].shape[spec.variable_axis + 1]
+            for name, spec in ((name, self.tensors[name].spec) for name in self.names)
+            if spec.variable_axis is not None
+        }
+        if len(set(lengths.values())) > 1:
+            raise InvalidInputError(
+                f"inputs with a variable axis must be equally long, got lengths {lengths}"
+            )
+        return arrays
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How one input tensor is validated, grouped into batches and costed."""
 
     spec: TensorSpec
     length_edges: tuple[int, ...] = ()
@@ -100,35 +288,27 @@ class InputLayout:
 
     def parse_json(self, body: bytes) -> Array:
         """``{"instances": [...]}`` -> one array in the spec's dtype."""
-        try:
-            document = orjson.loads(body)
-        except orjson.JSONDecodeError as error:
-            raise BadRequestError(f"the body is not valid JSON: {error}") from None
-        if not isinstance(document, dict):
-            raise InvalidInputError(
-                f'the body must be a JSON object {{"instances": [...]}}, got {_json_type(document)}'
-            )
-        unknown = sorted(set(document) - {"instances"})
-        if unknown:
-            raise InvalidInputError(f"unknown field(s) {unknown}; the body takes only 'instances'")
-        if "instances" not in document:
-            raise InvalidInputError("missing field 'instances' (a list of instances)")
-        instances = document["instances"]
-        if not isinstance(instances, list):
-            raise InvalidInputError(f"'instances' must be a list, got {_json_type(instances)}")
-        self._check_count(len(instances))
+        return self.parse_instances(_instances_of(body), body)
+
+    def parse_instances(self, instances: list[Any], body: bytes) -> Array:
+        """The JSON instances of this tensor (``body`` is the whole request's) as one array."""
+        self.check_count(len(instances))
         if self.spec.variable_axis is None:
             array = _json_to_array(instances, self.spec)
         else:
             array = self._pad_together([_json_to_array(item, self.spec) for item in instances])
         # numpy reads true/false beside numbers as 1/0. Any other string in the body has made the
-        # array non-numeric by now, and the only key left is "instances", so these bytes can only
-        # be boolean literals.
-        if b"true" in body or b"false" in body:
+        # array non-numeric by now, and the body's keys are "instances" and input names, so
+        # these bytes are boolean literals (or a name holding the word: then look closer).
+        if (
+            array.dtype.kind != "b"
+            and (b"true" in body or b"false" in body)
+            and _holds_booleans(instances)
+        ):
             raise InvalidInputError(
                 f"instances must contain only numbers ({self.spec.dtype}); got booleans"
             )
-        return self._validated(array)
+        return self.validated(array)
 
     def parse_npy(self, body: bytes) -> Array:
         """A ``.npy`` array: one instance, or a batch of them; the dtype must match exactly."""
@@ -145,17 +325,23 @@ class InputLayout:
             raise BadRequestError("the body must be one .npy array, not an .npz archive")
         if array.ndim == len(self.spec.shape) - 1:
             array = array[np.newaxis, ...]
-        expected = np.dtype(self.spec.dtype)
+        expected = self.spec.numpy_dtype
         if array.dtype.newbyteorder("=") != expected:
-            raise InvalidInputError(f"expected dtype {self.spec.dtype}, got {array.dtype.name}")
-        self._check_count(len(array) if array.ndim else 0)
-        return self._validated(np.ascontiguousarray(array, dtype=expected))
+            raise InvalidInputError(f"expected dtype {expected.name}, got {array.dtype.name}")
+        self.check_count(len(array) if array.ndim else 0)
+        return self.validated(np.ascontiguousarray(array, dtype=expected))
+
+    def max_body_bytes(self, body: bytes) -> int:
+        """The most bytes an ``.npz`` member may expand to: the body's size (members are
+        stored, or compressed at most to what the request size limit already allowed) times
+        a generous ratio, so a zip bomb is refused before it is inflated."""
+        return max(len(body) * 64, 1 << 20)
 
     def group_and_cost(self, instances: Array) -> tuple[tuple[int, ...], int]:
         """Requests with the same group may share a batch; cost is padded positions per row."""
         return group_and_cost(instances.shape[1:], self.spec.variable_axis, self.length_edges)
 
-    def _check_count(self, count: int) -> None:
+    def check_count(self, count: int) -> None:
         if count == 0:
             raise InvalidInputError("'instances' is empty; send at least one instance")
         if count > self.max_instances:
@@ -192,7 +378,7 @@ class InputLayout:
                 f"expected instances of shape {_describe_shape(self.spec.shape)}"
             ) from None
 
-    def _validated(self, array: Array) -> Array:
+    def validated(self, array: Array) -> Array:
         """Check rank, fixed sizes, variable length, finiteness and value range."""
         spec = self.spec
         if array.ndim != len(spec.shape) or any(
@@ -234,6 +420,67 @@ class InputLayout:
             )
 
 
+def _instances_of(body: bytes) -> list[Any]:
+    """The ``instances`` list of a JSON body ``{"instances": [...]}``."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise BadRequestError(f"the body is not valid JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise InvalidInputError(
+            f'the body must be a JSON object {{"instances": [...]}}, got {_json_type(document)}'
+        )
+    unknown = sorted(set(document) - {"instances"})
+    if unknown:
+        raise InvalidInputError(f"unknown field(s) {unknown}; the body takes only 'instances'")
+    if "instances" not in document:
+        raise InvalidInputError("missing field 'instances' (a list of instances)")
+    instances = document["instances"]
+    if not isinstance(instances, list):
+        raise InvalidInputError(f"'instances' must be a list, got {_json_type(instances)}")
+    return instances
+
+
+def _holds_booleans(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, list) and any(_holds_booleans(item) for item in value)
+
+
+def _length(value: Any, axis: int) -> int:
+    """The length of nested lists ``value`` along ``axis`` (-1 when it is not that deep)."""
+    for _ in range(axis):
+        if not isinstance(value, list) or not value:
+            return -1
+        value = value[0]
+    return len(value) if isinstance(value, list) else -1
+
+
+def _npz_members(body: bytes, max_bytes: int) -> dict[str, bytes]:
+    """The ``.npy`` members of an ``.npz`` archive by name (``ids.npy`` -> ``ids``), read
+    with their inflated size capped at ``max_bytes`` in all."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(body))
+        members = {}
+        total = 0
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy") or "/" in info.filename:
+                raise BadRequestError(
+                    f"an .npz archive holds only .npy members, got {info.filename[:64]!r}"
+                )
+            with archive.open(info) as member:
+                data = member.read(max_bytes - total + 1)
+            total += len(data)
+            if total > max_bytes:
+                raise PayloadTooLargeError(
+                    f"the .npz archive inflates to more than {max_bytes} bytes"
+                )
+            members[info.filename[: -len(".npy")]] = data
+        return members
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, OSError) as error:
+        raise BadRequestError(f"the body is not a valid .npz archive: {error}") from None
+
+
 def _check_npy_data_size(body: bytes) -> None:
     """Refuse a ``.npy`` header that declares more data than the body holds.
 
@@ -270,7 +517,7 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
             f"instances must be nested lists of numbers shaped {_describe_shape(spec.shape)}; "
             "got lists of uneven lengths"
         ) from None
-    target = np.dtype(spec.dtype)
+    target = spec.numpy_dtype
     accepted = _ACCEPTED_JSON_KINDS.get(target.kind, frozenset(target.kind))
     if array.size == 0:  # numpy calls an empty list float64; its shape is what matters
         return array.astype(target)

@@ -96,7 +96,11 @@ class ServiceMiddleware:
                     " retry shortly"
                 )
             return await serve_prediction(
-                self.frontend, PredictHeaders.from_scope(scope), receive, request_id
+                self.frontend,
+                PredictHeaders.from_scope(scope),
+                receive,
+                request_id,
+                scope.get("query_string", b""),
             )
         except ServiceError as error:
             return service_error_response(error, request_id)

@@ -8,23 +8,43 @@ py-spy); the documented FastAPI route in ``routes.py`` calls the same function.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import parse_qsl
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope
 
-from service.bridge.interface import InferenceRequest
+from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
 from service.errors import (
     BadRequestError,
+    HandlerError,
     InvalidInputError,
+    NotAcceptableError,
     PayloadTooLargeError,
     RequestTimeoutError,
+    ServiceError,
 )
-from service.frontend.inputs import NPY_MEDIA_TYPE, body_media_type, encode_npy, wants_npy
+from service.frontend.handlers.base import Handler, HandlerRequest
+from service.frontend.inputs import (
+    JSON_MEDIA_TYPE,
+    NPY_MEDIA_TYPE,
+    NPZ_MEDIA_TYPE,
+    answer_media_type,
+    body_media_type,
+    encode_npy,
+    encode_npz,
+)
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
+from service.tensors import NamedArrays
 from service.types import PRIORITIES, Priority
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ClientDisconnectedError(Exception):
@@ -164,25 +184,38 @@ async def read_body(
 
 
 async def serve_prediction(
-    frontend: FrontendState, headers: PredictHeaders, receive: Receive, request_id: str
+    frontend: FrontendState,
+    headers: PredictHeaders,
+    receive: Receive,
+    request_id: str,
+    query_string: bytes = b"",
 ) -> Response:
     """Validate the body, queue its instances for the next batch, answer one row each.
 
     The request is validated against the version served once its body has arrived, so a
     version switched while a slow body was uploading costs nothing; the answer names the
-    version that computed it.
+    version that computed it. A version's handler turns the body into tensors and the output
+    rows into its answer, in a thread of this front end.
     """
     deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
-    media_type = body_media_type(headers.content_type)
-    frontend.serving_model()  # refuse at once, before reading a body nobody can serve
+    model = frontend.serving_model()  # refuse at once, before reading a body nobody can serve
+    body_media_type(headers.content_type, frontend.handler_for(model).media_types)
     body = await read_body(
         receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
     )
     frontend.holding += 1
     try:
         model = frontend.serving_model()
+        handler = frontend.handler_for(model)
+        handler_request = HandlerRequest(
+            body=body,
+            media_type=body_media_type(headers.content_type, handler.media_types),
+            content_type=headers.content_type or JSON_MEDIA_TYPE,
+            query=_query(query_string, handler),
+        )
+        answer_type = _answer_type(headers.accept, model, handler)
+        instances = await _preprocess(frontend, handler, handler_request)
         layout = frontend.layout_for(model)
-        instances = layout.parse(body, media_type)
         group, cost_per_row = layout.group_and_cost(instances)
         request = InferenceRequest(
             model=model.manifest.name,
@@ -201,11 +234,85 @@ async def serve_prediction(
         frontend.holding -= 1
     name, version = model.manifest.name, result.version
     response_headers = {"X-Model-Version": f"{name}@{version}"}
-    if wants_npy(headers.accept):
+    if answer_type == NPY_MEDIA_TYPE:
+        only = result.outputs[result.outputs.names[0]]
+        return Response(encode_npy(only), media_type=NPY_MEDIA_TYPE, headers=response_headers)
+    if answer_type == NPZ_MEDIA_TYPE:
         return Response(
-            encode_npy(result.outputs), media_type=NPY_MEDIA_TYPE, headers=response_headers
+            encode_npz(result.outputs), media_type=NPZ_MEDIA_TYPE, headers=response_headers
         )
+    predictions = await _postprocess(frontend, handler, result, handler_request)
     return json_response(
-        {"model": name, "version": version, "predictions": result.outputs},
+        {"model": name, "version": version, "predictions": predictions},
         headers=response_headers,
     )
+
+
+def _query(query_string: bytes, handler: Handler) -> dict[str, str]:
+    """The query parameters, each one the handler reads; any other is a mistake (422)."""
+    if not query_string:
+        return {}
+    query = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+    unknown = sorted(set(query) - handler.query_parameters)
+    if unknown:
+        accepted = sorted(handler.query_parameters) or "none"
+        raise InvalidInputError(
+            f"unknown query parameter(s) {unknown}; this model reads {accepted}"
+        )
+    return query
+
+
+def _answer_type(accept: str | None, model: ModelInfo, handler: Handler) -> str:
+    """JSON, or the tensors as ``.npy`` (one output) or ``.npz`` when ``Accept`` prefers them
+    and the version has no handler of its own (a handler answers JSON)."""
+    answer = answer_media_type(accept)
+    if answer == JSON_MEDIA_TYPE or model.manifest.handler is not None:
+        return JSON_MEDIA_TYPE
+    outputs = [spec.name for spec in model.manifest.outputs]
+    if answer == NPY_MEDIA_TYPE and len(outputs) > 1:
+        raise NotAcceptableError(
+            f"this model has {len(outputs)} outputs {outputs}: ask for {NPZ_MEDIA_TYPE} (one "
+            f"array per output) or {JSON_MEDIA_TYPE}"
+        )
+    return answer
+
+
+async def _preprocess(
+    frontend: FrontendState, handler: Handler, request: HandlerRequest
+) -> NamedArrays:
+    """Tensors parsed inline (cheap); a version's own handler in the handler threads."""
+    if type(handler) is Handler:
+        return handler.preprocess(request)
+    loop = asyncio.get_running_loop()
+    return await _handled(loop.run_in_executor(frontend.handler_pool, handler.preprocess, request))
+
+
+async def _postprocess(
+    frontend: FrontendState, handler: Handler, result: InferenceResult, request: HandlerRequest
+) -> object:
+    outputs = result.outputs
+    if type(handler) is Handler:
+        # The whole array at once: orjson writes it far faster than a list of rows.
+        return (
+            outputs[outputs.names[0]]
+            if len(outputs.names) == 1
+            else handler.postprocess(outputs, request)
+        )
+    loop = asyncio.get_running_loop()
+    return await _handled(
+        loop.run_in_executor(frontend.handler_pool, handler.postprocess, outputs, request)
+    )
+
+
+async def _handled(work: asyncio.Future[T]) -> T:
+    """The handler's result; what it raises other than a ``ServiceError`` (a client's
+    mistake) is logged and answered 500, for this request alone."""
+    try:
+        return await work
+    except ServiceError:
+        raise
+    except Exception as error:
+        logger.error("handler_failed", exc_info=error)
+        raise HandlerError(
+            f"the model's handler failed on this request ({type(error).__name__}: {error})"
+        ) from error

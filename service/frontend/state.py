@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import EngineClient, ModelInfo
+from service.bundled import import_attribute
 from service.config import Settings
+from service.errors import HandlerError, ModelLoadError
+from service.frontend.handlers.base import Handler, HandlerContext
 from service.frontend.inputs import InputLayout
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 
-#: Input layouts a front end keeps, one per version it has validated requests for.
+logger = logging.getLogger(__name__)
+
+#: Input layouts and handlers a front end keeps, one per version it has served requests for.
 _LAYOUT_CACHE_SIZE = 8
 
 
@@ -40,6 +47,12 @@ class FrontendState:
     gauge_refreshers: list[Callable[[], None]] = field(default_factory=list)
     """More gauges to refresh with this process's (an engine in this process adds its own)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
+    _handlers: dict[str, Handler] = field(default_factory=dict)
+    handler_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="batchserve-handler")
+    )
+    """Where handlers' pre- and post-processing run: tokenizers and Pillow release the GIL,
+    so decoding never stalls the event loop and uses another core."""
 
     @property
     def phase(self) -> str:
@@ -63,7 +76,7 @@ class FrontendState:
         layout = self._layouts.get(key)
         if layout is None:
             layout = InputLayout(
-                spec=model.manifest.input,
+                manifest=model.manifest,
                 length_edges=model.length_edges,
                 max_instances=self.settings.max_instances_per_request,
             )
@@ -71,6 +84,44 @@ class FrontendState:
                 del self._layouts[next(iter(self._layouts))]
             self._layouts[key] = layout
         return layout
+
+    def handler_for(self, model: ModelInfo) -> Handler:
+        """The version's handler (built once a version), or the tensors-in, tensors-out base
+        ``Handler`` when it names none. Building verifies the hashes of the version's files
+        other than the weights (the handler's code, its tokenizer) before importing any."""
+        key = model.manifest.version
+        handler = self._handlers.get(key)
+        if handler is None:
+            handler = self._build_handler(model)
+            if len(self._handlers) >= _LAYOUT_CACHE_SIZE:
+                del self._handlers[next(iter(self._handlers))]
+            self._handlers[key] = handler
+        return handler
+
+    def _build_handler(self, model: ModelInfo) -> Handler:
+        manifest = model.manifest
+        folder = self.repository.version_folder(manifest.name, manifest.version)
+        context = HandlerContext(manifest=manifest, folder=folder, layout=self.layout_for(model))
+        if manifest.handler is None:
+            return Handler(context)
+        try:
+            self.repository.verify(manifest, weights=False)
+            cls = import_attribute(manifest.handler.import_path, manifest, folder)
+            if not (isinstance(cls, type) and issubclass(cls, Handler)):
+                raise ModelLoadError(
+                    f"{manifest.handler.import_path!r} is not a subclass of "
+                    "service.frontend.handlers.base.Handler"
+                )
+            handler: Handler = cls(context, **manifest.handler.options)
+        except Exception as error:  # operator code: whatever it raises, the version is unusable
+            logger.error(
+                "handler_unavailable", extra={"model": manifest.label, "error": str(error)}
+            )
+            raise HandlerError(
+                f"the handler of {manifest.label} cannot be loaded: "
+                f"{str(error).replace(str(self.repository.root), '<repository>')}"
+            ) from error
+        return handler
 
     def refresh_gauges(self) -> None:
         """Readiness, the engines reached and this process's memory, into their gauges."""

@@ -9,13 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from service.config import Settings, SettingsError, load_settings
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
 from service.logs import configure_logging
-from service.manifest import ARTIFACT_SUFFIXES, Architecture, TensorSpec
-from service.repository import ModelRepository
+from service.manifest import ARTIFACT_SUFFIXES, Architecture, HandlerSpec, TensorSpec
+from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.launcher import clear_configured_multiprocess_dir
+from service.server.packaging import PackageSpec, check_handler, tensor_spec
 
 
 def serves_in_one_process(settings: Settings) -> bool:
@@ -52,13 +55,27 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _parse_shape(text: str) -> tuple[int, ...]:
+class _Once(argparse.Action):
+    """A flag that may be given once: a second value is an error, never silently the winner."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        if getattr(namespace, f"_given_{self.dest}", False):
+            parser.error(f"{option_string} is given twice; give it once")
+        setattr(namespace, f"_given_{self.dest}", True)
+        setattr(namespace, self.dest, values)
+
+
+def _parse_tensor(text: str) -> TensorSpec:
     try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a shape is comma-separated integers with -1 for the batch axis, got {text!r}"
-        ) from None
+        return tensor_spec(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(one_line(error)) from None
 
 
 def _parse_json_object(text: str) -> dict[str, Any]:
@@ -88,26 +105,65 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(serve_parser)
 
     package = commands.add_parser(
-        "package", help="add a weights, TorchScript or ExportedProgram file as a new version"
+        "package",
+        help="add a model (weights, TorchScript or ExportedProgram, with its tokenizer, "
+        "code and handler) as a new content-addressed version",
+        description="Every field of the version can be given as a flag, or in a JSON spec "
+        "file (--spec) whose fields the flags override. The version id hashes all of it.",
     )
     package.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
-    package.add_argument("--name", required=True, help="model name (a plain identifier)")
-    package.add_argument("--artifact", type=Path, required=True, help="the file to package")
-    package.add_argument("--format", required=True, choices=sorted(ARTIFACT_SUFFIXES))
+    package.add_argument(
+        "--spec",
+        type=Path,
+        action=_Once,
+        help="JSON file with any of: name, artifact, format, architecture {import_path, "
+        "kwargs}, inputs, outputs, handler {import_path, options}, files, metadata (paths "
+        "relative to the file)",
+    )
+    package.add_argument("--name", action=_Once, help="model name (a plain identifier)")
+    package.add_argument("--artifact", type=Path, action=_Once, help="the file to package")
+    package.add_argument("--format", action=_Once, choices=sorted(ARTIFACT_SUFFIXES))
     package.add_argument(
         "--architecture",
-        help="module:Class of the nn.Module (needed for safetensors and state_dict)",
+        action=_Once,
+        help="module:Class of the nn.Module (safetensors and state_dict); the module may be "
+        "a .py file given with --file",
     )
-    package.add_argument("--kwargs", type=_parse_json_object, default={}, help="JSON object")
-    package.add_argument("--input-name", default="input")
-    package.add_argument("--input-dtype", default="float32")
+    package.add_argument("--kwargs", type=_parse_json_object, action=_Once, help="JSON object")
     package.add_argument(
-        "--input-shape", type=_parse_shape, required=True, help="e.g. -1,8,8 (-1: batch/variable)"
+        "--input",
+        type=_parse_tensor,
+        action="append",
+        metavar="NAME:DTYPE:SHAPE[:KEY=VALUE...]",
+        help="an input tensor, once per input in forward()'s order, e.g. "
+        "input_ids:int64:-1,-1:max_length=128:min_value=1:max_value=29999:pad_value=0 "
+        "(keys: max_length, min_value, max_value, pad_value)",
     )
-    package.add_argument("--output-name", default="output")
-    package.add_argument("--output-dtype", default="float32")
-    package.add_argument("--output-shape", type=_parse_shape, required=True, help="e.g. -1,10")
-    package.add_argument("--metadata", type=_parse_json_object, default={}, help="JSON object")
+    package.add_argument(
+        "--output",
+        type=_parse_tensor,
+        action="append",
+        metavar="NAME:DTYPE:SHAPE[:KEY=VALUE...]",
+        help="an output tensor, once per output, e.g. logits:float32:-1,2:labels=neg,pos",
+    )
+    package.add_argument(
+        "--handler",
+        action=_Once,
+        help="module:Class of the pre/post-processing handler (service.frontend.handlers."
+        "text:TextHandler, ...image:ImageHandler, ...classification:ClassificationHandler, "
+        "or a .py file given with --file)",
+    )
+    package.add_argument(
+        "--handler-options", type=_parse_json_object, action=_Once, help="JSON object"
+    )
+    package.add_argument(
+        "--file",
+        type=Path,
+        action="append",
+        help="a file packaged and hashed with the version (tokenizer.json, a .py module); "
+        "repeat for several",
+    )
+    package.add_argument("--metadata", type=_parse_json_object, action=_Once, help="JSON object")
 
     models = commands.add_parser("models", help="list or verify the model repository")
     model_commands = models.add_subparsers(dest="models_command", required=True)
@@ -122,23 +178,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _package(args: argparse.Namespace) -> int:
-    architecture = (
-        Architecture(import_path=args.architecture, kwargs=args.kwargs)
-        if args.architecture
-        else None
-    )
-    from service.engine.model_store import ModelStore  # imports torch: only when packaging
-
-    manifest = ModelStore(_repository(args)).package(
+    spec = PackageSpec.from_file(args.spec) if args.spec else PackageSpec()
+    spec = spec.overridden(
         name=args.name,
         artifact=args.artifact,
         format=args.format,
-        architecture=architecture,
-        inputs=(TensorSpec(name=args.input_name, dtype=args.input_dtype, shape=args.input_shape),),
-        outputs=(
-            TensorSpec(name=args.output_name, dtype=args.output_dtype, shape=args.output_shape),
+        architecture=(
+            Architecture(import_path=args.architecture, kwargs=args.kwargs or {})
+            if args.architecture
+            else None
         ),
+        inputs=tuple(args.input) if args.input else None,
+        outputs=tuple(args.output) if args.output else None,
+        handler=(
+            HandlerSpec(import_path=args.handler, options=args.handler_options or {})
+            if args.handler
+            else None
+        ),
+        files=tuple(args.file) if args.file else None,
         metadata=args.metadata,
+    )
+    from service.engine.model_store import ModelStore  # imports torch: only when packaging
+
+    store = ModelStore(_repository(args))
+    name, artifact, format = spec.required()
+    manifest = store.package(
+        name=name,
+        artifact=artifact,
+        format=format,
+        architecture=spec.architecture,
+        inputs=spec.inputs or (),
+        outputs=spec.outputs or (),
+        handler=spec.handler,
+        files=spec.files or (),
+        metadata=spec.metadata,
+        check_version=check_handler,
     )
     print(manifest.version)
     return 0
@@ -149,20 +223,21 @@ def _models(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else store.model_names()
     failures = 0
     for name in names:
-        for manifest in store.versions(name):
-            if args.models_command == "list":
+        if args.models_command == "list":
+            for manifest in store.versions(name):
                 accuracy = manifest.metadata.get("test_accuracy", "")
                 print(
                     f"{manifest.name}\t{manifest.version}\t{manifest.created_at.isoformat()}\t"
                     f"{manifest.format}\t{accuracy}"
                 )
-                continue
+            continue
+        for version in store.version_ids(name):
             try:
-                store.verify(manifest)
-                print(f"ok\t{manifest.name}\t{manifest.version}")
+                store.verify(store.read_manifest(name, version))
+                print(f"ok\t{name}\t{version}")
             except ModelIntegrityError as error:
                 failures += 1
-                print(f"FAILED\t{manifest.name}\t{manifest.version}\t{error}")
+                print(f"FAILED\t{name}\t{version}\t{error}")
     return 1 if failures else 0
 
 
@@ -185,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as error:
         print(error, file=sys.stderr)
         return 2
+    except ValidationError as error:
+        print(f"batchserve: {one_line(error, 2000)}", file=sys.stderr)
+        return 1
     except (ModelNotFoundError, ModelIntegrityError, ModelLoadError, ValueError) as error:
         print(f"batchserve: {error}", file=sys.stderr)
         return 1
