@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from asgi_lifespan import LifespanManager
+from safetensors.torch import save_file
 
-from service.config import BUNDLED_MODEL_REPOSITORY
+from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
+from service.errors import ModelIntegrityError
 from service.repository import sha256_of
 from service.server.cli import main
+from service.server.single import create_app
+from tests.apps import engine_of
+from tests.torch_models import PaddingSensitiveEncoder
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 DIGITS_WEIGHTS = BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact
 
 
-def package_digits(repository: Path, capsys: pytest.CaptureFixture[str]) -> str:
+def package_digits(repository: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
     status = main(
         [
             "package",
@@ -24,13 +31,13 @@ def package_digits(repository: Path, capsys: pytest.CaptureFixture[str]) -> str:
             "--artifact", str(DIGITS_WEIGHTS),
             "--format", "safetensors",
             "--architecture", "service.models.digits:DigitsCNN",
-            "--input-name", "image",
-            "--input-shape=-1,8,8",
-            "--output-shape=-1,10",
+            "--input", "image:float32:-1,8,8:min_value=0:max_value=1",
+            "--output", "logits:float32:-1,10:labels=0,1,2,3,4,5,6,7,8,9",
+            *extra,
             "--metadata", '{"test_accuracy": 0.97}',
         ]
     )  # fmt: skip
-    assert status == 0
+    assert status == 0, capsys.readouterr().err
     return capsys.readouterr().out.strip()
 
 
@@ -38,10 +45,76 @@ def test_package_prints_the_content_hash_version(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     version = package_digits(tmp_path, capsys)
-    assert version == sha256_of(DIGITS_WEIGHTS)[:12]
     manifest = ModelStore(tmp_path).resolve("mydigits", version)
+    assert version == manifest.content_digest()[:12]
+    assert manifest.files == {"model.safetensors": sha256_of(DIGITS_WEIGHTS)}
     assert manifest.input.shape == (-1, 8, 8)
+    assert (manifest.input.min_value, manifest.input.max_value) == (0.0, 1.0)
+    assert manifest.output.labels == tuple("0123456789")
     assert manifest.metadata == {"test_accuracy": 0.97}
+    assert package_digits(tmp_path, capsys) == version  # the same things: the same version
+
+
+def test_repackaging_with_any_change_gives_a_new_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = package_digits(tmp_path, capsys)
+    different_metadata = main(
+        ["package", "--repository", str(tmp_path), "--name", "mydigits",
+         "--artifact", str(DIGITS_WEIGHTS), "--format", "safetensors",
+         "--architecture", "service.models.digits:DigitsCNN",
+         "--input", "image:float32:-1,8,8:min_value=0:max_value=1",
+         "--output", "logits:float32:-1,10:labels=0,1,2,3,4,5,6,7,8,9",
+         "--metadata", '{"test_accuracy": 0.98}']
+    )  # fmt: skip
+    assert different_metadata == 0
+    second = capsys.readouterr().out.strip()
+    unlabelled = main(
+        ["package", "--repository", str(tmp_path), "--name", "mydigits",
+         "--artifact", str(DIGITS_WEIGHTS), "--format", "safetensors",
+         "--architecture", "service.models.digits:DigitsCNN",
+         "--input", "image:float32:-1,8,8:min_value=0:max_value=1",
+         "--output", "logits:float32:-1,10", "--metadata", '{"test_accuracy": 0.97}']
+    )  # fmt: skip
+    assert unlabelled == 0
+    third = capsys.readouterr().out.strip()
+    assert len({first, second, third}) == 3
+    assert len(ModelStore(tmp_path).versions("mydigits")) == 3
+
+
+def test_a_flag_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["package", "--name", "a", "--name", "b"])
+    assert "--name is given twice" in capsys.readouterr().err
+
+
+def test_a_spec_file_packages_what_flags_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    by_flags = package_digits(tmp_path / "one", capsys)
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "name": "mydigits",
+                "artifact": str(DIGITS_WEIGHTS),
+                "format": "safetensors",
+                "architecture": {"import_path": "service.models.digits:DigitsCNN"},
+                "inputs": [
+                    {"name": "image", "dtype": "float32", "shape": [-1, 8, 8],
+                     "min_value": 0, "max_value": 1}
+                ],
+                "outputs": [
+                    {"name": "logits", "dtype": "float32", "shape": [-1, 10],
+                     "labels": list("0123456789")}
+                ],
+                "metadata": {"test_accuracy": 0.97},
+            }
+        )
+    )  # fmt: skip
+    status = main(["package", "--repository", str(tmp_path / "two"), "--spec", str(spec)])
+    assert status == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip() == by_flags
 
 
 def test_models_list_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,6 +133,66 @@ def test_models_list_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "FAILED\tmydigits" in capsys.readouterr().out
 
 
+def test_a_hand_edited_manifest_fails_verify_and_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    version = package_digits(tmp_path, capsys)
+    path = tmp_path / "mydigits" / version / "manifest.json"
+    document = json.loads(path.read_text())
+    document["inputs"][0]["max_value"] = 16.0
+    path.write_text(json.dumps(document))
+
+    assert main(["models", "verify", "--repository", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED\tmydigits\t{version}\t" in out
+    assert "the manifest does not match its version id" in out
+    with pytest.raises(ModelIntegrityError, match="edited after packaging"):
+        ModelStore(tmp_path).load("mydigits", version)
+
+
+def test_a_declared_output_the_model_does_not_produce_is_refused_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(
+        ["package", "--repository", str(tmp_path), "--name", "mydigits",
+         "--artifact", str(DIGITS_WEIGHTS), "--format", "safetensors",
+         "--architecture", "service.models.digits:DigitsCNN",
+         "--input", "image:float32:-1,8,8", "--output", "logits:int64:-1,5"]
+    )  # fmt: skip
+    assert status == 1
+    error = capsys.readouterr().err
+    assert (
+        "output 'logits': the manifest declares shape (-1, 5), the model returned (2, 10)" in error
+    )
+    assert "the manifest declares dtype int64, the model returned float32" in error
+    assert not (tmp_path / "mydigits").exists()
+
+
+def test_an_architecture_bundled_as_a_file_needs_no_pythonpath(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = tmp_path / "mynet.py"
+    module.write_text(
+        "from service.models.digits import DigitsCNN\n\n\nclass MyNet(DigitsCNN):\n    pass\n"
+    )
+    args = [
+        "package", "--repository", str(tmp_path / "repo"), "--name", "mine",
+        "--artifact", str(DIGITS_WEIGHTS), "--format", "safetensors",
+        "--architecture", "mynet:MyNet", "--file", str(module),
+        "--input", "image:float32:-1,8,8", "--output", "logits:float32:-1,10",
+    ]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    first = capsys.readouterr().out.strip()
+    store = ModelStore(tmp_path / "repo")
+    assert set(store.resolve("mine", first).files) == {"model.safetensors", "mynet.py"}
+    loaded = store.load("mine", first)
+    assert type(loaded.module).__name__ == "MyNet"
+
+    module.write_text(module.read_text() + "# changed\n")
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip() != first  # the code is part of the version
+
+
 def test_package_refuses_an_artifact_that_does_not_fit_its_architecture(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -72,8 +205,8 @@ def test_package_refuses_an_artifact_that_does_not_fit_its_architecture(
             "--format", "safetensors",
             "--architecture", "service.models.digits:DigitsCNN",
             "--kwargs", '{"channels": 8}',
-            "--input-shape=-1,8,8",
-            "--output-shape=-1,10",
+            "--input", "image:float32:-1,8,8",
+            "--output", "logits:float32:-1,10",
         ]
     )  # fmt: skip
     assert status == 1
@@ -84,3 +217,29 @@ def test_package_refuses_an_artifact_that_does_not_fit_its_architecture(
 def test_unknown_model_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models", "list", "--repository", str(tmp_path), "nothing"]) == 1
     assert "no model named 'nothing'" in capsys.readouterr().err
+
+
+async def test_a_masked_transformer_without_max_length_warms_up_on_real_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Warm-up used to feed rows of padding only (min_value or 0) up to 4096 tokens; it now
+    feeds non-padding tokens up to the default max_length (512)."""
+    weights = tmp_path / "encoder.safetensors"
+    save_file(dict(PaddingSensitiveEncoder().state_dict()), str(weights))
+    status = main(
+        ["package", "--repository", str(tmp_path), "--name", "encoder",
+         "--artifact", str(weights), "--format", "safetensors",
+         "--architecture", "tests.torch_models:PaddingSensitiveEncoder",
+         "--input", "input_ids:int64:-1,-1:max_value=99:pad_value=0",
+         "--output", "pooled:float32:-1,16"]
+    )  # fmt: skip
+    assert status == 0, capsys.readouterr().err
+    app = create_app(
+        Settings(model_repository=tmp_path, model_name="encoder", device="cpu", max_batch_size=4)
+    )
+    async with LifespanManager(app):
+        await app.state.loading
+        assert engine_of(app).state.load_error is None
+        served = engine_of(app).served
+        assert served is not None
+        assert served.length_edges[-1] == 512

@@ -222,3 +222,26 @@ def package_pair_classifier(repository: Path, **changes: object) -> str:
             **changes,
         }
         return ModelStore(repository).package(**arguments).version  # type: ignore[arg-type]
+
+
+class PaddingSensitiveEncoder(nn.Module):
+    """A Transformer encoder with a key padding mask and 512 learned positions, like the
+    models that failed warm-up: a row of padding only raises (attention over no key), and a
+    sequence longer than 512 tokens is "index out of range"."""
+
+    def __init__(self, vocabulary: int = 100, width: int = 16, positions: int = 512) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocabulary, width)
+        self.positions = nn.Embedding(positions, width)
+        layer = nn.TransformerEncoderLayer(width, 2, dim_feedforward=32, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        padding = input_ids == 0
+        if padding.all(dim=1).any():
+            raise ValueError("a row holds padding only: attention has no key to attend to")
+        where = torch.arange(input_ids.shape[1], device=input_ids.device)
+        hidden = self.tokens(input_ids) + self.positions(where)
+        encoded = self.encoder(hidden, src_key_padding_mask=padding)
+        pooled: torch.Tensor = encoded[:, 0]
+        return pooled
