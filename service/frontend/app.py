@@ -18,9 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from service.errors import ServiceError
-from service.frontend import admin, routes
+from service.bridge.interface import ModelInfo
+from service.errors import HandlerError, ServiceError
+from service.frontend import admin, docs, routes
 from service.frontend.middleware import ServiceMiddleware
+from service.frontend.openapi import model_openapi
 from service.frontend.responses import (
     error_response,
     internal_error_response,
@@ -46,9 +48,13 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
         version=__version__,
         summary="PyTorch model serving with dynamic batching.",
         lifespan=lifespan,
+        # FastAPI's pages load their scripts from CDNs; docs.py serves Swagger UI offline.
+        docs_url=None,
+        redoc_url=None,
     )
     app.include_router(routes.router)
     app.include_router(admin.router)
+    app.include_router(docs.router)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
@@ -57,7 +63,8 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
 
 
 class ServingApp(FastAPI):
-    """FastAPI with ``ServiceMiddleware`` in front of FastAPI's own middleware stack.
+    """FastAPI with ``ServiceMiddleware`` in front of FastAPI's own middleware stack, and an
+    OpenAPI document that describes the served model.
 
     Placed outside, the middleware answers ``POST /predict`` before FastAPI's per-request
     error, telemetry and body-limit layers run; every other request goes through them.
@@ -67,9 +74,42 @@ class ServingApp(FastAPI):
         super().__init__(**options)
         self.state.frontend = frontend
         self._outer = ServiceMiddleware(super().__call__, frontend)
+        # The served version and its document: built once a version, not once a request.
+        self._model_openapi: tuple[str, dict[str, Any]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._outer(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's document with ``/predict`` stating the served version's inputs and
+        outputs (``openapi.model_openapi``); FastAPI's own while no model is loaded."""
+        base = super().openapi()
+        frontend: FrontendState = self.state.frontend
+        model = frontend.engine.status().model
+        if model is None:
+            return base
+        version = model.manifest.version
+        if self._model_openapi is not None and self._model_openapi[0] == version:
+            return self._model_openapi[1]
+        max_instances = frontend.settings.max_instances_per_request
+        try:
+            described = _handler_description(frontend, model)
+        except HandlerError:  # logged by the front end; described loosely, and tried again
+            return model_openapi(base, model, max_instances=max_instances)
+        document = model_openapi(
+            base, model, max_instances=max_instances, handler_description=described
+        )
+        self._model_openapi = (version, document)
+        return document
+
+
+def _handler_description(frontend: FrontendState, model: ModelInfo) -> dict[str, Any] | None:
+    """What the version's handler says of its bodies, with the media types it reads; None for a
+    version without a handler, whose bodies are the manifest's tensors."""
+    if model.manifest.handler is None:
+        return None
+    handler = frontend.handler_for(model)
+    return {**handler.describe(), "media_types": sorted(handler.media_types)}
 
 
 def _request_id(request: Request) -> str:

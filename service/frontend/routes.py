@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError
 from service.frontend.inputs import NPY_MEDIA_TYPE
+from service.frontend.openapi import NPZ_MEDIA_TYPE
 from service.frontend.predict import PredictHeaders, serve_prediction
 from service.frontend.responses import JSON, json_response
 from service.frontend.schemas import (
@@ -28,6 +29,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse}
     for status in (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)
 }
+_BINARY = {"type": "string", "format": "binary"}
 
 
 def frontend_of(request: Request) -> FrontendState:
@@ -38,18 +40,25 @@ def frontend_of(request: Request) -> FrontendState:
 @router.post(
     "/predict",
     summary="Predict one or more instances",
-    response_model=PredictResponse,
-    responses=_ERRORS,
+    responses={
+        200: {
+            "description": "One prediction row per instance.",
+            "content": {
+                JSON: {"schema": PredictResponse.model_json_schema()},
+                NPY_MEDIA_TYPE: {"schema": _BINARY},
+            },
+        },
+        **_ERRORS,
+    },
+    # The served model's shapes replace these bodies once it is loaded (openapi.py); this is
+    # what the document says while none is.
     openapi_extra={
         "requestBody": {
             "required": True,
             "content": {
                 JSON: {"schema": PredictRequest.model_json_schema()},
-                NPY_MEDIA_TYPE: {
-                    "schema": {"type": "string", "format": "binary"},
-                    "description": "One instance or a batch as a NumPy .npy array of the "
-                    "model's exact dtype; also accepted as application/octet-stream.",
-                },
+                NPY_MEDIA_TYPE: {"schema": _BINARY},
+                NPZ_MEDIA_TYPE: {"schema": _BINARY},
             },
         }
     },
@@ -57,8 +66,9 @@ def frontend_of(request: Request) -> FrontendState:
 async def predict(request: Request) -> Response:
     """Queue the instances for the next batch and answer with one prediction row each.
 
-    Send JSON ``{"instances": [...]}`` or a ``.npy`` array (``Content-Type:
-    application/x-npy``); ask for a ``.npy`` answer with ``Accept: application/x-npy``.
+    Send JSON ``{"instances": [...]}``, a ``.npy`` array (``Content-Type: application/x-npy``)
+    or, for a model with several inputs, an ``.npz`` archive (``application/x-npz``); ask for a
+    ``.npy`` answer with ``Accept: application/x-npy``. The schema below is the served model's.
     """
     return await serve_prediction(
         frontend_of(request),

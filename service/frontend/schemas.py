@@ -1,7 +1,8 @@
 """Request and response bodies, for validation where cheap and for the OpenAPI document.
 
-``/predict`` bodies are parsed from raw bytes with orjson for speed (see ``inputs.py``); the
-models below still describe them in the OpenAPI schema.
+``/predict`` bodies are parsed from raw bytes with orjson for speed (see ``inputs.py``). The two
+``Predict`` models describe them only while no model is loaded: ``openapi.py`` then states the
+served model's exact shapes.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from pydantic import BaseModel, Field
 
 
 class PredictRequest(BaseModel):
-    # Each instance is a number or nested lists of numbers; the exact shape is the model's.
-    instances: list[float | list[Any]] = Field(
+    # Each instance is a number, nested lists of numbers, or an object with one such value per
+    # input name; the exact shape is the model's.
+    instances: list[float | list[Any] | dict[str, Any]] = Field(
         min_length=1,
         description="One or more instances, each shaped like the model's input without the "
-        "batch axis (digits: an 8x8 nested list of floats in [0, 1]).",
-        examples=[[[[0.0] * 8] * 8]],
+        "batch axis (one value per input name for a model with several inputs).",
     )
 
 
