@@ -269,9 +269,14 @@ def test_several_inputs_and_outputs_are_objects_keyed_by_name() -> None:
     assert (logits["minItems"], logits["maxItems"]) == (2, 2)
     assert row["properties"]["label"]["type"] == "integer"  # one scalar per row
 
-    content = document["paths"]["/predict"]["post"]["requestBody"]["content"]
+    operation = document["paths"]["/predict"]["post"]
+    content = operation["requestBody"]["content"]
     assert set(content) == {"application/json", "application/x-npz"}
     assert content["application/x-npz"]["schema"]["format"] == "binary"
+    assert set(operation["responses"]["200"]["content"]) == {
+        "application/json",
+        "application/x-npz",
+    }
 
 
 def test_token_ids_accept_the_padding_value_but_nothing_else_out_of_range() -> None:
@@ -316,6 +321,7 @@ def test_a_scalar_input_is_a_bare_value_and_floats_stay_finite_in_their_dtype() 
     assert set(document["paths"]["/predict"]["post"]["requestBody"]["content"]) == {
         "application/json",
         "application/x-npy",
+        "application/x-npz",
     }
 
 

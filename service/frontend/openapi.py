@@ -16,13 +16,12 @@ from typing import Any
 import numpy as np
 
 from service.bridge.interface import ModelInfo
-from service.frontend.inputs import NPY_MEDIA_TYPE
+from service.frontend.inputs import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.responses import JSON
 from service.manifest import Manifest, TensorSpec
 
 Schema = dict[str, Any]
 
-NPZ_MEDIA_TYPE = "application/x-npz"
 PREDICT_PATH = "/predict"
 _BINARY: Schema = {"type": "string", "format": "binary"}
 #: Length of the variable axis in the request example (shorter when the model allows less).
@@ -61,6 +60,13 @@ def model_openapi(
                     f"(send Accept: {NPY_MEDIA_TYPE}).",
                 }
             }
+        answers[NPZ_MEDIA_TYPE] = {
+            "schema": {
+                **_BINARY,
+                "description": "A .npz archive with one array per output, one row per "
+                f"instance (send Accept: {NPZ_MEDIA_TYPE}).",
+            }
+        }
     else:
         request_content, row = _handler_contract(manifest, handler_description or {})
         answers = {JSON: {"schema": _prediction_answer(row, max_instances)}}
@@ -113,60 +119,58 @@ def output_schema(spec: TensorSpec) -> Schema:
 def _tensor_request(
     inputs: tuple[TensorSpec, ...], length_limit: int | None, max_instances: int
 ) -> Schema:
-    """JSON ``{"instances": [...]}`` and the binary body of a version without a handler."""
+    """JSON ``{"instances": [...]}`` and the binary bodies of a version without a handler."""
+    names = ", ".join(f"`{spec.name}`" for spec in inputs)
+    content: Schema = {}
     example: Any
     if len(inputs) == 1:
         instance = input_schema(inputs[0], length_limit)
         example = _example(inputs[0], length_limit)
-        binary: Schema = {
-            NPY_MEDIA_TYPE: {
-                "schema": {
-                    **_BINARY,
-                    "description": f"One instance or a batch of `{inputs[0].name}` as a NumPy "
-                    f".npy array of dtype {inputs[0].dtype} exactly; also accepted as "
-                    "application/octet-stream.",
-                }
-            }
-        }
     else:
+        description = "One value per input, by name."
+        if sum(spec.variable_axis is not None for spec in inputs) > 1:
+            description += " Inputs with a variable axis have one length in an instance."
         instance = {
             "type": "object",
             "properties": {spec.name: input_schema(spec, length_limit) for spec in inputs},
             "required": [spec.name for spec in inputs],
             "additionalProperties": False,
-            "description": "One value per input, by name."
-            + (
-                " Inputs with a variable axis have the same length within an instance."
-                if sum(spec.variable_axis is not None for spec in inputs) > 1
-                else ""
-            ),
+            "description": description,
         }
         example = {spec.name: _example(spec, length_limit) for spec in inputs}
-        names = ", ".join(f"`{spec.name}`" for spec in inputs)
-        binary = {
-            NPZ_MEDIA_TYPE: {
-                "schema": {
-                    **_BINARY,
-                    "description": f"A NumPy .npz archive with one array per input ({names}), "
-                    "each one instance or a batch, of the input's exact dtype.",
+    content[JSON] = {
+        "schema": {
+            "type": "object",
+            "properties": {
+                "instances": {
+                    "type": "array",
+                    "items": instance,
+                    "minItems": 1,
+                    "maxItems": max_instances,
+                    "description": f"1 to {max_instances} instances.",
                 }
+            },
+            "required": ["instances"],
+            "additionalProperties": False,
+        },
+        "example": {"instances": [example]},
+    }
+    if len(inputs) == 1:
+        content[NPY_MEDIA_TYPE] = {
+            "schema": {
+                **_BINARY,
+                "description": f"One instance or a batch of {names} as a NumPy .npy array of "
+                f"dtype {inputs[0].dtype} exactly; also accepted as application/octet-stream.",
             }
         }
-    body = {
-        "type": "object",
-        "properties": {
-            "instances": {
-                "type": "array",
-                "items": instance,
-                "minItems": 1,
-                "maxItems": max_instances,
-                "description": f"1 to {max_instances} instances.",
-            }
-        },
-        "required": ["instances"],
-        "additionalProperties": False,
+    content[NPZ_MEDIA_TYPE] = {
+        "schema": {
+            **_BINARY,
+            "description": f"A NumPy .npz archive with one array per input ({names}), each one "
+            "instance or a batch, of the input's exact dtype.",
+        }
     }
-    return {JSON: {"schema": body, "example": {"instances": [example]}}, **binary}
+    return content
 
 
 def _handler_contract(manifest: Manifest, described: dict[str, Any]) -> tuple[Schema, Schema]:

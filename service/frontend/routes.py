@@ -7,8 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError
-from service.frontend.inputs import NPY_MEDIA_TYPE
-from service.frontend.openapi import NPZ_MEDIA_TYPE
+from service.frontend.inputs import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.predict import PredictHeaders, serve_prediction
 from service.frontend.responses import JSON, json_response
 from service.frontend.schemas import (
@@ -46,6 +45,7 @@ def frontend_of(request: Request) -> FrontendState:
             "content": {
                 JSON: {"schema": PredictResponse.model_json_schema()},
                 NPY_MEDIA_TYPE: {"schema": _BINARY},
+                NPZ_MEDIA_TYPE: {"schema": _BINARY},
             },
         },
         **_ERRORS,
@@ -66,9 +66,10 @@ def frontend_of(request: Request) -> FrontendState:
 async def predict(request: Request) -> Response:
     """Queue the instances for the next batch and answer with one prediction row each.
 
-    Send JSON ``{"instances": [...]}``, a ``.npy`` array (``Content-Type: application/x-npy``)
-    or, for a model with several inputs, an ``.npz`` archive (``application/x-npz``); ask for a
-    ``.npy`` answer with ``Accept: application/x-npy``. The schema below is the served model's.
+    Send JSON ``{"instances": [...]}``, a ``.npy`` array (``Content-Type: application/x-npy``,
+    a model with one input) or an ``.npz`` archive with one array per input name
+    (``application/x-npz``); ask for the outputs as ``.npy`` (one output) or ``.npz`` with
+    ``Accept``. The schemas below are the served model's.
     """
     return await serve_prediction(
         frontend_of(request),
