@@ -121,8 +121,11 @@ class TensorSpec(BaseModel):
             if low < high:  # the padding value only where nothing else is allowed
                 values[values == self.pad_value] = high if self.pad_value != high else low
             return values.astype(dtype)
-        low_float = self.min_value if self.min_value is not None else -1.0
-        high_float = self.max_value if self.max_value is not None else 1.0
+        # Unbounded: [0, 1), the range of most normalised features and pixels.
+        low_float = self.min_value if self.min_value is not None else 0.0
+        if self.max_value is not None and self.min_value is None:
+            low_float = min(0.0, self.max_value - 1.0)
+        high_float = self.max_value if self.max_value is not None else low_float + 1.0
         return rng.uniform(low_float, high_float, size=shape).astype(dtype)
 
 
@@ -139,7 +142,7 @@ class HandlerSpec(BaseModel):
     """The pre- and post-processing a version's front ends run around the model.
 
     ``import_path`` names a class (``module:Class``) in a module bundled with the version or
-    in batchserve (``service.handlers...``); ``options`` are its constructor's keyword
+    in batchserve (``service.frontend.handlers.text:TextHandler``...); ``options`` are its constructor's keyword
     arguments. Operator configuration, packaged and hashed with the version: never taken
     from a request.
     """

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from service.buckets import bucket_of, default_edges, resolve_edges
 from service.config import Settings
 from service.server.single import create_app
+from service.tensors import NamedArrays
 from tests.apps import engine_of, frontend_of, registry_of, runner_of
 
 
@@ -91,8 +92,10 @@ async def test_requests_in_different_buckets_never_share_a_batch(
 ) -> None:
     frontend = frontend_of(textenc)
     layout = frontend.layout_for(frontend.serving_model())
-    assert layout.group_and_cost(np.ones((2, 5), dtype=np.int64)) == ((8,), 8)
-    assert layout.group_and_cost(np.ones((1, 200), dtype=np.int64)) == ((256,), 256)
+    short = NamedArrays({"token_ids": np.ones((2, 5), dtype=np.int64)})
+    long = NamedArrays({"token_ids": np.ones((1, 200), dtype=np.int64)})
+    assert layout.group_and_cost(short) == ((8,), 8)
+    assert layout.group_and_cost(long) == ((256,), 256)
     lengths = [5, 200, 6, 201, 7]
     responses = await asyncio.gather(
         *(client.post("/predict", json={"instances": [s]}) for s in sequences(lengths))
