@@ -191,12 +191,6 @@ async def test_only_the_pages_assets_are_served_and_redoc_is_gone(
     assert not any(path.startswith(("/docs", "/redoc")) for path in document["paths"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="swagger-ui-bundle 1.1 ships Swagger UI 4.15.5, which refuses OpenAPI 3.1 documents "
-    "('Unable to render this definition'); swagger-ui-bundle-v2 is the same module with "
-    "Swagger UI 5",
-)
 async def test_the_bundled_swagger_ui_reads_the_documents_openapi_version(
     client: httpx.AsyncClient,
 ) -> None:
