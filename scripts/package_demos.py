@@ -45,8 +45,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     store = ModelStore(args.repository)
-    sentiment = package_sentiment(store, args.seed)
+    sentiment, tensors = package_sentiment(store, args.seed)
     print(f"sentiment {sentiment.version}")
+    print(f"sentiment_tensors {tensors.version}")
     digits = package_digits_png(store, args.repository)
     print(f"digits_png {digits.version}")
 
@@ -129,7 +130,10 @@ def train_sentiment(
     return model
 
 
-def package_sentiment(store: ModelStore, seed: int) -> Manifest:
+def package_sentiment(store: ModelStore, seed: int) -> tuple[Manifest, Manifest]:
+    """``sentiment`` (raw text in, labels out, through the text handler) and
+    ``sentiment_tensors``: the same weights without a handler, for clients that tokenize
+    themselves (two named inputs in, two named outputs out)."""
     corpus = read_corpus()
     tokenizer = build_tokenizer([sentence for sentence, _ in corpus])
     model = train_sentiment(tokenizer, corpus, seed)
@@ -139,7 +143,7 @@ def package_sentiment(store: ModelStore, seed: int) -> Manifest:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
         tokenizer_file = Path(scratch) / "tokenizer.json"
         tokenizer.save(str(tokenizer_file))
-        return store.package(
+        with_handler = store.package(
             name="sentiment",
             artifact=weights,
             format="safetensors",
@@ -187,6 +191,22 @@ def package_sentiment(store: ModelStore, seed: int) -> Manifest:
                 "seed": seed,
             },
         )
+        manifest = with_handler
+        tensors = store.package(
+            name="sentiment_tensors",
+            artifact=weights,
+            format=manifest.format,
+            architecture=manifest.architecture,
+            inputs=manifest.inputs,
+            outputs=manifest.outputs,
+            metadata={
+                **manifest.metadata,
+                "description": "The sentiment demo's weights without a handler: input_ids and "
+                "attention_mask in (tokenize with the sentiment version's tokenizer.json), "
+                "logits and embedding out.",
+            },
+        )
+        return with_handler, tensors
 
 
 def package_digits_png(store: ModelStore, repository: Path) -> Manifest:

@@ -88,9 +88,7 @@ async def test_concurrent_callers_each_get_their_own_rows_of_each_output(
         assert isinstance(prediction["label"], int)  # int64 answered as an integer, not 3.0
 
 
-async def test_npz_in_and_out_carry_every_tensor(
-    pairs: FastAPI, client: httpx.AsyncClient
-) -> None:
+async def test_npz_in_and_out_carry_every_tensor(pairs: FastAPI, client: httpx.AsyncClient) -> None:
     ids = np.array([tokens(6, 1), tokens(6, 2)], dtype=np.int64)
     body = npz(input_ids=ids, attention_mask=np.ones_like(ids))
     response = await client.post(
