@@ -142,9 +142,9 @@ class HandlerSpec(BaseModel):
     """The pre- and post-processing a version's front ends run around the model.
 
     ``import_path`` names a class (``module:Class``) in a module bundled with the version or
-    in batchserve (``service.frontend.handlers.text:TextHandler``...); ``options`` are its constructor's keyword
-    arguments. Operator configuration, packaged and hashed with the version: never taken
-    from a request.
+    in batchserve (``service.frontend.handlers.text:TextHandler``...); ``options`` are its
+    constructor's keyword arguments. Operator configuration, packaged and hashed with the
+    version: never taken from a request.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

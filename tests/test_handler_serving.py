@@ -276,3 +276,18 @@ def test_the_demo_versions_verify(name: str) -> None:
     manifest = STORE.resolve(name)
     STORE.verify(manifest)
     assert manifest.version == manifest.content_digest()[:12]
+
+
+async def test_the_openapi_schema_describes_the_handlers_contract() -> None:
+    async with serving("sentiment") as server:
+        schema = (await server.get("/openapi.json")).json()
+    predict = schema["paths"]["/predict"]["post"]
+    content = predict["requestBody"]["content"]
+    assert content["application/json"]["schema"]["properties"]["instances"]["items"] == {
+        "type": "string",
+        "description": "A text to classify.",
+    }
+    assert "text/plain" in content
+    row = predict["responses"]["200"]["content"]["application/json"]["schema"]
+    labels = row["properties"]["predictions"]["items"]["items"]["properties"]["label"]
+    assert labels["enum"] == ["negative", "positive"]

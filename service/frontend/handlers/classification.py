@@ -128,6 +128,20 @@ class ClassificationHandler(Handler):
             "labels": list(self.labels),
             "top_k": self.default_top_k,
             "query_parameters": {"top_k": f"integer from 1 to {self.classes}"},
+            "response": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": self.classes,
+                "description": f"The top_k classes (default {self.default_top_k}), best first.",
+                "items": {
+                    "type": "object",
+                    "required": ["label", "score"],
+                    "properties": {
+                        "label": {"type": "string", "enum": list(self.labels)},
+                        "score": {"type": "number", "minimum": 0, "maximum": 1},
+                    },
+                },
+            },
         }
 
 

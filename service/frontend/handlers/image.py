@@ -250,6 +250,40 @@ class ImageHandler(ClassificationHandler):
             "input": self.spec.name,
             "image": {"mode": self.mode, "height": self.height, "width": self.width},
             "max_pixels": self.max_pixels,
+            "request": {
+                "image/png": {"type": "string", "format": "binary"},
+                "image/jpeg": {"type": "string", "format": "binary"},
+                "multipart/form-data": {
+                    "type": "object",
+                    "description": "Every file part is an image, in order.",
+                    "additionalProperties": {"type": "string", "format": "binary"},
+                },
+                "application/json": {
+                    "type": "object",
+                    "required": ["instances"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "instances": {
+                            "type": "array",
+                            "minItems": 1,
+                            "maxItems": self.context.layout.max_instances,
+                            "items": {
+                                "description": 'A base64 PNG or JPEG, bare or as {"b64": ...}.',
+                                "anyOf": [
+                                    {"type": "string", "contentEncoding": "base64"},
+                                    {
+                                        "type": "object",
+                                        "required": ["b64"],
+                                        "properties": {
+                                            "b64": {"type": "string", "contentEncoding": "base64"}
+                                        },
+                                    },
+                                ],
+                            },
+                        }
+                    },
+                },
+            },
         }
 
 

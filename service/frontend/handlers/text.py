@@ -198,4 +198,22 @@ class TextHandler(ClassificationHandler):
             "inputs": inputs,
             "max_length": self.max_length,
             "truncate": self.truncate,
+            "request": {
+                "application/json": _instances_schema(
+                    {"type": "string", "description": "A text to classify."},
+                    self.context.layout.max_instances,
+                ),
+                TEXT_MEDIA_TYPE: {"type": "string", "description": "One text, UTF-8."},
+            },
         }
+
+
+def _instances_schema(item: dict[str, Any], max_instances: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["instances"],
+        "additionalProperties": False,
+        "properties": {
+            "instances": {"type": "array", "minItems": 1, "maxItems": max_instances, "items": item}
+        },
+    }
