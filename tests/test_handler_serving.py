@@ -28,6 +28,7 @@ from service.frontend.inputs import InputLayout
 from service.manifest import HandlerSpec
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of
+from tests.processes import serve_with_engines, wait_until_serving
 
 STORE = ModelStore(BUNDLED_MODEL_REPOSITORY)
 SENTIMENT = STORE.resolve("sentiment")
@@ -291,3 +292,22 @@ async def test_the_openapi_schema_describes_the_handlers_contract() -> None:
     row = predict["responses"]["200"]["content"]["application/json"]["schema"]
     labels = row["properties"]["predictions"]["items"]["items"]["properties"]["label"]
     assert labels["enum"] == ["negative", "positive"]
+
+
+async def test_two_front_ends_run_the_text_handler_for_one_engine(tmp_path: Path) -> None:
+    """Handlers run in the forked gunicorn front ends (tokenizers after the fork), the engine
+    batches the tensors of both; every caller gets its own review's answer."""
+    reviews = [REVIEWS[index % len(REVIEWS)] + f" {'!' * (index % 3)}" for index in range(24)]
+    with serve_with_engines(tmp_path, 2, BATCHSERVE_MODEL_NAME="sentiment") as server:
+        wait_until_serving(server, 2)
+        limits = httpx.Limits(max_connections=8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=10.0, limits=limits) as http:
+            answers = await asyncio.gather(
+                *(http.post("/predict", json={"instances": [review]}) for review in reviews)
+            )
+            together = await http.post("/predict", json={"instances": reviews})
+    assert [answer.status_code for answer in answers] == [200] * len(reviews)
+    alone = [answer.json()["predictions"][0][0] for answer in answers]
+    for own, batched in zip(alone, together.json()["predictions"], strict=True):
+        assert own["label"] == batched[0]["label"]
+        assert abs(own["score"] - batched[0]["score"]) < 1e-5
