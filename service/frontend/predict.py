@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import parse_qsl
@@ -241,7 +242,7 @@ async def serve_prediction(
         return Response(
             encode_npz(result.outputs), media_type=NPZ_MEDIA_TYPE, headers=response_headers
         )
-    predictions = await _postprocess(frontend, handler, result, handler_request)
+    predictions = _postprocess(handler, result, handler_request)
     return json_response(
         {"model": name, "version": version, "predictions": predictions},
         headers=response_headers,
@@ -281,34 +282,27 @@ async def _preprocess(
     frontend: FrontendState, handler: Handler, request: HandlerRequest
 ) -> NamedArrays:
     """Tensors parsed inline (cheap); a version's own handler in the handler threads."""
-    if type(handler) is Handler:
-        return handler.preprocess(request)
+    pool = frontend.handler_pool
+    if type(handler) is Handler or pool is None:
+        return _handled(handler.preprocess, request)
     loop = asyncio.get_running_loop()
-    return await _handled(loop.run_in_executor(frontend.handler_pool, handler.preprocess, request))
+    return await loop.run_in_executor(pool, _handled, handler.preprocess, request)
 
 
-async def _postprocess(
-    frontend: FrontendState, handler: Handler, result: InferenceResult, request: HandlerRequest
-) -> object:
+def _postprocess(handler: Handler, result: InferenceResult, request: HandlerRequest) -> object:
+    """On the event loop: softmax and top-k of a few rows cost less than a thread hop."""
     outputs = result.outputs
-    if type(handler) is Handler:
+    if type(handler) is Handler and len(outputs.names) == 1:
         # The whole array at once: orjson writes it far faster than a list of rows.
-        return (
-            outputs[outputs.names[0]]
-            if len(outputs.names) == 1
-            else handler.postprocess(outputs, request)
-        )
-    loop = asyncio.get_running_loop()
-    return await _handled(
-        loop.run_in_executor(frontend.handler_pool, handler.postprocess, outputs, request)
-    )
+        return outputs[outputs.names[0]]
+    return _handled(handler.postprocess, outputs, request)
 
 
-async def _handled(work: asyncio.Future[T]) -> T:
+def _handled(step: Callable[..., T], *args: object) -> T:
     """The handler's result; what it raises other than a ``ServiceError`` (a client's
     mistake) is logged and answered 500, for this request alone."""
     try:
-        return await work
+        return step(*args)
     except ServiceError:
         raise
     except Exception as error:

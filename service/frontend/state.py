@@ -48,11 +48,17 @@ class FrontendState:
     """More gauges to refresh with this process's (an engine in this process adds its own)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
-    handler_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="batchserve-handler")
-    )
-    """Where handlers' pre- and post-processing run: tokenizers and Pillow release the GIL,
-    so decoding never stalls the event loop and uses another core."""
+    _handler_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def handler_pool(self) -> ThreadPoolExecutor | None:
+        """Where handlers' preprocessing runs (``handler_threads``; None: on the event loop).
+        Started on first use, in the process that serves (after gunicorn's fork)."""
+        if self._handler_pool is None and self.settings.handler_threads > 0:
+            self._handler_pool = ThreadPoolExecutor(
+                self.settings.handler_threads, thread_name_prefix="batchserve-handler"
+            )
+        return self._handler_pool
 
     @property
     def phase(self) -> str:
