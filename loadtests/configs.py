@@ -63,17 +63,36 @@ class PackagedModel:
 
         Raises RuntimeError with the reason if the architecture does not exist in this checkout.
         """
+        from datetime import UTC, datetime
+
         import torch
         from safetensors.torch import save_file
 
         from service.engine.model_store import ModelStore, instantiate
         from service.errors import ModelLoadError
-        from service.manifest import Architecture, TensorSpec
+        from service.manifest import ARTIFACT_SUFFIXES, Architecture, Manifest, TensorSpec
 
         architecture = Architecture(import_path=self.architecture)
+        inputs = (
+            TensorSpec(name=self.input_name, dtype="float32", shape=(-1, *self.instance_shape)),
+        )
+        outputs = (TensorSpec(name="logits", dtype="float32", shape=(-1, self.classes)),)
+        # The version to be packaged, but for the weights' hash (not written yet): what the
+        # architecture is imported for. It bundles no module, so the import is the installed one.
+        artifact_name = "model" + ARTIFACT_SUFFIXES["safetensors"]
+        draft = Manifest.create(
+            name=self.name,
+            format="safetensors",
+            artifact=artifact_name,
+            files={artifact_name: "0" * 64},
+            architecture=architecture,
+            inputs=inputs,
+            outputs=outputs,
+            created_at=datetime.now(UTC),
+        )
         torch.manual_seed(seed)
         try:
-            module = instantiate(architecture)
+            module = instantiate(architecture, draft, root)
         except ModelLoadError as error:
             raise RuntimeError(f"{self.architecture} is not available: {error}") from None
         root.mkdir(parents=True, exist_ok=True)
@@ -85,10 +104,8 @@ class PackagedModel:
             artifact=weights,
             format="safetensors",
             architecture=architecture,
-            inputs=(
-                TensorSpec(name=self.input_name, dtype="float32", shape=(-1, *self.instance_shape)),
-            ),
-            outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, self.classes)),),
+            inputs=inputs,
+            outputs=outputs,
             metadata={"purpose": f"load tests; random weights, torch.manual_seed({seed})"},
         )
         return repository

@@ -66,7 +66,8 @@ class Outcome:
 
 
 def example_inputs(model: str, count: int, seed: int = 0) -> list[np.ndarray]:
-    """Distinct single-instance inputs: digits images, or token sequences of mixed lengths."""
+    """Distinct single-instance inputs of each model's one input: digits images, or token
+    sequences of mixed lengths."""
     rng = np.random.default_rng(seed)
     if model == "digits":
         return [rng.random((1, 8, 8), dtype=np.float32) for _ in range(count)]
@@ -151,6 +152,9 @@ async def drive(
     """Closed-loop load straight into the engine: CONCURRENCY callers, each input once."""
     served = engine.served
     assert served is not None
+    # Both demo models take one input and answer one output.
+    [input_name] = layout.names
+    output_name = served.manifest.output.name
     outputs: list[Any] = [None] * len(inputs)
     latencies_s: list[float] = []
     next_index = 0
@@ -160,11 +164,12 @@ async def drive(
         while next_index < len(inputs):
             index = next_index
             next_index += 1
-            group, cost = layout.group_and_cost(inputs[index])
+            instances = layout.check({input_name: inputs[index]})  # as the front end does
+            group, cost = layout.group_and_cost(instances)
             request = InferenceRequest(
                 model=served.manifest.name,
                 version=served.manifest.version,
-                instances=inputs[index],
+                instances=instances,
                 group=group,
                 cost_per_row=cost,
                 priority="normal",
@@ -174,7 +179,7 @@ async def drive(
             started_s = time.perf_counter()
             result = await engine.infer(request)
             latencies_s.append(time.perf_counter() - started_s)
-            outputs[index] = result.outputs[0]
+            outputs[index] = result.outputs[output_name][0]
 
     started_s = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(CONCURRENCY)))
@@ -182,13 +187,23 @@ async def drive(
 
 
 def fp32_reference(model: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """Each input alone through the fp32 eager model on the CPU."""
+    """Each input alone through the fp32 eager model on the CPU: the first row of its first
+    output, called and read as the runner calls it and reads it."""
     from service.config import BUNDLED_MODEL_REPOSITORY
     from service.engine.model_store import ModelStore
+    from service.engine.outputs import call_model, named_outputs
 
-    module = ModelStore(BUNDLED_MODEL_REPOSITORY).load(model).module
+    loaded = ModelStore(BUNDLED_MODEL_REPOSITORY).load(model)
+    manifest = loaded.manifest
+    names = [spec.name for spec in manifest.inputs]
+    [name] = names
+    references = []
     with torch.inference_mode():
-        return [module(torch.from_numpy(array))[0].float().numpy() for array in inputs]
+        for array in inputs:
+            raw = call_model(loaded.module, {name: torch.from_numpy(array)}, names)
+            output = named_outputs(raw, manifest.outputs)[manifest.output.name]
+            references.append(output[0].float().numpy())
+    return references
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ from service.bridge.interface import (
     ModelInfo,
     SwitchResult,
 )
-from service.buckets import length_edges
+from service.buckets import manifest_length_edges
 from service.config import Settings, load_settings
 from service.errors import ConflictError
 from service.frontend.app import create_frontend_app
@@ -62,20 +62,23 @@ from service.server.launcher import (
     settings_environment,
 )
 from service.server.supervisor import GUNICORN_CONFIG
+from service.tensors import NamedArrays
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_FACTORY = "loadtests.http_ceiling:create_app_from_environment()"
 
 
 class ZeroEngine:
-    """An ``EngineClient`` that answers every request at once with zero rows of the model's
-    output shape, for the version it was validated against; it never switches versions."""
+    """An ``EngineClient`` that answers every request at once with zero rows of each of the
+    model's outputs (its shape, a variable axis 1 long, and its dtype), for the version it was
+    validated against; it never switches versions."""
 
     def __init__(self, model: ModelInfo) -> None:
         self._status = EngineStatus(phase="ready", model=model, device="none", pid=os.getpid())
-        output = model.manifest.output
-        self._row_shape = tuple(max(size, 1) for size in output.instance_shape)
-        self._dtype = np.dtype(output.dtype)
+        self._outputs = {
+            spec.name: (tuple(max(size, 1) for size in spec.instance_shape), spec.numpy_dtype)
+            for spec in model.manifest.outputs
+        }
 
     def status(self) -> EngineStatus:
         return self._status
@@ -84,7 +87,13 @@ class ZeroEngine:
         return [self._status]
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
-        outputs = np.zeros((len(request.instances), *self._row_shape), dtype=self._dtype)
+        rows = len(request.instances)
+        outputs = NamedArrays(
+            {
+                name: np.zeros((rows, *row_shape), dtype=dtype)
+                for name, (row_shape, dtype) in self._outputs.items()
+            }
+        )
         return InferenceResult(outputs=outputs, version=request.version)
 
     async def switch(self, name: str, version: str) -> SwitchResult:
@@ -105,7 +114,7 @@ def model_info(settings: Settings) -> ModelInfo:
         device="none",
         precision=settings.precision,
         compiled=False,
-        length_edges=length_edges(manifest.input, settings.length_buckets),
+        length_edges=manifest_length_edges(manifest, settings.length_buckets),
     )
 
 

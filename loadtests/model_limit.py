@@ -27,28 +27,27 @@ import torch
 
 from service.config import load_settings
 from service.engine.engine import Engine
+from service.engine.outputs import example_inputs
 from service.engine.runner import batch_sizes_to_warm
-from service.manifest import TensorSpec
+from service.manifest import Manifest
 from service.server.single import create_app
+from service.tensors import NamedArrays
 
 WARMUP_ITERATIONS = 3
 MIN_ITERATIONS = 3
 
 
 def example_batch(
-    spec: TensorSpec, rows: int, length: int | None, rng: np.random.Generator
-) -> np.ndarray:
-    """Random rows in the spec's dtype; variable axes get ``length`` (token ids are 1..999)."""
-    shape = [rows] + [(length or 1) if size == -1 else size for size in spec.instance_shape]
-    dtype = np.dtype(spec.dtype)
-    if dtype.kind in "iu":
-        return rng.integers(1, 1000, size=shape).astype(dtype)
-    return rng.random(shape).astype(dtype)
+    manifest: Manifest, rows: int, length: int | None, rng: np.random.Generator
+) -> NamedArrays:
+    """Random rows of every input, within each one's declared values and never its padding
+    (as the warm-up makes them); variable axes get ``length`` (1 when not given)."""
+    return NamedArrays(example_inputs(manifest, rows, length or 1, rng))
 
 
 def time_batch(
-    run_batch: Callable[[list[np.ndarray]], object],
-    batch: np.ndarray,
+    run_batch: Callable[[list[NamedArrays]], object],
+    batch: NamedArrays,
     max_seconds: float,
     max_iterations: int,
 ) -> float:
@@ -83,7 +82,7 @@ async def measure(
         rng = np.random.default_rng(0)
         rows_per_s: dict[int, float] = {}
         for size in batch_sizes_to_warm(settings.max_batch_size):
-            batch = example_batch(manifest.input, size, length, rng)
+            batch = example_batch(manifest, size, length, rng)
             rows_per_s[size] = await loop.run_in_executor(
                 runner.executor,
                 time_batch,

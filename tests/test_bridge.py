@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from service.bridge.client import BridgeClient
 from service.bridge.interface import InferenceRequest
 from service.bridge.server import BridgeServer
+from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.model_store import ModelStore
@@ -30,8 +32,15 @@ from service.errors import (
 )
 from service.manifest import Architecture, TensorSpec
 from service.metrics import EngineMetrics
+from service.tensors import NamedArrays
 from tests.fixtures import wait_until
-from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
+from tests.torch_models import (
+    FEATURES,
+    HANG_RELEASE,
+    HANG_VALUE,
+    PairClassifier,
+    package_pair_classifier,
+)
 
 PROMPTLY_S = 5.0
 
@@ -107,7 +116,7 @@ def request(client: BridgeClient, rows: np.ndarray, deadline_s: float = 5.0) -> 
     return InferenceRequest(
         model=model.manifest.name,
         version=model.manifest.version,
-        instances=rows.astype(np.float32),
+        instances=NamedArrays({"x": rows.astype(np.float32)}),
         group=(FEATURES,),
         cost_per_row=0,
         priority="normal",
@@ -142,10 +151,54 @@ async def test_rows_cross_the_bridge_and_a_request_too_large_for_a_batch_is_rejo
     ):
         rows = np.arange(10 * FEATURES, dtype=np.float32).reshape(10, FEATURES) / 4  # no 13
         result = await client.infer(request(client, rows))
-        np.testing.assert_array_equal(result.outputs, 2 * rows + 1)
+        assert result.outputs.names == ("y",)
+        np.testing.assert_array_equal(result.outputs["y"], 2 * rows + 1)
         assert result.version == client.status().model.manifest.version  # type: ignore[union-attr]
         assert client.status().ready
         assert client.engines()[0].pid is not None
+
+
+async def test_several_named_inputs_and_outputs_of_different_dtypes_cross_the_bridge(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    package_pair_classifier(tmp_path)
+    ids = np.array([[5, 7, 9, 0, 0], [11, 12, 13, 14, 15], [3, 0, 0, 0, 0]], dtype=np.int64)
+    mask = (ids != 0).astype(np.int64)
+    async with (
+        engine_behind_a_socket(socket_path, tmp_path, model_name="pairs", max_batch_size=2),
+        client_of(socket_path) as client,
+    ):
+        model = client.status().model
+        assert model is not None
+        instances = NamedArrays({"input_ids": ids, "attention_mask": mask})
+        group, cost = batch_group(
+            model.manifest, instances, manifest_length_edges(model.manifest, ())
+        )
+        result = await client.infer(
+            InferenceRequest(
+                model="pairs",
+                version=model.manifest.version,
+                instances=instances,
+                group=group,
+                cost_per_row=cost,
+                priority="normal",
+                deadline_s=time.monotonic() + 5.0,
+                request_id="pairs",
+            )
+        )
+
+    with torch.inference_mode():
+        expected = PairClassifier()(torch.from_numpy(ids), torch.from_numpy(mask))
+    assert result.outputs.names == ("logits", "label")
+    assert result.outputs["logits"].dtype == np.float32
+    assert result.outputs["label"].dtype == np.int64
+    assert result.outputs["logits"].shape == (3, 3)
+    assert result.outputs["label"].shape == (3,)
+    # Three rows in batches of two: split by the engine, rejoined per name in order.
+    np.testing.assert_allclose(
+        result.outputs["logits"], expected["logits"].numpy(), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(result.outputs["label"], expected["label"].numpy())
 
 
 async def test_errors_cross_with_their_status_code_and_retry_after(
@@ -249,7 +302,7 @@ async def test_a_lost_engine_fails_what_waits_on_it_at_once_and_its_replacement_
             async with asyncio.timeout(PROMPTLY_S):
                 await client.wait_until_settled()
             result = await client.infer(request(client, value_rows(1.0)))
-            np.testing.assert_array_equal(result.outputs, value_rows(3.0))
+            np.testing.assert_array_equal(result.outputs["y"], value_rows(3.0))
 
 
 @contextlib.asynccontextmanager
@@ -299,7 +352,7 @@ async def test_a_request_validated_against_the_version_just_replaced_is_still_se
         await engine.switch("fault", second)
         result = await client.infer(validated_against_first)
         assert result.version == second
-        np.testing.assert_array_equal(result.outputs, value_rows(3.0))
+        np.testing.assert_array_equal(result.outputs["y"], value_rows(3.0))
         with pytest.raises(NotReadyError, match="no longer served"):
             await client.infer(dataclasses.replace(validated_against_first, model="other"))
 

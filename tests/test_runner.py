@@ -9,8 +9,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from service.config import CompileMode, Precision
+from service.engine.outputs import OutputMismatchError
 from service.engine.runner import TorchRunner, batch_sizes_to_warm, resolve_device
-from service.errors import ModelLoadError
+from service.errors import InferenceError, ModelLoadError
+from service.manifest import TensorSpec
+from service.tensors import NamedArrays
 from tests.torch_models import (
     FEATURES,
     AffineModel,
@@ -20,6 +23,8 @@ from tests.torch_models import (
 )
 
 CPU = torch.device("cpu")
+X = TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES))
+Y = TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES))
 
 MakeRunner = Callable[..., TorchRunner]
 
@@ -28,6 +33,17 @@ def rows(count: int, start: int = 0) -> npt.NDArray[np.float32]:
     """``count`` rows of distinct quarters: 2x + 1 is exact in fp32 for them."""
     values = np.arange(start, start + count * FEATURES, dtype=np.float32) / 4 - 8
     return values.reshape(count, FEATURES)
+
+
+def named(array: npt.NDArray[np.float32]) -> NamedArrays:
+    """``array`` as the runner's one input, ``x``."""
+    return NamedArrays({"x": array})
+
+
+def answered(output: NamedArrays | InferenceError) -> NamedArrays:
+    """``output``, which must be rows, not an error."""
+    assert isinstance(output, NamedArrays), output
+    return output
 
 
 @pytest.fixture
@@ -40,9 +56,12 @@ def make_runner() -> Iterator[MakeRunner]:
         precision: Precision = "fp32",
         compile_mode: CompileMode = "off",
         max_batch_size: int = 64,
+        outputs: tuple[TensorSpec, ...] = (Y,),
     ) -> TorchRunner:
         runner = TorchRunner(
             model,
+            inputs=(X,),
+            outputs=outputs,
             device=CPU,
             precision=precision,
             compile_mode=compile_mode,
@@ -62,28 +81,30 @@ def test_run_batch_splits_exact_outputs_back_per_payload_in_order(
     runner = make_runner(AffineModel())
     payloads = [rows(3, 0), rows(1, 100), rows(5, 200), rows(2, 300)]
 
-    outputs = runner.run_batch(payloads)
+    outputs = runner.run_batch([named(payload) for payload in payloads])
 
     assert len(outputs) == len(payloads)
     for payload, output in zip(payloads, outputs, strict=True):
-        assert output.dtype == np.float32
-        np.testing.assert_array_equal(output, 2 * payload + 1)
+        assert answered(output).names == ("y",)
+        assert answered(output)["y"].dtype == np.float32
+        np.testing.assert_array_equal(answered(output)["y"], 2 * payload + 1)
 
 
 def test_run_batch_with_one_payload(make_runner: MakeRunner) -> None:
     runner = make_runner(AffineModel())
     payload = rows(7)
 
-    [output] = runner.run_batch([payload])
+    [output] = runner.run_batch([named(payload)])
 
-    np.testing.assert_array_equal(output, 2 * payload + 1)
+    np.testing.assert_array_equal(answered(output)["y"], 2 * payload + 1)
 
 
 def test_bf16_autocast_on_cpu_is_close_to_fp32(make_runner: MakeRunner) -> None:
     payload = np.random.default_rng(0).uniform(-4, 4, size=(64, FEATURES)).astype(np.float32)
     expected = 2 * payload + 1
 
-    [output] = make_runner(AffineModel(), precision="bf16").run_batch([payload])
+    [answer] = make_runner(AffineModel(), precision="bf16").run_batch([named(payload)])
+    output = answered(answer)["y"]
 
     assert output.dtype == np.float32
     # bf16 keeps 8 significant bits: each rounding is off by at most 2**-9 relative. Autocast
@@ -159,23 +180,24 @@ def test_compiled_runner_warms_each_padded_size_and_pads_odd_batches(
     runner = make_runner(AffineModel(), compile_mode="default", max_batch_size=4)
 
     runner.warm_up(
-        [np.zeros((size, FEATURES), dtype=np.float32) for size in runner.padded_batch_sizes]
+        [named(np.zeros((size, FEATURES), dtype=np.float32)) for size in runner.padded_batch_sizes]
     )
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     payloads = [rows(1, 0), rows(2, 50)]
-    outputs = runner.run_batch(payloads)
+    outputs = runner.run_batch([named(payload) for payload in payloads])
 
     assert runner.compiled
     assert [runner.padded_rows(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
     # One static graph per warmed size (1, 2, 4); 3 rows reuse the size-4 graph.
     assert graphs_after_warm_up == 3
     assert counters["stats"]["unique_graphs"] == 3
-    assert [len(output) for output in outputs] == [1, 2]
-    for payload, output, eager_output in zip(
-        payloads, outputs, eager.run_batch(payloads), strict=True
-    ):
-        np.testing.assert_array_equal(output, 2 * payload + 1)
-        np.testing.assert_allclose(output, eager_output, rtol=0, atol=1e-6)
+    assert [len(answered(output)) for output in outputs] == [1, 2]
+    eager_outputs = eager.run_batch([named(payload) for payload in payloads])
+    for payload, output, eager_output in zip(payloads, outputs, eager_outputs, strict=True):
+        np.testing.assert_array_equal(answered(output)["y"], 2 * payload + 1)
+        np.testing.assert_allclose(
+            answered(output)["y"], answered(eager_output)["y"], rtol=0, atol=1e-6
+        )
 
 
 def test_the_forward_runs_in_the_device_thread_under_inference_mode_and_autocast(
@@ -184,9 +206,9 @@ def test_the_forward_runs_in_the_device_thread_under_inference_mode_and_autocast
     model = ThreadRecorder()
     runner = make_runner(model, precision="bf16")
 
-    [output] = runner.executor.submit(runner.run_batch, [rows(2)]).result()
+    [output] = runner.executor.submit(runner.run_batch, [named(rows(2))]).result()
 
-    assert output.shape == (2, FEATURES)
+    assert answered(output)["y"].shape == (2, FEATURES)
     assert len(model.thread_names) == 1
     assert model.thread_names[0].startswith("batchserve-device")
     assert model.autocast_dtypes == [torch.bfloat16]
@@ -195,11 +217,29 @@ def test_the_forward_runs_in_the_device_thread_under_inference_mode_and_autocast
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_a_model_returning_a_tuple_is_refused(make_runner: MakeRunner) -> None:
-    runner = make_runner(TupleModel())
+def test_a_tuple_with_the_wrong_count_of_outputs_is_refused(make_runner: MakeRunner) -> None:
+    runner = make_runner(TupleModel())  # two tensors, one declared output
 
-    with pytest.raises(TypeError, match="must return one tensor, got tuple"):
-        runner.run_batch([rows(2)])
+    with pytest.raises(
+        OutputMismatchError, match=r"returned 2 outputs; the manifest declares 1 \['y'\]"
+    ):
+        runner.run_batch([named(rows(2))])
+    with pytest.raises(ModelLoadError, match=r"returned 2 outputs; the manifest declares 1"):
+        runner.check_outputs(named(rows(2)))
+
+
+def test_a_tuple_is_answered_per_declared_output_in_order(make_runner: MakeRunner) -> None:
+    doubled = TensorSpec(name="doubled", dtype="float32", shape=(-1, FEATURES))
+    runner = make_runner(TupleModel(), outputs=(Y, doubled))
+    payloads = [rows(2), rows(3, 40)]
+
+    runner.check_outputs(named(rows(2)))
+    outputs = runner.run_batch([named(payload) for payload in payloads])
+
+    for payload, output in zip(payloads, outputs, strict=True):
+        assert answered(output).names == ("y", "doubled")
+        np.testing.assert_array_equal(answered(output)["y"], payload)
+        np.testing.assert_array_equal(answered(output)["doubled"], 2 * payload)
 
 
 def test_a_model_returning_extra_rows_is_refused_not_truncated(
@@ -207,8 +247,8 @@ def test_a_model_returning_extra_rows_is_refused_not_truncated(
 ) -> None:
     runner = make_runner(DoubledRowsModel())
 
-    with pytest.raises(ValueError, match="returned 6 rows for a batch of 3"):
-        runner.run_batch([rows(1), rows(2)])
+    with pytest.raises(ValueError, match="returned 6 rows of 'y' for a batch of 3"):
+        runner.run_batch([named(rows(1)), named(rows(2))])
 
 
 def test_an_exported_program_module_runs(make_runner: MakeRunner) -> None:
@@ -218,7 +258,7 @@ def test_an_exported_program_module_runs(make_runner: MakeRunner) -> None:
     runner = make_runner(program.module())
     payloads = [rows(1), rows(4, 10)]
 
-    outputs = runner.run_batch(payloads)
+    outputs = runner.run_batch([named(payload) for payload in payloads])
 
     for payload, output in zip(payloads, outputs, strict=True):
-        np.testing.assert_array_equal(output, 2 * payload + 1)
+        np.testing.assert_array_equal(answered(output)["y"], 2 * payload + 1)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from service.bridge import wire
+from service.tensors import NamedArrays
 
 
 def frames_of(chunks: list[bytes]) -> list[wire.Frame]:
@@ -17,36 +18,129 @@ def frames_of(chunks: list[bytes]) -> list[wire.Frame]:
     return [frame for chunk in chunks for frame in reader.feed(chunk)]
 
 
-def encoded(kind: wire.Kind, header: dict[str, object], data: bytes = b"") -> bytes:
+def encoded(kind: wire.Kind, header: dict[str, object], data: wire.Data = ()) -> bytes:
     return b"".join(bytes(part) for part in wire.encode(kind, header, data))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "int32", "float64", "uint8"])
+def encoded_arrays(kind: wire.Kind, named: NamedArrays, **fields: object) -> bytes:
+    header, data = wire.arrays_frame(named)
+    return encoded(kind, header | fields, data)
+
+
+def crossed(named: NamedArrays) -> NamedArrays:
+    [frame] = frames_of([encoded_arrays(wire.Kind.RESULT, named)])
+    return wire.arrays_from(frame.header, frame.data)
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "float16", "int64", "int32", "float64", "uint8", "int8", "bool"]
+)
 def test_an_array_crosses_with_its_dtype_and_shape(dtype: str) -> None:
-    array = (np.arange(24).reshape(2, 3, 4) * 3).astype(dtype)
-    header = wire.array_header(array) | {"id": 7}
-    [frame] = frames_of([encoded(wire.Kind.RESULT, header, bytes(wire.array_bytes(array)))])
-    rebuilt = wire.array_from(frame.header, frame.data)
+    array = (np.arange(24).reshape(2, 3, 4) * 3 % 7).astype(dtype)
+    [frame] = frames_of([encoded_arrays(wire.Kind.RESULT, NamedArrays({"y": array}), id=7)])
+    rebuilt = wire.arrays_from(frame.header, frame.data)
     assert frame.kind == wire.Kind.RESULT
     assert frame.header["id"] == 7
-    assert rebuilt.dtype == array.dtype
-    np.testing.assert_array_equal(rebuilt, array)
-    rebuilt[0, 0, 0] = 99  # writable: torch.from_numpy needs no copy and warns about none
+    assert rebuilt.names == ("y",)
+    assert rebuilt["y"].dtype == array.dtype
+    assert rebuilt["y"].shape == array.shape
+    np.testing.assert_array_equal(rebuilt["y"], array)
+    rebuilt["y"][0, 0, 0] = 1  # writable: torch.from_numpy needs no copy and warns about none
     assert array[0, 0, 0] == 0
+
+
+def test_several_named_arrays_of_different_dtypes_cross_in_one_frame_each_aligned() -> None:
+    # Sizes that are no multiple of 16 bytes: every array after the first needs padding.
+    named = NamedArrays(
+        {
+            "input_ids": np.arange(3 * 5, dtype=np.int64).reshape(3, 5) + 1,
+            "attention_mask": np.array([[1, 1, 0, 0, 0]] * 3, dtype=bool),
+            "pixels": np.arange(3 * 7, dtype=np.uint8).reshape(3, 7),
+            "scale": np.array([0.5, -1.25, 3.0], dtype=np.float16),
+            "logits": np.linspace(-1, 1, 3 * 3, dtype=np.float32).reshape(3, 3),
+            "score": np.array([1e-300, 2.5, -7.0], dtype=np.float64),
+        }
+    )
+    header, data = wire.arrays_frame(named)
+
+    offsets = [entry[3] for entry in header["arrays"]]
+    assert [entry[0] for entry in header["arrays"]] == list(named.names)
+    assert all(offset % wire.ALIGNMENT == 0 for offset in offsets)
+    assert offsets == sorted(set(offsets)), "each array has a place of its own"
+    assert sum(len(part) for part in data) % wire.ALIGNMENT == 0
+    [frame] = frames_of([encoded(wire.Kind.SUBMIT, header | {"id": 3}, data)])
+    rebuilt = wire.arrays_from(frame.header, frame.data)
+
+    assert rebuilt.names == named.names
+    assert len(rebuilt) == 3
+    for name in named.names:
+        assert rebuilt[name].dtype == named[name].dtype, name
+        assert rebuilt[name].shape == named[name].shape, name
+        np.testing.assert_array_equal(rebuilt[name], named[name])
+        # Rebuilt in place, each at an aligned address: no dtype is read misaligned.
+        assert rebuilt[name].ctypes.data % wire.ALIGNMENT == (
+            rebuilt[named.names[0]].ctypes.data % wire.ALIGNMENT
+        )
+        assert rebuilt[name].flags.aligned, name
+        assert rebuilt[name].flags.writeable, name
+
+
+def test_a_bool_and_a_uint8_array_keep_their_dtypes() -> None:
+    mask = np.array([[True, False, True], [False, False, True]])
+    pixels = np.array([[0, 128, 255], [1, 254, 7]], dtype=np.uint8)
+
+    rebuilt = crossed(NamedArrays({"mask": mask, "pixels": pixels}))
+
+    assert rebuilt["mask"].dtype == np.bool_
+    assert rebuilt["pixels"].dtype == np.uint8
+    np.testing.assert_array_equal(rebuilt["mask"], mask)
+    np.testing.assert_array_equal(rebuilt["pixels"], pixels)
+
+
+def test_a_slice_of_named_rows_crosses_as_those_rows_only() -> None:
+    named = NamedArrays(
+        {
+            "x": np.arange(5 * 3, dtype=np.float32).reshape(5, 3),
+            "ids": np.arange(5 * 2, dtype=np.int32).reshape(5, 2),
+        }
+    )
+
+    rebuilt = crossed(named[1:4])
+
+    assert len(rebuilt) == 3
+    np.testing.assert_array_equal(rebuilt["x"], named["x"][1:4])
+    np.testing.assert_array_equal(rebuilt["ids"], named["ids"][1:4])
+
+
+def test_arrays_with_no_elements_cross() -> None:
+    # Zero rows, or rows of length 0 on a variable axis (an output may have such a shape).
+    for named in (
+        NamedArrays({"x": np.zeros((0, 4), dtype=np.float32)}),
+        NamedArrays({"y": np.zeros((2, 0), dtype=np.int64), "z": np.ones((2, 3), np.float16)}),
+    ):
+        rebuilt = crossed(named)
+        for name in named.names:
+            assert rebuilt[name].dtype == named[name].dtype
+            np.testing.assert_array_equal(rebuilt[name], named[name], strict=True)
 
 
 def test_a_non_contiguous_array_is_sent_in_c_order() -> None:
     array = np.arange(12, dtype=np.float32).reshape(3, 4).T
-    data = bytes(wire.array_bytes(array))
-    [frame] = frames_of([encoded(wire.Kind.RESULT, wire.array_header(array), data)])
-    np.testing.assert_array_equal(wire.array_from(frame.header, frame.data), array)
+    strided = np.arange(24, dtype=np.int16).reshape(4, 6)[:, ::2]
+
+    rebuilt = crossed(NamedArrays({"x": array, "strided": strided}))
+
+    np.testing.assert_array_equal(rebuilt["x"], array)
+    np.testing.assert_array_equal(rebuilt["strided"], strided)
 
 
 def test_frames_split_at_every_byte_and_joined_in_one_read_come_out_whole() -> None:
     big = np.random.default_rng(0).random((300, 256)).astype(np.float32)  # 300 KiB of data
+    mask = np.random.default_rng(1).random((300, 5)) < 0.5
+    named = NamedArrays({"x": big, "mask": mask})
     stream = (
         encoded(wire.Kind.STATUS, {"phase": "ready"})
-        + encoded(wire.Kind.SUBMIT, wire.array_header(big) | {"id": 1}, big.tobytes())
+        + encoded_arrays(wire.Kind.SUBMIT, named, id=1)
         + encoded(wire.Kind.CANCEL, {"id": 1})
     )
     whole = frames_of([stream])
@@ -58,7 +152,9 @@ def test_frames_split_at_every_byte_and_joined_in_one_read_come_out_whole() -> N
             wire.Kind.SUBMIT,
             wire.Kind.CANCEL,
         ]
-        np.testing.assert_array_equal(wire.array_from(frames[1].header, frames[1].data), big)
+        rebuilt = wire.arrays_from(frames[1].header, frames[1].data)
+        np.testing.assert_array_equal(rebuilt["x"], big)
+        np.testing.assert_array_equal(rebuilt["mask"], mask)
 
 
 @pytest.mark.parametrize(
@@ -74,11 +170,30 @@ def test_a_corrupt_stream_is_refused(stream: bytes) -> None:
         frames_of([stream])
 
 
-def test_data_that_does_not_fit_its_shape_or_objects_are_refused() -> None:
+@pytest.mark.parametrize(
+    ("entries", "size"),
+    [
+        ([["x", "<f4", [2, 3], 0]], 20),  # 24 bytes of data needed
+        ([["x", "<f4", [2, 2], 0], ["m", "|b1", [2, 3], 16]], 20),  # the second runs past
+        ([["x", "<f4", [2, 2], 0], ["m", "|b1", [3, 1], 16]], 32),  # rows differ
+        ([["x", "<f4", [2, 2], -16]], 32),  # before the data
+        ([["x", "<f4", [-1], 0]], 32),  # a negative size (numpy would fill it in)
+        ([["x", "<f4", [-1, 4], 0]], 32),
+        ([["x", "|O", [1], 0]], 8),  # objects
+        ([["x", "<f4", [2], 0, "extra"]], 8),  # not name, dtype, shape, offset
+        ([], 0),  # no arrays at all
+    ],
+)
+def test_data_that_does_not_fit_its_shapes_or_objects_are_refused(
+    entries: list[list[object]], size: int
+) -> None:
     with pytest.raises(wire.ProtocolError):
-        wire.array_from({"dtype": "<f4", "shape": [2, 3]}, bytearray(20))
+        wire.arrays_from({"arrays": entries}, bytearray(size))
+
+
+def test_a_header_without_arrays_is_refused() -> None:
     with pytest.raises(wire.ProtocolError):
-        wire.array_from({"dtype": "|O", "shape": [1]}, bytearray(8))
+        wire.arrays_from({"dtype": "<f4", "shape": [2, 3]}, bytearray(24))
 
 
 class RecordingTransport(asyncio.WriteTransport):

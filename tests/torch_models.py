@@ -70,10 +70,11 @@ class ThreadRecorder(nn.Module):
 
 
 class TupleModel(nn.Module):
-    """Returns a tuple of two tensors, which the runner does not accept."""
+    """Returns a tuple of two tensors, ``(x, 2x)``: answered when the manifest declares two
+    outputs, refused when it declares another count."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, x
+        return x, 2 * x
 
 
 class DoubledRowsModel(nn.Module):
@@ -245,3 +246,10 @@ class PaddingSensitiveEncoder(nn.Module):
         encoded = self.encoder(hidden, src_key_padding_mask=padding)
         pooled: torch.Tensor = encoded[:, 0]
         return pooled
+
+
+class CharSum(nn.Module):
+    """(N, L) int64 character codes -> (N,) their sum as float32 (padding is 0)."""
+
+    def forward(self, chars: torch.Tensor) -> torch.Tensor:
+        return chars.sum(dim=1).to(torch.float32)

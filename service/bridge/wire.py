@@ -81,7 +81,8 @@ def arrays_frame(named: NamedArrays) -> tuple[dict[str, Any], list[memoryview]]:
     data: list[memoryview] = []
     offset = 0
     for name, array in named.arrays.items():
-        buffer = np.ascontiguousarray(array).data.cast("B")
+        # As flat bytes: memoryview.cast refuses arrays with no elements (0 rows, or 0 long).
+        buffer = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
         entries.append([name, array.dtype.str, array.shape, offset])
         data.append(buffer)
         offset += len(buffer)
@@ -102,6 +103,8 @@ def arrays_from(header: dict[str, Any], data: bytearray | None) -> NamedArrays:
             if dtype.hasobject:
                 raise ProtocolError("object arrays never cross the bridge")
             shape = tuple(int(size) for size in shape_list)
+            if any(size < 0 for size in shape):  # numpy would infer a -1 from the data
+                raise ProtocolError(f"array {name!r} has a negative size in {shape}")
             count = math.prod(shape)
             arrays[str(name)] = np.frombuffer(
                 buffer, dtype=dtype, count=count, offset=int(offset)
