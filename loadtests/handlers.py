@@ -219,26 +219,34 @@ def throughput(
         for workload, workers, threads in points:
             result = served(scratch, workload, workers, threads, concurrency, duration_s)
             results.setdefault((workload.model, workers, threads), []).append(result)
+            print(
+                f"{workload.model} workers={workers} threads={threads}: "
+                f"{result.requests_per_s:,.0f} req/s",
+                file=sys.stderr,
+                flush=True,
+            )
     lines = [
         "## Served: handler models beside the same weights fed tensors",
         "",
         f"wrk, {concurrency} connections, {duration_s:.0f} s per point, {repeats} round(s) "
         "interleaved; medians over rounds. `--workers 1` is one process; `--workers 2` is two "
-        "front ends (gunicorn) and one engine process.",
+        "front ends (gunicorn) and one engine process. Handler threads: "
+        "`BATCHSERVE_HANDLER_THREADS` (0: preprocessing on the event loop; tensor models never "
+        "use them).",
         "",
-        "| model | request | workers | req/s | p50 ms | p99 ms | errors |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| model | request | workers | handler threads | req/s | p50 ms | p99 ms | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for workload in chosen:
-        for workers in (1, 2):
-            runs = results[(workload.model, workers)]
-            lines.append(
-                f"| {workload.model} | {workload.what} | {workers} | "
-                f"{statistics.median(r.requests_per_s for r in runs):,.0f} | "
-                f"{statistics.median(r.p50_ms for r in runs):.2f} | "
-                f"{statistics.median(r.p99_ms for r in runs):.2f} | "
-                f"{sum(r.errors for r in runs)} |"
-            )
+    for workload, workers, threads in points:
+        runs = results[(workload.model, workers, threads)]
+        lines.append(
+            f"| {workload.model} | {workload.what} | {workers} | "
+            f"{threads if workload.handled else '-'} | "
+            f"{statistics.median(r.requests_per_s for r in runs):,.0f} | "
+            f"{statistics.median(r.p50_ms for r in runs):.2f} | "
+            f"{statistics.median(r.p99_ms for r in runs):.2f} | "
+            f"{sum(r.errors for r in runs)} |"
+        )
     return lines
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
 from PIL import Image, ImageDraw
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
@@ -25,10 +26,11 @@ from service.engine.model_store import ModelStore
 from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.image import ImageHandler
 from service.frontend.inputs import InputLayout
-from service.manifest import HandlerSpec
+from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of
 from tests.processes import serve_with_engines, wait_until_serving
+from tests.torch_models import CharSum
 
 STORE = ModelStore(BUNDLED_MODEL_REPOSITORY)
 SENTIMENT = STORE.resolve("sentiment")
@@ -311,3 +313,37 @@ async def test_two_front_ends_run_the_text_handler_for_one_engine(tmp_path: Path
     for own, batched in zip(alone, together.json()["predictions"], strict=True):
         assert own["label"] == batched[0]["label"]
         assert abs(own["score"] - batched[0]["score"]) < 1e-5
+
+
+async def test_the_handler_of_your_own_in_the_docs_works_as_written(tmp_path: Path) -> None:
+    """The example of docs/models.md, packaged as a bundled module in front of a model that
+    sums character codes."""
+    docs = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    code = docs.split("```python\n", 1)[1].split("```", 1)[0]
+    module = tmp_path / "myhandler.py"
+    module.write_text(code)
+    weights = tmp_path / "weights.safetensors"
+    save_file(dict(CharSum().state_dict()), str(weights))
+    ModelStore(tmp_path / "repository").package(
+        name="chars",
+        artifact=weights,
+        format="safetensors",
+        architecture=Architecture(import_path="tests.torch_models:CharSum"),
+        inputs=(
+            TensorSpec(name="chars", dtype="int64", shape=(-1, -1), max_length=64, max_value=255),
+        ),
+        outputs=(TensorSpec(name="total", dtype="float32", shape=(-1,)),),
+        handler=HandlerSpec(import_path="myhandler:Uppercase"),
+        files=[module],
+    )
+    async with serving("chars", tmp_path / "repository") as server:
+        answer = await server.post(
+            "/predict", content=b"AB", headers={"Content-Type": "text/plain"}
+        )
+        empty = await server.post("/predict", content=b"", headers={"Content-Type": "text/plain"})
+        json_body = await server.post("/predict", json={"instances": ["AB"]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["predictions"] == [65.0 + 66.0]
+    assert empty.status_code == 422
+    assert empty.json()["error"]["message"] == "send some text"
+    assert json_body.status_code == 415
