@@ -95,7 +95,14 @@ class ModelRepository:
             return self.read_manifest(name, version)
         manifests = self.versions(name)
         if not manifests:
-            raise ModelNotFoundError(f"model {name!r} has no readable version")
+            reasons = []
+            for version_id in self.version_ids(name)[:3]:
+                try:
+                    self.read_manifest(name, version_id)
+                except ModelIntegrityError as error:
+                    reasons.append(str(error))
+            why = f": {'; '.join(reasons)}" if reasons else ""
+            raise ModelNotFoundError(f"model {name!r} has no readable version{why}")
         return manifests[-1]
 
     def verify(self, manifest: Manifest, *, weights: bool = True) -> None:
