@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--handler-threads",
         type=int,
         nargs="+",
-        default=[2, 0],
+        default=[0, 2],
         help="BATCHSERVE_HANDLER_THREADS values to compare (the first for tensor models)",
     )
     parser.add_argument("--no-servers", action="store_true", help="only the in-process costs")

@@ -124,10 +124,11 @@ class Settings(BaseSettings):
     max_instances_per_request: int = Field(default=1024, ge=1, le=1_000_000)
     """Most instances in one request; requests above ``max_batch_size`` are split and rejoined."""
 
-    handler_threads: int = Field(default=2, ge=0, le=64)
-    """Threads per front end that run a version's handler (tokenizing, decoding images);
-    0 runs it on the event loop. Tokenizers and Pillow release the GIL, so threads let one
-    front end decode on more than one core and keep the loop answering meanwhile."""
+    handler_threads: int = Field(default=0, ge=0, le=64)
+    """Threads per front end that run a version's handler preprocessing (tokenizing,
+    decoding images); 0 runs it on the event loop. Measured on 2 cores, the hop to a thread
+    cost more than it freed (docs/bench/handlers); run a front end per core instead. Threads
+    help when front ends are fewer than cores and images large: Pillow releases the GIL."""
 
     drain_delay_s: float = Field(default=0.0, ge=0.0, le=300.0)
     """After SIGTERM, how long ``/readyz`` answers 503 while still serving, before the listening
