@@ -243,3 +243,37 @@ async def test_a_masked_transformer_without_max_length_warms_up_on_real_tokens(
         served = engine_of(app).served
         assert served is not None
         assert served.length_edges[-1] == 512
+
+
+def test_a_text_classifier_is_packaged_with_its_tokenizer_and_handler_from_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sentiment = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("sentiment")
+    folder = BUNDLED_MODEL_REPOSITORY / "sentiment" / sentiment.version
+    assert sentiment.architecture is not None
+    arguments = [
+        "package", "--repository", str(tmp_path), "--name", "reviews",
+        "--artifact", str(folder / sentiment.artifact), "--format", "safetensors",
+        "--architecture", sentiment.architecture.import_path,
+        "--kwargs", json.dumps(sentiment.architecture.kwargs),
+        "--file", str(folder / "tokenizer.json"),
+        "--input", "input_ids:int64:-1,-1:max_length=64:min_value=1:max_value=381:pad_value=0",
+        "--input", "attention_mask:int64:-1,-1:max_length=64:min_value=0:max_value=1:pad_value=0",
+        "--output", "logits:float32:-1,2:labels=negative,positive",
+        "--output", "embedding:float32:-1,32",
+        "--handler", "service.frontend.handlers.text:TextHandler",
+        "--handler-options", '{"top_k": 2}',
+    ]  # fmt: skip
+    assert main(arguments) == 0, capsys.readouterr().err
+    manifest = ModelStore(tmp_path).resolve("reviews", capsys.readouterr().out.strip())
+    assert [spec.name for spec in manifest.inputs] == ["input_ids", "attention_mask"]
+    assert manifest.handler is not None
+    assert manifest.handler.options == {"top_k": 2}
+    assert manifest.files["tokenizer.json"] == sentiment.files["tokenizer.json"]
+
+    # A handler that cannot be built (an option it does not take) leaves nothing behind.
+    broken = [*arguments[:-1], '{"top_k": 2, "colour": "red"}']
+    broken[broken.index("reviews")] = "broken"
+    assert main(broken) == 1
+    assert "the handler cannot be built" in capsys.readouterr().err
+    assert not (tmp_path / "broken").exists()
