@@ -45,7 +45,7 @@ from tests.torch_models import (
 PROMPTLY_S = 5.0
 
 
-def package(repository: Path, architecture: str) -> str:
+def package(repository: Path, architecture: str, labels: tuple[str, ...] | None = None) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "empty.safetensors"
         save_file({}, str(weights), metadata={"architecture": architecture})
@@ -57,7 +57,9 @@ def package(repository: Path, architecture: str) -> str:
                 format="safetensors",
                 architecture=Architecture(import_path=architecture),
                 inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),),
-                outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES)),),
+                outputs=(
+                    TensorSpec(name="y", dtype="float32", shape=(-1, FEATURES), labels=labels),
+                ),
             )
             .version
         )
@@ -355,6 +357,23 @@ async def test_a_request_validated_against_the_version_just_replaced_is_still_se
         np.testing.assert_array_equal(result.outputs["y"], value_rows(3.0))
         with pytest.raises(NotReadyError, match="no longer served"):
             await client.infer(dataclasses.replace(validated_against_first, model="other"))
+
+
+async def test_a_request_validated_against_a_version_answering_otherwise_is_refused(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """The same inputs, but labelled outputs: the front end would postprocess the answer for
+    the version it validated against, so the engine asks it to retry instead."""
+    first = package(tmp_path, "tests.torch_models:HangsOnValue")
+    labelled = package(tmp_path, "tests.torch_models:HangsOnValue", labels=("a", "b", "c", "d"))
+    async with (
+        engine_behind_a_socket(socket_path, tmp_path, model_version=first) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        validated_against_first = request(client, value_rows(1.0))
+        await engine.switch("fault", labelled)
+        with pytest.raises(NotReadyError, match="outputs or handler differ; retry"):
+            await client.infer(validated_against_first)
 
 
 def test_a_front_ends_load_counts_only_while_fresh(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,13 +20,22 @@ from service.engine.batching import Ticket
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
 from service.errors import ConflictError, NotReadyError
-from service.manifest import Manifest, TensorSpec
+from service.manifest import HandlerSpec, Manifest, TensorSpec
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
-#: Versions whose input specs an engine remembers, to accept requests validated against a
-#: version it has just switched away from when the inputs are the same.
+#: Versions whose contracts an engine remembers, to accept requests validated against a
+#: version it has just switched away from when its inputs, outputs and handler are the same.
 REMEMBERED_VERSIONS = 16
+
+
+Contract = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], HandlerSpec | None]
+
+
+def contract_of(manifest: Manifest) -> Contract:
+    """What a front end relies on when it validates a request and answers it: the tensors
+    in and out and the handler."""
+    return manifest.inputs, manifest.outputs, manifest.handler
 
 
 class Engine:
@@ -54,7 +63,7 @@ class Engine:
         self._holding_prepare = False
         self._stopped: asyncio.Task[None] | None = None
         self._status: EngineStatus | None = None
-        self._inputs_by_version: dict[str, tuple[TensorSpec, ...]] = {}
+        self._contracts: dict[str, Contract] = {}
         self.state.listeners.append(self._forget_status)
 
     # ----------------------------------------------------------------- lifecycle
@@ -125,7 +134,9 @@ class Engine:
         ``source`` names the front end it came from (None: this process).
 
         Raises ``NotReadyError`` when nothing is served, or when the request was validated
-        against a version no longer served whose inputs differ from the one served now.
+        against a version no longer served whose inputs, outputs or handler differ from the
+        one served now (its front end preprocessed it, and will postprocess the answer, for
+        that version).
         """
         served = self.state.served
         if served is None:
@@ -133,11 +144,11 @@ class Engine:
         manifest = served.manifest
         if request.model != manifest.name or (
             request.version != manifest.version
-            and self._inputs_by_version.get(request.version) != manifest.inputs
+            and self._contracts.get(request.version) != contract_of(manifest)
         ):
             raise NotReadyError(
                 f"{request.model}@{request.version} is no longer served (now {manifest.label}) "
-                "and its inputs differ; retry"
+                "and its inputs, outputs or handler differ; retry"
             )
         self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
         ticket = served.batcher.enqueue(
@@ -217,7 +228,7 @@ class Engine:
         self._status = None
         served = self.state.served
         if served is not None:
-            versions = self._inputs_by_version
-            versions[served.manifest.version] = served.manifest.inputs
+            versions = self._contracts
+            versions[served.manifest.version] = contract_of(served.manifest)
             while len(versions) > REMEMBERED_VERSIONS:
                 del versions[next(iter(versions))]
