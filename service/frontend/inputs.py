@@ -163,7 +163,7 @@ class InputLayout:
     def parse_json(self, body: bytes) -> NamedArrays:
         """``{"instances": [...]}``: each instance the bare value of a one-input model, or an
         object keyed by input name."""
-        instances = _instances_of(body)
+        instances = read_instances(body)
         if len(self.tensors) == 1 and not (instances and isinstance(instances[0], dict)):
             name = self.names[0]
             return NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
@@ -172,7 +172,7 @@ class InputLayout:
             if not isinstance(instance, dict):
                 raise InvalidInputError(
                     f"instance {index} must be an object keyed by input name "
-                    f"{list(self.names)}, got {_json_type(instance)}"
+                    f"{list(self.names)}, got {json_type(instance)}"
                 )
             if instance.keys() != columns.keys():
                 missing = sorted(columns.keys() - instance.keys())
@@ -288,7 +288,7 @@ class TensorLayout:
 
     def parse_json(self, body: bytes) -> Array:
         """``{"instances": [...]}`` -> one array in the spec's dtype."""
-        return self.parse_instances(_instances_of(body), body)
+        return self.parse_instances(read_instances(body), body)
 
     def parse_instances(self, instances: list[Any], body: bytes) -> Array:
         """The JSON instances of this tensor (``body`` is the whole request's) as one array."""
@@ -420,15 +420,16 @@ class TensorLayout:
             )
 
 
-def _instances_of(body: bytes) -> list[Any]:
-    """The ``instances`` list of a JSON body ``{"instances": [...]}``."""
+def read_instances(body: bytes) -> list[Any]:
+    """The ``instances`` list of a JSON body ``{"instances": [...]}``: 400 when the body is
+    not JSON, 422 when it is not that object (handlers read their bodies with it too)."""
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise BadRequestError(f"the body is not valid JSON: {error}") from None
     if not isinstance(document, dict):
         raise InvalidInputError(
-            f'the body must be a JSON object {{"instances": [...]}}, got {_json_type(document)}'
+            f'the body must be a JSON object {{"instances": [...]}}, got {json_type(document)}'
         )
     unknown = sorted(set(document) - {"instances"})
     if unknown:
@@ -437,7 +438,7 @@ def _instances_of(body: bytes) -> list[Any]:
         raise InvalidInputError("missing field 'instances' (a list of instances)")
     instances = document["instances"]
     if not isinstance(instances, list):
-        raise InvalidInputError(f"'instances' must be a list, got {_json_type(instances)}")
+        raise InvalidInputError(f"'instances' must be a list, got {json_type(instances)}")
     return instances
 
 
@@ -562,7 +563,8 @@ def _describe_kind(array: Array) -> str:
     }.get(array.dtype.kind, str(array.dtype))
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
+    """What a JSON value is, in the words of an error message."""
     return {
         dict: "an object",
         list: "a list",
