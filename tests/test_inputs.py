@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import zipfile
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -10,16 +12,24 @@ import orjson
 import pytest
 from numpy.lib import format as npy_format
 
-from service.errors import BadRequestError, InvalidInputError, UnsupportedMediaTypeError
+from service.errors import (
+    BadRequestError,
+    InvalidInputError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
 from service.frontend.inputs import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
+    NPZ_MEDIA_TYPE,
+    InputLayout,
     TensorLayout,
+    answer_media_type,
     body_media_type,
     encode_npy,
     wants_npy,
 )
-from service.manifest import TensorSpec
+from service.manifest import Manifest, TensorSpec
 from service.types import Array
 
 #: Pairs of floats, any value.
@@ -493,3 +503,193 @@ def test_npz_archives_are_refused(body: bytes) -> None:
 @pytest.mark.parametrize("body", [b"", b"garbage", b"\x93NUMPY\x01\x00garbage"])
 def test_other_bodies_are_not_npy(body: bytes) -> None:
     assert bad_request(PAIRS.parse_npy, body).startswith("the body is not a valid .npy array: ")
+
+
+# --------------------------------------------------------------------------- named inputs
+
+
+def manifest_of(*inputs: TensorSpec) -> Manifest:
+    return Manifest.create(
+        name="m",
+        format="torchscript",
+        artifact="model.torchscript.pt",
+        files={"model.torchscript.pt": "0" * 64},
+        inputs=inputs,
+        outputs=(TensorSpec(name="y", dtype="float32", shape=(-1, 2)),),
+        created_at=datetime.now(UTC),
+    )
+
+
+IDS = TensorSpec(
+    name="ids", dtype="int64", shape=(-1, -1), max_length=6, min_value=1, max_value=9, pad_value=0
+)
+MASK = TensorSpec(name="mask", dtype="bool", shape=(-1, -1), max_length=6)
+SCALE = TensorSpec(name="scale", dtype="uint8", shape=(-1,))
+PAIR = InputLayout(manifest_of(IDS, MASK, SCALE), length_edges=(2, 6))
+
+
+def npz(**arrays: Array) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def test_named_instances_become_one_padded_array_per_input() -> None:
+    parsed = PAIR.parse_json(
+        body(
+            [
+                {"ids": [3, 4, 5], "mask": [True, True, False], "scale": 7},
+                {"scale": 255, "ids": [9], "mask": [True]},
+            ]
+        )
+    )
+    assert parsed.names == ("ids", "mask", "scale")
+    same(parsed["ids"], np.array([[3, 4, 5], [9, 0, 0]], dtype=np.int64))
+    same(parsed["mask"], np.array([[True, True, False], [True, False, False]]))
+    same(parsed["scale"], np.array([7, 255], dtype=np.uint8))
+    assert PAIR.group_and_cost(parsed) == ((6,), 6)
+    assert PAIR.parse(body([{"ids": [1], "mask": [True], "scale": 0}]), JSON_MEDIA_TYPE)[
+        "ids"
+    ].shape == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("instances", "message"),
+    [
+        (
+            [{"ids": [3, 4], "mask": [True], "scale": 1}],
+            "instance 0: inputs with a variable axis must be equally long, got lengths "
+            "{'ids': 2, 'mask': 1}",
+        ),
+        (
+            [{"ids": [3], "mask": [True]}],
+            "instance 0 must have exactly the inputs ['ids', 'mask', 'scale']; missing ['scale']",
+        ),
+        (
+            [{"ids": [3], "mask": [True], "scale": 1, "extra": 2}],
+            "instance 0 must have exactly the inputs ['ids', 'mask', 'scale']; unknown ['extra']",
+        ),
+        (
+            [[3]],
+            "instance 0 must be an object keyed by input name ['ids', 'mask', 'scale'], got a list",
+        ),
+        (
+            [{"ids": [3], "mask": [True], "scale": 256}],
+            "instances contain integers outside the range of uint8",
+        ),
+        (
+            [{"ids": [3], "mask": [True], "scale": -1}],
+            "instances contain integers outside the range of uint8",
+        ),
+        (
+            [{"ids": [3], "mask": [1], "scale": 1}],
+            "instances must contain only true or false (bool); got int64",
+        ),
+        (
+            [{"ids": [3, 4, 5, 6, 7, 8, 9], "mask": [True] * 7, "scale": 1}],
+            "instances must be 1 to 6 long on their variable axis, got 7",
+        ),
+    ],
+)
+def test_named_instances_are_refused_naming_the_problem(instances: object, message: str) -> None:
+    assert refusal(PAIR.parse_json, body(instances)) == message
+
+
+def test_an_npz_body_carries_one_array_per_input() -> None:
+    ids = np.array([[1, 2], [3, 0]], dtype=np.int64)
+    mask = np.array([[True, True], [True, False]])
+    scale = np.array([1, 2], dtype=np.uint8)
+    parsed = PAIR.parse(npz(ids=ids, mask=mask, scale=scale), NPZ_MEDIA_TYPE)
+    same(parsed["ids"], ids)
+    same(parsed["mask"], mask)
+    same(parsed["scale"], scale)
+
+    assert refusal(PAIR.parse_npz, npz(ids=ids, mask=mask)) == (
+        "the .npz archive must hold exactly the arrays ['ids', 'mask', 'scale'], "
+        "got ['ids', 'mask']"
+    )
+    assert refusal(PAIR.parse_npz, npz(ids=ids, mask=mask, scale=scale[:1])) == (
+        "every input needs one row per instance, got {'ids': 2, 'mask': 2, 'scale': 1}"
+    )
+    assert refusal(PAIR.parse_npz, npz(ids=ids.astype(np.int32), mask=mask, scale=scale)) == (
+        "input 'ids': expected dtype int64, got int32"
+    )
+    assert refusal(PAIR.parse_npz, npz(ids=ids, mask=mask[:, :1], scale=scale)) == (
+        "inputs with a variable axis must be equally long, got lengths {'ids': 2, 'mask': 1}"
+    )
+    assert bad_request(PAIR.parse_npz, b"PK\x03\x04 torn").startswith(
+        "the body is not a valid .npz archive"
+    )
+    assert "this model takes 3 inputs" in refusal(PAIR.parse, npy(ids), NPY_MEDIA_TYPE)
+
+
+def test_an_npz_archive_holding_other_members_or_inflating_too_far_is_refused() -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("ids.npy", npy(np.ones((1, 2), np.int64)))
+        archive.writestr("../evil.txt", b"x")
+    assert bad_request(PAIR.parse_npz, buffer.getvalue()) == (
+        "an .npz archive holds only .npy members, got '../evil.txt'"
+    )
+    bomb = io.BytesIO()
+    np.savez_compressed(
+        bomb,
+        ids=np.ones((1, 2), np.int64),
+        mask=np.ones((1, 2), bool),
+        scale=np.zeros(4_000_000, np.uint8),
+    )
+    with pytest.raises(PayloadTooLargeError):
+        PAIR.parse_npz(bomb.getvalue())
+
+
+def test_a_handlers_arrays_are_checked_like_a_request() -> None:
+    ids = np.array([[1, 2]], dtype=np.int64)
+    mask = np.array([[True, True]])
+    scale = np.array([3], dtype=np.uint8)
+    checked = PAIR.check({"ids": ids, "mask": mask, "scale": scale})
+    same(checked["ids"], ids)
+    assert refusal(PAIR.check, {"ids": ids, "mask": mask}) == (
+        "the handler built inputs ['ids', 'mask']; the model takes ['ids', 'mask', 'scale']"
+    )
+    assert refusal(PAIR.check, {"ids": ids.astype(np.int32), "mask": mask, "scale": scale}) == (
+        "input 'ids' must be int64, got int32"
+    )
+    assert refusal(PAIR.check, {"ids": ids * 10, "mask": mask, "scale": scale}) == (
+        "values must lie in [1, 9] (or be the padding value 0), got 10"
+    )
+    assert refusal(PAIR.check, {"ids": ids, "mask": mask, "scale": np.zeros(2, np.uint8)}) == (
+        "every input needs one row per instance, got {'ids': 1, 'mask': 1, 'scale': 2}"
+    )
+
+
+def test_a_one_input_model_takes_an_object_keyed_by_its_name_too() -> None:
+    layout_ = InputLayout(manifest_of(IDS))
+    same(
+        layout_.parse_json(body([{"ids": [1, 2]}, {"ids": [3]}]))["ids"],
+        np.array([[1, 2], [3, 0]], dtype=np.int64),
+    )
+    same(layout_.parse_json(body([[1, 2]]))["ids"], np.array([[1, 2]], dtype=np.int64))
+
+
+def test_bfloat16_inputs_travel_as_float32() -> None:
+    layout_ = InputLayout(manifest_of(TensorSpec(name="x", dtype="bfloat16", shape=(-1, 2))))
+    same(layout_.parse_json(body([[0.5, 1]]))["x"], np.array([[0.5, 1]], dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("accept", "answer"),
+    [
+        (None, JSON_MEDIA_TYPE),
+        ("application/x-npz", NPZ_MEDIA_TYPE),
+        ("application/x-npy", NPY_MEDIA_TYPE),
+        ("application/octet-stream", NPY_MEDIA_TYPE),
+        ("application/json, application/x-npz", JSON_MEDIA_TYPE),
+        ("application/json;q=0.5, application/x-npz", NPZ_MEDIA_TYPE),
+        ("application/x-npz;q=0, application/x-npy;q=0.1", NPY_MEDIA_TYPE),
+        ("text/html", JSON_MEDIA_TYPE),
+    ],
+)
+def test_the_answer_type_is_the_most_wanted_of_json_npy_and_npz(
+    accept: str | None, answer: str
+) -> None:
+    assert answer_media_type(accept) == answer

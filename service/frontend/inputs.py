@@ -523,7 +523,9 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
     if array.size == 0:  # numpy calls an empty list float64; its shape is what matters
         return array.astype(target)
     if array.dtype.kind not in accepted:
-        wanted = "integers" if target.kind == "i" else "numbers"
+        wanted = {"i": "integers", "u": "integers", "b": "true or false"}.get(
+            target.kind, "numbers"
+        )
         raise InvalidInputError(
             f"instances must contain only {wanted} ({spec.dtype}); got {_describe_kind(array)}"
         )
@@ -535,7 +537,7 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
             "or beyond its range)"
         )
     converted = array.astype(target, copy=False)
-    if target.kind == "i" and not np.array_equal(converted, array):
+    if target.kind in "iu" and not np.array_equal(converted, array):
         raise InvalidInputError(f"instances contain integers outside the range of {spec.dtype}")
     return converted
 
