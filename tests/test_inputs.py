@@ -693,3 +693,52 @@ def test_the_answer_type_is_the_most_wanted_of_json_npy_and_npz(
     accept: str | None, answer: str
 ) -> None:
     assert answer_media_type(accept) == answer
+
+
+def test_every_variable_input_of_an_instance_is_as_long_as_the_others() -> None:
+    # Three inputs sharing the length; the request's longest is 3 for each, so only the
+    # instance-by-instance check sees that instance 1 has 2 ids but 3 type ids.
+    types = TensorSpec(name="types", dtype="int64", shape=(-1, -1), max_length=6)
+    three = InputLayout(manifest_of(IDS, MASK, types))
+    instances = [
+        {"ids": [1, 2, 3], "mask": [True] * 3, "types": [0, 0, 0]},
+        {"ids": [1, 2], "mask": [True] * 2, "types": [0, 0, 1]},
+    ]
+    assert refusal(three.parse_json, body(instances)) == (
+        "instance 1: inputs with a variable axis must be equally long, got lengths "
+        "{'ids': 2, 'mask': 2, 'types': 3}"
+    )
+    # A value that is not a list at all is the tensor's own shape error.
+    assert refusal(three.parse_json, body([{"ids": 5, "mask": [True], "types": [0]}])).startswith(
+        "expected instances of shape (N, L)"
+    )
+
+
+def test_the_variable_axis_of_a_deeper_input_is_its_length() -> None:
+    vectors = TensorSpec(name="v", dtype="float32", shape=(-1, -1, 2), max_length=6)
+    mixed = InputLayout(manifest_of(IDS, vectors))
+    parsed = mixed.parse_npz(npz(ids=np.ones((1, 3), np.int64), v=np.zeros((1, 3, 2), np.float32)))
+    assert parsed["v"].shape == (1, 3, 2)
+    assert (
+        refusal(
+            mixed.parse_npz, npz(ids=np.ones((1, 3), np.int64), v=np.zeros((1, 2, 2), np.float32))
+        )
+        == "inputs with a variable axis must be equally long, got lengths {'ids': 3, 'v': 2}"
+    )
+
+
+def test_a_one_input_model_reads_npy_and_npz_alike() -> None:
+    single = InputLayout(manifest_of(IDS))
+    ids = np.array([[1, 2]], dtype=np.int64)
+    same(single.parse(npy(ids), NPY_MEDIA_TYPE)["ids"], ids)
+    same(single.parse(npz(ids=ids), NPZ_MEDIA_TYPE)["ids"], ids)
+
+
+def test_a_large_stored_npz_within_the_body_limit_is_read() -> None:
+    """Members stored (not compressed) inflate to about the body's size: a few MiB pass; only
+    archives inflating beyond 64 times their size are refused."""
+    scale = np.zeros(3 << 20, np.uint8)
+    ids = np.ones((3 << 20, 1), np.int64)
+    wide = InputLayout(manifest_of(IDS, MASK, SCALE), max_instances=4 << 20)
+    parsed = wide.parse_npz(npz(ids=ids, mask=np.ones((3 << 20, 1), bool), scale=scale))
+    assert len(parsed) == 3 << 20

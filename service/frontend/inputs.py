@@ -254,7 +254,7 @@ class InputLayout:
             return
         for index in range(len(columns[variable[0][0]])):
             lengths = {name: _length(columns[name][index], axis or 0) for name, axis in variable}
-            if len(set(lengths.values())) > 1:
+            if None not in lengths.values() and len(set(lengths.values())) > 1:
                 raise InvalidInputError(
                     f"instance {index}: inputs with a variable axis must be equally long, "
                     f"got lengths {lengths}"
@@ -448,13 +448,14 @@ def _holds_booleans(value: Any) -> bool:
     return isinstance(value, list) and any(_holds_booleans(item) for item in value)
 
 
-def _length(value: Any, axis: int) -> int:
-    """The length of nested lists ``value`` along ``axis`` (-1 when it is not that deep)."""
+def _length(value: Any, axis: int) -> int | None:
+    """The length of nested lists ``value`` along ``axis`` (None when it is not that deep:
+    the tensor's own validation then says what shape it needed)."""
     for _ in range(axis):
         if not isinstance(value, list) or not value:
-            return -1
+            return None
         value = value[0]
-    return len(value) if isinstance(value, list) else -1
+    return len(value) if isinstance(value, list) else None
 
 
 def _npz_members(body: bytes, max_bytes: int) -> dict[str, bytes]:
