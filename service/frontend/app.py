@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -21,7 +20,9 @@ from starlette.types import Receive, Scope, Send
 from service.bridge.interface import ModelInfo
 from service.errors import HandlerError, ServiceError
 from service.frontend import admin, docs, routes
+from service.frontend.about import __version__
 from service.frontend.middleware import ServiceMiddleware
+from service.frontend.oip import routes as oip_routes
 from service.frontend.openapi import model_openapi
 from service.frontend.responses import (
     error_response,
@@ -31,11 +32,6 @@ from service.frontend.responses import (
 from service.frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
-
-try:
-    __version__ = version("batchserve")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0"
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -54,6 +50,7 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
     )
     app.include_router(routes.router)
     app.include_router(admin.router)
+    app.include_router(oip_routes.router)
     app.include_router(docs.router)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import FrontendBusyError, ServiceError
+from service.frontend.oip import rest as v2
 from service.frontend.predict import ClientDisconnectedError, PredictHeaders, serve_prediction
 from service.frontend.responses import internal_error_response, service_error_response
 from service.frontend.state import FrontendState
@@ -25,10 +26,14 @@ from service.frontend.state import FrontendState
 logger = logging.getLogger(__name__)
 
 PREDICT_PATH = "/predict"
+#: The route label of ``POST /v2/models/.../infer`` in the request metrics.
+V2_INFER_ROUTE = "/v2/models/{name}/infer"
 #: nginx's code for "client closed the request": counted, never sent.
 CLIENT_CLOSED_STATUS = 499
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ROUTES_WITH_METRICS = frozenset({PREDICT_PATH, "/healthz", "/readyz", "/models", "/metrics"})
+_ROUTES_WITH_METRICS = frozenset(
+    {PREDICT_PATH, V2_INFER_ROUTE, "/healthz", "/readyz", "/models", "/metrics"}
+)
 
 
 class ServiceMiddleware:
@@ -49,7 +54,8 @@ class ServiceMiddleware:
         request_id = request_id_of(scope, self._ids)
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
-        route = path if path in _ROUTES_WITH_METRICS else "other"
+        v2_infer = v2.INFER_PATH.match(path) if path.startswith("/v2/") else None
+        route = V2_INFER_ROUTE if v2_infer else path if path in _ROUTES_WITH_METRICS else "other"
         status = 500
         started_s = time.perf_counter()
 
@@ -64,12 +70,15 @@ class ServiceMiddleware:
                     headers.append("Connection", "close")
             await send(message)
 
-        predicting = route == PREDICT_PATH and scope["method"] == "POST"
+        predicting = route in (PREDICT_PATH, V2_INFER_ROUTE) and scope["method"] == "POST"
         try:
             if predicting:
                 self.metrics.in_flight.inc()
                 self.frontend.receiving += 1
-                response = await self._predict(scope, receive, request_id)
+                if v2_infer:
+                    response = await self._infer_v2(scope, receive, request_id, v2_infer)
+                else:
+                    response = await self._predict(scope, receive, request_id)
                 if response is None:
                     status = CLIENT_CLOSED_STATUS
                 else:
@@ -89,12 +98,7 @@ class ServiceMiddleware:
     async def _predict(self, scope: Scope, receive: Receive, request_id: str) -> Response | None:
         """The prediction's response, an error response, or None if the client left."""
         try:
-            limit = self.frontend.settings.max_requests_per_frontend
-            if self.frontend.receiving > limit:
-                raise FrontendBusyError(
-                    f"this front end holds {limit} requests already (max_requests_per_frontend);"
-                    " retry shortly"
-                )
+            self._check_capacity()
             return await serve_prediction(
                 self.frontend,
                 PredictHeaders.from_scope(scope),
@@ -109,6 +113,36 @@ class ServiceMiddleware:
         except Exception:
             logger.exception("unhandled_error", extra={"request_id": request_id})
             return internal_error_response(request_id)
+
+    async def _infer_v2(
+        self, scope: Scope, receive: Receive, request_id: str, path: re.Match[str]
+    ) -> Response | None:
+        """A V2 inference's response, its ``{"error": ...}`` response, or None if the client
+        left."""
+        try:
+            self._check_capacity()
+            headers = {
+                name.decode("latin-1").lower(): value.decode("latin-1")
+                for name, value in scope["headers"]
+            }
+            return await v2.serve_v2_inference(
+                self.frontend, headers, receive, request_id, path[1], path[2]
+            )
+        except ServiceError as error:
+            return v2.error_response(error)
+        except ClientDisconnectedError:
+            return None
+        except Exception:
+            logger.exception("unhandled_error", extra={"request_id": request_id})
+            return v2.error_response(ServiceError("internal server error"))
+
+    def _check_capacity(self) -> None:
+        limit = self.frontend.settings.max_requests_per_frontend
+        if self.frontend.receiving > limit:
+            raise FrontendBusyError(
+                f"this front end holds {limit} requests already (max_requests_per_frontend);"
+                " retry shortly"
+            )
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:

@@ -1,0 +1,287 @@
+"""``POST /v2/models/{name}[/versions/{version}]/infer``: the V2 REST inference request.
+
+JSON as the protocol defines it (``id`` echoed, ``parameters``, ``outputs`` selection, nested
+or flat row-major ``data``), and the binary tensor extension: a body whose first
+``Inference-Header-Content-Length`` bytes are the JSON header and whose rest holds each input
+with a ``binary_data_size``, in order; outputs asked with ``binary_data`` (or all, with
+``binary_data_output``) come back the same way. The middleware answers it directly, as it
+answers ``/predict``, and it is queued on the same engine, so both share batches.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive
+
+from service.bridge.interface import InferenceRequest, ModelInfo
+from service.errors import (
+    BadRequestError,
+    InvalidInputError,
+    ModelNotFoundError,
+    ServiceError,
+)
+from service.frontend.oip.datatypes import to_bf16, wire_dtype
+from service.frontend.oip.tensors import (
+    InferInput,
+    InferOptions,
+    OutputTensor,
+    RequestedOutput,
+    answer_outputs,
+    check_classification,
+    to_request,
+)
+from service.frontend.predict import DisconnectWatcher, read_body
+from service.frontend.state import FrontendState
+from service.types import Priority
+
+INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+HEADER_LENGTH = "inference-header-content-length"
+JSON = "application/json"
+BINARY = "application/octet-stream"
+
+
+def error_response(error: ServiceError) -> Response:
+    """The protocol's error body, ``{"error": "..."}``; invalid input is its 400."""
+    status = 400 if isinstance(error, InvalidInputError) else error.status_code
+    return Response(
+        orjson.dumps({"error": error.message}), status, headers=error.headers, media_type=JSON
+    )
+
+
+def served_model(frontend: FrontendState, name: str, version: str | None) -> ModelInfo:
+    """The model served now, if it is ``name`` (at ``version``, when one is named)."""
+    model = frontend.serving_model()
+    manifest = model.manifest
+    if name != manifest.name:
+        raise ModelNotFoundError(f"unknown model {name!r}: this server serves {manifest.name!r}")
+    if version not in (None, "", manifest.version):
+        raise ModelNotFoundError(
+            f"{name} version {version!r} is not served (serving {manifest.version}); load it first"
+        )
+    return model
+
+
+async def serve_v2_inference(
+    frontend: FrontendState,
+    headers: dict[str, str],
+    receive: Receive,
+    request_id: str,
+    name: str,
+    version: str | None,
+) -> Response:
+    """Validate, queue on the engine, and answer one V2 inference request."""
+    deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
+    served_model(frontend, name, version)
+    body = await read_body(
+        receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
+    )
+    frontend.holding += 1
+    try:
+        model = served_model(frontend, name, version)
+        document, binary = split_body(body, headers.get(HEADER_LENGTH))
+        inputs, options, request_key = parse_request(document, binary)
+        for output in options.outputs:
+            check_classification(model.manifest, output)
+        layout = frontend.layout_for(model)
+        instances = to_request(model.manifest, layout, inputs)
+        group, cost_per_row = layout.group_and_cost(instances)
+        request = InferenceRequest(
+            model=model.manifest.name,
+            version=model.manifest.version,
+            instances=instances,
+            group=group,
+            cost_per_row=cost_per_row,
+            priority=_priority(options.parameters, headers.get("x-priority")),
+            deadline_s=_deadline(options.parameters, deadline_s),
+            request_id=request_id,
+            frontend_load=frontend.holding,
+        )
+        with DisconnectWatcher(receive):
+            result = await frontend.engine.infer(request)
+    finally:
+        frontend.holding -= 1
+    answered = answer_outputs(model.manifest, result.outputs, options)
+    return encode_response(
+        {
+            "model_name": model.manifest.name,
+            "model_version": result.version,
+            **({"id": request_key} if request_key is not None else {}),
+        },
+        answered,
+        {"X-Model-Version": f"{model.manifest.name}@{result.version}"},
+    )
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
+    """The JSON document and the binary data after it."""
+    if header_length is None:
+        json_part, binary = body, b""
+    else:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise BadRequestError(
+                f"Inference-Header-Content-Length {header_length[:32]!r} is not a length "
+                f"within the body's {len(body)} bytes"
+            )
+        json_part, binary = body[: int(header_length)], body[int(header_length) :]
+    try:
+        return orjson.loads(json_part), binary
+    except orjson.JSONDecodeError as error:
+        raise BadRequestError(f"the inference request is not valid JSON: {error}") from None
+
+
+def parse_request(
+    document: Any, binary: bytes
+) -> tuple[list[InferInput], InferOptions, str | None]:
+    """The inputs, the options and the ``id`` of a V2 JSON request (with its binary data)."""
+    if not isinstance(document, dict):
+        raise BadRequestError("the inference request must be a JSON object")
+    unknown = sorted(set(document) - {"id", "parameters", "inputs", "outputs"})
+    if unknown:
+        raise BadRequestError(f"unknown field(s) {unknown} in the inference request")
+    request_key = document.get("id")
+    if request_key is not None and not isinstance(request_key, str):
+        raise BadRequestError("'id' must be a string")
+    parameters = _parameters(document.get("parameters"), "the request")
+    raw_inputs = document.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise BadRequestError("'inputs' must be a non-empty list of tensors")
+    inputs = []
+    offset = 0
+    for index, entry in enumerate(raw_inputs):
+        tensor, size = _input(entry, index)
+        if size is not None:
+            if offset + size > len(binary):
+                raise BadRequestError(
+                    f"input {tensor.name!r} declares binary_data_size {size}, but only "
+                    f"{len(binary) - offset} bytes of binary data are left"
+                )
+            tensor = InferInput(
+                tensor.name, tensor.datatype, tensor.shape, raw=binary[offset : offset + size]
+            )
+            offset += size
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise BadRequestError(
+            f"{len(binary) - offset} bytes of binary data follow the inputs' declared sizes"
+        )
+    binary_outputs = bool(parameters.get("binary_data_output", False))
+    outputs = tuple(_output(entry, binary_outputs) for entry in document.get("outputs") or [])
+    return inputs, InferOptions(outputs, binary_outputs, parameters), request_key
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequestError(f"'parameters' of {where} must be an object")
+    return value
+
+
+def _input(entry: Any, index: int) -> tuple[InferInput, int | None]:
+    if not isinstance(entry, dict):
+        raise BadRequestError(f"input {index} must be an object")
+    name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype, str):
+        raise BadRequestError(f"input {index} needs a 'name' and a 'datatype' (strings)")
+    if not isinstance(shape, list) or not all(
+        isinstance(size, int) and not isinstance(size, bool) for size in shape
+    ):
+        raise BadRequestError(f"input {name!r}: 'shape' must be a list of integers")
+    parameters = _parameters(entry.get("parameters"), f"input {name!r}")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BadRequestError(f"input {name!r}: binary_data_size must be a byte count")
+        if "data" in entry:
+            raise BadRequestError(f"input {name!r} has both 'data' and binary_data_size")
+        return InferInput(name, datatype, tuple(shape)), size
+    if "data" not in entry:
+        raise BadRequestError(f"input {name!r} has neither 'data' nor binary_data_size")
+    return InferInput(name, datatype, tuple(shape), data=entry["data"]), None
+
+
+def _output(entry: Any, binary_outputs: bool) -> RequestedOutput:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise BadRequestError("each requested output must be an object with a 'name'")
+    parameters = _parameters(entry.get("parameters"), f"output {entry['name']!r}")
+    classification = parameters.get("classification", 0)
+    if not isinstance(classification, int) or isinstance(classification, bool):
+        raise BadRequestError(f"output {entry['name']!r}: classification must be an integer")
+    return RequestedOutput(
+        entry["name"], bool(parameters.get("binary_data", binary_outputs)), classification
+    )
+
+
+def _priority(parameters: Mapping[str, Any], header: str | None) -> Priority:
+    """Triton's ``priority`` parameter (1 is the highest level) or ``X-Priority: high``."""
+    priority = parameters.get("priority")
+    if priority is not None and (not isinstance(priority, int) or priority < 0):
+        raise BadRequestError(f"'priority' must be a non-negative integer, got {priority!r}")
+    if priority == 1 or (header or "").strip().lower() == "high":
+        return "high"
+    return "normal"
+
+
+def _deadline(parameters: Mapping[str, Any], deadline_s: float) -> float:
+    """Triton's ``timeout`` parameter (microseconds) shortens the request's deadline."""
+    timeout_us = parameters.get("timeout")
+    if timeout_us is None:
+        return deadline_s
+    if not isinstance(timeout_us, int) or timeout_us <= 0:
+        raise BadRequestError("'timeout' must be a positive number of microseconds")
+    return min(deadline_s, time.monotonic() + timeout_us / 1e6)
+
+
+def encode_response(
+    head: dict[str, Any], outputs: list[OutputTensor], headers: dict[str, str]
+) -> Response:
+    """JSON, or the JSON header then the binary outputs (binary tensor extension)."""
+    entries = []
+    chunks = []
+    for output in outputs:
+        entry: dict[str, Any] = {
+            "name": output.name,
+            "datatype": output.datatype,
+            "shape": list(output.shape),
+        }
+        if output.binary:
+            data = binary_of(output)
+            entry["parameters"] = {"binary_data_size": len(data)}
+            chunks.append(data)
+        else:
+            entry["data"] = json_data(output)
+        entries.append(entry)
+    document = orjson.dumps({**head, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return Response(document, media_type=JSON, headers=headers)
+    headers = {**headers, "Inference-Header-Content-Length": str(len(document))}
+    return Response(b"".join([document, *chunks]), media_type=BINARY, headers=headers)
+
+
+def json_data(output: OutputTensor) -> Any:
+    """Flat row-major values (strings for BYTES)."""
+    if output.datatype == "BYTES":
+        return [str(value) for value in output.array.reshape(-1)]
+    return output.array.reshape(-1)
+
+
+def binary_of(output: OutputTensor) -> bytes:
+    """The output's bytes as the binary extension lays them out (little-endian; BYTES as
+    4-byte lengths and UTF-8)."""
+    if output.datatype == "BYTES":
+        parts = []
+        for value in output.array.reshape(-1):
+            encoded = str(value).encode()
+            parts.append(struct.pack("<I", len(encoded)) + encoded)
+        return b"".join(parts)
+    if output.datatype == "BF16":
+        return to_bf16(output.array).tobytes()
+    return np.ascontiguousarray(output.array, dtype=wire_dtype(output.datatype)).tobytes()

@@ -1,0 +1,151 @@
+"""The V2 REST routes besides inference: server and model metadata, health, readiness, and the
+model repository extension (behind the admin token). Errors are ``{"error": "..."}``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from service.errors import ConflictError, ModelNotFoundError, ServiceError
+from service.frontend.about import __version__
+from service.frontend.admin import require_admin_token
+from service.frontend.oip.datatypes import datatype_of
+from service.frontend.oip.rest import JSON, error_response, served_model
+from service.frontend.state import FrontendState
+from service.manifest import Manifest, TensorSpec
+
+router = APIRouter(prefix="/v2", tags=["Open Inference Protocol (V2)"])
+
+#: The protocol extensions served, as ``GET /v2`` lists them.
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+PLATFORM = "batchserve_pytorch"
+
+Route = Callable[..., Awaitable[Response]]
+
+
+def v2_errors(route: Route) -> Route:
+    """Answer a ``ServiceError`` in the protocol's ``{"error": "..."}`` form."""
+
+    @wraps(route)
+    async def answering(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await route(*args, **kwargs)
+        except ServiceError as error:
+            return error_response(error)
+
+    return answering
+
+
+def _json(content: object, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code, media_type=JSON)
+
+
+def frontend_of(request: Request) -> FrontendState:
+    state: FrontendState = request.app.state.frontend
+    return state
+
+
+@router.get("", summary="Server metadata")
+@v2_errors
+async def server_metadata() -> Response:
+    return _json({"name": "batchserve", "version": __version__, "extensions": EXTENSIONS})
+
+
+@router.get("/health/live", summary="Server live")
+async def server_live() -> Response:
+    """200 while this process answers."""
+    return _json({"live": True})
+
+
+@router.get("/health/ready", summary="Server ready")
+async def server_ready(request: Request) -> Response:
+    """200 once the model is served; 400 otherwise (the protocol's "4xx is not ready")."""
+    ready = frontend_of(request).ready
+    return _json({"ready": ready}, 200 if ready else 400)
+
+
+def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": datatype_of(spec), "shape": list(spec.shape)}
+
+
+def model_metadata(manifest: Manifest, versions: list[str]) -> dict[str, Any]:
+    return {
+        "name": manifest.name,
+        "versions": versions,
+        "platform": PLATFORM,
+        "inputs": [tensor_metadata(spec) for spec in manifest.inputs],
+        "outputs": [tensor_metadata(spec) for spec in manifest.outputs],
+    }
+
+
+@router.get("/models/{name}", summary="Model metadata")
+@router.get("/models/{name}/versions/{version}", summary="Model version metadata")
+@v2_errors
+async def model(request: Request, name: str, version: str | None = None) -> Response:
+    """Inputs and outputs (datatype, shape with -1 for variable sizes) of the served version,
+    and every version of the model in the repository."""
+    frontend = frontend_of(request)
+    served = served_model(frontend, name, version)
+    try:
+        versions = [manifest.version for manifest in frontend.repository.versions(name)]
+    except ModelNotFoundError:
+        versions = [served.manifest.version]
+    return _json(model_metadata(served.manifest, versions))
+
+
+@router.get("/models/{name}/ready", summary="Model ready")
+@router.get("/models/{name}/versions/{version}/ready", summary="Model version ready")
+async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
+    try:
+        served_model(frontend_of(request), name, version)
+    except ServiceError as error:
+        return _json({"name": name, "ready": False, "error": error.message}, 400)
+    return _json({"name": name, "ready": True})
+
+
+@router.post("/repository/index", summary="Repository index (admin)")
+@v2_errors
+async def repository_index(request: Request) -> Response:
+    """Every version in the repository and whether it is the one served."""
+    frontend = frontend_of(request)
+    require_admin_token(request)
+    served = frontend.engine.status().model
+    entries = []
+    for name in frontend.repository.model_names():
+        for manifest in frontend.repository.versions(name):
+            serving = served is not None and served.manifest.label == manifest.label
+            entries.append(
+                {
+                    "name": manifest.name,
+                    "version": manifest.version,
+                    "state": "READY" if serving else "UNAVAILABLE",
+                    "reason": "" if serving else "not loaded",
+                }
+            )
+    return _json(entries)
+
+
+@router.post("/repository/models/{name}/load", summary="Load a model (admin)")
+@v2_errors
+async def repository_load(request: Request, name: str) -> Response:
+    """Verify, load and warm up the newest version of ``name``, then serve it: the admin
+    route's switch, on every engine."""
+    frontend = frontend_of(request)
+    require_admin_token(request)
+    switched = await frontend.engine.switch(name, "latest")
+    return _json({"name": switched.serving.name, "version": switched.serving.version})
+
+
+@router.post("/repository/models/{name}/unload", summary="Unload a model (admin)")
+@v2_errors
+async def repository_unload(request: Request, name: str) -> Response:
+    """Refused: a batchserve server serves one model and keeps serving it; switch versions
+    with ``load`` instead."""
+    require_admin_token(request)
+    raise ConflictError(
+        f"{name} cannot be unloaded: this server serves one model; load another version instead"
+    )

@@ -1,0 +1,297 @@
+"""The Open Inference Protocol (V2) over REST: the real ``tritonclient[http]`` against live
+servers on 127.0.0.1, and each protocol error; answers equal ``/predict``'s."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as triton_http
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+from tritonclient.utils import InferenceServerException
+
+from service.config import Settings
+from service.server.single import create_app
+from service.tensors import NamedArrays
+from tests.apps import engine_of
+from tests.processes import (
+    BATCHSERVE,
+    Running,
+    answers,
+    batchserve_environment,
+    free_port,
+    wait_for,
+)
+from tests.processes import running as running_process
+
+
+@pytest.fixture(scope="module")
+def digits_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    yield from _server(tmp_path_factory.mktemp("digits"), "digits")
+
+
+@pytest.fixture(scope="module")
+def textenc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    yield from _server(tmp_path_factory.mktemp("textenc"), "textenc")
+
+
+def _server(folder: Path, model: str) -> Iterator[Running]:
+    port = free_port()
+    env = batchserve_environment(port, BATCHSERVE_MODEL_NAME=model)
+    url = f"http://127.0.0.1:{port}"
+    with running_process([str(BATCHSERVE), "serve"], url, folder / "server.log", env) as server:
+        wait_for(lambda: answers(url + "/readyz"), "ready", server)
+        yield server
+
+
+def triton(server: Running) -> triton_http.InferenceServerClient:
+    return triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+
+
+def predicted(server: Running, instances: list[object]) -> np.ndarray:
+    response = httpx.post(server.url + "/predict", json={"instances": instances}, timeout=30)
+    assert response.status_code == 200, response.text
+    return np.asarray(response.json()["predictions"], dtype=np.float32)
+
+
+def test_tritonclient_http_health_metadata_and_digits_in_json_and_binary(
+    digits_server: Running,
+) -> None:
+    client = triton(digits_server)
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("digits")
+    assert not client.is_model_ready("nothing")
+    assert set(client.get_server_metadata()["extensions"]) >= {"binary_tensor_data"}
+    metadata = client.get_model_metadata("digits")
+    assert metadata["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 8, 8]}]
+    assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+
+    images = np.random.default_rng(0).random((3, 8, 8), dtype=np.float32)
+    expected = predicted(digits_server, images.tolist())
+    for binary_in in (False, True):
+        for binary_out in (False, True):
+            tensor = triton_http.InferInput("image", [3, 8, 8], "FP32")
+            tensor.set_data_from_numpy(images, binary_data=binary_in)
+            output = triton_http.InferRequestedOutput("logits", binary_data=binary_out)
+            result = client.infer("digits", [tensor], outputs=[output], request_id="r-1")
+            logits = result.as_numpy("logits")
+            assert logits.dtype == np.float32
+            np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
+            assert result.get_response()["id"] == "r-1"
+    # No outputs named: tritonclient asks for every output as binary data.
+    tensor = triton_http.InferInput("image", [3, 8, 8], "FP32")
+    tensor.set_data_from_numpy(images)
+    np.testing.assert_allclose(
+        client.infer("digits", [tensor]).as_numpy("logits"), expected, rtol=0, atol=1e-5
+    )
+
+
+def test_tritonclient_http_variable_length_int64(textenc_server: Running) -> None:
+    client = triton(textenc_server)
+    rng = np.random.default_rng(1)
+    for length in (3, 17):
+        ids = rng.integers(1, 1000, size=(2, length), dtype=np.int64)
+        tensor = triton_http.InferInput("token_ids", [2, length], "INT64")
+        tensor.set_data_from_numpy(ids, binary_data=length == 17)
+        result = client.infer("textenc", [tensor])
+        np.testing.assert_allclose(
+            result.as_numpy("embedding"), predicted(textenc_server, ids.tolist()), atol=1e-5
+        )
+
+
+def test_tritonclient_classification_answers_labels(digits_server: Running) -> None:
+    client = triton(digits_server)
+    images = np.random.default_rng(2).random((2, 8, 8), dtype=np.float32)
+    tensor = triton_http.InferInput("image", [2, 8, 8], "FP32")
+    tensor.set_data_from_numpy(images)
+    output = triton_http.InferRequestedOutput("logits", class_count=3)
+    labels = client.infer("digits", [tensor], outputs=[output]).as_numpy("logits")
+    expected = predicted(digits_server, images.tolist())
+    for row, entries in zip(expected, labels, strict=True):
+        decoded = [entry.decode() if isinstance(entry, bytes) else entry for entry in entries]
+        indices = [int(entry.split(":")[1]) for entry in decoded]
+        assert indices == list(np.argsort(-row)[:3])
+        assert [entry.split(":")[2] for entry in decoded] == [str(index) for index in indices]
+
+
+def test_tritonclient_errors_name_what_was_wrong(digits_server: Running) -> None:
+    client = triton(digits_server)
+    images = np.zeros((1, 8, 8), dtype=np.float64)
+    tensor = triton_http.InferInput("image", [1, 8, 8], "FP64")
+    tensor.set_data_from_numpy(images)
+    with pytest.raises(InferenceServerException, match="has datatype 'FP64'; the model takes FP32"):
+        client.infer("digits", [tensor])
+    with pytest.raises(InferenceServerException, match="unknown model 'nothing'"):
+        client.infer("nothing", [tensor])
+    with pytest.raises(InferenceServerException, match="version '1' is not served"):
+        client.infer("digits", [tensor], model_version="1")
+
+
+def v2(path: str = "digits") -> str:
+    return f"/v2/models/{path}/infer"
+
+
+def image_input(values: object, shape: list[int], datatype: str = "FP32") -> dict[str, object]:
+    return {"name": "image", "datatype": datatype, "shape": shape, "data": values}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{", 400, "the inference request is not valid JSON"),
+        ({"inputs": []}, 400, "'inputs' must be a non-empty list of tensors"),
+        (
+            {"inputs": [image_input([0.0] * 63, [1, 8, 8])]},
+            400,
+            "input 'image': shape [1, 8, 8] holds 64 values, the data has 63",
+        ),
+        (
+            {"inputs": [image_input([0.0] * 64, [1, 8, 8], "INT64")]},
+            400,
+            "input 'image' has datatype 'INT64'; the model takes FP32 (float32)",
+        ),
+        (
+            {"inputs": [image_input([0.0] * 64, [1, 8, 8], "BYTES")]},
+            400,
+            "input 'image' has datatype BYTES; the model takes FP32 (float32)",
+        ),
+        (
+            {"inputs": [{**image_input([0.0] * 64, [1, 8, 8]), "name": "pixels"}]},
+            400,
+            "digits takes the inputs ['image']; unknown ['pixels']; missing ['image']",
+        ),
+        (
+            {"inputs": [image_input([0.0] * 64, [1, 64])]},
+            400,
+            "expected instances of shape (N, 8, 8), got (1, 64)",
+        ),
+        (
+            {"inputs": [image_input([2.0] * 64, [1, 8, 8])]},
+            400,
+            "values must lie in [0, 1]",
+        ),
+        (
+            {
+                "inputs": [image_input([0.0] * 64, [1, 8, 8])],
+                "outputs": [{"name": "probabilities"}],
+            },
+            400,
+            "digits has the outputs ['logits']; unknown ['probabilities']",
+        ),
+        (
+            {"inputs": [image_input([0.0] * 64, [1, 8, 8])], "extra": 1},
+            400,
+            "unknown field(s) ['extra'] in the inference request",
+        ),
+    ],
+)
+async def test_each_protocol_error_is_answered_with_its_status_and_words(
+    client: httpx.AsyncClient, body: object, status: int, message: str
+) -> None:
+    content = body if isinstance(body, bytes) else orjson.dumps(body)
+    response = await client.post(v2(), content=content)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]
+
+
+async def test_binary_data_that_does_not_match_its_header_is_a_400(
+    client: httpx.AsyncClient,
+) -> None:
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [1, 8, 8],
+                    "parameters": {"binary_data_size": 256},
+                }
+            ]
+        }
+    )
+    data = np.zeros(64, dtype="<f4").tobytes()
+    ok = await client.post(
+        v2(),
+        content=header + data,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert ok.status_code == 200, ok.text
+    for length, content, message in (
+        ("abc", header + data, "is not a length within the body"),
+        (str(len(header) + 10_000), header + data, "is not a length within the body"),
+        (str(len(header)), header + data[:-4], "binary_data_size 256, but only 252 bytes"),
+        (str(len(header)), header + data + b"xx", "2 bytes of binary data follow"),
+        (str(len(header) - 1), header + data, "not valid JSON"),
+    ):
+        response = await client.post(
+            v2(), content=content, headers={"Inference-Header-Content-Length": length}
+        )
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]
+
+
+async def test_unknown_model_and_version_are_404_and_an_oversized_body_413(
+    digits: FastAPI, client: httpx.AsyncClient
+) -> None:
+    body = {"inputs": [image_input([0.0] * 64, [1, 8, 8])]}
+    assert (await client.post(v2("other"), json=body)).status_code == 404
+    assert (await client.post(v2("digits/versions/000000000000"), json=body)).status_code == 404
+    version = (await client.get("/v2/models/digits")).json()["versions"][-1]
+    assert (await client.post(v2(f"digits/versions/{version}"), json=body)).status_code == 200
+    too_large = await client.post(v2(), content=b"x" * (2 << 20))
+    assert too_large.status_code == 413
+    assert "error" in too_large.json()
+
+
+async def test_v2_and_predict_requests_share_batches(
+    digits: FastAPI, client: httpx.AsyncClient
+) -> None:
+    """Rows sent by V2 hold 0.25, rows sent to /predict 0.75: some batch holds both."""
+    batcher = engine_of(digits).served.batcher  # type: ignore[union-attr]
+    batches: list[set[float]] = []
+    original = batcher._run_batch
+
+    def recording(payloads: list[NamedArrays]) -> object:
+        batches.append({float(payload["image"].flat[0]) for payload in payloads})
+        return original(payloads)
+
+    batcher._run_batch = recording  # type: ignore[assignment]
+    v2_body = {"inputs": [image_input([0.25] * 64, [1, 8, 8])]}
+    predict_body = {"instances": [[[0.75] * 8] * 8]}
+    answers_ = await asyncio.gather(
+        *(client.post(v2(), json=v2_body) for _ in range(8)),
+        *(client.post("/predict", json=predict_body) for _ in range(8)),
+    )
+    assert all(answer.status_code == 200 for answer in answers_)
+    assert any(batch == {0.25, 0.75} for batch in batches), batches
+
+
+@pytest.fixture
+async def digits() -> AsyncIterator[FastAPI]:
+    app = create_app(Settings(device="cpu", max_wait_ms=50.0, max_body_bytes=1 << 20))
+    async with LifespanManager(app):
+        await app.state.loading
+        yield app
+
+
+@pytest.fixture
+async def client(digits: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=digits)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield http
+
+
+def test_binary_bytes_outputs_are_length_prefixed() -> None:
+    from service.frontend.oip.rest import binary_of
+    from service.frontend.oip.tensors import OutputTensor
+
+    output = OutputTensor("labels", "BYTES", (1, 2), np.array([["a", "bc"]], dtype=object))
+    assert binary_of(output) == struct.pack("<I", 1) + b"a" + struct.pack("<I", 2) + b"bc"
