@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=1, le=65535)
     """TCP port of the HTTP server."""
 
+    grpc_port: int = Field(default=0, ge=0, le=65535)
+    """TCP port of the Open Inference Protocol's gRPC service (``GRPCInferenceService``) on
+    ``host``; 0 leaves gRPC off. Every front end listens on it, like on ``port``."""
+
     workers: int = Field(default=1, ge=1, le=64)
     """HTTP front-end processes (gunicorn with uvicorn workers). They parse, validate and
     answer; the model runs in one engine process per device, shared by all of them."""

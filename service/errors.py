@@ -60,6 +60,13 @@ class InvalidInputError(ServiceError):
     code = "invalid_input"
 
 
+class DeadlineUnreachableError(InvalidInputError):
+    """The request's instances alone need more compute than its deadline leaves: fewer
+    instances per request would fit (gRPC answers it ``DEADLINE_EXCEEDED``)."""
+
+    code = "deadline_unreachable"
+
+
 class PayloadTooLargeError(ServiceError):
     status_code = 413
     code = "payload_too_large"

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import tritonclient.grpc as triton_grpc_client
 import tritonclient.http as triton_http
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
@@ -42,13 +46,25 @@ def textenc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     yield from _server(tmp_path_factory.mktemp("textenc"), "textenc")
 
 
+@pytest.fixture(scope="module")
+def pairs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    yield from _server(tmp_path_factory.mktemp("pairs"), "sentiment_tensors")
+
+
 def _server(folder: Path, model: str) -> Iterator[Running]:
     port = free_port()
-    env = batchserve_environment(port, BATCHSERVE_MODEL_NAME=model)
+    env = batchserve_environment(
+        port, BATCHSERVE_MODEL_NAME=model, BATCHSERVE_GRPC_PORT=str(free_port())
+    )
     url = f"http://127.0.0.1:{port}"
     with running_process([str(BATCHSERVE), "serve"], url, folder / "server.log", env) as server:
         wait_for(lambda: answers(url + "/readyz"), "ready", server)
+        server.grpc = "127.0.0.1:" + env["BATCHSERVE_GRPC_PORT"]  # type: ignore[attr-defined]
         yield server
+
+
+def triton_grpc(server: Running) -> triton_grpc_client.InferenceServerClient:
+    return triton_grpc_client.InferenceServerClient(server.grpc)  # type: ignore[attr-defined]
 
 
 def triton(server: Running) -> triton_http.InferenceServerClient:
@@ -295,3 +311,135 @@ def test_binary_bytes_outputs_are_length_prefixed() -> None:
 
     output = OutputTensor("labels", "BYTES", (1, 2), np.array([["a", "bc"]], dtype=object))
     assert binary_of(output) == struct.pack("<I", 1) + b"a" + struct.pack("<I", 2) + b"bc"
+
+
+def test_tritonclient_grpc_health_metadata_and_digits(digits_server: Running) -> None:
+    client = triton_grpc(digits_server)
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("digits")
+    assert not client.is_model_ready("nothing")
+    assert "binary_tensor_data" in client.get_server_metadata().extensions
+    metadata = client.get_model_metadata("digits", as_json=True)
+    assert metadata["inputs"] == [{"name": "image", "datatype": "FP32", "shape": ["-1", "8", "8"]}]
+    images = np.random.default_rng(3).random((4, 8, 8), dtype=np.float32)
+    tensor = triton_grpc_client.InferInput("image", [4, 8, 8], "FP32")
+    tensor.set_data_from_numpy(images)
+    result = client.infer("digits", [tensor], request_id="g-1")
+    np.testing.assert_allclose(
+        result.as_numpy("logits"), predicted(digits_server, images.tolist()), atol=1e-5
+    )
+    assert result.get_response().id == "g-1"
+    labelled = client.infer(
+        "digits", [tensor], outputs=[triton_grpc_client.InferRequestedOutput("logits", 2)]
+    ).as_numpy("logits")
+    assert labelled.shape == (4, 2)
+
+
+def test_tritonclient_grpc_variable_length_int64(textenc_server: Running) -> None:
+    client = triton_grpc(textenc_server)
+    ids = np.random.default_rng(4).integers(1, 1000, size=(3, 9), dtype=np.int64)
+    tensor = triton_grpc_client.InferInput("token_ids", [3, 9], "INT64")
+    tensor.set_data_from_numpy(ids)
+    np.testing.assert_allclose(
+        client.infer("textenc", [tensor]).as_numpy("embedding"),
+        predicted(textenc_server, ids.tolist()),
+        atol=1e-5,
+    )
+
+
+def test_grpc_errors_and_deadlines_are_grpc_statuses(textenc_server: Running) -> None:
+    client = triton_grpc(textenc_server)
+    ids = np.ones((1, 4), dtype=np.int32)
+    tensor = triton_grpc_client.InferInput("token_ids", [1, 4], "INT32")
+    tensor.set_data_from_numpy(ids)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("textenc", [tensor])
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "the model takes INT64" in refused.value.message()
+    with pytest.raises(InferenceServerException) as unknown:
+        client.infer("nothing", [tensor])
+    assert unknown.value.status() == "StatusCode.NOT_FOUND"
+    # 64 rows of 512 tokens take far longer than 20 ms on this CPU: the call's deadline is the
+    # request's, so the batcher answers it as late (or the client gives up first).
+    long = np.ones((64, 512), dtype=np.int64)
+    tensor = triton_grpc_client.InferInput("token_ids", [64, 512], "INT64")
+    tensor.set_data_from_numpy(long)
+    with pytest.raises(InferenceServerException) as late:
+        client.infer("textenc", [tensor], client_timeout=0.02)
+    assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert client.is_server_ready()  # and it still serves
+
+
+def test_two_inputs_and_two_outputs_through_rest_and_grpc_equal_predict(
+    pairs_server: Running,
+) -> None:
+    rng = np.random.default_rng(5)
+    ids = rng.integers(1, 300, size=(2, 6), dtype=np.int64)
+    mask = np.ones_like(ids)
+    answer = httpx.post(
+        pairs_server.url + "/predict",
+        json={"instances": [{"input_ids": row.tolist(), "attention_mask": [1] * 6} for row in ids]},
+        timeout=30,
+    ).json()["predictions"]
+    for module, client in (
+        (triton_http, triton(pairs_server)),
+        (triton_grpc_client, triton_grpc(pairs_server)),
+    ):
+        inputs = [module.InferInput("input_ids", [2, 6], "INT64"), module.InferInput(
+            "attention_mask", [2, 6], "INT64")]  # fmt: skip
+        inputs[0].set_data_from_numpy(ids)
+        inputs[1].set_data_from_numpy(mask)
+        result = client.infer("sentiment_tensors", inputs)
+        for name in ("logits", "embedding"):
+            np.testing.assert_allclose(
+                result.as_numpy(name), [row[name] for row in answer], atol=1e-5
+            )
+
+
+_DESCRIBE_OURS = """
+import json
+from service.frontend.oip.proto import grpc_predict_v2_pb2 as ours
+
+def fields(message):
+    return {
+        "fields": {f.name: [f.number, f.type, f.label] for f in message.fields},
+        "nested": {n.name: fields(n) for n in message.nested_types},
+    }
+
+service = ours.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+print(json.dumps({
+    "package": ours.DESCRIPTOR.package,
+    "methods": {m.name: m.input_type.full_name for m in service.methods},
+    "messages": {n: fields(m) for n, m in ours.DESCRIPTOR.message_types_by_name.items()},
+}))
+"""
+
+
+def test_our_proto_is_the_protocols_as_tritonclient_knows_it() -> None:
+    """Every method, message and field we define has the name, number and type of
+    tritonclient's (a superset of the V2 protocol's), so its calls reach ours unchanged. Ours
+    is described in another process: one process cannot hold both (the same symbols)."""
+    from tritonclient.grpc import service_pb2 as theirs
+
+    described = subprocess.run(
+        [sys.executable, "-c", _DESCRIBE_OURS], capture_output=True, text=True, check=True
+    )
+    ours = orjson.loads(described.stdout)
+    assert ours["package"] == theirs.DESCRIPTOR.package == "inference"
+    their_service = theirs.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for method, input_type in ours["methods"].items():
+        assert their_service.methods_by_name[method].input_type.full_name == input_type
+
+    def same(message: dict[str, Any], their_message: Any, where: str) -> None:
+        for name, (number, kind, label) in message["fields"].items():
+            their_field = their_message.fields_by_name[name]
+            assert [number, kind, label] == [
+                their_field.number, their_field.type, their_field.label
+            ], f"{where}.{name}"  # fmt: skip
+        for name, nested in message["nested"].items():
+            same(nested, their_message.nested_types_by_name[name], f"{where}.{name}")
+
+    assert len(ours["messages"]) == 14  # 12 requests and responses, a parameter, contents
+    for name, message in ours["messages"].items():
+        same(message, theirs.DESCRIPTOR.message_types_by_name[name], name)

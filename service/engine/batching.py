@@ -45,6 +45,7 @@ from service.config import BatchPolicy
 from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
+    DeadlineUnreachableError,
     DeviceOutOfMemoryError,
     InferenceError,
     InsufficientDeviceMemoryError,
@@ -434,7 +435,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         own_s = sum(seconds for seconds in own if seconds is not None)
         if own_s > left_s:
             self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
-            raise InvalidInputError(
+            raise DeadlineUnreachableError(
                 f"these {sum(chunk_rows)} instances need about {own_s * 1000:.0f} ms of "
                 f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
                 "deadline; send fewer instances per request"

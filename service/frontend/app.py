@@ -7,8 +7,9 @@ stops them is the caller's ``lifespan``: ``server/single.py`` runs an engine in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -43,7 +44,7 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
         title="batchserve",
         version=__version__,
         summary="PyTorch model serving with dynamic batching.",
-        lifespan=lifespan,
+        lifespan=_with_grpc(frontend, lifespan),
         # FastAPI's pages load their scripts from CDNs; docs.py serves Swagger UI offline.
         docs_url=None,
         redoc_url=None,
@@ -57,6 +58,27 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error_response)
     return app
+
+
+def _with_grpc(frontend: FrontendState, lifespan: Lifespan) -> Lifespan:
+    """``lifespan``, and the V2 gRPC service beside HTTP when ``grpc_port`` is set: started
+    once the engines are starting, stopped (in-flight calls finished) before they stop."""
+
+    @contextlib.asynccontextmanager
+    async def serving(app: FastAPI) -> AsyncIterator[None]:
+        async with lifespan(app):
+            if not frontend.settings.grpc_port:
+                yield
+                return
+            from service.frontend.oip.grpc_server import start_grpc_server
+
+            server = await start_grpc_server(frontend)
+            try:
+                yield
+            finally:
+                await server.stop(grace=frontend.settings.request_timeout_ms / 1000.0)
+
+    return serving
 
 
 class ServingApp(FastAPI):

@@ -1,0 +1,281 @@
+"""The V2 ``GRPCInferenceService`` on ``BATCHSERVE_GRPC_PORT``, in each front end's event loop.
+
+``ModelInfer`` takes inputs as typed contents or ``raw_input_contents`` and answers every
+output as ``raw_output_contents`` (what tritonclient reads). It validates like the REST route,
+takes the call's gRPC deadline as the request's deadline, leaves the queue when the caller
+cancels, and counts in the same request metrics (route ``grpc:ModelInfer``). Every front end
+of a server listens on the port (``SO_REUSEPORT``), like the HTTP one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+
+from service.bridge.interface import InferenceRequest
+from service.errors import (
+    BadRequestError,
+    DeadlineUnreachableError,
+    InvalidInputError,
+    ServiceError,
+)
+from service.frontend.about import __version__
+from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
+from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from service.frontend.oip.rest import binary_of, served_model
+from service.frontend.oip.routes import EXTENSIONS, PLATFORM, tensor_metadata
+from service.frontend.oip.tensors import (
+    InferInput,
+    InferOptions,
+    RequestedOutput,
+    answer_outputs,
+    check_classification,
+    to_request,
+)
+from service.frontend.state import FrontendState
+from service.types import Priority
+
+logger = logging.getLogger(__name__)
+
+#: The typed ``InferTensorContents`` field that carries each datatype.
+_CONTENTS_FIELDS: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_STATUS_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+INFER_ROUTE = "grpc:ModelInfer"
+
+Reply = TypeVar("Reply")
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """The protocol's six calls over one front end's engines."""
+
+    def __init__(self, frontend: FrontendState) -> None:
+        self.frontend = frontend
+
+    async def ServerLive(  # noqa: N802 - the protocol's names
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(  # noqa: N802
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.frontend.ready)
+
+    async def ModelReady(  # noqa: N802
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelReadyResponse:
+        try:
+            served_model(self.frontend, request.name, request.version or None)
+        except ServiceError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(  # noqa: N802
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name="batchserve", version=__version__, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(  # noqa: N802
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelMetadataResponse:
+        async def metadata() -> pb.ModelMetadataResponse:
+            manifest = served_model(self.frontend, request.name, request.version or None).manifest
+            tensor = pb.ModelMetadataResponse.TensorMetadata
+            return pb.ModelMetadataResponse(
+                name=manifest.name,
+                versions=[manifest.version],
+                platform=PLATFORM,
+                inputs=[tensor(**tensor_metadata(spec)) for spec in manifest.inputs],
+                outputs=[tensor(**tensor_metadata(spec)) for spec in manifest.outputs],
+            )
+
+        return await _answering(context, metadata)
+
+    async def ModelInfer(  # noqa: N802
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelInferResponse:
+        metrics = self.frontend.metrics
+        started_s = time.perf_counter()
+        status = "200"
+        metrics.in_flight.inc()
+        self.frontend.receiving += 1
+        try:
+            return await self._infer(request, context)
+        except ServiceError as error:
+            status = str(error.status_code)
+            raise
+        except BaseException:
+            status = "499" if context.cancelled() else "500"
+            raise
+        finally:
+            metrics.in_flight.dec()
+            self.frontend.receiving -= 1
+            metrics.requests.labels(INFER_ROUTE, status).inc()
+            metrics.request_latency.labels(INFER_ROUTE, status).observe(
+                time.perf_counter() - started_s
+            )
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelInferResponse:
+        async def infer() -> pb.ModelInferResponse:
+            frontend = self.frontend
+            deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
+            remaining_s = context.time_remaining()
+            if remaining_s is not None:
+                deadline_s = min(deadline_s, time.monotonic() + remaining_s)
+            model = served_model(frontend, request.model_name, request.model_version or None)
+            options = InferOptions(
+                outputs=tuple(_requested(output) for output in request.outputs),
+                parameters=_parameters(request.parameters),
+            )
+            for output in options.outputs:
+                check_classification(model.manifest, output)
+            layout = frontend.layout_for(model)
+            instances = to_request(model.manifest, layout, _inputs(request))
+            group, cost_per_row = layout.group_and_cost(instances)
+            frontend.holding += 1
+            try:
+                result = await frontend.engine.infer(
+                    InferenceRequest(
+                        model=model.manifest.name,
+                        version=model.manifest.version,
+                        instances=instances,
+                        group=group,
+                        cost_per_row=cost_per_row,
+                        priority=_priority(options.parameters),
+                        deadline_s=deadline_s,
+                        request_id=request.id or "grpc",
+                        frontend_load=frontend.holding,
+                    )
+                )
+            finally:
+                frontend.holding -= 1
+            answered = answer_outputs(model.manifest, result.outputs, options)
+            response = pb.ModelInferResponse(
+                model_name=model.manifest.name, model_version=result.version, id=request.id
+            )
+            for tensor in answered:
+                response.outputs.add(
+                    name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape)
+                )
+                response.raw_output_contents.append(binary_of(tensor))
+            return response
+
+        return await _answering(context, infer)
+
+
+async def _answering(
+    context: grpc.aio.ServicerContext[Any, Any], call: Callable[[], Awaitable[Reply]]
+) -> Reply:
+    """``call``'s reply, or the gRPC status its ``ServiceError`` maps to (with its message)."""
+    try:
+        return await call()
+    except ServiceError as error:
+        code = _STATUS_CODES.get(error.status_code, grpc.StatusCode.INTERNAL)
+        if isinstance(error, DeadlineUnreachableError):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        if error.status_code >= 500 and error.status_code not in _STATUS_CODES:
+            logger.error("grpc_request_failed", extra={"error": error.message})
+        await context.abort(code, error.message)
+        raise  # abort raises; this line is never reached
+
+
+def _inputs(request: pb.ModelInferRequest) -> list[InferInput]:
+    """The request's tensors, from ``raw_input_contents`` (one per input, in order) or each
+    input's typed contents."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequestError(
+            f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs"
+        )
+    inputs = []
+    for index, tensor in enumerate(request.inputs):
+        shape = tuple(tensor.shape)
+        if raw:
+            inputs.append(InferInput(tensor.name, tensor.datatype, shape, raw=raw[index]))
+            continue
+        field = _CONTENTS_FIELDS.get(tensor.datatype)
+        if field is None:
+            raise BadRequestError(
+                f"input {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only"
+            )
+        values = list(getattr(tensor.contents, field))
+        inputs.append(InferInput(tensor.name, tensor.datatype, shape, data=values))
+    return inputs
+
+
+def _parameter(value: pb.InferParameter) -> Any:
+    choice = value.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(value, choice)
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    return {name: _parameter(value) for name, value in parameters.items()}
+
+
+def _requested(output: pb.ModelInferRequest.InferRequestedOutputTensor) -> RequestedOutput:
+    parameters = _parameters(output.parameters)
+    classification = parameters.get("classification", 0)
+    if not isinstance(classification, int) or isinstance(classification, bool):
+        raise InvalidInputError(f"output {output.name!r}: classification must be an integer")
+    return RequestedOutput(output.name, binary=True, classification=classification)
+
+
+def _priority(parameters: Mapping[str, Any]) -> Priority:
+    """Triton's ``priority`` parameter: 1 is the highest level."""
+    return "high" if parameters.get("priority") == 1 else "normal"
+
+
+async def start_grpc_server(frontend: FrontendState) -> grpc.aio.Server:
+    """Serve the protocol on ``host:grpc_port`` (shared with the other front ends)."""
+    settings = frontend.settings
+    limit = settings.max_body_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", max(limit, 64 << 20)),
+        ]
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        InferenceServicer(frontend), server
+    )
+    address = f"{settings.host}:{settings.grpc_port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen for gRPC on {address}")
+    await server.start()
+    logger.info("grpc_serving", extra={"address": address})
+    return server

@@ -1,0 +1,1 @@
+"""The V2 gRPC API: its .proto and the Python code generated from it."""
