@@ -403,7 +403,7 @@ from service.frontend.oip.proto import grpc_predict_v2_pb2 as ours
 
 def fields(message):
     return {
-        "fields": {f.name: [f.number, f.type, f.label] for f in message.fields},
+        "fields": {f.name: [f.number, f.type, f.is_repeated] for f in message.fields},
         "nested": {n.name: fields(n) for n in message.nested_types},
     }
 
@@ -432,10 +432,10 @@ def test_our_proto_is_the_protocols_as_tritonclient_knows_it() -> None:
         assert their_service.methods_by_name[method].input_type.full_name == input_type
 
     def same(message: dict[str, Any], their_message: Any, where: str) -> None:
-        for name, (number, kind, label) in message["fields"].items():
+        for name, (number, kind, repeated) in message["fields"].items():
             their_field = their_message.fields_by_name[name]
-            assert [number, kind, label] == [
-                their_field.number, their_field.type, their_field.label
+            assert [number, kind, repeated] == [
+                their_field.number, their_field.type, their_field.is_repeated
             ], f"{where}.{name}"  # fmt: skip
         for name, nested in message["nested"].items():
             same(nested, their_message.nested_types_by_name[name], f"{where}.{name}")
