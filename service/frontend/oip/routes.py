@@ -14,7 +14,25 @@ from service.errors import ConflictError, ModelNotFoundError, ServiceError
 from service.frontend.about import __version__
 from service.frontend.admin import require_admin_token
 from service.frontend.oip.datatypes import datatype_of
-from service.frontend.oip.rest import JSON, error_response, served_model
+from service.frontend.oip.rest import (
+    BINARY,
+    JSON,
+    error_response,
+    serve_v2_inference,
+    served_model,
+)
+from service.frontend.oip.schemas import (
+    V2InferenceRequest,
+    V2InferenceResponse,
+    V2Liveness,
+    V2Loaded,
+    V2ModelMetadata,
+    V2Readiness,
+    V2RepositoryEntry,
+    V2ServerMetadata,
+    error_responses,
+    inlined_schema,
+)
 from service.frontend.state import FrontendState
 from service.manifest import Manifest, TensorSpec
 
@@ -49,19 +67,24 @@ def frontend_of(request: Request) -> FrontendState:
     return state
 
 
-@router.get("", summary="Server metadata")
+@router.get("", summary="Server metadata", response_model=V2ServerMetadata)
 @v2_errors
 async def server_metadata() -> Response:
     return _json({"name": "batchserve", "version": __version__, "extensions": EXTENSIONS})
 
 
-@router.get("/health/live", summary="Server live")
+@router.get("/health/live", summary="Server live", response_model=V2Liveness)
 async def server_live() -> Response:
     """200 while this process answers."""
     return _json({"live": True})
 
 
-@router.get("/health/ready", summary="Server ready")
+@router.get(
+    "/health/ready",
+    summary="Server ready",
+    response_model=V2Readiness,
+    responses={400: {"model": V2Readiness}},
+)
 async def server_ready(request: Request) -> Response:
     """200 once the model is served; 400 otherwise (the protocol's "4xx is not ready")."""
     ready = frontend_of(request).ready
@@ -82,8 +105,15 @@ def model_metadata(manifest: Manifest, versions: list[str]) -> dict[str, Any]:
     }
 
 
-@router.get("/models/{name}", summary="Model metadata")
-@router.get("/models/{name}/versions/{version}", summary="Model version metadata")
+_METADATA = {"response_model": V2ModelMetadata, "responses": error_responses(404, 503)}
+
+
+@router.get("/models/{name}", summary="Model metadata", **_METADATA)  # type: ignore[arg-type]
+@router.get(
+    "/models/{name}/versions/{version}",
+    summary="Model version metadata",
+    **_METADATA,  # type: ignore[arg-type]
+)
 @v2_errors
 async def model(request: Request, name: str, version: str | None = None) -> Response:
     """Inputs and outputs (datatype, shape with -1 for variable sizes) of the served version,
@@ -97,8 +127,15 @@ async def model(request: Request, name: str, version: str | None = None) -> Resp
     return _json(model_metadata(served.manifest, versions))
 
 
-@router.get("/models/{name}/ready", summary="Model ready")
-@router.get("/models/{name}/versions/{version}/ready", summary="Model version ready")
+_READY = {"response_model": V2Readiness, "responses": {400: {"model": V2Readiness}}}
+
+
+@router.get("/models/{name}/ready", summary="Model ready", **_READY)  # type: ignore[arg-type]
+@router.get(
+    "/models/{name}/versions/{version}/ready",
+    summary="Model version ready",
+    **_READY,  # type: ignore[arg-type]
+)
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     try:
         served_model(frontend_of(request), name, version)
@@ -107,7 +144,15 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
     return _json({"name": name, "ready": True})
 
 
-@router.post("/repository/index", summary="Repository index (admin)")
+_ADMIN_ERRORS = error_responses(401, 403, 404, 409, 422, 503)
+
+
+@router.post(
+    "/repository/index",
+    summary="Repository index (admin)",
+    response_model=list[V2RepositoryEntry],
+    responses=_ADMIN_ERRORS,
+)
 @v2_errors
 async def repository_index(request: Request) -> Response:
     """Every version in the repository and whether it is the one served."""
@@ -129,7 +174,12 @@ async def repository_index(request: Request) -> Response:
     return _json(entries)
 
 
-@router.post("/repository/models/{name}/load", summary="Load a model (admin)")
+@router.post(
+    "/repository/models/{name}/load",
+    summary="Load a model (admin)",
+    response_model=V2Loaded,
+    responses=_ADMIN_ERRORS,
+)
 @v2_errors
 async def repository_load(request: Request, name: str) -> Response:
     """Verify, load and warm up the newest version of ``name``, then serve it: the admin
@@ -140,7 +190,11 @@ async def repository_load(request: Request, name: str) -> Response:
     return _json({"name": switched.serving.name, "version": switched.serving.version})
 
 
-@router.post("/repository/models/{name}/unload", summary="Unload a model (admin)")
+@router.post(
+    "/repository/models/{name}/unload",
+    summary="Unload a model (admin)",
+    responses=_ADMIN_ERRORS,
+)
 @v2_errors
 async def repository_unload(request: Request, name: str) -> Response:
     """Refused: a batchserve server serves one model and keeps serving it; switch versions
@@ -149,3 +203,46 @@ async def repository_unload(request: Request, name: str) -> Response:
     raise ConflictError(
         f"{name} cannot be unloaded: this server serves one model; load another version instead"
     )
+
+
+_INFER = {
+    "response_model": V2InferenceResponse,
+    "responses": {
+        200: {"content": {BINARY: {"schema": {"type": "string", "format": "binary"}}}},
+        **error_responses(400, 404, 408, 413, 429, 500, 503, 504),
+    },
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                JSON: {"schema": inlined_schema(V2InferenceRequest)},
+                BINARY: {
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": "The binary tensor extension: a JSON header of "
+                    "Inference-Header-Content-Length bytes, then each input with a "
+                    "binary_data_size.",
+                },
+            },
+        }
+    },
+}
+
+
+@router.post("/models/{name}/infer", summary="Inference", **_INFER)  # type: ignore[arg-type]
+@router.post(
+    "/models/{name}/versions/{version}/infer",
+    summary="Inference on a version",
+    **_INFER,  # type: ignore[arg-type]
+)
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    """Run the model on the request's named tensors (JSON ``data`` or binary data); every
+    output, or the ones asked for, in JSON or as binary data. (The service's middleware
+    answers this route itself; this is its documentation and the same code.)"""
+    frontend = frontend_of(request)
+    headers = {key.lower(): value for key, value in request.headers.items()}
+    try:
+        return await serve_v2_inference(
+            frontend, headers, request.receive, request.state.request_id, name, version
+        )
+    except ServiceError as error:
+        return error_response(error)
