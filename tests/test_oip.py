@@ -7,6 +7,7 @@ import asyncio
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from tests.processes import (
     answers,
     batchserve_environment,
     free_port,
+    scraped,
     wait_for,
 )
 from tests.processes import running as running_process
@@ -443,3 +445,43 @@ def test_our_proto_is_the_protocols_as_tritonclient_knows_it() -> None:
     assert len(ours["messages"]) == 14  # 12 requests and responses, a parameter, contents
     for name, message in ours["messages"].items():
         same(message, theirs.DESCRIPTOR.message_types_by_name[name], name)
+
+
+def test_a_cancelled_grpc_call_leaves_the_queue_uncomputed(textenc_server: Running) -> None:
+    """While one large request holds the device, a second call is cancelled by its client:
+    the engine drops it, counted as cancelled, and never computes it."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    def request(rows: int, length: int) -> service_pb2.ModelInferRequest:
+        call = service_pb2.ModelInferRequest(model_name="textenc")
+        call.inputs.add(name="token_ids", datatype="INT64", shape=[rows, length])
+        call.raw_input_contents.append(np.ones((rows, length), dtype="<i8").tobytes())
+        return call
+
+    before = scraped(
+        textenc_server.url, "batchserve_dropped_requests_total", {"reason": "cancelled"}
+    )
+    with grpc.insecure_channel(textenc_server.grpc) as channel:  # type: ignore[attr-defined]
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        busy = stub.ModelInfer.future(request(32, 512), timeout=60)
+        wait_for(
+            lambda: scraped(textenc_server.url, "batchserve_in_flight_requests") >= 1,
+            "the large request in flight",
+            textenc_server,
+        )
+        cancelled = stub.ModelInfer.future(request(1, 8), timeout=60)
+        time.sleep(0.2)  # queued behind the large batch
+        assert cancelled.cancel()
+        busy.result()
+    wait_for(
+        lambda: (
+            scraped(
+                textenc_server.url, "batchserve_dropped_requests_total", {"reason": "cancelled"}
+            )
+            == before + 1
+        ),
+        "the cancelled call dropped",
+        textenc_server,
+        timeout_s=10,
+    )
