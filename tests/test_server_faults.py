@@ -235,7 +235,14 @@ def test_a_client_that_leaves_while_queued_is_never_computed_by_the_engine(
                     "the engine dropping it",
                     server,
                 )
-                assert scraped(server.url, "batchserve_queue_depth") == 0
+                # The gauge follows the queue at most QUEUE_DEPTH_REFRESH_S (50 ms) late.
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: scraped(server.url, "batchserve_queue_depth") == 0,
+                    "the queue empty",
+                    server,
+                    1.0,
+                )
                 gate.unlink()
                 return (await blocker).status_code
 
