@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from service.bridge.interface import InferenceRequest
 from service.errors import (
     BadRequestError,
     DeadlineUnreachableError,
@@ -26,15 +25,12 @@ from service.errors import (
 from service.frontend.about import __version__
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from service.frontend.oip.rest import binary_of, served_model
+from service.frontend.oip.rest import binary_of, run_inference, served_model
 from service.frontend.oip.routes import EXTENSIONS, PLATFORM, tensor_metadata
 from service.frontend.oip.tensors import (
     InferInput,
     InferOptions,
     RequestedOutput,
-    answer_outputs,
-    check_classification,
-    to_request,
 )
 from service.frontend.state import FrontendState
 from service.types import Priority
@@ -161,29 +157,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 outputs=tuple(_requested(output) for output in request.outputs),
                 parameters=_parameters(request.parameters),
             )
-            for output in options.outputs:
-                check_classification(model.manifest, output)
-            layout = frontend.layout_for(model)
-            instances = to_request(model.manifest, layout, _inputs(request))
-            group, cost_per_row = layout.group_and_cost(instances)
-            frontend.holding += 1
-            try:
-                result = await frontend.engine.infer(
-                    InferenceRequest(
-                        model=model.manifest.name,
-                        version=model.manifest.version,
-                        instances=instances,
-                        group=group,
-                        cost_per_row=cost_per_row,
-                        priority=_priority(options.parameters),
-                        deadline_s=deadline_s,
-                        request_id=request.id or "grpc",
-                        frontend_load=frontend.holding,
-                    )
-                )
-            finally:
-                frontend.holding -= 1
-            answered = answer_outputs(model.manifest, result.outputs, options)
+            result, answered = await run_inference(
+                frontend,
+                model,
+                _inputs(request),
+                options,
+                deadline_s=deadline_s,
+                priority=_priority(options.parameters),
+                request_id=request.id or "grpc",
+            )
             response = pb.ModelInferResponse(
                 model_name=model.manifest.name, model_version=result.version, id=request.id
             )

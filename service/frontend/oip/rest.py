@@ -21,7 +21,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive
 
-from service.bridge.interface import InferenceRequest, ModelInfo
+from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
 from service.errors import (
     BadRequestError,
     InvalidInputError,
@@ -83,32 +83,19 @@ async def serve_v2_inference(
     body = await read_body(
         receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
     )
-    frontend.holding += 1
-    try:
-        model = served_model(frontend, name, version)
-        document, binary = split_body(body, headers.get(HEADER_LENGTH))
-        inputs, options, request_key = parse_request(document, binary)
-        for output in options.outputs:
-            check_classification(model.manifest, output)
-        layout = frontend.layout_for(model)
-        instances = to_request(model.manifest, layout, inputs)
-        group, cost_per_row = layout.group_and_cost(instances)
-        request = InferenceRequest(
-            model=model.manifest.name,
-            version=model.manifest.version,
-            instances=instances,
-            group=group,
-            cost_per_row=cost_per_row,
-            priority=_priority(options.parameters, headers.get("x-priority")),
+    model = served_model(frontend, name, version)
+    document, binary = split_body(body, headers.get(HEADER_LENGTH))
+    inputs, options, request_key = parse_request(document, binary)
+    with DisconnectWatcher(receive):
+        result, answered = await run_inference(
+            frontend,
+            model,
+            inputs,
+            options,
             deadline_s=_deadline(options.parameters, deadline_s),
+            priority=_priority(options.parameters, headers.get("x-priority")),
             request_id=request_id,
-            frontend_load=frontend.holding,
         )
-        with DisconnectWatcher(receive):
-            result = await frontend.engine.infer(request)
-    finally:
-        frontend.holding -= 1
-    answered = answer_outputs(model.manifest, result.outputs, options)
     return encode_response(
         {
             "model_name": model.manifest.name,
@@ -118,6 +105,43 @@ async def serve_v2_inference(
         answered,
         {"X-Model-Version": f"{model.manifest.name}@{result.version}"},
     )
+
+
+async def run_inference(
+    frontend: FrontendState,
+    model: ModelInfo,
+    inputs: list[InferInput],
+    options: InferOptions,
+    *,
+    deadline_s: float,
+    priority: Priority,
+    request_id: str,
+) -> tuple[InferenceResult, list[OutputTensor]]:
+    """Validate a V2 request's tensors against ``model``, queue them on the engine (REST and
+    gRPC alike), and the outputs to answer."""
+    for output in options.outputs:
+        check_classification(model.manifest, output)
+    layout = frontend.layout_for(model)
+    instances = to_request(model.manifest, layout, inputs)
+    group, cost_per_row = layout.group_and_cost(instances)
+    frontend.holding += 1
+    try:
+        result = await frontend.engine.infer(
+            InferenceRequest(
+                model=model.manifest.name,
+                version=model.manifest.version,
+                instances=instances,
+                group=group,
+                cost_per_row=cost_per_row,
+                priority=priority,
+                deadline_s=deadline_s,
+                request_id=request_id,
+                frontend_load=frontend.holding,
+            )
+        )
+    finally:
+        frontend.holding -= 1
+    return result, answer_outputs(model.manifest, result.outputs, options)
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
