@@ -26,7 +26,9 @@ VERSION_PATTERN = re.compile(r"^[0-9a-f]{12}$")
 FILE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 IMPORT_PATH_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
-ModelFormat = Literal["safetensors", "state_dict", "torchscript", "exported_program"]
+ModelFormat = Literal[
+    "safetensors", "state_dict", "torchscript", "exported_program", "aoti", "onnx"
+]
 DType = Literal[
     "bool",
     "uint8",
@@ -49,6 +51,8 @@ ARTIFACT_SUFFIXES: dict[str, str] = {
     "state_dict": ".pt",
     "torchscript": ".torchscript.pt",
     "exported_program": ".pt2",
+    "aoti": ".aoti.pt2",
+    "onnx": ".onnx",
 }
 
 

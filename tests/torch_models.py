@@ -253,3 +253,12 @@ class CharSum(nn.Module):
 
     def forward(self, chars: torch.Tensor) -> torch.Tensor:
         return chars.sum(dim=1).to(torch.float32)
+
+
+class Eigenvalues(nn.Module):
+    """(N, 2, 2) -> (N, 2) real parts of the eigenvalues: ``linalg.eigvals`` has no ONNX
+    form, so exporting it to onnx must fail naming it."""
+
+    def forward(self, matrices: torch.Tensor) -> torch.Tensor:
+        values: torch.Tensor = torch.linalg.eigvals(matrices).real
+        return values

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 
 from service.bundled import import_attribute
+from service.engine.backends import AotiModule, OnnxModule
 from service.engine.outputs import check_forward
 from service.errors import ModelIntegrityError, ModelLoadError
 from service.manifest import (
@@ -139,6 +140,10 @@ def build_module(manifest: Manifest, artifact: Path, folder: Path) -> torch.nn.M
             module = instantiate(manifest.architecture, manifest, folder)
             state = _read_state_dict(manifest.format, artifact)
             module.load_state_dict(state, strict=True)
+        elif manifest.format == "aoti":
+            return AotiModule(artifact)
+        elif manifest.format == "onnx":
+            return OnnxModule(artifact, manifest)
         elif manifest.format == "torchscript":
             module = torch.jit.load(str(artifact), map_location="cpu")  # type: ignore[no-untyped-call]
         else:

@@ -165,6 +165,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     package.add_argument("--metadata", type=_parse_json_object, action=_Once, help="JSON object")
 
+    export = commands.add_parser(
+        "export",
+        help="convert a version to torchscript, exported_program, aoti or onnx: a new version "
+        "recording its source, settings and the parity measured against it",
+    )
+    export.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
+    export.add_argument("--model", required=True, action=_Once, help="model name")
+    export.add_argument("--version", default="latest", action=_Once, help="version (latest)")
+    export.add_argument(
+        "--to",
+        required=True,
+        action=_Once,
+        choices=["torchscript", "exported_program", "aoti", "onnx"],
+        help="the format to export to",
+    )
+
     models = commands.add_parser("models", help="list or verify the model repository")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     for name, help_text in (
@@ -218,6 +234,25 @@ def _package(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from service.engine.export import ExportError, export_version  # imports torch
+    from service.engine.model_store import ModelStore
+
+    try:
+        manifest = export_version(ModelStore(_repository(args)), args.model, args.version, args.to)
+    except ExportError as error:
+        print(f"batchserve: {error}", file=sys.stderr)
+        return 1
+    parity = manifest.metadata["parity"]
+    print(manifest.version)
+    print(
+        f"{manifest.label} ({manifest.format}): max abs diff {parity['max_abs_diff']}, "
+        f"max rel diff {parity['max_rel_diff']} over {parity['samples']} samples",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     store = ModelRepository(_repository(args))
     names = [args.name] if args.name else store.model_names()
@@ -226,9 +261,16 @@ def _models(args: argparse.Namespace) -> int:
         if args.models_command == "list":
             for manifest in store.versions(name):
                 accuracy = manifest.metadata.get("test_accuracy", "")
+                parity = manifest.metadata.get("parity")
+                exported = (
+                    f"\tfrom {manifest.metadata.get('exported_from')}, max abs diff "
+                    f"{parity['max_abs_diff']}"
+                    if isinstance(parity, dict)
+                    else ""
+                )
                 print(
                     f"{manifest.name}\t{manifest.version}\t{manifest.created_at.isoformat()}\t"
-                    f"{manifest.format}\t{accuracy}"
+                    f"{manifest.format}\t{accuracy}{exported}"
                 )
             continue
         for version in store.version_ids(name):
@@ -256,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging("warning")
         if args.command == "package":
             return _package(args)
+        if args.command == "export":
+            return _export(args)
         return _models(args)
     except SettingsError as error:
         print(error, file=sys.stderr)
