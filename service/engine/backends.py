@@ -30,8 +30,8 @@ class AotiModule(torch.nn.Module):
 
 
 class OnnxModule(torch.nn.Module):
-    """An ONNX model in an ONNX Runtime session: graph optimisations on, the CUDA execution
-    provider first when torch sees a GPU, else the CPU's."""
+    """An ONNX model in an ONNX Runtime session: graph optimisations on, torch's thread
+    count, the CUDA execution provider first when torch sees a GPU, else the CPU's."""
 
     def __init__(self, model: Path, manifest: Manifest) -> None:
         super().__init__()
@@ -43,6 +43,8 @@ class OnnxModule(torch.nn.Module):
             ) from error
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # As many threads as torch was given (torch_threads): a core stays with the event loop.
+        options.intra_op_num_threads = torch.get_num_threads()
         providers = ["CPUExecutionProvider"]
         if torch.cuda.is_available() and "CUDAExecutionProvider" in (
             onnxruntime.get_available_providers()

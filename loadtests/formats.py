@@ -1,0 +1,112 @@
+"""Each export format of a demo model, measured in process: time to load and answer a first
+batch (ready to serve), rows/s at batch 1, 8 and 64, and the parity export recorded.
+
+``python -m loadtests.formats [--models digits textenc]``: exports into a scratch copy of the
+repository (``service.engine.export``), then times each version with the runner's own call
+(one thread per device, as served; medians over at most ``--seconds`` or ``--calls``).
+Prints a Markdown table. AOTInductor compiles at export, not at load: its export time is
+given beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from service.config import BUNDLED_MODEL_REPOSITORY
+from service.engine.export import export_version
+from service.engine.model_store import ModelStore
+from service.engine.outputs import TORCH_DTYPES, call_model, example_inputs
+from service.engine.runner import configure_torch_threads
+from service.manifest import Manifest, ModelFormat
+
+FORMATS: dict[str, tuple[ModelFormat, ...]] = {
+    "digits": ("torchscript", "exported_program", "aoti", "onnx"),
+    "textenc": ("exported_program", "onnx"),
+}
+BATCHES = (1, 8, 64)
+LENGTH = 64
+
+
+def inputs_for(manifest: Manifest, rows: int) -> dict[str, torch.Tensor]:
+    arrays = example_inputs(manifest, rows, LENGTH, np.random.default_rng(rows))
+    return {
+        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
+        for spec in manifest.inputs
+    }
+
+
+def rows_per_s(module: torch.nn.Module, manifest: Manifest, rows: int, seconds: float) -> float:
+    names = [spec.name for spec in manifest.inputs]
+    batch = inputs_for(manifest, rows)
+    timings = []
+    stop_s = time.monotonic() + seconds
+    with torch.inference_mode():
+        call_model(module, batch, names)
+        while time.monotonic() < stop_s and len(timings) < 2000:
+            started = time.perf_counter()
+            call_model(module, batch, names)
+            timings.append(time.perf_counter() - started)
+    return rows / statistics.median(timings)
+
+
+def measure(store: ModelStore, manifest: Manifest, seconds: float) -> list[str]:
+    started = time.perf_counter()
+    module = store.load(manifest.name, manifest.version).module
+    with torch.inference_mode():
+        call_model(module, inputs_for(manifest, 1), [spec.name for spec in manifest.inputs])
+    ready_s = time.perf_counter() - started
+    rates = [rows_per_s(module, manifest, rows, seconds) for rows in BATCHES]
+    parity = manifest.metadata.get("parity")
+    export = manifest.metadata.get("export", {})
+    return [
+        manifest.name,
+        manifest.format if parity else f"{manifest.format} (eager)",
+        f"{ready_s:.2f}",
+        *(f"{rate:,.0f}" for rate in rates),
+        f"{parity['max_abs_diff']:.2g}" if parity else "-",
+        f"{export['seconds']:.1f}" if export else "-",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=list(FORMATS))
+    parser.add_argument("--seconds", type=float, default=2.0, help="per batch size")
+    args = parser.parse_args(argv)
+    configure_torch_threads(0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="batchserve-formats-") as folder:
+        store = ModelStore(Path(folder))
+        for name in args.models:
+            source = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve(name)
+            shutil.copytree(
+                BUNDLED_MODEL_REPOSITORY / name / source.version,
+                Path(folder) / name / source.version,
+            )
+            versions = [source] + [
+                export_version(store, name, source.version, to) for to in FORMATS[name]
+            ]
+            rows += [measure(store, version, args.seconds) for version in versions]
+    header = [
+        "model", "format", "ready s", *(f"rows/s @{b}" for b in BATCHES), "parity (max abs)",
+        "export s",
+    ]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
