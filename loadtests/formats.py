@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import orjson
 import torch
 
+from loadtests import servers, wrk
 from service.config import BUNDLED_MODEL_REPOSITORY
 from service.engine.export import export_version
 from service.engine.model_store import ModelStore
@@ -78,10 +80,43 @@ def measure(store: ModelStore, manifest: Manifest, seconds: float) -> list[str]:
     ]
 
 
+def served(root: Path, manifest: Manifest, scratch: Path, seconds: float) -> list[str]:
+    """Seconds from ``batchserve serve`` to ``/readyz`` 200, and req/s (p50 ms) at 1 and 64
+    wrk connections, one instance per request (JSON)."""
+    env = servers.server_env(
+        {
+            "BATCHSERVE_DEVICE": "cpu",
+            "BATCHSERVE_LOG_LEVEL": "warning",
+            "BATCHSERVE_MODEL_REPOSITORY": str(root),
+            "BATCHSERVE_MODEL_NAME": manifest.name,
+            "BATCHSERVE_MODEL_VERSION": manifest.version,
+        }
+    )
+    arrays = example_inputs(manifest, 1, 16, np.random.default_rng(0))
+    instance = {name: array[0].tolist() for name, array in arrays.items()}
+    only = [spec.name for spec in manifest.inputs]
+    body = orjson.dumps({"instances": [instance[only[0]] if len(only) == 1 else instance]})
+    headers = {"Content-Type": "application/json"}
+    script = wrk.write_script(scratch / f"{manifest.version}-wrk", [body], headers)
+    started = time.perf_counter()
+    log = scratch / f"{manifest.version}.log"
+    with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=300) as url:
+        ready_s = time.perf_counter() - started
+        servers.check_answers(url, [body], headers)
+        cells = [f"{ready_s:.1f}"]
+        for concurrency in (1, 64):
+            run = wrk.run_wrk(url + "/predict", script, concurrency=concurrency, duration_s=seconds)
+            cells.append(f"{run.requests_per_s:,.0f} ({run.p50_ms:.2f})")
+    return cells
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(FORMATS))
     parser.add_argument("--seconds", type=float, default=2.0, help="per batch size")
+    parser.add_argument(
+        "--served", action="store_true", help="also start a server per version and run wrk"
+    )
     args = parser.parse_args(argv)
     configure_torch_threads(0)
     rows = []
@@ -96,10 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             versions = [source] + [
                 export_version(store, name, source.version, to) for to in FORMATS[name]
             ]
-            rows += [measure(store, version, args.seconds) for version in versions]
+            for version in versions:
+                row = measure(store, version, args.seconds)
+                if args.served:
+                    row += served(Path(folder), version, Path(folder), 5.0)
+                rows.append(row)
     header = [
         "model", "format", "ready s", *(f"rows/s @{b}" for b in BATCHES), "parity (max abs)",
         "export s",
+        *(["served: ready s", "req/s (p50 ms) c=1", "req/s (p50 ms) c=64"] if args.served else []),
     ]  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
