@@ -31,9 +31,13 @@ from PIL import Image, ImageDraw
 from tokenizers import Tokenizer
 
 from loadtests import servers, wrk
-from service.bundled import import_attribute
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.frontend.handlers.base import Handler, HandlerContext, HandlerRequest
+from service.frontend.handlers.base import (
+    Handler,
+    HandlerContext,
+    HandlerRequest,
+    build_handler,
+)
 from service.frontend.inputs import InputLayout
 from service.manifest import Manifest
 from service.repository import ModelRepository
@@ -68,11 +72,7 @@ def handler_of(name: str) -> tuple[Manifest, Handler]:
     manifest = REPOSITORY.resolve(name)
     assert manifest.handler is not None, f"{name} has no handler"
     folder = REPOSITORY.version_folder(manifest.name, manifest.version)
-    cls = import_attribute(manifest.handler.import_path, manifest, folder)
-    assert isinstance(cls, type)
-    assert issubclass(cls, Handler)
-    context = HandlerContext(manifest, folder, InputLayout(manifest))
-    return manifest, cls(context, **manifest.handler.options)
+    return manifest, build_handler(HandlerContext(manifest, folder, InputLayout(manifest)))
 
 
 def drawn_digits(size: int) -> list[bytes]:

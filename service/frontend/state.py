@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import EngineClient, ModelInfo
-from service.bundled import import_attribute
 from service.config import Settings
-from service.errors import HandlerError, ModelLoadError
-from service.frontend.handlers.base import Handler, HandlerContext
+from service.errors import HandlerError
+from service.frontend.handlers.base import Handler, HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
@@ -112,13 +111,7 @@ class FrontendState:
             return Handler(context)
         try:
             self.repository.verify(manifest, weights=False)
-            cls = import_attribute(manifest.handler.import_path, manifest, folder)
-            if not (isinstance(cls, type) and issubclass(cls, Handler)):
-                raise ModelLoadError(
-                    f"{manifest.handler.import_path!r} is not a subclass of "
-                    "service.frontend.handlers.base.Handler"
-                )
-            handler: Handler = cls(context, **manifest.handler.options)
+            handler = build_handler(context)
         except Exception as error:  # operator code: whatever it raises, the version is unusable
             logger.error(
                 "handler_unavailable", extra={"model": manifest.label, "error": str(error)}

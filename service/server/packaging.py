@@ -14,9 +14,8 @@ from typing import Any
 
 import orjson
 
-from service.bundled import import_attribute
 from service.errors import ModelLoadError
-from service.frontend.handlers.base import Handler, HandlerContext
+from service.frontend.handlers.base import HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
 from service.manifest import Architecture, HandlerSpec, Manifest, ModelFormat, TensorSpec
 from service.repository import one_line
@@ -148,16 +147,9 @@ def check_handler(manifest: Manifest, folder: Path) -> None:
     ``ModelLoadError`` saying why it cannot be built."""
     if manifest.handler is None:
         return
-    layout = InputLayout(manifest=manifest)
+    context = HandlerContext(manifest=manifest, folder=folder, layout=InputLayout(manifest))
     try:
-        cls = import_attribute(manifest.handler.import_path, manifest, folder)
-        if not (isinstance(cls, type) and issubclass(cls, Handler)):
-            raise ModelLoadError(
-                f"{manifest.handler.import_path!r} is not a subclass of "
-                "service.frontend.handlers.base.Handler"
-            )
-        context = HandlerContext(manifest=manifest, folder=folder, layout=layout)
-        cls(context, **manifest.handler.options)
+        build_handler(context)
     except Exception as error:
         raise ModelLoadError(
             f"{manifest.label}: the handler cannot be built: {one_line(error)}"

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from service.bundled import import_attribute
+from service.errors import ModelLoadError
 from service.frontend.inputs import InputLayout
 from service.manifest import Manifest
 from service.tensors import NamedArrays
@@ -81,6 +83,23 @@ class Handler:
     def describe(self) -> dict[str, Any]:
         """What the OpenAPI schema says about this handler's requests and answers."""
         return {"handler": type(self).__name__}
+
+
+def build_handler(context: HandlerContext) -> Handler:
+    """The handler the context's version names (its class imported from the version's folder
+    or batchserve, built with the manifest's options), or the base ``Handler`` when it names
+    none. Raises ``ModelLoadError`` for a class that is not a ``Handler``, and whatever the
+    operator's constructor raises."""
+    spec = context.manifest.handler
+    if spec is None:
+        return Handler(context)
+    cls = import_attribute(spec.import_path, context.manifest, context.folder)
+    if not (isinstance(cls, type) and issubclass(cls, Handler)):
+        raise ModelLoadError(
+            f"{spec.import_path!r} is not a subclass of service.frontend.handlers.base.Handler"
+        )
+    handler: Handler = cls(context, **spec.options)
+    return handler
 
 
 def output_rows(outputs: NamedArrays) -> list[Any]:

@@ -39,6 +39,7 @@ from service.frontend.oip.tensors import (
     to_request,
 )
 from service.frontend.predict import DisconnectWatcher, read_body
+from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.types import Priority
 
@@ -51,9 +52,7 @@ BINARY = "application/octet-stream"
 def error_response(error: ServiceError) -> Response:
     """The protocol's error body, ``{"error": "..."}``; invalid input is its 400."""
     status = 400 if isinstance(error, InvalidInputError) else error.status_code
-    return Response(
-        orjson.dumps({"error": error.message}), status, headers=error.headers, media_type=JSON
-    )
+    return json_response({"error": error.message}, status, error.headers)
 
 
 def served_model(frontend: FrontendState, name: str, version: str | None) -> ModelInfo:

@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 from functools import wraps
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request, Response
 
 from service.errors import ConflictError, ModelNotFoundError, ServiceError
@@ -33,6 +32,7 @@ from service.frontend.oip.schemas import (
     error_responses,
     inlined_schema,
 )
+from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.manifest import Manifest, TensorSpec
 
@@ -58,10 +58,6 @@ def v2_errors(route: Route) -> Route:
     return answering
 
 
-def _json(content: object, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(content), status_code, media_type=JSON)
-
-
 def frontend_of(request: Request) -> FrontendState:
     state: FrontendState = request.app.state.frontend
     return state
@@ -70,13 +66,13 @@ def frontend_of(request: Request) -> FrontendState:
 @router.get("", summary="Server metadata", response_model=V2ServerMetadata)
 @v2_errors
 async def server_metadata() -> Response:
-    return _json({"name": "batchserve", "version": __version__, "extensions": EXTENSIONS})
+    return json_response({"name": "batchserve", "version": __version__, "extensions": EXTENSIONS})
 
 
 @router.get("/health/live", summary="Server live", response_model=V2Liveness)
 async def server_live() -> Response:
     """200 while this process answers."""
-    return _json({"live": True})
+    return json_response({"live": True})
 
 
 @router.get(
@@ -88,7 +84,7 @@ async def server_live() -> Response:
 async def server_ready(request: Request) -> Response:
     """200 once the model is served; 400 otherwise (the protocol's "4xx is not ready")."""
     ready = frontend_of(request).ready
-    return _json({"ready": ready}, 200 if ready else 400)
+    return json_response({"ready": ready}, 200 if ready else 400)
 
 
 def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
@@ -124,7 +120,7 @@ async def model(request: Request, name: str, version: str | None = None) -> Resp
         versions = [manifest.version for manifest in frontend.repository.versions(name)]
     except ModelNotFoundError:
         versions = [served.manifest.version]
-    return _json(model_metadata(served.manifest, versions))
+    return json_response(model_metadata(served.manifest, versions))
 
 
 _READY = {"response_model": V2Readiness, "responses": {400: {"model": V2Readiness}}}
@@ -140,8 +136,8 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
     try:
         served_model(frontend_of(request), name, version)
     except ServiceError as error:
-        return _json({"name": name, "ready": False, "error": error.message}, 400)
-    return _json({"name": name, "ready": True})
+        return json_response({"name": name, "ready": False, "error": error.message}, 400)
+    return json_response({"name": name, "ready": True})
 
 
 _ADMIN_ERRORS = error_responses(401, 403, 404, 409, 422, 503)
@@ -171,7 +167,7 @@ async def repository_index(request: Request) -> Response:
                     "reason": "" if serving else "not loaded",
                 }
             )
-    return _json(entries)
+    return json_response(entries)
 
 
 @router.post(
@@ -187,7 +183,7 @@ async def repository_load(request: Request, name: str) -> Response:
     frontend = frontend_of(request)
     require_admin_token(request)
     switched = await frontend.engine.switch(name, "latest")
-    return _json({"name": switched.serving.name, "version": switched.serving.version})
+    return json_response({"name": switched.serving.name, "version": switched.serving.version})
 
 
 @router.post(
