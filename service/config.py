@@ -79,6 +79,16 @@ class Settings(BaseSettings):
     model_version: str = Field(default="latest", pattern=r"^(latest|[0-9a-f]{12})$")
     """``latest`` (newest manifest by creation time) or a 12-hex-character version id."""
 
+    models: Annotated[tuple[str, ...], NoDecode] = ()
+    """Several models served by every engine, each ``name`` or ``name@version``
+    (``digits,textenc@ba5b32c1c5e8``); the first answers ``/predict``. Empty serves
+    ``model_name`` at ``model_version`` alone."""
+
+    device_memory_budget_mb: int = Field(default=0, ge=0, le=16_777_216)
+    """Most memory the models of one engine may take on its device, in MiB, each measured
+    after its warm-up (CUDA: ``torch.cuda.memory_allocated``; CPU: growth of the engine's
+    resident memory); a load that would exceed it is refused with 409. 0: no budget."""
+
     device: str = "auto"
     """``auto`` (every GPU when there are any, else the CPU), ``cpu``, ``cuda`` (every GPU),
     ``cuda:N``, or a list of devices (``cuda:0,cuda:2``); one engine serves each device."""
@@ -177,6 +187,29 @@ class Settings(BaseSettings):
                 raise ValueError(f"not a JSON list of integers: {value!r}") from None
         return tuple(part for part in value.split(",") if part.strip())
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_model_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _check_model_list(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = [_model_and_version(entry)[0] for entry in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each model may be listed once, got {repeated} twice in {value!r}")
+        return value
+
+    def served_models(self) -> list[tuple[str, str]]:
+        """(name, version) of each model to serve, in order: ``models``, or else
+        ``model_name`` at ``model_version``."""
+        if not self.models:
+            return [(self.model_name, self.model_version)]
+        return [_model_and_version(entry) for entry in self.models]
+
     @field_validator("warmup_batch_sizes", "length_buckets")
     @classmethod
     def _check_positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
@@ -212,6 +245,20 @@ class Settings(BaseSettings):
         """How long a stopping process waits for the requests it holds: the longest a queued
         request can still take (its deadline), plus a margin to answer it."""
         return math.ceil(self.request_timeout_ms / 1000) + SHUTDOWN_MARGIN_S
+
+
+_MODEL_ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})(?:@(latest|[0-9a-f]{12}))?$")
+
+
+def _model_and_version(entry: str) -> tuple[str, str]:
+    """``name`` or ``name@version`` as (name, version); ``latest`` when no version is named."""
+    match = _MODEL_ENTRY.match(entry)
+    if match is None:
+        raise ValueError(
+            f"each model is a name or name@version (version: latest or 12 hex characters), "
+            f"got {entry!r}"
+        )
+    return match.group(1), match.group(2) or "latest"
 
 
 class SettingsError(Exception):

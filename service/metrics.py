@@ -100,6 +100,14 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = _fresh_registry(registry)
+        self.model_memory = Gauge(
+            "batchserve_model_memory_bytes",
+            "Memory a served model takes on its device, measured after its warm-up: CUDA "
+            "memory allocated, or the engine's resident-memory growth on the CPU.",
+            ["model", "version", "device"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.starts = Counter(
             "batchserve_engine_starts",
             "Engine processes started, by device: more than one per device means restarts.",
@@ -108,7 +116,8 @@ class EngineMetrics:
         )
         self.queue_depth = Gauge(
             "batchserve_queue_depth",
-            "Requests waiting in the batcher's queue.",
+            "Requests waiting in a model's batcher queue.",
+            labelnames=["model"],
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -116,24 +125,28 @@ class EngineMetrics:
             "batchserve_queue_wait_seconds",
             "Time a request waited in the queue before its batch started.",
             buckets=LATENCY_BUCKETS_S,
+            labelnames=["model"],
             registry=r,
         )
         self.batch_size = Histogram(
             "batchserve_batch_size_rows",
             "Rows (instances) per forward pass.",
             buckets=BATCH_SIZE_BUCKETS_ROWS,
+            labelnames=["model"],
             registry=r,
         )
         self.batch_sources = Histogram(
             "batchserve_batch_frontends",
             "Front-end processes whose requests shared a batch (1 with one process).",
             buckets=FRONTEND_COUNT_BUCKETS,
+            labelnames=["model"],
             registry=r,
         )
         self.inference_latency = Histogram(
             "batchserve_inference_duration_seconds",
             "Time of one batched forward pass, collation and splitting included.",
             buckets=LATENCY_BUCKETS_S,
+            labelnames=["model"],
             registry=r,
         )
         self.dropped = Counter(
@@ -141,23 +154,26 @@ class EngineMetrics:
             "Requests not computed (a split request counts once per chunk): queue full, "
             "deadline unreachable (refused or dropped by estimate), deadline expired, client "
             "gone, or draining.",
-            ["reason"],
+            ["model", "reason"],
             registry=r,
         )
         self.batch_failures = Counter(
             "batchserve_batch_failures",
             "Batched forward passes that raised and were retried by halves.",
+            labelnames=["model"],
             registry=r,
         )
         self.out_of_memory = Counter(
             "batchserve_out_of_memory",
             "Batches that ran out of device memory (then split and retried by halves).",
+            labelnames=["model"],
             registry=r,
         )
         self.effective_max_batch_size = Gauge(
             "batchserve_effective_max_batch_size",
             "Rows per batch allowed now: max_batch_size, or less for a while after running out "
             "of device memory.",
+            labelnames=["model"],
             registry=r,
             multiprocess_mode="livemin",
         )
@@ -182,6 +198,30 @@ class EngineMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """The series of one model's batcher."""
+        return ModelMetrics(self, model)
+
+
+class ModelMetrics:
+    """One model's batcher series: ``EngineMetrics`` with the ``model`` label filled in."""
+
+    def __init__(self, metrics: EngineMetrics, model: str) -> None:
+        self.model = model
+        self.queue_depth = metrics.queue_depth.labels(model)
+        self.queue_wait = metrics.queue_wait.labels(model)
+        self.batch_size = metrics.batch_size.labels(model)
+        self.batch_sources = metrics.batch_sources.labels(model)
+        self.inference_latency = metrics.inference_latency.labels(model)
+        self.batch_failures = metrics.batch_failures.labels(model)
+        self.out_of_memory = metrics.out_of_memory.labels(model)
+        self.effective_max_batch_size = metrics.effective_max_batch_size.labels(model)
+        self._dropped = metrics.dropped
+
+    def dropped(self, reason: str) -> Counter:
+        """The counter of this model's requests dropped for ``reason``."""
+        return self._dropped.labels(self.model, reason)
 
 
 class ProcessMetrics:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from service.engine.batching import BatchFunction, DynamicBatcher
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.metrics import EngineMetrics
@@ -256,7 +258,7 @@ class BatcherFactory:
         batcher = Batcher(
             run_batch,
             executor=executor,
-            metrics=metrics if metrics is not None else EngineMetrics(),
+            metrics=(metrics if metrics is not None else EngineMetrics()).for_model("test"),
             max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms,
             max_queue_size=max_queue_size,
@@ -293,18 +295,30 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> N
         await asyncio.sleep(0.001)
 
 
+def sample_total(
+    registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None
+) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels`` (every model's
+    series, unless ``labels`` names one); 0 when there is none."""
+    wanted = (labels or {}).items()
+    return float(
+        sum(
+            sample.value
+            for family in registry.collect()
+            for sample in family.samples
+            if sample.name == name and wanted <= sample.labels.items()
+        )
+    )
+
+
 def dropped(metrics: EngineMetrics, reason: str) -> float:
     """``batchserve_dropped_requests_total{reason=...}``, 0 when never incremented."""
-    value = metrics.registry.get_sample_value(
-        "batchserve_dropped_requests_total", {"reason": reason}
-    )
-    return value if value is not None else 0.0
+    return sample_total(metrics.registry, "batchserve_dropped_requests_total", {"reason": reason})
 
 
 def sample(metrics: EngineMetrics, name: str) -> float:
-    """An unlabelled sample's value, 0 when absent."""
-    value = metrics.registry.get_sample_value(name)
-    return value if value is not None else 0.0
+    """A sample's value summed over the models, 0 when absent."""
+    return sample_total(metrics.registry, name)
 
 
 def flatten(outputs: Sequence[Payload]) -> Payload:

@@ -113,13 +113,18 @@ def answers(url: str, status: int = 200) -> bool:
 
 
 def scraped(url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """One sample of ``url``/metrics (0 when absent): the sum over every process."""
+    """One sample of ``url``/metrics (0 when absent): the sum over every process, and over
+    the series whose labels include ``labels`` (every model's, unless ``labels`` names one)."""
     text = httpx.get(url + "/metrics", timeout=5.0).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == (labels or {}):
-                return float(sample.value)
-    return 0.0
+    wanted = (labels or {}).items()
+    return float(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and wanted <= sample.labels.items()
+        )
+    )
 
 
 @contextlib.contextmanager

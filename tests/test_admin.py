@@ -166,7 +166,7 @@ async def test_an_engine_started_after_a_switch_serves_it_and_can_roll_it_back(
     (``engine/published.py``), not on ``model_version``, and knows what came before it."""
     root, versions = repository
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
-    publish(PublishedVersion("digits", versions.retrained, previous=("digits", versions.original)))
+    publish([PublishedVersion("digits", versions.retrained, previous=versions.original)])
     settings = Settings(
         model_repository=root, model_version=versions.original, device="cpu", admin_token=TOKEN
     )
@@ -175,17 +175,34 @@ async def test_an_engine_started_after_a_switch_serves_it_and_can_roll_it_back(
         rolled_back = await http.post("/admin/rollback", headers=AUTH)
         assert rolled_back.status_code == 200, rolled_back.text
         assert await serving_version(http) == versions.original
-        assert read_published() == PublishedVersion(
-            "digits", versions.original, previous=("digits", versions.retrained)
-        )
+        assert read_published() == [
+            PublishedVersion("digits", versions.original, previous=versions.retrained)
+        ]
 
 
-async def test_loading_a_model_the_server_does_not_serve_is_a_conflict() -> None:
-    """A digits server switched to textenc would answer every digits client 422."""
+async def test_loading_another_model_serves_it_beside_the_first_until_unloaded() -> None:
+    """/predict stays with the first model; the second answers on its own route, and
+    unloading it takes that route away again. The only model left cannot be unloaded."""
     async for http in client_for(Settings(device="cpu", admin_token=TOKEN)):  # both models
         response = await http.post("/admin/models/textenc/versions/latest/load", headers=AUTH)
-        assert response.status_code == 409
-        assert "this server serves digits, not textenc" in response.json()["error"]["message"]
+        assert response.status_code == 200, response.text
+        assert response.json()["replaced"] == "nothing"
+        assert await serving_version(http) == DIGITS.version
+        tokens = {"instances": [[1, 2, 3]]}
+        answered = await http.post("/models/textenc/predict", json=tokens)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["model"] == "textenc"
+
+        unloaded = await http.post("/admin/models/textenc/unload", headers=AUTH)
+        assert unloaded.status_code == 200, unloaded.text
+        assert unloaded.json()["unloaded"].startswith("textenc@")
+        gone = await http.post("/models/textenc/predict", json=tokens)
+        assert gone.status_code == 404
+        assert "unknown model 'textenc'" in gone.json()["error"]["message"]
+
+        last = await http.post("/admin/models/digits/unload", headers=AUTH)
+        assert last.status_code == 409
+        assert "the only model served" in last.json()["error"]["message"]
         assert await serving_version(http) == DIGITS.version
 
 

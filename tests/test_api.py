@@ -22,6 +22,7 @@ from service.engine.lifecycle import load_version, switch_to
 from service.engine.model_store import ModelStore
 from service.server.single import create_app
 from tests.apps import engine_of, frontend_of, registry_of, runner_of
+from tests.fixtures import sample_total
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 
@@ -108,11 +109,9 @@ async def test_300_concurrent_callers_each_get_their_own_rows(
             atol=1e-5,
         )
     registry = registry_of(app)
-    batches = registry.get_sample_value("batchserve_batch_size_rows_count")
-    rows = registry.get_sample_value("batchserve_batch_size_rows_sum")
-    single_row_batches = registry.get_sample_value(
-        "batchserve_batch_size_rows_bucket", {"le": "1.0"}
-    )
+    batches = sample_total(registry, "batchserve_batch_size_rows_count")
+    rows = sample_total(registry, "batchserve_batch_size_rows_sum")
+    single_row_batches = sample_total(registry, "batchserve_batch_size_rows_bucket", {"le": "1.0"})
     assert batches is not None
     assert rows is not None
     assert single_row_batches is not None
@@ -137,7 +136,7 @@ async def test_request_larger_than_max_batch_size_is_split_and_rejoined_in_order
                 atol=1e-5,
             )
             registry = registry_of(application)
-            assert registry.get_sample_value("batchserve_batch_size_rows_count") == 3
+            assert sample_total(registry, "batchserve_batch_size_rows_count") == 3
     finally:
         await manager.__aexit__(None, None, None)
 
@@ -251,8 +250,15 @@ async def test_health_readiness_and_models(client: httpx.AsyncClient, app: FastA
     assert (await client.get("/healthz")).json() == {"status": "alive", "engine": "ready"}
     ready = await client.get("/readyz")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "model": "digits", "version": DIGITS.version}
+    assert ready.json() == {
+        "status": "ready",
+        "model": "digits",
+        "version": DIGITS.version,
+        "models": [f"digits@{DIGITS.version}"],
+    }
     models = (await client.get("/models")).json()
+    assert models["models"] == [models["loaded"]]
+    assert models["loaded"]["memory_bytes"] > 0
     assert models["loaded"]["name"] == "digits"
     assert models["loaded"]["version"] == DIGITS.version
     assert models["loaded"]["device"] == "cpu"
@@ -273,15 +279,16 @@ async def test_metrics_expose_every_documented_family(client: httpx.AsyncClient)
         'batchserve_requests_total{route="/predict",status="200"} 1.0',
         'batchserve_requests_total{route="/predict",status="422"} 1.0',
         'batchserve_request_duration_seconds_count{route="/predict",status="200"} 1.0',
-        "batchserve_queue_depth 0.0",
-        "batchserve_queue_wait_seconds_count 1.0",
-        "batchserve_batch_size_rows_sum 2.0",
-        "batchserve_inference_duration_seconds_count 1.0",
+        'batchserve_queue_depth{model="digits"} 0.0',
+        'batchserve_queue_wait_seconds_count{model="digits"} 1.0',
+        'batchserve_batch_size_rows_sum{model="digits"} 2.0',
+        'batchserve_inference_duration_seconds_count{model="digits"} 1.0',
         "batchserve_in_flight_requests 0.0",
         "batchserve_ready 1.0",
         'batchserve_model_info{compiled="False",device="cpu",model="digits",precision="fp32",'
         f'version="{DIGITS.version}"}} 1.0',
         'batchserve_device_memory_allocated_bytes{device="cpu"} 0.0',
+        f'batchserve_model_memory_bytes{{device="cpu",model="digits",version="{DIGITS.version}"}}',
     ):
         assert sample in text, sample
     assert 'batchserve_process_resident_memory_bytes{role="server"} ' in text

@@ -47,6 +47,7 @@ from tests.fixtures import (
     dropped,
     flatten,
     sample,
+    sample_total,
     wait_until,
 )
 
@@ -500,7 +501,7 @@ async def test_submit_before_start_is_refused() -> None:
         batcher = DynamicBatcher[Payload, Payload](
             model,
             executor=executor,
-            metrics=metrics,
+            metrics=metrics.for_model("test"),
             max_batch_size=4,
             max_wait_ms=50,
             max_queue_size=4,
@@ -537,7 +538,7 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
         DynamicBatcher[Payload, Payload](
             RecordingDoubler(),
             executor=executor,
-            metrics=EngineMetrics(),
+            metrics=EngineMetrics().for_model("test"),
             max_batch_size=max_batch_size,
             max_wait_ms=50,
             max_queue_size=max_queue_size,
@@ -575,9 +576,7 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     assert model.batch_rows == [1, 4]
     assert sample(metrics, "batchserve_batch_size_rows_count") == 2
     assert sample(metrics, "batchserve_batch_size_rows_sum") == 5
-    assert (
-        metrics.registry.get_sample_value("batchserve_batch_size_rows_bucket", {"le": "1.0"}) == 1
-    )
+    assert sample_total(metrics.registry, "batchserve_batch_size_rows_bucket", {"le": "1.0"}) == 1
     assert sample(metrics, "batchserve_queue_wait_seconds_count") == 3
     assert sample(metrics, "batchserve_inference_duration_seconds_count") == 2
     elapsed_s = time.monotonic() - started_s
@@ -1233,7 +1232,8 @@ async def test_an_unexpected_error_running_a_batch_fails_that_batch_only(
 ) -> None:
     """Not through ``make_batcher``, which fails any test that logs such an error."""
     metrics = EngineMetrics()
-    observe = metrics.batch_sources.observe
+    batch_sources = metrics.batch_sources.labels("test")  # the series the batcher observes
+    observe = batch_sources.observe
     observed: list[float] = []
 
     def observe_failing_once(value: float) -> None:
@@ -1242,7 +1242,7 @@ async def test_an_unexpected_error_running_a_batch_fails_that_batch_only(
             raise RuntimeError("metrics backend gone")
         observe(value)
 
-    monkeypatch.setattr(metrics.batch_sources, "observe", observe_failing_once)
+    monkeypatch.setattr(batch_sources, "observe", observe_failing_once)
     factory = BatcherFactory()
     try:
         batcher = factory(RecordingDoubler(), metrics=metrics)

@@ -33,7 +33,7 @@ from service.errors import (
 from service.manifest import Architecture, TensorSpec
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
-from tests.fixtures import wait_until
+from tests.fixtures import sample_total, wait_until
 from tests.torch_models import (
     FEATURES,
     HANG_RELEASE,
@@ -245,14 +245,16 @@ async def test_a_cancelled_request_leaves_the_engines_queue_uncomputed(
         await wait_until(lambda: served.batcher.queue_depth == 1)
         leaving.cancel()
         await wait_until(lambda: served.batcher.queue_depth == 0)
-        dropped = engine.state.metrics.registry.get_sample_value(
-            "batchserve_dropped_requests_total", {"reason": "cancelled"}
+        dropped = sample_total(
+            engine.state.metrics.registry,
+            "batchserve_dropped_requests_total",
+            {"reason": "cancelled"},
         )
         assert dropped == 1
         HANG_RELEASE.set()
         async with asyncio.timeout(PROMPTLY_S):
             await blocker
-        rows = engine.state.metrics.registry.get_sample_value("batchserve_batch_size_rows_sum")
+        rows = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_sum")
         assert rows == 1, "only the blocker's row was computed"
 
 
@@ -278,7 +280,7 @@ async def test_a_front_end_that_disconnects_has_its_queued_requests_dropped(
         async with asyncio.timeout(PROMPTLY_S):
             with pytest.raises((asyncio.CancelledError, EngineUnavailableError)):
                 await blocker  # its own client has closed too
-        rows = engine.state.metrics.registry.get_sample_value("batchserve_batch_size_rows_sum")
+        rows = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_sum")
         assert rows == 1
 
 
@@ -355,7 +357,7 @@ async def test_a_request_validated_against_the_version_just_replaced_is_still_se
         result = await client.infer(validated_against_first)
         assert result.version == second
         np.testing.assert_array_equal(result.outputs["y"], value_rows(3.0))
-        with pytest.raises(NotReadyError, match="no longer served"):
+        with pytest.raises(NotReadyError, match="other is not served by this engine now"):
             await client.infer(dataclasses.replace(validated_against_first, model="other"))
 
 

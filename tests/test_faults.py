@@ -24,7 +24,7 @@ from service.manifest import Architecture, TensorSpec
 from service.server.single import create_app
 from service.types import Array
 from tests.apps import engine_of, registry_of
-from tests.fixtures import predict_scope, wait_until
+from tests.fixtures import predict_scope, sample_total, wait_until
 from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
 
 PROMPTLY_S = 5.0
@@ -81,7 +81,7 @@ async def predict(client: httpx.AsyncClient, value: float, **headers: str) -> ht
 
 
 def sample(app: FastAPI, name: str, labels: dict[str, str] | None = None) -> float:
-    return registry_of(app).get_sample_value(name, labels or {}) or 0.0
+    return sample_total(registry_of(app), name, labels or {}) or 0.0
 
 
 def batcher_of(app: FastAPI) -> DynamicBatcher[Array, Array]:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from service.config import Settings
 from service.server.single import create_app
 from tests.apps import frontend_of, registry_of
-from tests.fixtures import predict_scope
+from tests.fixtures import predict_scope, sample_total
 
 NPY = "application/x-npy"
 JSON = "application/json"
@@ -483,4 +483,4 @@ async def test_errors_never_leave_the_server_half_broken(
             assert response.status_code == 200
     assert frontend_of(digits_app).ready
     registry = registry_of(digits_app)
-    assert registry.get_sample_value("batchserve_in_flight_requests") == 0
+    assert sample_total(registry, "batchserve_in_flight_requests") == 0

@@ -29,6 +29,7 @@ from service.frontend.inputs import InputLayout
 from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of
+from tests.fixtures import sample_total
 from tests.processes import serve_with_engines, wait_until_serving
 from tests.torch_models import CharSum
 
@@ -84,8 +85,9 @@ async def test_raw_text_is_answered_as_the_client_tokenizing_itself_would_be() -
         answers = await asyncio.gather(
             *(text.post("/predict?top_k=2", json={"instances": [review]}) for review in REVIEWS)
         )
-        batches = registry_of(text.app).get_sample_value(  # type: ignore[attr-defined]
-            "batchserve_batch_size_rows_count"
+        batches = sample_total(
+            registry_of(text.app),  # type: ignore[attr-defined]
+            "batchserve_batch_size_rows_count",
         )
         plain = await text.post(
             "/predict", content=REVIEWS[0].encode(), headers={"Content-Type": "text/plain"}

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from service.config import Settings
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of, runner_of
+from tests.fixtures import sample_total
 from tests.torch_models import package_pair_classifier
 
 
@@ -77,7 +78,7 @@ async def test_concurrent_callers_each_get_their_own_rows_of_each_output(
     responses = await asyncio.gather(*(client.post("/predict", json=body) for body in bodies))
 
     registry = registry_of(pairs)
-    assert registry.get_sample_value("batchserve_batch_size_rows_count") < len(bodies)
+    assert sample_total(registry, "batchserve_batch_size_rows_count") < len(bodies)
     for body, response in zip(bodies, responses, strict=True):
         assert response.status_code == 200, response.text
         (prediction,) = response.json()["predictions"]

@@ -17,6 +17,7 @@ from service.config import Settings
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of, frontend_of, registry_of, runner_of
+from tests.fixtures import sample_total
 
 
 def sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -69,7 +70,7 @@ async def test_padding_changes_nothing_when_batched_with_longer_sequences(
         *(client.post("/predict", json={"instances": [sequence]}) for sequence in batch)
     )
     registry = registry_of(textenc)
-    assert registry.get_sample_value("batchserve_batch_size_rows_count") < len(batch)
+    assert sample_total(registry, "batchserve_batch_size_rows_count") < len(batch)
     for sequence, response in zip(batch, responses, strict=True):
         assert response.status_code == 200
         np.testing.assert_allclose(
@@ -103,8 +104,8 @@ async def test_requests_in_different_buckets_never_share_a_batch(
     assert all(response.status_code == 200 for response in responses)
     registry = registry_of(textenc)
     # Two buckets (8 and 256): three rows in one batch and two in another, never all five.
-    assert registry.get_sample_value("batchserve_batch_size_rows_count") == 2
-    assert registry.get_sample_value("batchserve_batch_size_rows_sum") == 5
+    assert sample_total(registry, "batchserve_batch_size_rows_count") == 2
+    assert sample_total(registry, "batchserve_batch_size_rows_sum") == 5
 
 
 async def test_token_budget_limits_the_rows_of_a_batch() -> None:
@@ -125,8 +126,8 @@ async def test_token_budget_limits_the_rows_of_a_batch() -> None:
             split.json()["predictions"][4], alone(app, batch[4]), rtol=0, atol=1e-5
         )
         registry = registry_of(app)
-        assert registry.get_sample_value("batchserve_batch_size_rows_bucket", {"le": "2.0"}) == (
-            registry.get_sample_value("batchserve_batch_size_rows_count")
+        assert sample_total(registry, "batchserve_batch_size_rows_bucket", {"le": "2.0"}) == (
+            sample_total(registry, "batchserve_batch_size_rows_count")
         )
 
 

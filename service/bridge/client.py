@@ -32,7 +32,6 @@ from service.bridge.interface import (
     SwitchResult,
 )
 from service.errors import (
-    ConflictError,
     DeadlineExceededError,
     EngineUnavailableError,
     ServiceError,
@@ -323,12 +322,7 @@ class BridgeClient:
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         """Prepare on every engine, then commit on all of them, or abort on all."""
-        down = [c for c in self._connections if not c.status.ready]
-        if down:
-            phases = ", ".join(f"{c.status.device} {c.status.phase}" for c in down)
-            raise EngineUnavailableError(
-                f"a version switch must reach every engine, and not all are ready ({phases})"
-            )
+        self._require_every_engine("a version switch")
         outcomes = await asyncio.gather(
             *(c.control("prepare", name=name, version=version) for c in self._connections),
             return_exceptions=True,
@@ -348,13 +342,29 @@ class BridgeClient:
             serving=Manifest.model_validate(first["serving"]), replaced=first["replaced"]
         )
 
-    async def rollback(self) -> SwitchResult:
-        previous = self.status().previous
-        if previous is None:
-            raise ConflictError(
-                "no earlier version was served by the engines; nothing to roll back"
+    async def rollback(self, name: str | None = None) -> SwitchResult:
+        return await self.switch(*self.status().rollback_target(name))
+
+    async def unload(self, name: str) -> str:
+        """Unload on every engine; any refusal is the answer (each engine refuses alike)."""
+        self._require_every_engine("unloading a model")
+        outcomes = await asyncio.gather(
+            *(c.control("unload", name=name) for c in self._connections),
+            return_exceptions=True,
+        )
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            raise _most_telling(failures)
+        replies = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+        return str(replies[0]["unloaded"])
+
+    def _require_every_engine(self, what: str) -> None:
+        down = [c for c in self._connections if not c.status.ready]
+        if down:
+            phases = ", ".join(f"{c.status.device} {c.status.phase}" for c in down)
+            raise EngineUnavailableError(
+                f"{what} must reach every engine, and not all are ready ({phases})"
             )
-        return await self.switch(*previous)
 
 
 def _expire(future: asyncio.Future[InferenceResult], timeout_ms: float) -> None:

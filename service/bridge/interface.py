@@ -8,10 +8,10 @@ sockets to one engine process per device. The value types here cross the bridge 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from service.errors import EngineUnavailableError, NotReadyError, ServiceError
+from service.errors import ConflictError, EngineUnavailableError, NotReadyError, ServiceError
 from service.manifest import Manifest
 from service.tensors import NamedArrays
 from service.types import Priority
@@ -30,6 +30,8 @@ class ModelInfo:
     compiled: bool
     length_edges: tuple[int, ...]
     """Length buckets of the inputs' shared variable axis (empty for fixed shapes)."""
+    memory_bytes: int = 0
+    """What loading and warming it up took on its device."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -38,6 +40,7 @@ class ModelInfo:
             "precision": self.precision,
             "compiled": self.compiled,
             "length_edges": list(self.length_edges),
+            "memory_bytes": self.memory_bytes,
         }
 
     @classmethod
@@ -48,6 +51,7 @@ class ModelInfo:
             precision=str(document["precision"]),
             compiled=bool(document["compiled"]),
             length_edges=tuple(int(edge) for edge in document["length_edges"]),
+            memory_bytes=int(document.get("memory_bytes", 0)),
         )
 
 
@@ -56,17 +60,39 @@ class EngineStatus:
     """One engine's state as a front end last heard it."""
 
     phase: Phase
-    model: ModelInfo | None = None
-    previous: tuple[str, str] | None = None
-    """(name, version) served before the last switch: what a rollback goes back to."""
+    models: tuple[ModelInfo, ...] = ()
+    """Each model served, in the order loaded: the first answers ``/predict``."""
+    previous: dict[str, str] = field(default_factory=dict)
+    """Each model's version served before its last switch: what a rollback goes back to."""
     detail: str | None = None
     """Why the engine failed or is down, for logs and ``/readyz``."""
     device: str = ""
     pid: int | None = None
 
     @property
+    def model(self) -> ModelInfo | None:
+        """The first model: the one ``/predict`` answers with."""
+        return self.models[0] if self.models else None
+
+    def find(self, name: str) -> ModelInfo | None:
+        """The model served under ``name``, if any."""
+        return next((model for model in self.models if model.manifest.name == name), None)
+
+    @property
     def ready(self) -> bool:
-        return self.phase == "ready" and self.model is not None
+        return self.phase == "ready" and bool(self.models)
+
+    def rollback_target(self, name: str | None) -> tuple[str, str]:
+        """(name, version) a rollback of ``name`` (the first model when None) switches to:
+        the version it served before its last switch; 409 when there is none."""
+        if name is None:
+            name = self.model.manifest.name if self.model else ""
+        previous = self.previous.get(name)
+        if previous is None:
+            raise ConflictError(
+                f"no earlier version of {name or 'the model'} was served; nothing to roll back"
+            )
+        return name, previous
 
     def refusal(self) -> ServiceError:
         """What a request is answered while no engine is ready: 503 with ``Retry-After``,
@@ -82,8 +108,8 @@ class EngineStatus:
     def to_wire(self) -> dict[str, Any]:
         return {
             "phase": self.phase,
-            "model": self.model.to_wire() if self.model else None,
-            "previous": list(self.previous) if self.previous else None,
+            "models": [model.to_wire() for model in self.models],
+            "previous": self.previous,
             "detail": self.detail,
             "device": self.device,
             "pid": self.pid,
@@ -91,12 +117,10 @@ class EngineStatus:
 
     @classmethod
     def from_wire(cls, document: dict[str, Any]) -> EngineStatus:
-        previous = document.get("previous")
-        model = document.get("model")
         return cls(
             phase=document["phase"],
-            model=ModelInfo.from_wire(model) if model else None,
-            previous=(str(previous[0]), str(previous[1])) if previous else None,
+            models=tuple(ModelInfo.from_wire(model) for model in document.get("models", ())),
+            previous={str(name): str(version) for name, version in document["previous"].items()},
             detail=document.get("detail"),
             device=str(document.get("device", "")),
             pid=document.get("pid"),
@@ -158,9 +182,16 @@ class EngineClient(Protocol):
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         """Load, verify and warm up ``name`` at ``version`` on every engine, then serve it on
-        all of them, or on none if any refuses."""
+        all of them, or on none if any refuses: beside the models served, or in place of the
+        version of ``name`` served now."""
         ...
 
-    async def rollback(self) -> SwitchResult:
-        """Switch back to the version served before the last switch."""
+    async def rollback(self, name: str | None = None) -> SwitchResult:
+        """Switch ``name`` (the first model when None) back to the version it served before
+        its last switch."""
+        ...
+
+    async def unload(self, name: str) -> str:
+        """Stop serving ``name`` on every engine (its queued requests finish first) and free
+        its memory; returns the ``name@version`` unloaded."""
         ...

@@ -3,10 +3,10 @@
 Each front end keeps one connection to each engine. A SUBMIT frame is queued in the engine at
 once (no task per request) and answered by a RESULT or an ERROR frame when its batch has run;
 a CANCEL frame withdraws it, which drops it from the queue if it has not run yet. A CONTROL
-frame runs one step of a version switch (``prepare``, ``commit``, ``abort``) and is answered
-by a REPLY. The engine's status goes to every front end when it connects, whenever it
-changes, and once a ``heartbeat_interval_s``, so that a front end can tell a hung engine
-from a quiet one.
+frame runs one step of a version switch (``prepare``, ``commit``, ``abort``), or unloads a
+model (``unload``), and is answered by a REPLY. The engine's status goes to every front end
+when it connects, whenever it changes, and once a ``heartbeat_interval_s``, so that a front
+end can tell a hung engine from a quiet one.
 
 When a front end's connection closes, its requests still queued are dropped (nobody is left
 to answer) and a switch it prepared but did not finish is aborted.
@@ -60,6 +60,8 @@ class EngineBackend(Protocol):
     async def commit(self) -> SwitchResult: ...
 
     async def abort(self) -> None: ...
+
+    async def unload(self, name: str) -> str: ...
 
 
 class BridgeServer:
@@ -143,6 +145,8 @@ class BridgeServer:
                 return None
             result = await self.backend.commit()
             return {"serving": manifest_summary(result.serving), "replaced": result.replaced}
+        if op == "unload":
+            return {"unloaded": await self.backend.unload(str(args["name"]))}
         raise InvalidInputError(f"unknown bridge control operation {op!r}")
 
     def connection_opened(self, connection: _Connection) -> None:

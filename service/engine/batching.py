@@ -55,7 +55,7 @@ from service.errors import (
     QueueFullError,
     ServiceError,
 )
-from service.metrics import DropReason, EngineMetrics
+from service.metrics import DropReason, ModelMetrics
 from service.types import PRIORITIES, Priority
 
 logger = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         run_batch: BatchFunction[PayloadT, OutputT],
         *,
         executor: Executor,
-        metrics: EngineMetrics,
+        metrics: ModelMetrics,
         max_batch_size: int,
         max_wait_ms: float,
         max_queue_size: int,
@@ -380,7 +380,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         fails on this request's input.
         """
         if not self.accepting or self._collector is None:
-            self._metrics.dropped.labels(DropReason.DRAINING).inc()
+            self._metrics.dropped(DropReason.DRAINING).inc()
             raise NotReadyError("the server is not accepting requests (starting or draining)")
         total_rows = len(payload)
         if total_rows < 1:
@@ -393,7 +393,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             for start in range(0, total_rows, rows_per_chunk)
         ]
         if self._queued_entries + len(chunks) > self._max_queue_size:
-            self._metrics.dropped.labels(DropReason.QUEUE_FULL).inc()
+            self._metrics.dropped(DropReason.QUEUE_FULL).inc()
             raise QueueFullError(
                 f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
             )
@@ -434,7 +434,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             return  # never measured: nothing to refuse it on
         own_s = sum(seconds for seconds in own if seconds is not None)
         if own_s > left_s:
-            self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise DeadlineUnreachableError(
                 f"these {sum(chunk_rows)} instances need about {own_s * 1000:.0f} ms of "
                 f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
@@ -442,7 +442,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             )
         wait_s = self.estimated_wait_s(priority)
         if wait_s + own_s > left_s:
-            self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise OverloadedError(
                 f"the queue holds about {wait_s * 1000:.0f} ms of work, and this request "
                 f"needs {own_s * 1000:.0f} ms more: it could not be answered within the "
@@ -517,7 +517,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             return
         if entry.queued:
             self._dequeue(entry)
-        self._metrics.dropped.labels(DropReason.EXPIRED).inc()
+        self._metrics.dropped(DropReason.EXPIRED).inc()
         entry.reject(
             DeadlineExceededError(
                 f"the request was not answered within {self._request_timeout_s * 1000:.0f} ms"
@@ -529,7 +529,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         for entry in entries:
             if entry.queued:
                 self._dequeue(entry)
-                self._metrics.dropped.labels(reason).inc()
+                self._metrics.dropped(reason).inc()
             entry.withdraw()
 
     # ----------------------------------------------------------------- collecting
@@ -629,7 +629,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                     # Its caller was cancelled but has not run its clean-up yet; that clean-up
                     # counts only entries still queued, so count the drop here.
                     if head.future.cancelled():
-                        self._metrics.dropped.labels(DropReason.CANCELLED).inc()
+                        self._metrics.dropped(DropReason.CANCELLED).inc()
                     continue
                 if not batch and self._would_finish_late(head, group.key, head.rows, math.inf):
                     self._answer_late(self._pop(group, priority), group.key)
@@ -669,7 +669,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """504 now, uncomputed, for an entry that cannot finish by its deadline even alone:
         computing it would only spend the device on an answer nobody gets."""
         seconds = self.times.estimate(group, entry.rows) or 0.0
-        self._metrics.dropped.labels(DropReason.DEADLINE_UNREACHABLE).inc()
+        self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
         entry.reject(
             DeadlineExceededError(
                 f"the request could not be answered within {self._request_timeout_s * 1000:.0f}"
@@ -746,18 +746,27 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         started_s = time.monotonic()
         self._running_until_s = started_s + (estimate_s or 0.0)
         loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._executor, self._run_batch, payloads)
+        running = loop.run_in_executor(self._executor, self._timed_run_batch, payloads)
         watchdog = None
         if self._stall_timeout_s > 0:
             watchdog = loop.call_later(self._stall_timeout_s, self._report_stall)
         try:
-            outputs = await running
+            outputs, seconds = await running
         finally:
             self._running_until_s = 0.0
             if watchdog is not None:
                 watchdog.cancel()
-        self.times.record(group, rows, time.monotonic() - started_s)
+        self.times.record(group, rows, seconds)
         return outputs
+
+    def _timed_run_batch(
+        self, payloads: list[PayloadT]
+    ) -> tuple[Sequence[OutputT | Exception], float]:
+        """``run_batch`` and its duration, timed on the device thread: several models share
+        that thread, so the time a batch waited there for another model's is not its own."""
+        started_s = time.monotonic()
+        outputs = self._run_batch(payloads)
+        return outputs, time.monotonic() - started_s
 
     def _report_stall(self) -> None:
         if self._stalled:

@@ -1,9 +1,11 @@
-"""``Engine``: one device's model, batcher and device thread, as an ``EngineClient``.
+"""``Engine``: one device's models, their batchers and the device thread, as an
+``EngineClient``.
 
 Serving alone, the front end calls an ``Engine`` in its own process; behind the bridge, the
-engine process's ``BridgeServer`` calls the same methods for every front end. Switching a
-version has two forms: ``switch`` (this engine alone) and ``prepare`` then ``commit`` or
-``abort``, which a front end uses to switch several engines together, all or none.
+engine process's ``BridgeServer`` calls the same methods for every front end. Loading or
+switching a version has two forms: ``switch`` (this engine alone) and ``prepare`` then
+``commit`` or ``abort``, which a front end uses to switch several engines together, all or
+none.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def contract_of(manifest: Manifest) -> Contract:
 
 
 class Engine:
-    """Loads and serves one model version at a time on one device."""
+    """Loads and serves several models on one device, each one version at a time."""
 
     def __init__(
         self,
@@ -59,7 +61,7 @@ class Engine:
         )
         self._on_load_failure = on_load_failure
         self._loading: asyncio.Task[None] | None = None
-        self._prepared: ServedModel | None = None
+        self._prepared: tuple[str, ServedModel | None] | None = None
         self._holding_prepare = False
         self._stopped: asyncio.Task[None] | None = None
         self._status: EngineStatus | None = None
@@ -69,7 +71,7 @@ class Engine:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> asyncio.Task[None]:
-        """Begin loading the configured (or recorded) version; call inside the event loop."""
+        """Begin loading the configured (or recorded) models; call inside the event loop."""
         if self._loading is None:
             self.state.metrics.starts.labels(self.state.device).inc()
             self._loading = asyncio.get_running_loop().create_task(
@@ -101,17 +103,17 @@ class Engine:
 
     @property
     def served(self) -> ServedModel | None:
+        """The first model: the one ``/predict`` answers with."""
         return self.state.served
 
     # ----------------------------------------------------------------- EngineClient
 
     def status(self) -> EngineStatus:
         if self._status is None:
-            served = self.state.served
             self._status = EngineStatus(
                 phase=self.state.phase,  # type: ignore[arg-type]
-                model=served.info() if served else None,
-                previous=self.state.previous_version,
+                models=tuple(served.info() for served in self.state.models.values()),
+                previous=dict(self.state.previous_versions),
                 detail=self.state.load_error,
                 device=self.state.device,
                 pid=os.getpid(),
@@ -133,18 +135,20 @@ class Engine:
 
         ``source`` names the front end it came from (None: this process).
 
-        Raises ``NotReadyError`` when nothing is served, or when the request was validated
-        against a version no longer served whose inputs, outputs or handler differ from the
-        one served now (its front end preprocessed it, and will postprocess the answer, for
-        that version).
+        Raises ``NotReadyError`` when its model is not served (yet, or any more), or when the
+        request was validated against a version no longer served whose inputs, outputs or
+        handler differ from the one served now (its front end preprocessed it, and will
+        postprocess the answer, for that version).
         """
-        served = self.state.served
+        served = self.state.models.get(request.model)
         if served is None:
-            raise NotReadyError("the model is not loaded yet; retry when /readyz answers 200")
+            raise NotReadyError(
+                f"{request.model} is not served by this engine now; retry when /readyz "
+                "answers 200 and /models lists it"
+            )
         manifest = served.manifest
-        if request.model != manifest.name or (
-            request.version != manifest.version
-            and self._contracts.get(request.version) != contract_of(manifest)
+        if request.version != manifest.version and (
+            self._contracts.get(request.version) != contract_of(manifest)
         ):
             raise NotReadyError(
                 f"{request.model}@{request.version} is no longer served (now {manifest.label}) "
@@ -166,13 +170,11 @@ class Engine:
         manifest, replaced = await lifecycle.switch_version(self.state, name, version)
         return SwitchResult(serving=manifest, replaced=replaced)
 
-    async def rollback(self) -> SwitchResult:
-        previous = self.state.previous_version
-        if previous is None:
-            raise ConflictError(
-                "no earlier version was served by this engine; nothing to roll back"
-            )
-        return await self.switch(*previous)
+    async def rollback(self, name: str | None = None) -> SwitchResult:
+        return await self.switch(*self.status().rollback_target(name))
+
+    async def unload(self, name: str) -> str:
+        return await lifecycle.unload(self.state, name)
 
     # ----------------------------------------------------------------- two-phase switch
 
@@ -184,27 +186,26 @@ class Engine:
             raise ConflictError("another version is being loaded; retry when it is done")
         await lock.acquire()
         try:
-            self._prepared = await lifecycle.prepare_version(self.state, name, version)
+            self._prepared = name, await lifecycle.prepare_version(self.state, name, version)
         except BaseException:
             lock.release()
             raise
         self._holding_prepare = True
-        if self._prepared is not None:
-            return self._prepared.manifest
-        assert self.state.served is not None  # prepare_version returns None only then
-        return self.state.served.manifest
+        served = self._prepared[1] or self.state.models[name]  # None: served already
+        return served.manifest
 
     async def commit(self) -> SwitchResult:
         """Serve what ``prepare`` loaded (nothing changes if it was served already)."""
         if not self._holding_prepare:
             raise ConflictError("no version has been prepared; nothing to commit")
-        prepared, self._prepared = self._prepared, None
+        assert self._prepared is not None
+        (name, prepared), self._prepared = self._prepared, None
         self._holding_prepare = False
         try:
             if prepared is None:
-                assert self.state.served is not None
-                return SwitchResult(serving=self.state.served.manifest, replaced=None)
-            replaced = self.state.served.manifest.label if self.state.served else "nothing"
+                return SwitchResult(serving=self.state.models[name].manifest, replaced=None)
+            current = self.state.models.get(name)
+            replaced = current.manifest.label if current else "nothing"
             lifecycle.switch_to(self.state, prepared)
             return SwitchResult(serving=prepared.manifest, replaced=replaced)
         finally:
@@ -214,7 +215,8 @@ class Engine:
         """Discard what ``prepare`` loaded, if anything; the serving version stays."""
         if not self._holding_prepare:
             return
-        prepared, self._prepared = self._prepared, None
+        prepared = self._prepared[1] if self._prepared else None
+        self._prepared = None
         self._holding_prepare = False
         try:
             if prepared is not None:
@@ -226,9 +228,8 @@ class Engine:
 
     def _forget_status(self) -> None:
         self._status = None
-        served = self.state.served
-        if served is not None:
-            versions = self._contracts
+        versions = self._contracts
+        for served in self.state.models.values():
             versions[served.manifest.version] = contract_of(served.manifest)
-            while len(versions) > REMEMBERED_VERSIONS:
-                del versions[next(iter(versions))]
+        while len(versions) > REMEMBERED_VERSIONS:
+            del versions[next(iter(versions))]

@@ -19,12 +19,18 @@ import numpy as np
 
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
-from service.engine import published
+from service.engine import memory, published
 from service.engine.batching import DynamicBatcher
 from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.engine.state import EngineState, ServedModel
-from service.errors import ConflictError, ModelIntegrityError, ModelLoadError, ModelRejectedError
+from service.errors import (
+    ConflictError,
+    ModelIntegrityError,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelRejectedError,
+)
 from service.manifest import Manifest
 from service.tensors import NamedArrays
 
@@ -32,11 +38,24 @@ logger = logging.getLogger(__name__)
 
 
 async def load_version(state: EngineState, name: str, version: str) -> ServedModel:
-    """Verify, load, place, warm up and start serving machinery for one version."""
+    """Verify, load, place, warm up and start serving machinery for one version, within the
+    device memory budget beside the other models served (409 if it does not fit)."""
     settings = state.settings
-    loaded = await asyncio.to_thread(state.store.load, name, version)
+    manifest = state.store.resolve(name, version)
+    others = [(served.manifest.label, served.memory_bytes) for served in _others(state, name)]
+    folder = state.store.version_folder(manifest.name, manifest.version)
+    measured = state.measured_memory.get(manifest.label)
+    memory.check_budget(
+        settings.device_memory_budget_mb,
+        manifest.label,
+        measured if measured is not None else memory.artifact_bytes(folder, manifest),
+        others,
+        "measured at its last load" if measured is not None else "the size of its artifact",
+    )
     device = resolve_device(state.device)
     configure_torch_threads(settings.torch_threads)
+    before_bytes = memory.memory_in_use(device)
+    loaded = await asyncio.to_thread(state.store.load, name, manifest.version)
     manifest = loaded.manifest
     edges = manifest_length_edges(manifest, settings.length_buckets)
     runner = await asyncio.to_thread(
@@ -49,19 +68,29 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         compile_mode=settings.compile_mode,
         max_batch_size=settings.max_batch_size,
         length_edges=edges,
+        executor=state.device_thread,
     )
+    del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
     try:
-        warmup_s = await asyncio.get_running_loop().run_in_executor(
-            runner.executor, runner.warm_up, batches
+        warmup_s = await _warm_up(runner, batches)
+        memory_bytes = max(0, memory.memory_in_use(device) - before_bytes)
+        state.measured_memory[manifest.label] = memory_bytes
+        memory.check_budget(
+            settings.device_memory_budget_mb,
+            manifest.label,
+            memory_bytes,
+            others,
+            "measured after its warm-up",
         )
     except BaseException:
         await asyncio.to_thread(runner.close)
+        memory.release_freed_memory(device)
         raise
     batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
         executor=runner.executor,
-        metrics=state.metrics,
+        metrics=state.metrics.for_model(manifest.name),
         max_batch_size=settings.max_batch_size,
         max_wait_ms=settings.max_wait_ms,
         max_queue_size=settings.max_queue_size,
@@ -77,31 +106,52 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         group, _ = batch_group(manifest, batch, edges)
         batcher.times.record(group, len(batch), seconds)
     batcher.start()
-    return ServedModel(manifest=loaded.manifest, length_edges=edges, runner=runner, batcher=batcher)
+    return ServedModel(
+        manifest=manifest,
+        length_edges=edges,
+        runner=runner,
+        batcher=batcher,
+        memory_bytes=memory_bytes,
+    )
+
+
+async def _warm_up(runner: TorchRunner, batches: list[NamedArrays]) -> list[float]:
+    """Each warm-up batch on the device thread, one at a time, so that the batches of the
+    models already served take turns with them rather than wait for the whole warm-up."""
+    loop = asyncio.get_running_loop()
+    started_s = time.perf_counter()
+    if batches:
+        await loop.run_in_executor(runner.executor, runner.check_outputs, batches[0])
+    seconds = [
+        await loop.run_in_executor(runner.executor, runner.warm_up_batch, batch)
+        for batch in batches
+    ]
+    logger.info(
+        "model_warmed_up",
+        extra={"batches": len(batches), "seconds": round(time.perf_counter() - started_s, 3)},
+    )
+    return seconds
+
+
+def _others(state: EngineState, name: str) -> list[ServedModel]:
+    """The models served beside ``name`` (whose served version a new one would replace)."""
+    return [served for other, served in state.models.items() if other != name]
 
 
 def switch_to(state: EngineState, served: ServedModel) -> None:
-    """Serve ``served`` from now on; retire the previous version in the background."""
-    previous = state.served
-    state.served = served
+    """Serve ``served`` from now on, beside the other models or in place of the version of
+    its name served now, which retires in the background."""
+    manifest = served.manifest
+    previous = state.models.get(manifest.name)
+    state.models[manifest.name] = served
     replaced = None
     if previous is not None:
-        old = previous.manifest
-        replaced = old.label
-        state.previous_version = (old.name, old.version)
-        old_info = _info_labels(previous)
-        # Zeroed before it is removed: with several processes the value lives on in this
-        # process's metrics file, which remove() does not touch, and would still read 1.
-        state.metrics.model_info.labels(*old_info).set(0)
-        state.metrics.model_info.remove(*old_info)
-        retiring = asyncio.get_running_loop().create_task(retire(previous))
-        state.retiring.add(retiring)
-        retiring.add_done_callback(state.retiring.discard)
+        replaced = previous.manifest.label
+        state.previous_versions[manifest.name] = previous.manifest.version
+        _retire_in_background(state, previous)
     state.metrics.model_info.labels(*_info_labels(served)).set(1)
-    manifest = served.manifest
-    published.publish(
-        published.PublishedVersion(manifest.name, manifest.version, state.previous_version)
-    )
+    state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
+    _publish(state)
     freeze_long_lived_objects()
     state.changed()
     logger.info(
@@ -113,7 +163,37 @@ def switch_to(state: EngineState, served: ServedModel) -> None:
             "device": str(served.runner.device),
             "precision": served.runner.precision,
             "compile_mode": served.runner.compile_mode,
+            "memory_bytes": served.memory_bytes,
         },
+    )
+
+
+def _retire_in_background(state: EngineState, served: ServedModel) -> None:
+    _forget_series(state, served)
+    retiring = asyncio.get_running_loop().create_task(retire(served))
+    state.retiring.add(retiring)
+    retiring.add_done_callback(state.retiring.discard)
+
+
+def _forget_series(state: EngineState, served: ServedModel) -> None:
+    """Zeroed before removed: with several processes the value lives on in this process's
+    metrics file, which remove() does not touch, and would still read 1."""
+    for gauge, labels in (
+        (state.metrics.model_info, _info_labels(served)),
+        (state.metrics.model_memory, _memory_labels(served)),
+    ):
+        gauge.labels(*labels).set(0)
+        gauge.remove(*labels)
+
+
+def _publish(state: EngineState) -> None:
+    published.publish(
+        [
+            published.PublishedVersion(
+                name, served.manifest.version, state.previous_versions.get(name)
+            )
+            for name, served in state.models.items()
+        ]
     )
 
 
@@ -128,49 +208,77 @@ def _info_labels(served: ServedModel) -> tuple[str, str, str, str, str]:
     )
 
 
+def _memory_labels(served: ServedModel) -> tuple[str, str, str]:
+    return served.manifest.name, served.manifest.version, str(served.runner.device)
+
+
 async def prepare_version(state: EngineState, name: str, version: str) -> ServedModel | None:
-    """Load ``name`` at ``version`` (or ``latest``) beside the serving version, warmed up.
+    """Load ``name`` at ``version`` (or ``latest``) beside the models served, warmed up.
 
     Returns None when that version is served already. Raises ``ModelRejectedError`` when the
-    version fails its hash check or cannot be built: the serving version then stays. The
-    caller holds ``state.switch_lock``.
+    version fails its hash check or cannot be built, and ``ConflictError`` when it does not
+    fit in the memory budget: what is served then stays. The caller holds
+    ``state.switch_lock``.
     """
-    current = state.served.manifest if state.served else None
-    serving = current.label if current else "nothing"
+    current = state.models.get(name)
+    serving = current.manifest.label if current else "nothing"
     try:
         manifest = state.store.resolve(name, version)
-        if current is not None and name != current.name:
-            raise ConflictError(
-                f"this server serves {current.name}, not {name}: one model per server, whose "
-                "clients expect its inputs; start another server for it"
-            )
-        if current is not None and current.version == manifest.version:
+        if current is not None and current.manifest.version == manifest.version:
             return None
         return await load_version(state, name, manifest.version)
     except (ModelIntegrityError, ModelLoadError) as error:
         reason = str(error).replace(str(state.store.root), "<repository>")
-        raise ModelRejectedError(f"{reason}; still serving {serving}") from error
+        raise ModelRejectedError(f"{reason}; still serving {serving} for {name}") from error
 
 
 async def switch_version(
     state: EngineState, name: str, version: str
 ) -> tuple[Manifest, str | None]:
-    """Load ``name`` at ``version`` (or ``latest``) beside the serving version, then switch.
+    """Load ``name`` at ``version`` (or ``latest``) beside what is served, then serve it.
 
-    Returns the manifest now served and what it replaced (``name@version``), or None for what
-    it replaced when that version was being served already. Raises ``ConflictError`` while
-    another switch is under way, and ``ModelRejectedError`` when the version cannot be served.
+    Returns the manifest now served and what it replaced (``name@version``, or ``nothing``
+    for a model not served before), or None for what it replaced when that version was
+    being served already. Raises ``ConflictError`` while another switch is under way or when
+    it does not fit in the memory budget, and ``ModelRejectedError`` when the version cannot
+    be served.
     """
     if state.switch_lock.locked():
         raise ConflictError("another version is being loaded; retry when it is done")
     async with state.switch_lock:
         prepared = await prepare_version(state, name, version)
         if prepared is None:
-            assert state.served is not None  # prepare_version returns None only then
-            return state.served.manifest, None
-        replaced = state.served.manifest.label if state.served else "nothing"
+            return state.models[name].manifest, None
+        current = state.models.get(name)
+        replaced = current.manifest.label if current else "nothing"
         switch_to(state, prepared)
     return prepared.manifest, replaced
+
+
+async def unload(state: EngineState, name: str) -> str:
+    """Stop serving ``name``: new requests for it are refused at once, those queued finish,
+    then its memory is freed. Returns the ``name@version`` unloaded. Refused (409) for the
+    only model served and while a switch is under way."""
+    if state.switch_lock.locked():
+        raise ConflictError("a version is being loaded; retry when it is done")
+    async with state.switch_lock:
+        served = state.models.get(name)
+        if served is None:
+            raise ModelNotFoundError(
+                f"{name} is not served here (serving {', '.join(state.models) or 'nothing'})"
+            )
+        if len(state.models) == 1:
+            raise ConflictError(
+                f"{served.manifest.label} is the only model served; load another before "
+                "unloading it, or switch its version instead"
+            )
+        del state.models[name]
+        state.previous_versions.pop(name, None)
+        _forget_series(state, served)
+        _publish(state)
+        state.changed()
+        await retire(served)
+    return served.manifest.label
 
 
 async def retire(served: ServedModel) -> None:
@@ -178,36 +286,44 @@ async def retire(served: ServedModel) -> None:
     await served.batcher.drain()
     await asyncio.to_thread(served.runner.close)
     freeze_long_lived_objects()
+    memory.release_freed_memory(served.runner.device)
     logger.info(
         "model_retired", extra={"model": served.manifest.name, "version": served.manifest.version}
     )
 
 
 async def start_serving(state: EngineState, on_load_failure: Callable[[], None] | None) -> None:
-    """The initial load at start-up; a failure is recorded and reported, not raised."""
-    settings = state.settings
-    name, version = settings.model_name, settings.model_version
+    """The initial loads at start-up, in order; a failure is recorded and reported, not
+    raised, and the models loaded before it are served no more."""
+    wanted = state.settings.served_models()
     # An engine started after an admin switch (a replacement) serves what its siblings serve.
     recorded = published.read_published()
     if recorded is not None:
-        name, version = recorded.name, recorded.version
+        wanted = [(entry.name, entry.version) for entry in recorded]
     started_s = time.perf_counter()
-    try:
-        served = await load_version(state, name, version)
-    except Exception as error:
-        state.load_error = str(error)
-        logger.error(
-            "model_load_failed",
-            extra={"model": name, "version": version, "error": str(error)},
-        )
-        state.changed()
-        if on_load_failure is not None:
-            on_load_failure()
-        return
-    if recorded is not None:
-        state.previous_version = recorded.previous  # so that a rollback here works too
-    switch_to(state, served)
-    logger.info("model_ready", extra={"seconds": round(time.perf_counter() - started_s, 3)})
+    for name, version in wanted:
+        try:
+            async with state.switch_lock:
+                served = await load_version(state, name, version)
+                switch_to(state, served)
+        except Exception as error:
+            state.load_error = f"{name}@{version}: {error}"
+            logger.error(
+                "model_load_failed",
+                extra={"model": name, "version": version, "error": str(error)},
+            )
+            state.changed()
+            if on_load_failure is not None:
+                on_load_failure()
+            return
+    for entry in recorded or ():
+        if entry.previous is not None:  # so that a rollback here works too
+            state.previous_versions[entry.name] = entry.previous
+    state.changed()
+    logger.info(
+        "model_ready",
+        extra={"models": list(state.models), "seconds": round(time.perf_counter() - started_s, 3)},
+    )
 
 
 async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:
@@ -218,13 +334,13 @@ async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:
         loading.cancel()
         await asyncio.gather(loading, return_exceptions=True)
     if state.stalled:
-        # The device thread is stuck in the model: draining would wait forever. Queued
+        # The device thread is stuck in a model: draining would wait forever. Queued
         # requests have been answered 504 by their deadlines; the process must be replaced.
         logger.error("shutdown_with_stalled_model")
         return
-    if state.served is not None:
-        await retire(state.served)
+    await asyncio.gather(*(retire(served) for served in state.models.values()))
     await asyncio.gather(*state.retiring, return_exceptions=True)
+    state.device_thread.shutdown(wait=True)
     logger.info("shutdown_complete")
 
 

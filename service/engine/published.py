@@ -1,11 +1,10 @@
-"""The version the engines serve, kept on disk for the engine that starts next.
+"""The models and versions the engines serve, kept on disk for the engine that starts next.
 
-An admin switch (``/admin/.../load`` or ``/admin/rollback``) reaches every engine of a server.
-Each engine then records what it serves in a file of the server's run folder, which the
-supervisor creates and names in ``RUN_DIR_ENV``; an engine started later, such as the
-replacement for one that died, serves the recorded version instead of
-``model_name``/``model_version``, and can roll back from it. One process serving alone has no
-run folder and records nothing.
+An admin load, unload or rollback reaches every engine of a server. Each engine then records
+what it serves in a file of the server's run folder, which the supervisor creates and names in
+``RUN_DIR_ENV``; an engine started later, such as the replacement for one that died, serves
+the recorded models instead of ``models`` (or ``model_name``/``model_version``), and can roll
+each back. One process serving alone has no run folder and records nothing.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ VERSION_FILE = "serving.json"
 class PublishedVersion:
     name: str
     version: str
-    previous: tuple[str, str] | None = None
-    """(name, version) served before the switch: what an engine started later rolls back to."""
+    previous: str | None = None
+    """The version served before the last switch: what an engine started later rolls back to."""
 
 
 def version_file() -> Path | None:
@@ -39,35 +38,38 @@ def version_file() -> Path | None:
     return Path(directory) / VERSION_FILE if directory else None
 
 
-def publish(published: PublishedVersion) -> None:
-    """Record what is served now (atomically: write, then rename)."""
+def publish(served: list[PublishedVersion]) -> None:
+    """Record what is served now, in order (atomically: write, then rename)."""
     path = version_file()
     if path is None:
         return
-    document = {
-        "name": published.name,
-        "version": published.version,
-        "previous": list(published.previous) if published.previous else None,
-    }
+    document = [
+        {"name": entry.name, "version": entry.version, "previous": entry.previous}
+        for entry in served
+    ]
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".serving-", delete=False) as staged:
         staged.write(orjson.dumps(document))
     os.replace(staged.name, path)
-    logger.info("version_published", extra={"model": published.name, "version": published.version})
+    logger.info(
+        "version_published", extra={"models": [f"{entry.name}@{entry.version}" for entry in served]}
+    )
 
 
-def read_published() -> PublishedVersion | None:
-    """The version last recorded in this server's run, or None if there is none (yet)."""
+def read_published() -> list[PublishedVersion] | None:
+    """What was last recorded in this server's run, or None if nothing is (yet)."""
     path = version_file()
     if path is None:
         return None
     try:
         document = orjson.loads(path.read_bytes())
-        previous = document.get("previous")
-        return PublishedVersion(
-            name=str(document["name"]),
-            version=str(document["version"]),
-            previous=(str(previous[0]), str(previous[1])) if previous else None,
-        )
+        return [
+            PublishedVersion(
+                name=str(entry["name"]),
+                version=str(entry["version"]),
+                previous=str(entry["previous"]) if entry.get("previous") else None,
+            )
+            for entry in document
+        ]
     except FileNotFoundError:
         return None
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, IndexError) as error:

@@ -124,10 +124,14 @@ class TorchRunner:
         compile_mode: CompileMode = "off",
         max_batch_size: int,
         length_edges: Sequence[int] = (),
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         """Inputs with a variable axis share one length (ids and mask): a batch pads each,
         with its own ``pad_value``, to the batch's longest payload, or, when compiled, up to
-        the next of ``length_edges`` so compiled shapes stay few."""
+        the next of ``length_edges`` so compiled shapes stay few.
+
+        ``executor``: the device thread, shared by every model of an engine (the runner
+        starts one of its own, and stops it on ``close``, when given none)."""
         check_precision(precision, device)
         self.device = device
         self._on_cuda = device.type == "cuda"
@@ -138,7 +142,8 @@ class TorchRunner:
         self._input_names = [spec.name for spec in self._inputs]
         self._outputs = tuple(outputs)
         self._length_edges = tuple(length_edges)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-device")
+        self._owns_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
         self._model = _in_eval_mode(model.to(device))
         self._forward: Callable[..., object] = self._model
         self._padded_sizes = batch_sizes_to_warm(max_batch_size)
@@ -187,14 +192,7 @@ class TorchRunner:
         started_s = time.perf_counter()
         if batches:
             self.check_outputs(batches[0])
-        steady_s = []
-        for batch in batches:
-            self.run_batch([batch])
-            timed_s = time.perf_counter()
-            self.run_batch([batch])
-            if self._on_cuda:
-                torch.cuda.synchronize(self.device)
-            steady_s.append(time.perf_counter() - timed_s)
+        steady_s = [self.warm_up_batch(batch) for batch in batches]
         elapsed_s = time.perf_counter() - started_s
         logger.info(
             "model_warmed_up",
@@ -207,6 +205,16 @@ class TorchRunner:
             },
         )
         return steady_s
+
+    def warm_up_batch(self, batch: NamedArrays) -> float:
+        """Run ``batch`` twice (compile its shape, warm the allocators; then time it as
+        requests will find it) and return the second run's seconds."""
+        self.run_batch([batch])
+        timed_s = time.perf_counter()
+        self.run_batch([batch])
+        if self._on_cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - timed_s
 
     def check_outputs(self, batch: NamedArrays) -> None:
         """Refuse a model whose outputs differ from the manifest (names, dtypes, shapes),
@@ -312,8 +320,10 @@ class TorchRunner:
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
     def close(self) -> None:
-        """Stop the device thread and release the model's device memory (once)."""
-        self.executor.shutdown(wait=True)
+        """Stop the device thread (when it is the runner's own) and release the model's
+        device memory (once). Call once no batch of it is queued or running."""
+        if self._owns_executor:
+            self.executor.shutdown(wait=True)
         if not hasattr(self, "_model"):
             return
         del self._forward

@@ -1,10 +1,11 @@
-"""What an engine holds: the version it serves and the machinery serving it."""
+"""What an engine holds: the models it serves, each one version at a time, and their machinery."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ class ServedModel:
     length_edges: tuple[int, ...]
     runner: TorchRunner
     batcher: DynamicBatcher[NamedArrays, NamedArrays]
+    memory_bytes: int
+    """What loading and warming it up took on the device (see ``memory.py``)."""
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -41,33 +44,51 @@ class ServedModel:
             precision=self.runner.precision,
             compiled=self.runner.compiled,
             length_edges=self.length_edges,
+            memory_bytes=self.memory_bytes,
         )
 
 
 @dataclass
 class EngineState:
-    """Filled in by ``lifecycle.py`` as versions load and switch; read by ``Engine``."""
+    """Filled in by ``lifecycle.py`` as models load, switch and unload; read by ``Engine``."""
 
     settings: Settings
     metrics: EngineMetrics
     store: ModelStore
     device: str
     """This engine's ``device`` setting: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    served: ServedModel | None = None
-    previous_version: tuple[str, str] | None = None
-    """(name, version) served before the last switch: what a rollback goes back to."""
+    device_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
+    )
+    """The one thread that runs every model's batches and warm-ups on this device. Each
+    model's batcher has at most one batch in it at a time and the thread takes them in
+    order of arrival, so the models take turns, a batch each: none waits longer than one
+    batch of every other model."""
+    models: dict[str, ServedModel] = field(default_factory=dict)
+    """Each model served, by name, in the order they were loaded: the first answers
+    ``/predict``."""
+    previous_versions: dict[str, str] = field(default_factory=dict)
+    """Each model's version served before its last switch: what a rollback goes back to."""
+    measured_memory: dict[str, int] = field(default_factory=dict)
+    """What each ``name@version`` took when last loaded here: the budget's estimate for it."""
     draining: bool = False
     load_error: str | None = None
     switch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """Held from the start of a switch to its end; a second one is refused (409)."""
+    """Held from the start of a load, switch or unload to its end; a second is refused (409).
+    One at a time also keeps each model's memory measurement its own."""
     retiring: set[asyncio.Task[None]] = field(default_factory=set)
-    """Versions switched away from, still finishing their queued requests."""
+    """Versions switched away from or unloaded, still finishing their queued requests."""
     listeners: list[Callable[[], None]] = field(default_factory=list)
     """Called whenever the state a front end sees changes (``Engine.status``)."""
     on_stall: Callable[[], None] | None = None
     """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
     frontend_loads: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
     """Each front end's last reported load (``InferenceRequest.frontend_load``) and when."""
+
+    @property
+    def served(self) -> ServedModel | None:
+        """The first model: the one ``/predict`` answers with."""
+        return next(iter(self.models.values()), None)
 
     def expected_requests(self) -> int:
         """Requests the front ends hold now, as they last said within ``LOAD_FRESH_S``:
@@ -96,8 +117,9 @@ class EngineState:
 
     @property
     def stalled(self) -> bool:
-        """A batch has outlived ``stall_timeout_s``: the model looks hung."""
-        return self.served is not None and self.served.batcher.stalled
+        """A batch has outlived ``stall_timeout_s``: a model looks hung, and with it the
+        device thread every model shares."""
+        return any(served.batcher.stalled for served in self.models.values())
 
     @property
     def phase(self) -> str:
@@ -108,4 +130,4 @@ class EngineState:
             return "stalled"
         if self.draining:
             return "draining"
-        return "ready" if self.served is not None else "loading"
+        return "ready" if self.models else "loading"

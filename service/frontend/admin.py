@@ -1,8 +1,10 @@
-"""Management routes under ``/admin``: list versions, load one, roll back. Bearer token only.
+"""Management routes under ``/admin``: list versions, load one, unload a model, roll back.
+Bearer token only.
 
-A version is loaded by every engine next to the serving one (hashes verified, built, warmed
-up) and served only once all of them have it; a version that any engine refuses is answered
-422 and the serving one stays everywhere.
+A version is loaded by every engine next to what it serves (hashes verified, built, warmed
+up) and served only once all of them have it, beside the other models or in place of the
+version of its name; a version that any engine refuses is answered 422 (409 when it does not
+fit in the memory budget) and what is served stays everywhere.
 """
 
 from __future__ import annotations
@@ -44,12 +46,11 @@ async def list_versions(name: str, request: Request) -> Response:
     """Every version of ``name`` in the repository, oldest first, and the one being served."""
     frontend = frontend_of(request)
     manifests = frontend.repository.versions(check_name(name))
-    model = frontend.engine.status().model
-    serving = model.manifest if model else None
+    model = frontend.engine.status().find(name)
     return json_response(
         {
             "name": name,
-            "serving": serving.version if serving and serving.name == name else None,
+            "serving": model.manifest.version if model else None,
             "versions": [manifest_summary(manifest) for manifest in manifests],
         }
     )
@@ -57,14 +58,32 @@ async def list_versions(name: str, request: Request) -> Response:
 
 @router.post("/models/{name}/versions/{version}/load", summary="Load and serve a version")
 async def load_version(name: str, version: str, request: Request) -> Response:
-    """Verify, load and warm up ``name`` at ``version`` (or ``latest``), then switch to it."""
+    """Verify, load and warm up ``name`` at ``version`` (or ``latest``), then serve it: in
+    place of the version of ``name`` served now, or beside the other models when ``name`` is
+    not served yet (409 when it does not fit in ``device_memory_budget_mb``)."""
     engine = frontend_of(request).engine
     return _switched(await engine.switch(check_name(name), check_version(version)))
 
 
+@router.post("/models/{name}/unload", summary="Stop serving a model")
+async def unload(name: str, request: Request) -> Response:
+    """Stop serving ``name`` on every engine: its requests already queued are answered, new
+    ones are 404, and its memory is freed. 409 for the only model served."""
+    unloaded = await frontend_of(request).engine.unload(check_name(name))
+    return json_response({"unloaded": unloaded})
+
+
+@router.post("/models/{name}/rollback", summary="Serve a model's previous version again")
+async def rollback_model(name: str, request: Request) -> Response:
+    """Switch ``name`` back to the version it served before its last switch (verified and
+    loaded again)."""
+    return _switched(await frontend_of(request).engine.rollback(check_name(name)))
+
+
 @router.post("/rollback", summary="Serve the previous version again")
 async def rollback(request: Request) -> Response:
-    """Switch back to the version served before the last switch (verified and loaded again)."""
+    """Switch the first model (the one ``/predict`` answers with) back to the version served
+    before its last switch (verified and loaded again)."""
     return _switched(await frontend_of(request).engine.rollback())
 
 

@@ -1,9 +1,10 @@
-"""The outermost layer of the service: request ids, request metrics, and the /predict path.
+"""The outermost layer of the service: request ids, request metrics, and the predict paths.
 
 A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request). It answers
-``POST /predict`` itself through ``predict.serve_prediction``: routing it through FastAPI's
-exception, dependency and routing layers took half of the event loop's time per request.
-Every other route goes on to the FastAPI app.
+``POST /predict``, ``/models/{name}[/versions/{version}]/predict`` and the V2 inference route
+itself through ``predict.serve_prediction``: routing them through FastAPI's exception,
+dependency and routing layers took half of the event loop's time per request. Every other
+route goes on to the FastAPI app.
 """
 
 from __future__ import annotations
@@ -26,13 +27,24 @@ from service.frontend.state import FrontendState
 logger = logging.getLogger(__name__)
 
 PREDICT_PATH = "/predict"
+MODEL_PREDICT_PATH = re.compile(r"^/models/([^/]+)(?:/versions/([^/]+))?/predict$")
+#: The route label of ``POST /models/.../predict`` in the request metrics.
+MODEL_PREDICT_ROUTE = "/models/{name}/predict"
 #: The route label of ``POST /v2/models/.../infer`` in the request metrics.
 V2_INFER_ROUTE = "/v2/models/{name}/infer"
 #: nginx's code for "client closed the request": counted, never sent.
 CLIENT_CLOSED_STATUS = 499
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ROUTES_WITH_METRICS = frozenset(
-    {PREDICT_PATH, V2_INFER_ROUTE, "/healthz", "/readyz", "/models", "/metrics"}
+    {
+        PREDICT_PATH,
+        MODEL_PREDICT_ROUTE,
+        V2_INFER_ROUTE,
+        "/healthz",
+        "/readyz",
+        "/models",
+        "/metrics",
+    }
 )
 
 
@@ -55,7 +67,13 @@ class ServiceMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
         v2_infer = v2.INFER_PATH.match(path) if path.startswith("/v2/") else None
-        route = V2_INFER_ROUTE if v2_infer else path if path in _ROUTES_WITH_METRICS else "other"
+        model_predict = MODEL_PREDICT_PATH.match(path) if path.startswith("/models/") else None
+        if v2_infer:
+            route = V2_INFER_ROUTE
+        elif model_predict:
+            route = MODEL_PREDICT_ROUTE
+        else:
+            route = path if path in _ROUTES_WITH_METRICS else "other"
         status = 500
         started_s = time.perf_counter()
 
@@ -70,13 +88,20 @@ class ServiceMiddleware:
                     headers.append("Connection", "close")
             await send(message)
 
-        predicting = route in (PREDICT_PATH, V2_INFER_ROUTE) and scope["method"] == "POST"
+        predicting = scope["method"] == "POST" and route in (
+            PREDICT_PATH,
+            MODEL_PREDICT_ROUTE,
+            V2_INFER_ROUTE,
+        )
         try:
             if predicting:
                 self.metrics.in_flight.inc()
                 self.frontend.receiving += 1
                 if v2_infer:
                     response = await self._infer_v2(scope, receive, request_id, v2_infer)
+                elif model_predict:
+                    name, version = model_predict.groups()
+                    response = await self._predict(scope, receive, request_id, name, version)
                 else:
                     response = await self._predict(scope, receive, request_id)
                 if response is None:
@@ -95,7 +120,14 @@ class ServiceMiddleware:
                 time.perf_counter() - started_s
             )
 
-    async def _predict(self, scope: Scope, receive: Receive, request_id: str) -> Response | None:
+    async def _predict(
+        self,
+        scope: Scope,
+        receive: Receive,
+        request_id: str,
+        model_name: str | None = None,
+        model_version: str | None = None,
+    ) -> Response | None:
         """The prediction's response, an error response, or None if the client left."""
         try:
             self._check_capacity()
@@ -105,6 +137,8 @@ class ServiceMiddleware:
                 receive,
                 request_id,
                 scope.get("query_string", b""),
+                model_name,
+                model_version,
             )
         except ServiceError as error:
             return service_error_response(error, request_id)

@@ -190,8 +190,13 @@ async def serve_prediction(
     receive: Receive,
     request_id: str,
     query_string: bytes = b"",
+    model_name: str | None = None,
+    model_version: str | None = None,
 ) -> Response:
     """Validate the body, queue its instances for the next batch, answer one row each.
+
+    ``model_name`` (the first model served when None) at ``model_version`` (the one served
+    when None) answers it.
 
     The request is validated against the version served once its body has arrived, so a
     version switched while a slow body was uploading costs nothing; the answer names the
@@ -199,14 +204,15 @@ async def serve_prediction(
     rows into its answer, in a thread of this front end.
     """
     deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
-    model = frontend.serving_model()  # refuse at once, before reading a body nobody can serve
+    # Refused at once, before reading a body nobody can serve.
+    model = frontend.serving_model(model_name, model_version)
     body_media_type(headers.content_type, frontend.handler_for(model).media_types)
     body = await read_body(
         receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
     )
     frontend.holding += 1
     try:
-        model = frontend.serving_model()
+        model = frontend.serving_model(model_name, model_version)
         handler = frontend.handler_for(model)
         handler_request = HandlerRequest(
             body=body,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -36,9 +37,7 @@ def frontend_of(request: Request) -> FrontendState:
     return state
 
 
-@router.post(
-    "/predict",
-    summary="Predict one or more instances",
+_PREDICT_DOCUMENT: dict[str, Any] = dict(
     responses={
         200: {
             "description": "One prediction row per instance.",
@@ -63,19 +62,44 @@ def frontend_of(request: Request) -> FrontendState:
         }
     },
 )
+
+
+@router.post("/predict", summary="Predict one or more instances", **_PREDICT_DOCUMENT)
 async def predict(request: Request) -> Response:
     """Queue the instances for the next batch and answer with one prediction row each.
 
     Send JSON ``{"instances": [...]}``, a ``.npy`` array (``Content-Type: application/x-npy``,
     a model with one input) or an ``.npz`` archive with one array per input name
     (``application/x-npz``); ask for the outputs as ``.npy`` (one output) or ``.npz`` with
-    ``Accept``. The schemas below are the served model's.
+    ``Accept``. The schemas below are those of the first model served, which answers.
     """
     return await serve_prediction(
         frontend_of(request),
         PredictHeaders.from_scope(request.scope),
         request.receive,
         request.state.request_id,
+    )
+
+
+@router.post("/models/{name}/predict", summary="Predict with a model", **_PREDICT_DOCUMENT)
+@router.post(
+    "/models/{name}/versions/{version}/predict",
+    summary="Predict with a model's version",
+    **_PREDICT_DOCUMENT,
+)
+async def predict_with_model(request: Request, name: str, version: str | None = None) -> Response:
+    """As ``/predict``, answered by the model ``name`` (404 when it is not served), at
+    ``version`` when one is named (404 when that version is not the one served). (The
+    service's middleware answers this route itself; this is its documentation and the same
+    code.)"""
+    return await serve_prediction(
+        frontend_of(request),
+        PredictHeaders.from_scope(request.scope),
+        request.receive,
+        request.state.request_id,
+        request.scope.get("query_string", b""),
+        name,
+        version,
     )
 
 
@@ -109,48 +133,63 @@ async def healthz(request: Request) -> Response:
     summary="Readiness",
 )
 async def readyz(request: Request) -> Response:
-    """200 once an engine serves the warmed-up model; 503 while loading, draining, with no
+    """200 once an engine serves the warmed-up models; 503 while loading, draining, with no
     engine reachable, or failed."""
     frontend = frontend_of(request)
-    model = frontend.engine.status().model
+    status = frontend.engine.status()
+    model = status.model
     content = {
         "status": frontend.phase,
         "model": model.manifest.name if model else None,
         "version": model.manifest.version if model else None,
+        "models": [served.manifest.label for served in status.models],
     }
     return json_response(content, status_code=200 if frontend.ready else 503)
 
 
 @router.get("/models", response_model=ModelsResponse, responses=_ERRORS, summary="Models")
 async def models(request: Request) -> Response:
-    """The served model with its manifest, each engine, and every version in the repository."""
+    """Every model served with its manifest and memory, each engine, and every version of
+    each served model in the repository."""
     frontend = frontend_of(request)
-    model = frontend.engine.status().model
-    loaded = None
-    if model is not None:
-        loaded = {
+    status = frontend.engine.status()
+    served = [
+        {
             "name": model.manifest.name,
             "version": model.manifest.version,
             "device": model.device,
             "precision": model.precision,
             "compiled": model.compiled,
+            "memory_bytes": model.memory_bytes,
             "manifest": manifest_summary(model.manifest),
         }
+        for model in status.models
+    ]
     engines = [
         {
             "device": engine.device,
             "status": engine.phase,
             "version": engine.model.manifest.version if engine.model else None,
+            "models": [model.manifest.label for model in engine.models],
             "pid": engine.pid,
         }
         for engine in frontend.engine.engines()
     ]
-    name = model.manifest.name if model else frontend.settings.model_name
-    try:
-        versions = [manifest_summary(version) for version in frontend.repository.versions(name)]
-    except ModelNotFoundError:
-        versions = []
-    return json_response({"loaded": loaded, "engines": engines, "versions": versions})
+    names = [model.manifest.name for model in status.models] or [frontend.settings.model_name]
+    versions = []
+    for name in names:
+        with contextlib.suppress(ModelNotFoundError):
+            versions += [
+                manifest_summary(version) for version in frontend.repository.versions(name)
+            ]
+    return json_response(
+        {
+            "loaded": served[0] if served else None,
+            "models": served,
+            "engines": engines,
+            "versions": versions,
+        }
+    )
 
 
 @router.get(

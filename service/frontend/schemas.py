@@ -45,8 +45,11 @@ class HealthResponse(BaseModel):
 
 class ReadinessResponse(BaseModel):
     status: str = Field(description="ready, loading, draining, down, stalled or failed.")
-    model: str | None = None
+    model: str | None = Field(default=None, description="The model /predict answers with.")
     version: str | None = None
+    models: list[str] = Field(
+        default_factory=list, description="Every model served, as name@version."
+    )
 
 
 class LoadedModelInfo(BaseModel):
@@ -55,19 +58,26 @@ class LoadedModelInfo(BaseModel):
     device: str
     precision: str
     compiled: bool
+    memory_bytes: int = Field(
+        description="What loading and warming it up took on the device: CUDA memory "
+        "allocated, or the engine's resident-memory growth on the CPU."
+    )
     manifest: dict[str, Any]
 
 
 class EngineInfo(BaseModel):
     device: str
     status: str
-    version: str | None
+    version: str | None = Field(description="The version of the first model.")
+    models: list[str] = Field(description="Every model the engine serves, as name@version.")
     pid: int | None
 
 
 class ModelsResponse(BaseModel):
-    loaded: LoadedModelInfo | None
+    loaded: LoadedModelInfo | None = Field(description="The model /predict answers with.")
+    models: list[LoadedModelInfo] = Field(description="Every model served, in load order.")
     engines: list[EngineInfo] = Field(description="Each engine (one per device), in order.")
     versions: list[dict[str, Any]] = Field(
-        description="Every version of the served model in the repository, oldest first."
+        description="Every version in the repository of each model served (the first when "
+        "none is), oldest first."
     )

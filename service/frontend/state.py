@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import EngineClient, ModelInfo
 from service.config import Settings
-from service.errors import HandlerError
+from service.errors import HandlerError, ModelNotFoundError
 from service.frontend.handlers.base import Handler, HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
 from service.metrics import FrontendMetrics, ProcessMetrics
@@ -68,12 +68,23 @@ class FrontendState:
     def ready(self) -> bool:
         return not self.draining and self.engine.status().ready
 
-    def serving_model(self) -> ModelInfo:
-        """The model requests are validated against now; 503 when none can take them."""
+    def serving_model(self, name: str | None = None, version: str | None = None) -> ModelInfo:
+        """The model ``name`` (the first served when None) that requests are validated against
+        now, if it serves ``version`` when one is named; 503 when no engine can take requests,
+        404 for a model or version not served."""
         status = self.engine.status()  # draining: readiness is off, but requests are served
-        if status.ready and status.model is not None:
-            return status.model
-        raise status.refusal()
+        if not status.ready or status.model is None:
+            raise status.refusal()
+        model = status.model if name is None else status.find(name)
+        if model is None:
+            served = ", ".join(repr(model.manifest.name) for model in status.models)
+            raise ModelNotFoundError(f"unknown model {name!r}: this server serves {served}")
+        if version not in (None, "", model.manifest.version):
+            raise ModelNotFoundError(
+                f"{model.manifest.name} version {version!r} is not served (serving "
+                f"{model.manifest.version}); load it first"
+            )
+        return model
 
     def layout_for(self, model: ModelInfo) -> InputLayout:
         """How requests for ``model`` are parsed, validated and grouped (built once a version)."""

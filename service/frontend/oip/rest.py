@@ -25,7 +25,6 @@ from service.bridge.interface import InferenceRequest, InferenceResult, ModelInf
 from service.errors import (
     BadRequestError,
     InvalidInputError,
-    ModelNotFoundError,
     ServiceError,
 )
 from service.frontend.oip.datatypes import to_bf16, wire_dtype
@@ -56,16 +55,8 @@ def error_response(error: ServiceError) -> Response:
 
 
 def served_model(frontend: FrontendState, name: str, version: str | None) -> ModelInfo:
-    """The model served now, if it is ``name`` (at ``version``, when one is named)."""
-    model = frontend.serving_model()
-    manifest = model.manifest
-    if name != manifest.name:
-        raise ModelNotFoundError(f"unknown model {name!r}: this server serves {manifest.name!r}")
-    if version not in (None, "", manifest.version):
-        raise ModelNotFoundError(
-            f"{name} version {version!r} is not served (serving {manifest.version}); load it first"
-        )
-    return model
+    """The model served as ``name`` (at ``version``, when one is named); 404 otherwise."""
+    return frontend.serving_model(name, version)
 
 
 async def serve_v2_inference(

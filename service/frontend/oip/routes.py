@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from service.errors import ConflictError, ModelNotFoundError, ServiceError
+from service.errors import ModelNotFoundError, ServiceError
 from service.frontend.about import __version__
 from service.frontend.admin import require_admin_token
 from service.frontend.oip.datatypes import datatype_of
@@ -34,7 +34,7 @@ from service.frontend.oip.schemas import (
 )
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
-from service.manifest import Manifest, TensorSpec
+from service.manifest import Manifest, TensorSpec, check_name
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol (V2)"])
 
@@ -154,11 +154,11 @@ async def repository_index(request: Request) -> Response:
     """Every version in the repository and whether it is the one served."""
     frontend = frontend_of(request)
     require_admin_token(request)
-    served = frontend.engine.status().model
+    served = {model.manifest.label for model in frontend.engine.status().models}
     entries = []
     for name in frontend.repository.model_names():
         for manifest in frontend.repository.versions(name):
-            serving = served is not None and served.manifest.label == manifest.label
+            serving = manifest.label in served
             entries.append(
                 {
                     "name": manifest.name,
@@ -193,12 +193,11 @@ async def repository_load(request: Request, name: str) -> Response:
 )
 @v2_errors
 async def repository_unload(request: Request, name: str) -> Response:
-    """Refused: a batchserve server serves one model and keeps serving it; switch versions
-    with ``load`` instead."""
+    """Stop serving ``name`` on every engine (409 for the only model served)."""
+    frontend = frontend_of(request)
     require_admin_token(request)
-    raise ConflictError(
-        f"{name} cannot be unloaded: this server serves one model; load another version instead"
-    )
+    await frontend.engine.unload(check_name(name))
+    return json_response({"name": name, "unloaded": True})
 
 
 _INFER = {
