@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # while the set-up installs the build this project is tested with.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test lint typecheck unit clean container-smoke mutate
+.PHONY: install serve test lint typecheck unit docs clean container-smoke mutate
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ unit: install
 
 test: lint typecheck unit
 
+# The documentation site (mkdocs.yml) into site/; --strict fails on any warning: a missing page,
+# a broken link or anchor, a docstring mkdocstrings cannot render.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # Mutation score of the batcher and the input parsing against their fast unit tests; not part
 # of `make test`. All mutants (about 520) take about 17 minutes on 2 cores; `make mutate
 # MUTATE_SAMPLE=80` scores 80 drawn at random from each module, about 4 minutes.
@@ -49,4 +54,4 @@ container-smoke: install
 	TORCH_SPEC=torch==$(TORCH_VERSION) PYTHON=$(BIN)/python bash deploy/container_smoke.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -87,18 +87,6 @@ def test_serve_with_a_bad_flag_prints_the_problem_and_exits_2(
     assert "greater than or equal to 1" in error
 
 
-def test_readme_documents_every_setting() -> None:
-    from pathlib import Path
-
-    from service.config import Settings
-
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    missing = [
-        name for name in Settings.model_fields if f"`BATCHSERVE_{name.upper()}`" not in readme
-    ]
-    assert missing == []
-
-
 def test_a_queue_too_small_for_the_largest_request_is_refused_at_start() -> None:
     """129 instances in chunks of 16 are 9 queue entries: with a queue of 8 such a valid
     request would be answered 429 forever."""

@@ -1,7 +1,7 @@
 """The Kubernetes manifests under k8s/, rendered per overlay: they validate against the
-Kubernetes API schemas, and they keep the promises the README makes (a GPU per pod in the gpu
-overlay, probes on the right routes, a drain that fits the grace period, a non-root pod,
-settings that the server accepts, and an autoscaler metric that really exists)."""
+Kubernetes API schemas, and they keep the promises docs/deployment.md makes (a GPU per pod in
+the gpu overlay, probes on the right routes, a drain that fits the grace period, a non-root
+pod, settings that the server accepts, and an autoscaler metric that really exists)."""
 
 from __future__ import annotations
 
