@@ -54,6 +54,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     )
     device = resolve_device(state.device)
     configure_torch_threads(settings.torch_threads)
+    memory.release_freed_memory(device)  # so that what others freed is not counted as ours
     before_bytes = memory.memory_in_use(device)
     loaded = await asyncio.to_thread(state.store.load, name, manifest.version)
     manifest = loaded.manifest
@@ -74,6 +75,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     batches = warmup_batches(manifest, edges, runner, settings)
     try:
         warmup_s = await _warm_up(runner, batches)
+        memory.release_freed_memory(device)  # the loading's scratch copies are not kept
         memory_bytes = max(0, memory.memory_in_use(device) - before_bytes)
         state.measured_memory[manifest.label] = memory_bytes
         memory.check_budget(
