@@ -33,7 +33,7 @@ from service.manifest import Manifest, ModelFormat
 
 FORMATS: dict[str, tuple[ModelFormat, ...]] = {
     "digits": ("torchscript", "exported_program", "aoti", "onnx"),
-    "textenc": ("exported_program", "onnx"),
+    "textenc": ("torchscript", "exported_program", "aoti", "onnx"),
 }
 BATCHES = (1, 8, 64)
 LENGTH = 64
@@ -61,18 +61,23 @@ def rows_per_s(module: torch.nn.Module, manifest: Manifest, rows: int, seconds: 
     return rows / statistics.median(timings)
 
 
-def measure(store: ModelStore, manifest: Manifest, seconds: float) -> list[str]:
+def measure(store: ModelStore, manifest: Manifest, seconds: float, compiled: bool) -> list[str]:
+    """Ready time (load, and a first batch), rows/s at each batch size, parity and export
+    time; ``compiled``: the module through ``torch.compile`` (its first call compiles)."""
     started = time.perf_counter()
     module = store.load(manifest.name, manifest.version).module
+    if compiled:
+        module = torch.compile(module)  # type: ignore[assignment]
     with torch.inference_mode():
         call_model(module, inputs_for(manifest, 1), [spec.name for spec in manifest.inputs])
     ready_s = time.perf_counter() - started
     rates = [rows_per_s(module, manifest, rows, seconds) for rows in BATCHES]
     parity = manifest.metadata.get("parity")
     export = manifest.metadata.get("export", {})
+    kind = "compiled" if compiled else "eager"
     return [
         manifest.name,
-        manifest.format if parity else f"{manifest.format} (eager)",
+        manifest.format if parity else f"{manifest.format} ({kind})",
         f"{ready_s:.2f}",
         *(f"{rate:,.0f}" for rate in rates),
         f"{parity['max_abs_diff']:.2g}" if parity else "-",
@@ -80,7 +85,9 @@ def measure(store: ModelStore, manifest: Manifest, seconds: float) -> list[str]:
     ]
 
 
-def served(root: Path, manifest: Manifest, scratch: Path, seconds: float) -> list[str]:
+def served(
+    root: Path, manifest: Manifest, scratch: Path, seconds: float, compiled: bool
+) -> list[str]:
     """Seconds from ``batchserve serve`` to ``/readyz`` 200, and req/s (p50 ms) at 1 and 64
     wrk connections, one instance per request (JSON)."""
     env = servers.server_env(
@@ -90,6 +97,7 @@ def served(root: Path, manifest: Manifest, scratch: Path, seconds: float) -> lis
             "BATCHSERVE_MODEL_REPOSITORY": str(root),
             "BATCHSERVE_MODEL_NAME": manifest.name,
             "BATCHSERVE_MODEL_VERSION": manifest.version,
+            "BATCHSERVE_COMPILE_MODE": "default" if compiled else "off",
         }
     )
     arrays = example_inputs(manifest, 1, 16, np.random.default_rng(0))
@@ -99,8 +107,8 @@ def served(root: Path, manifest: Manifest, scratch: Path, seconds: float) -> lis
     headers = {"Content-Type": "application/json"}
     script = wrk.write_script(scratch / f"{manifest.version}-wrk", [body], headers)
     started = time.perf_counter()
-    log = scratch / f"{manifest.version}.log"
-    with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=300) as url:
+    log = scratch / f"{manifest.version}-{compiled}.log"
+    with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=600) as url:
         ready_s = time.perf_counter() - started
         servers.check_answers(url, [body], headers)
         cells = [f"{ready_s:.1f}"]
@@ -128,13 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 BUNDLED_MODEL_REPOSITORY / name / source.version,
                 Path(folder) / name / source.version,
             )
-            versions = [source] + [
-                export_version(store, name, source.version, to) for to in FORMATS[name]
+            variants = [(source, False), (source, True)] + [
+                (export_version(store, name, source.version, to), False) for to in FORMATS[name]
             ]
-            for version in versions:
-                row = measure(store, version, args.seconds)
+            for version, compiled in variants:
+                row = measure(store, version, args.seconds, compiled)
                 if args.served:
-                    row += served(Path(folder), version, Path(folder), 5.0)
+                    row += served(Path(folder), version, Path(folder), 5.0, compiled)
                 rows.append(row)
     header = [
         "model", "format", "ready s", *(f"rows/s @{b}" for b in BATCHES), "parity (max abs)",

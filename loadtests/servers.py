@@ -271,16 +271,22 @@ def check_answers(url: str, bodies: Sequence[bytes], headers: Mapping[str, str])
             )
 
 
-_BATCH_ROWS = re.compile(r"^batchserve_batch_size_rows_(sum|count)\s+(\S+)$", re.MULTILINE)
+#: Unlabelled (older servers) or one series per model.
+_BATCH_ROWS = re.compile(
+    r"^batchserve_batch_size_rows_(sum|count)(?:\{[^}]*\})?\s+(\S+)$", re.MULTILINE
+)
 
 
 def batch_counters(url: str) -> tuple[float, float] | None:
-    """(rows, batches) so far from ``/metrics``; None if the server does not export them."""
+    """(rows, batches) so far from ``/metrics``, over every model; None if the server does
+    not export them."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.TransportError:
         return None
-    values = dict(_BATCH_ROWS.findall(text))
-    if "sum" not in values or "count" not in values:
+    totals: dict[str, float] = {}
+    for kind, value in _BATCH_ROWS.findall(text):
+        totals[kind] = totals.get(kind, 0.0) + float(value)
+    if "sum" not in totals or "count" not in totals:
         return None
-    return float(values["sum"]), float(values["count"])
+    return totals["sum"], totals["count"]

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -139,6 +140,34 @@ async def test_two_models_under_interleaved_concurrent_load_answer_only_their_ow
         assert all(model["memory_bytes"] > 0 for model in listed["models"])
         ready = (await http.get("/readyz")).json()
         assert [label.split("@")[0] for label in ready["models"]] == ["digits", "textenc"]
+
+
+async def test_the_openapi_document_has_a_predict_route_per_model_with_its_bodies() -> None:
+    async for http in serving(Settings(models=("digits", "textenc"), device="cpu")):
+        document = (await http.get("/openapi.json")).json()
+        paths = document["paths"]
+        assert "/models/{name}/predict" not in paths
+        versions = {
+            model["name"]: model["version"]
+            for model in (await http.get("/models")).json()["models"]
+        }
+        for name, version in versions.items():
+            assert f"/models/{name}/predict" in paths
+            assert f"/models/{name}/versions/{version}/predict" in paths
+
+        # digits: 8 rows of 8 numbers, as /predict; textenc: token ids, 1 to 512 of them.
+        digits = instance_schema(paths, "/models/digits/predict")
+        assert digits == instance_schema(paths, "/predict")
+        tokens = instance_schema(paths, "/models/textenc/predict")
+        assert tokens["x-batchserve-tensor"]["name"] == "token_ids"
+        assert tokens["maxItems"] == 512
+
+
+def instance_schema(paths: dict[str, Any], path: str) -> dict[str, Any]:
+    """The JSON schema of one instance of ``POST path``."""
+    body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema: dict[str, Any] = body["properties"]["instances"]["items"]
+    return schema
 
 
 async def test_a_model_that_is_not_served_or_a_version_that_is_not_is_404() -> None:

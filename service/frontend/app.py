@@ -24,7 +24,7 @@ from service.frontend import admin, docs, routes
 from service.frontend.about import __version__
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
-from service.frontend.openapi import model_openapi
+from service.frontend.openapi import model_openapi, with_model_routes
 from service.frontend.responses import (
     error_response,
     internal_error_response,
@@ -100,25 +100,33 @@ class ServingApp(FastAPI):
         await self._outer(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
-        """FastAPI's document with ``/predict`` stating the served version's inputs and
-        outputs (``openapi.model_openapi``); FastAPI's own while no model is loaded."""
+        """FastAPI's document with ``/predict`` stating the first model's inputs and outputs
+        (``openapi.model_openapi``) and a predict route per model served, each stating its
+        own (``openapi.with_model_routes``); FastAPI's own while no model is loaded."""
         base = super().openapi()
         frontend: FrontendState = self.state.frontend
-        model = frontend.engine.status().model
-        if model is None:
+        models = frontend.engine.status().models
+        if not models:
             return base
-        version = model.manifest.version
-        if self._model_openapi is not None and self._model_openapi[0] == version:
+        key = ",".join(model.manifest.label for model in models)
+        if self._model_openapi is not None and self._model_openapi[0] == key:
             return self._model_openapi[1]
         max_instances = frontend.settings.max_instances_per_request
-        try:
-            described = _handler_description(frontend, model)
-        except HandlerError:  # logged by the front end; described loosely, and tried again
-            return model_openapi(base, model, max_instances=max_instances)
+        described: list[tuple[ModelInfo, dict[str, Any] | None]] = []
+        complete = True
+        for model in models:
+            try:
+                described.append((model, _handler_description(frontend, model)))
+            except HandlerError:  # logged by the front end; described loosely, tried again
+                described.append((model, None))
+                complete = False
+        first, first_described = described[0]
         document = model_openapi(
-            base, model, max_instances=max_instances, handler_description=described
+            base, first, max_instances=max_instances, handler_description=first_described
         )
-        self._model_openapi = (version, document)
+        document = with_model_routes(document, described, max_instances=max_instances)
+        if complete:
+            self._model_openapi = (key, document)
         return document
 
 

@@ -1,4 +1,5 @@
-"""``model_openapi``: the OpenAPI document with ``POST /predict`` described by the served model.
+"""``model_openapi``: the OpenAPI document with ``POST /predict`` described by the served model
+(and ``with_model_routes``: a predict route per model served, each described by its model).
 
 FastAPI's document is the same whatever model is served, so a client generated from it knows
 nothing of the model's inputs. This module rewrites the ``/predict`` request body and 200 answer
@@ -23,6 +24,8 @@ from service.manifest import Manifest, TensorSpec
 Schema = dict[str, Any]
 
 PREDICT_PATH = "/predict"
+MODEL_PREDICT_PATH = "/models/{name}/predict"
+MODEL_VERSION_PREDICT_PATH = "/models/{name}/versions/{version}/predict"
 _BINARY: Schema = {"type": "string", "format": "binary"}
 #: Length of the variable axis in the request example (shorter when the model allows less).
 _EXAMPLE_LENGTH = 4
@@ -48,6 +51,52 @@ def model_openapi(
     document = copy.deepcopy(base)
     manifest = model.manifest
     operation = document["paths"][PREDICT_PATH]["post"]
+    _describe_model(operation, model, max_instances, handler_description)
+    info = document.setdefault("info", {})
+    served = f"Serving `{manifest.label}`: `POST /predict` below is described for this version."
+    info["description"] = (
+        f"{info['description']}\n\n{served}" if info.get("description") else served
+    )
+    document["x-batchserve-model"] = {"name": manifest.name, "version": manifest.version}
+    return document
+
+
+def with_model_routes(
+    document: Schema,
+    models: list[tuple[ModelInfo, dict[str, Any] | None]],
+    *,
+    max_instances: int,
+) -> Schema:
+    """``document`` with ``/models/{name}/predict`` and ``/models/{name}/versions/{version}
+    /predict`` replaced by one route of each per model served, each stating that model's
+    inputs and outputs (a client then knows every model's bodies, and a name that is not
+    served is no route at all). ``models``: each model and its handler's description."""
+    paths = document["paths"]
+    routes = (MODEL_PREDICT_PATH, MODEL_VERSION_PREDICT_PATH)
+    templates = [paths.pop(route, {}).get("post") for route in routes]
+    for model, described in models:
+        name, version = model.manifest.name, model.manifest.version
+        for route, template, suffix in zip(routes, templates, ("", "_version"), strict=True):
+            if template is None:
+                continue
+            operation = copy.deepcopy(template)
+            operation.pop("parameters", None)  # the path names the model and version
+            operation["operationId"] = f"predict_with_{name}{suffix}"
+            operation["summary"] = f"Predict with {name}" + (f" {version}" if suffix else "")
+            _describe_model(operation, model, max_instances, described)
+            paths[route.format(name=name, version=version)] = {"post": operation}
+    return document
+
+
+def _describe_model(
+    operation: Schema,
+    model: ModelInfo,
+    max_instances: int,
+    handler_description: dict[str, Any] | None,
+) -> None:
+    """Set ``operation``'s request body and 200 answer from ``model``'s manifest (or its
+    handler's description)."""
+    manifest = model.manifest
     if manifest.handler is None:
         request_content = _tensor_request(manifest.inputs, _length_limit(model), max_instances)
         row = _row_schema(manifest.outputs)
@@ -76,13 +125,6 @@ def model_openapi(
         }
     operation["requestBody"]["content"] = request_content
     operation["responses"]["200"]["content"] = answers
-    info = document.setdefault("info", {})
-    served = f"Serving `{manifest.label}`: `POST /predict` below is described for this version."
-    info["description"] = (
-        f"{info['description']}\n\n{served}" if info.get("description") else served
-    )
-    document["x-batchserve-model"] = {"name": manifest.name, "version": manifest.version}
-    return document
 
 
 def input_schema(spec: TensorSpec, length_limit: int | None) -> Schema:
