@@ -74,7 +74,7 @@ class ZeroEngine:
     validated against; it never switches versions."""
 
     def __init__(self, model: ModelInfo) -> None:
-        self._status = EngineStatus(phase="ready", model=model, device="none", pid=os.getpid())
+        self._status = EngineStatus(phase="ready", models=(model,), device="none", pid=os.getpid())
         self._outputs = {
             spec.name: (tuple(max(size, 1) for size in spec.instance_shape), spec.numpy_dtype)
             for spec in model.manifest.outputs
@@ -99,8 +99,11 @@ class ZeroEngine:
     async def switch(self, name: str, version: str) -> SwitchResult:
         raise ConflictError("the HTTP ceiling serves one version and never switches")
 
-    async def rollback(self) -> SwitchResult:
+    async def rollback(self, name: str | None = None) -> SwitchResult:
         raise ConflictError("the HTTP ceiling serves one version and never switches")
+
+    async def unload(self, name: str) -> str:
+        raise ConflictError("the HTTP ceiling serves one model and never unloads it")
 
 
 def model_info(settings: Settings) -> ModelInfo:

@@ -76,7 +76,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     try:
         warmup_s = await _warm_up(runner, batches)
         memory.release_freed_memory(device)  # the loading's scratch copies are not kept
-        memory_bytes = max(0, memory.memory_in_use(device) - before_bytes)
+        memory_bytes = memory.taken_since(device, before_bytes, folder, manifest)
         state.measured_memory[manifest.label] = memory_bytes
         memory.check_budget(
             settings.device_memory_budget_mb,
@@ -321,6 +321,7 @@ async def start_serving(state: EngineState, on_load_failure: Callable[[], None] 
     for entry in recorded or ():
         if entry.previous is not None:  # so that a rollback here works too
             state.previous_versions[entry.name] = entry.previous
+    state.loaded = True
     state.changed()
     logger.info(
         "model_ready",

@@ -33,6 +33,16 @@ def memory_in_use(device: torch.device) -> int:
     return resident_memory_bytes()
 
 
+def taken_since(device: torch.device, before_bytes: int, folder: Path, manifest: Manifest) -> int:
+    """What a version took since ``memory_in_use`` was ``before_bytes``. On the CPU at least
+    its artifact's size: resident memory also moves with what the other models free and
+    reuse meanwhile, which can hide a small model's growth."""
+    grown = memory_in_use(device) - before_bytes
+    if device.type == "cuda":
+        return max(0, grown)
+    return max(grown, artifact_bytes(folder, manifest))
+
+
 def release_freed_memory(device: torch.device) -> None:
     """Hand memory freed by a retired model back to the device: CUDA's cache is emptied;
     on the CPU glibc's ``malloc_trim`` returns freed heap pages, which it otherwise keeps."""

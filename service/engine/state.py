@@ -71,6 +71,8 @@ class EngineState:
     """Each model's version served before its last switch: what a rollback goes back to."""
     measured_memory: dict[str, int] = field(default_factory=dict)
     """What each ``name@version`` took when last loaded here: the budget's estimate for it."""
+    loaded: bool = False
+    """Every model to serve at start has been loaded: ready only from then on."""
     draining: bool = False
     load_error: str | None = None
     switch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -130,4 +132,4 @@ class EngineState:
             return "stalled"
         if self.draining:
             return "draining"
-        return "ready" if self.models else "loading"
+        return "ready" if self.loaded and self.models else "loading"
