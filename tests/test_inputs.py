@@ -188,6 +188,29 @@ def test_integer_inputs_take_integers_within_their_dtype(dtype: str, largest: in
     )
 
 
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8"])
+def test_integer_inputs_take_whole_numbers_written_with_a_fraction(dtype: str) -> None:
+    """JSON Schema (and so every generated client) counts 3.0 as the integer 3."""
+    integers = layout(dtype)
+    same(integers.parse_json(body([[3.0, 255.0]])), np.array([[3, 255]], dtype=dtype))
+    assert refusal(integers.parse_json, body([[3.0, 2.5]])) == (
+        f"instances must contain only integers ({dtype}); got fractional numbers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "limits"),
+    [("int64", 1e19, "[-9007199254740992, 9007199254740992]"), ("uint8", 256.0, "[0, 255]")],
+)
+def test_whole_numbers_beyond_the_dtype_or_exact_json_are_refused(
+    dtype: str, value: float, limits: str
+) -> None:
+    assert refusal(layout(dtype).parse_json, body([[value, 1.0]])) == (
+        f"instances contain integers outside {limits}, the range of {dtype} that JSON numbers "
+        "hold exactly"
+    )
+
+
 @pytest.mark.parametrize(
     ("instances", "message"),
     [

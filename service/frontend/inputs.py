@@ -523,6 +523,8 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
     accepted = _ACCEPTED_JSON_KINDS.get(target.kind, frozenset(target.kind))
     if array.size == 0:  # numpy calls an empty list float64; its shape is what matters
         return array.astype(target)
+    if target.kind in "iu" and array.dtype.kind == "f":
+        array = _whole_numbers(array, spec)  # 3.0 is the integer 3, as JSON Schema has it
     if array.dtype.kind not in accepted:
         wanted = {"i": "integers", "u": "integers", "b": "true or false"}.get(
             target.kind, "numbers"
@@ -541,6 +543,23 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
     if target.kind in "iu" and not np.array_equal(converted, array):
         raise InvalidInputError(f"instances contain integers outside the range of {spec.dtype}")
     return converted
+
+
+def _whole_numbers(array: Array, spec: TensorSpec) -> Array:
+    """``array`` as int64 when every value is a whole number (unchanged otherwise, to be
+    refused as fractional); 422 when one is outside ``spec``'s dtype or beyond 2**53, where a
+    JSON number no longer holds every integer exactly."""
+    values = array.astype(np.float64, copy=False)
+    if not np.all(np.floor(values) == values):
+        return array
+    limits = np.iinfo(spec.numpy_dtype)
+    lowest, highest = max(limits.min, -(2**53)), min(limits.max, 2**53)
+    if values.min() < lowest or values.max() > highest:
+        raise InvalidInputError(
+            f"instances contain integers outside [{lowest}, {highest}], the range of "
+            f"{spec.dtype} that JSON numbers hold exactly"
+        )
+    return values.astype(np.int64)
 
 
 def _describe_shape(shape: tuple[int, ...]) -> str:
