@@ -100,7 +100,8 @@ async def test_one_request_gives_its_spans_and_the_batch_that_served_it(
     (queued,) = named(spans, "queue_wait")
     (batch,) = named(spans, "batch")
     assert server.parent is None
-    assert server.attributes is not None and server.attributes["http.response.status_code"] == 200
+    assert server.attributes is not None
+    assert server.attributes["http.response.status_code"] == 200
     trace_id = server.context.trace_id
     for child in ("read_body", "parse", "engine"):
         (span,) = named(spans, child)
@@ -110,7 +111,8 @@ async def test_one_request_gives_its_spans_and_the_batch_that_served_it(
     assert queued.context.trace_id == trace_id
 
     # The batch is a trace of its own, linked to the request it served, with its phases.
-    assert batch.parent is None and batch.context.trace_id != trace_id
+    assert batch.parent is None
+    assert batch.context.trace_id != trace_id
     assert [link.context.span_id for link in batch.links] == [engine.context.span_id]
     assert batch.attributes is not None
     assert batch.attributes["batchserve.model"] == "digits"
@@ -121,7 +123,8 @@ async def test_one_request_gives_its_spans_and_the_batch_that_served_it(
     for phase in ("collate", "forward", "split"):
         (span,) = named(spans, phase)
         assert parent_of(span) == batch.context.span_id
-        assert batch.start_time is not None and span.start_time is not None
+        assert batch.start_time is not None
+        assert span.start_time is not None
         assert batch.start_time <= span.start_time
 
     # The request span records the batch's span id and its rows in it, and links to it.
@@ -139,7 +142,8 @@ async def test_32_concurrent_requests_batch_links_cover_exactly_the_requests_ser
     servers = named(spans, "POST /predict")
     engines = {span.context.span_id: span for span in named(spans, "engine")}
     batches = named(spans, "batch")
-    assert len(servers) == 32 and len(engines) == 32
+    assert len(servers) == 32
+    assert len(engines) == 32
     assert any(len(batch.links) > 1 for batch in batches), "no batch was shared"
 
     linked = [link.context.span_id for batch in batches for link in batch.links]
@@ -170,7 +174,8 @@ async def test_a_client_traceparent_is_continued(
     )
     (server,) = named(list(exported.get_finished_spans()), "POST /predict")
     assert hex_id(server.context.trace_id, 32) == CLIENT_TRACE_ID
-    assert server.parent is not None and hex_id(server.parent.span_id, 16) == CLIENT_SPAN_ID
+    assert server.parent is not None
+    assert hex_id(server.parent.span_id, 16) == CLIENT_SPAN_ID
 
 
 async def test_an_unsampled_client_trace_records_no_request_or_batch_span(
@@ -272,7 +277,7 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
 class _OtlpHandler(http.server.BaseHTTPRequestHandler):
     server: OtlpReceiver
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         request = ExportTraceServiceRequest()
         request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
         spans = []
@@ -299,7 +304,7 @@ class _OtlpHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(answer)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         """Quiet: the test reads spans, not access logs."""
 
 
