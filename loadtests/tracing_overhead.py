@@ -1,8 +1,9 @@
-"""What tracing costs: one digit per ``/predict`` at 64 clients, tracing off and on at 100 %.
+"""What tracing costs: one digit per ``/predict`` at 64 clients, tracing off and on.
 
 ``python -m loadtests.tracing_overhead`` starts one-process servers of ``digits`` side by side:
 tracing off (no ``OTEL_*`` variables), tracing on with every request sampled
-(``OTEL_TRACES_SAMPLER=always_on``) exporting OTLP/HTTP through the SDK's batch span processor
+(``OTEL_TRACES_SAMPLER=always_on``) and with one in ten (``parentbased_traceidratio`` 0.1),
+exporting OTLP/HTTP through the SDK's batch span processor
 to a receiver in this process (it decodes and counts the spans, like a collector on the same
 host), and with ``--baseline CHECKOUT`` the code before tracing existed (e.g. ``git archive
 844a953 | tar -x -C /tmp/before``), to show what "off" costs. wrk runs them in turn, round
@@ -13,72 +14,24 @@ report of medians, and per-round ratios to "off", to ``--report``.
 from __future__ import annotations
 
 import argparse
-import http.server
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import orjson
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from loadtests import servers, wrk
+from loadtests.otlp_sink import otlp_receiver
 
 IMAGE = np.random.default_rng(0).random((1, 8, 8), dtype=np.float32)
 BODY = orjson.dumps({"instances": IMAGE.tolist()})
 HEADERS = {"Content-Type": "application/json"}
-
-
-class SpanSink(http.server.ThreadingHTTPServer):
-    """An OTLP/HTTP trace endpoint on 127.0.0.1 that counts the spans it is sent."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _SinkHandler)
-        self.spans = 0
-        self.lock = threading.Lock()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _SinkHandler(http.server.BaseHTTPRequestHandler):
-    server: SpanSink
-
-    def do_POST(self) -> None:
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-        count = sum(
-            len(scope.spans) for spans in request.resource_spans for scope in spans.scope_spans
-        )
-        with self.server.lock:
-            self.server.spans += count
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet."""
-
-
-@contextmanager
-def span_sink() -> Iterator[SpanSink]:
-    sink = SpanSink()
-    thread = threading.Thread(target=sink.serve_forever, kwargs={"poll_interval": 0.1})
-    thread.start()
-    try:
-        yield sink
-    finally:
-        sink.shutdown()
-        thread.join(timeout=10.0)
-        sink.server_close()
 
 
 def machine() -> str:
@@ -112,16 +65,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, list[wrk.WrkResult]] = {}
     with tempfile.TemporaryDirectory(prefix="batchserve-tracing-") as folder, ExitStack() as stack:
         scratch = Path(folder)
-        sink = stack.enter_context(span_sink())
+        sink = stack.enter_context(otlp_receiver(keep=False))
+        exporting = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint}
         configurations: dict[str, tuple[list[str], dict[str, str], Path | None]] = {
             "tracing off": (servers.batchserve_command(), plain_env, None),
             "tracing on, 100 % sampled": (
                 servers.batchserve_command(),
+                plain_env | exporting | {"OTEL_TRACES_SAMPLER": "always_on"},
+                None,
+            ),
+            "tracing on, 10 % sampled": (
+                servers.batchserve_command(),
                 plain_env
+                | exporting
                 | {
-                    "OTEL_TRACES_EXPORTER": "otlp",
-                    "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                    "OTEL_TRACES_SAMPLER": "always_on",
+                    "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                    "OTEL_TRACES_SAMPLER_ARG": "0.1",
                 },
                 None,
             ),
@@ -155,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if run.errors:
                     raise RuntimeError(f"{name}: {run.errors} errors in {run.requests} requests")
                 results.setdefault(name, []).append(run)
-        spans = sink.spans
+        spans = sink.count
     report = render(results, args, spans)
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(report)
@@ -195,8 +154,8 @@ def render(results: dict[str, list[wrk.WrkResult]], args: argparse.Namespace, sp
         )
     lines += [
         "",
-        f"Spans received by the OTLP/HTTP receiver during the runs: {spans:,} (about 9 per "
-        "request: server, read_body, parse, engine, queue_wait; and per batch: batch, "
+        f"Spans received by the OTLP/HTTP receiver during the runs: {spans:,} (4 per sampled "
+        "request: server, parse, engine, queue_wait; 4 per batch that served one: batch, "
         "collate, forward, split).",
         "",
         "Per round (req/s): "

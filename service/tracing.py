@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 TRACEPARENT = "traceparent"
 _PROPAGATOR = TraceContextTextMapPropagator()
 _EXPORTER_ENTRY_POINTS = "opentelemetry_traces_exporter"
+_EMPTY_CONTEXT = _PROPAGATOR.extract({})
 
 
 @dataclass(frozen=True)
@@ -187,14 +188,28 @@ def traceparent_of(span: trace.Span) -> str | None:
 
 
 def context_from(carrier: Mapping[str, str]) -> Context:
-    """The parent context a ``traceparent`` (and ``tracestate``) in ``carrier`` names; an
-    empty one when it has none or an invalid one."""
+    """The parent context a client's ``traceparent`` (and ``tracestate``) in ``carrier``
+    names; an empty one when it has none or an invalid one."""
+    if TRACEPARENT not in carrier:
+        return _EMPTY_CONTEXT
     return _PROPAGATOR.extract(carrier)
 
 
+def parent_from(traceparent: str) -> Context:
+    """The parent context of a ``traceparent`` this service wrote."""
+    return trace.set_span_in_context(trace.NonRecordingSpan(span_context_from(traceparent)))
+
+
 def span_context_from(traceparent: str) -> trace.SpanContext:
-    """The span context a ``traceparent`` names (invalid when it is malformed)."""
-    return trace.get_current_span(context_from({TRACEPARENT: traceparent})).get_span_context()
+    """The span context of a ``traceparent`` this service wrote (version 00, checked by the
+    front end that made it): sliced, not parsed by the propagator's regular expression,
+    because the engine reads one per request and batch."""
+    return trace.SpanContext(
+        trace_id=int(traceparent[3:35], 16),
+        span_id=int(traceparent[36:52], 16),
+        is_remote=True,
+        trace_flags=trace.TraceFlags(int(traceparent[53:55], 16)),
+    )
 
 
 def is_sampled(traceparent: str) -> bool:

@@ -4,12 +4,9 @@ in-memory exporter; and a real multi-process server exporting OTLP/HTTP to a rec
 from __future__ import annotations
 
 import asyncio
-import http.server
 import io
 import logging
-import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,15 +16,12 @@ import pytest
 import tritonclient.grpc as triton_grpc_client
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from loadtests.otlp_sink import OtlpReceiver, otlp_receiver
 from service import tracing
 from service.config import Settings
 from service.logs import JsonFormatter
@@ -103,7 +97,8 @@ async def test_one_request_gives_its_spans_and_the_batch_that_served_it(
     assert server.attributes is not None
     assert server.attributes["http.response.status_code"] == 200
     trace_id = server.context.trace_id
-    for child in ("read_body", "parse", "engine"):
+    assert [event.name for event in server.events] == ["body_read"]
+    for child in ("parse", "engine"):
         (span,) = named(spans, child)
         assert span.context.trace_id == trace_id
         assert parent_of(span) == server.context.span_id
@@ -146,6 +141,10 @@ async def test_32_concurrent_requests_batch_links_cover_exactly_the_requests_ser
     assert len(engines) == 32
     assert any(len(batch.links) > 1 for batch in batches), "no batch was shared"
 
+    batch_ids_of = {
+        server.context.span_id: server.attributes["batchserve.batch.span_ids"]  # type: ignore[index]
+        for server in servers
+    }
     linked = [link.context.span_id for batch in batches for link in batch.links]
     assert sorted(linked) == sorted(engines), "each request linked by exactly one batch"
     for batch in batches:
@@ -156,8 +155,7 @@ async def test_32_concurrent_requests_batch_links_cover_exactly_the_requests_ser
         served = {
             engine_id
             for engine_id, engine in engines.items()
-            if engine.attributes is not None
-            and batch_id in engine.attributes["batchserve.batch.span_ids"]  # type: ignore[operator]
+            if batch_id in batch_ids_of[parent_of(engine)]
         }
         assert served == {link.context.span_id for link in batch.links}
     assert sum(rows) == sum(
@@ -246,79 +244,10 @@ def test_tracing_is_off_unless_otel_variables_ask_for_it() -> None:
 # ----------------------------------------------------------------- OTLP, several processes
 
 
-@dataclass
-class ReceivedSpan:
-    role: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    links: list[tuple[str, str]]
-    """(trace id, span id) of each link."""
-
-
-class OtlpReceiver(http.server.ThreadingHTTPServer):
-    """An OTLP/HTTP trace endpoint on 127.0.0.1 that decodes and keeps every span."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _OtlpHandler)
-        self.spans: list[ReceivedSpan] = []
-        self.lock = threading.Lock()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def received(self) -> list[ReceivedSpan]:
-        with self.lock:
-            return list(self.spans)
-
-
-class _OtlpHandler(http.server.BaseHTTPRequestHandler):
-    server: OtlpReceiver
-
-    def do_POST(self) -> None:
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-        spans = []
-        for resource_spans in request.resource_spans:
-            attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                spans.extend(
-                    ReceivedSpan(
-                        role=attributes["batchserve.role"],
-                        name=span.name,
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
-                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
-                    )
-                    for span in scope_spans.spans
-                )
-        with self.server.lock:
-            self.server.spans.extend(spans)
-        answer = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet: the test reads spans, not access logs."""
-
-
 @pytest.fixture
 def receiver() -> Iterator[OtlpReceiver]:
-    server = OtlpReceiver()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        thread.join(timeout=10.0)
-        server.server_close()
+    with otlp_receiver() as running:
+        yield running
 
 
 @pytest.mark.slow

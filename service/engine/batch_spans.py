@@ -92,7 +92,7 @@ class BatchTracer:
             arrival_ns = now_ns - int((time.monotonic() - work.arrival_s) * 1e9)
             span = tracer.start_span(
                 "queue_wait",
-                context=tracing.context_from({tracing.TRACEPARENT: work.trace}),
+                context=tracing.parent_from(work.trace),
                 start_time=arrival_ns,
                 attributes={"batchserve.rows": work.rows},
             )

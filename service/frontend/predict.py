@@ -202,10 +202,10 @@ async def serve_prediction(
     deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
     model = frontend.serving_model()  # refuse at once, before reading a body nobody can serve
     body_media_type(headers.content_type, frontend.handler_for(model).media_types)
-    with request_spans.child("read_body"):
-        body = await read_body(
-            receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
-        )
+    body = await read_body(
+        receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
+    )
+    request_spans.event("body_read", {"bytes": len(body)})
     frontend.holding += 1
     try:
         model = frontend.serving_model()

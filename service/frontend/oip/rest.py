@@ -80,10 +80,10 @@ async def serve_v2_inference(
     """Validate, queue on the engine, and answer one V2 inference request."""
     deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
     served_model(frontend, name, version)
-    with request_spans.child("read_body"):
-        body = await read_body(
-            receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
-        )
+    body = await read_body(
+        receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
+    )
+    request_spans.event("body_read", {"bytes": len(body)})
     model = served_model(frontend, name, version)
     with request_spans.child("parse"):
         document, binary = split_body(body, headers.get(HEADER_LENGTH))
