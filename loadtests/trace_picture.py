@@ -128,7 +128,9 @@ def draw(spans: list[ReceivedSpan], output: Path) -> list[ReceivedSpan]:
     axes.legend(
         handles,
         ["front-end process", "engine process", "batch-mates (their request spans)"],
-        loc="lower right",
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.07),
+        ncol=3,
         fontsize=8,
     )
     figure.tight_layout()
