@@ -20,6 +20,8 @@ from opentelemetry import trace
 from service import tracing
 from service.manifest import Manifest
 
+_NOT_TRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
+
 
 @dataclass(frozen=True, slots=True)
 class BatchTimings:
@@ -98,15 +100,23 @@ class BatchTracer:
             )
             span.end(end_time=started_ns)
 
-    @contextlib.contextmanager
-    def batch(self, batch: Sequence[TracedWork], rows: int) -> Iterator[None]:
+    def batch(
+        self, batch: Sequence[TracedWork], rows: int
+    ) -> contextlib.AbstractContextManager[None]:
         """Around one forward of ``batch``: its span, current meanwhile (so log lines carry
         it), linked to each sampled request in it; nothing when none is sampled."""
-        traced = [work for work in batch if work.trace is not None]
-        sampled = [work for work in traced if tracing.is_sampled(work.trace or "")]
-        if tracing.current is None or not sampled:
-            yield
-            return
+        if tracing.current is None:
+            return _NOT_TRACED
+        sampled = [work for work in batch if work.trace and tracing.is_sampled(work.trace)]
+        if not sampled:
+            return _NOT_TRACED
+        return self._batch_span(batch, sampled, rows)
+
+    @contextlib.contextmanager
+    def _batch_span(
+        self, batch: Sequence[TracedWork], sampled: list[TracedWork], rows: int
+    ) -> Iterator[None]:
+        assert tracing.current is not None
         links = [
             trace.Link(tracing.span_context_from(work.trace or ""), {"batchserve.rows": work.rows})
             for work in sampled
@@ -127,7 +137,7 @@ class BatchTracer:
             },
         )
         traceparent = tracing.traceparent_of(span) or ""
-        for work in traced:
+        for work in sampled:
             work.batches += ((traceparent, work.rows),)
         try:
             with trace.use_span(span, end_on_exit=False, record_exception=True):

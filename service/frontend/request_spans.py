@@ -2,8 +2,8 @@
 
 The server span continues the client's W3C ``traceparent`` and is current while the request is
 handled, so its children (``parse``, and ``engine`` in one process or ``bridge`` to an engine
-process), its ``body_read`` event and every log line belong to it. After the engine answers, the request
-span records each batch that computed it (span id and rows, and a link to the batch span).
+process), its ``body_read`` event and every log line belong to it. After the engine answers,
+the request span records each batch that computed it (span id and rows, and a link to it).
 """
 
 from __future__ import annotations
