@@ -164,6 +164,61 @@ async def test_32_concurrent_requests_batch_links_cover_exactly_the_requests_ser
     )
 
 
+async def test_a_request_split_over_batches_records_each_batch_and_its_rows(
+    exported: InMemorySpanExporter,
+) -> None:
+    settings = Settings(device="cpu", max_wait_ms=2.0, max_batch_size=4)
+    app: FastAPI = create_app(settings)
+    async with LifespanManager(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            await predict(http, digits(10, seed=6))
+    spans = list(exported.get_finished_spans())
+    (server,) = named(spans, "POST /predict")
+    batches = {hex_id(span.context.span_id, 16): span for span in named(spans, "batch")}
+    assert server.attributes is not None
+    assert server.attributes["batchserve.batch.rows"] == (4, 4, 2)
+    recorded = server.attributes["batchserve.batch.span_ids"]
+    assert set(recorded) == set(batches)  # type: ignore[arg-type]
+    for span_id, rows in zip(recorded, (4, 4, 2), strict=True):  # type: ignore[call-overload]
+        assert batches[span_id].attributes["batchserve.batch.rows"] == rows
+    assert len(named(spans, "queue_wait")) == 3
+
+
+async def test_a_v2_inference_is_traced_like_predict(
+    client: httpx.AsyncClient, exported: InMemorySpanExporter
+) -> None:
+    images = np.random.default_rng(7).random((2, 8, 8), dtype=np.float32)
+    document = {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": [2, 8, 8],
+                "data": images.ravel().tolist(),
+            }
+        ]
+    }
+    response = await client.post(
+        "/v2/models/digits/infer",
+        content=orjson.dumps(document),
+        headers={
+            "content-type": "application/json",
+            "traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01",
+        },
+    )
+    assert response.status_code == 200, response.text
+    spans = list(exported.get_finished_spans())
+    (server,) = named(spans, "POST /v2/models/{name}/infer")
+    assert hex_id(server.context.trace_id, 32) == CLIENT_TRACE_ID
+    for child in ("parse", "to_tensors", "engine"):
+        (span,) = named(spans, child)
+        assert span.context.trace_id == server.context.trace_id
+    assert server.attributes is not None
+    assert server.attributes["batchserve.batch.rows"] == (2,)
+
+
 async def test_a_client_traceparent_is_continued(
     client: httpx.AsyncClient, exported: InMemorySpanExporter
 ) -> None:
