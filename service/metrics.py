@@ -26,6 +26,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.exposition import choose_encoder
 
 #: Request latencies on this kind of server run from about 0.5 ms to seconds.
 LATENCY_BUCKETS_S = (
@@ -246,11 +247,25 @@ class ProcessMetrics:
 def render(registry: CollectorRegistry) -> bytes:
     """Prometheus text exposition of ``registry``, or of every process of the server in
     multiprocess mode."""
+    return generate_latest(_collected(registry))
+
+
+def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """``render``'s metrics and their media type, in OpenMetrics when ``accept`` asks for it:
+    only that format carries exemplars (the trace of a sampled request in latency buckets).
+    prometheus-client's multiprocess mode keeps no exemplars."""
+    encode, media_type = choose_encoder(accept or "")
+    if not media_type.startswith("application/openmetrics-text"):
+        return render(registry), METRICS_CONTENT_TYPE
+    return encode(_collected(registry)), media_type
+
+
+def _collected(registry: CollectorRegistry) -> CollectorRegistry:
     if os.environ.get(MULTIPROCESS_DIR_ENV):
         aggregate = CollectorRegistry()
         multiprocess.MultiProcessCollector(aggregate)  # type: ignore[no-untyped-call]
-        return generate_latest(aggregate)
-    return generate_latest(registry)
+        return aggregate
+    return registry
 
 
 def resident_memory_bytes() -> int:

@@ -168,3 +168,28 @@ def test_a_missing_promtool_fails_in_ci_and_skips_elsewhere(
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception):
         require_tool("promtool")
+
+
+def test_latency_panels_show_exemplars_linked_to_the_chosen_trace_data_source() -> None:
+    """Every latency and queue-wait query asks for exemplars, and the panels open an
+    exemplar's trace in the data source the ``traces`` variable chooses."""
+    loaded = dashboard()
+    variables = {variable["name"]: variable for variable in loaded["templating"]["list"]}
+    assert variables["traces"]["type"] == "datasource"
+    traced = [
+        panel
+        for panel in loaded["panels"]
+        if any(
+            "request_duration" in target.get("expr", "") or "queue_wait" in target.get("expr", "")
+            for target in panel.get("targets", [])
+        )
+    ]
+    assert {panel["title"] for panel in traced} == {
+        "Latency of successful predictions",
+        "Queue wait",
+    }
+    for panel in traced:
+        assert all(target["exemplar"] is True for target in panel["targets"])
+        (link,) = panel["fieldConfig"]["defaults"]["links"]
+        assert "${traces}" in link["url"]
+        assert "${__data.fields.trace_id}" in link["url"]

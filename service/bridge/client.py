@@ -169,7 +169,12 @@ class EngineConnection(asyncio.Protocol):
                 future = self._requests.pop(int(header["id"]), None)
                 if future is not None and not future.done():
                     outputs = wire.arrays_from(header, frame.data)
-                    future.set_result(InferenceResult(outputs=outputs, version=header["version"]))
+                    batches = tuple(
+                        (str(span), int(rows)) for span, rows in header.get("batches", ())
+                    )
+                    future.set_result(
+                        InferenceResult(outputs=outputs, version=header["version"], batches=batches)
+                    )
             elif frame.kind == wire.Kind.ERROR:
                 future = self._requests.pop(int(header["id"]), None)
                 if future is not None and not future.done():
@@ -203,6 +208,8 @@ class EngineConnection(asyncio.Protocol):
             request_id=request.request_id,
             load=request.frontend_load,
         )
+        if request.traceparent is not None:
+            header["trace"] = request.traceparent
         self._writer.send(wire.Kind.SUBMIT, header, data)
         return call_id, future
 

@@ -148,6 +148,8 @@ class InferenceRequest:
     """Requests the front end holds now, their bodies read and not yet answered, this one
     included: how many batch-mates the adaptive policy may wait for (uploads still arriving
     do not count)."""
+    traceparent: str | None = None
+    """The W3C trace context of the front end's span waiting for this request, when traced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,9 @@ class InferenceResult:
     """One array per output name, one row per instance."""
     version: str
     """The version that computed ``outputs``."""
+    batches: tuple[tuple[str, int], ...] = ()
+    """For a traced request: each batch that computed part of it, as the batch span's
+    ``traceparent`` and the rows of this request it held."""
 
 
 @dataclass(frozen=True)

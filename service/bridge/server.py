@@ -45,6 +45,8 @@ class QueuedRequest(Protocol):
 
     def cancel(self) -> None: ...
 
+    def batches(self) -> tuple[tuple[str, int], ...]: ...
+
 
 class EngineBackend(Protocol):
     """What the bridge needs of an engine (``engine.Engine`` provides it)."""
@@ -232,6 +234,7 @@ class _Connection(asyncio.Protocol):
                 deadline_s=float(header["deadline"]),
                 request_id=header["request_id"],
                 frontend_load=int(header.get("load", 1)),
+                traceparent=header.get("trace"),
             )
             self._enqueue(call_id, request)
         elif frame.kind == wire.Kind.CANCEL:
@@ -280,6 +283,9 @@ class _Connection(asyncio.Protocol):
         header, data = wire.arrays_frame(NamedArrays.concatenate(chunks))
         header["id"] = call_id
         header["version"] = version
+        batches = queued.batches()
+        if batches:
+            header["batches"] = batches
         writer.send(wire.Kind.RESULT, header, data)
 
     async def _control(self, call_id: int, op: str, args: dict[str, Any]) -> None:

@@ -41,7 +41,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
 
+from service import tracing
 from service.config import BatchPolicy
+from service.engine.batch_spans import BatchTracer
 from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
@@ -103,6 +105,10 @@ class _Entry(Generic[PayloadT, OutputT]):
     source: Hashable = None
     queued: bool = True
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    trace: str | None = None
+    """The request's W3C ``traceparent`` when its front end traces it."""
+    batches: tuple[tuple[str, int], ...] = ()
+    """Each traced batch that ran it: the batch span's ``traceparent`` and these rows."""
 
     def resolve(self, output: OutputT) -> None:
         """Answer with ``output``, unless answered already (deadline, cancel)."""
@@ -206,6 +212,10 @@ class Ticket(Generic[OutputT]):
             self.cancel()
             raise
 
+    def batches(self) -> tuple[tuple[str, int], ...]:
+        """The traced batches that ran the request's chunks, and the rows each held."""
+        return tuple(batch for entry in self._entries for batch in entry.batches)
+
     def cancel(self) -> None:
         """Withdraw the request: its chunks still queued are dropped and never computed."""
         self._batcher._abandon(self._entries, DropReason.CANCELLED)
@@ -253,6 +263,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         stall_timeout_s: float = 0.0,
         on_stall: Callable[[], None] | None = None,
         expected_requests: Callable[[], int] = lambda: 0,
+        tracer: BatchTracer | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
@@ -271,6 +282,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._stall_timeout_s = stall_timeout_s
         self._on_stall = on_stall
         self._expected_requests = expected_requests
+        self._tracer = tracer
         self._queue_depth_refresh: asyncio.TimerHandle | None = None
         self.times = BatchTimes()
         """Recent forward durations by group and size; the warm-up seeds them."""
@@ -362,6 +374,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         request_id: str = "-",
         deadline_s: float | None = None,
         source: Hashable = None,
+        trace: str | None = None,
     ) -> Ticket[OutputT]:
         """Queue one request now; its ``Ticket`` gets its outputs, one per chunk.
 
@@ -370,7 +383,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         row whatever its cost. ``high`` priority requests are taken before ``normal`` ones.
         ``deadline_s`` (``time.monotonic()``, which is system-wide, so a front end in another
         process can set it) defaults to ``request_timeout_ms`` from now. ``source`` names where
-        the request came from (a front end), to count how many share each batch.
+        the request came from (a front end), to count how many share each batch; ``trace``
+        is its W3C ``traceparent`` when its front end traces it.
 
         Raises at once ``QueueFullError`` when the queue is full, ``OverloadedError`` when the
         work queued ahead would not let it finish by its deadline, ``InvalidInputError`` when
@@ -417,6 +431,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 request_id=request_id,
                 future=loop.create_future(),
                 source=source,
+                trace=trace,
             )
             for chunk in chunks
         ]
@@ -702,7 +717,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             return
         started_s = time.monotonic()
         for entry in batch:
-            self._metrics.queue_wait.observe(started_s - entry.arrival_s)
+            exemplar = None if entry.trace is None else tracing.exemplar_of(entry.trace)
+            self._metrics.queue_wait.observe(started_s - entry.arrival_s, exemplar)
+        if self._tracer is not None:
+            self._tracer.queue_waits(batch, started_s)
         self._metrics.batch_sources.observe(len({entry.source for entry in batch}))
         await self._run_isolating_failures(batch)
 
@@ -714,8 +732,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         rows = sum(entry.rows for entry in batch)
         self._metrics.batch_size.observe(rows)
         started_s = time.perf_counter()
+        traced = self._tracer.batch(batch, rows) if self._tracer else contextlib.nullcontext()
         try:
-            outputs = await self._forward([entry.payload for entry in batch], rows, batch[0].group)
+            with traced:
+                outputs = await self._forward(
+                    [entry.payload for entry in batch], rows, batch[0].group
+                )
             if len(outputs) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)}")
         except Exception as error:

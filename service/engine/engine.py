@@ -126,7 +126,9 @@ class Engine:
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         ticket, version = self.enqueue(request)
         chunks = await ticket.wait()
-        return InferenceResult(outputs=NamedArrays.concatenate(chunks), version=version)
+        return InferenceResult(
+            outputs=NamedArrays.concatenate(chunks), version=version, batches=ticket.batches()
+        )
 
     def enqueue(
         self, request: InferenceRequest, source: Hashable = None
@@ -163,6 +165,7 @@ class Engine:
             request_id=request.request_id,
             deadline_s=request.deadline_s,
             source=source,
+            trace=request.traceparent,
         )
         return ticket, manifest.version
 

@@ -20,6 +20,7 @@ import numpy as np
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory, published
+from service.engine.batch_spans import batch_tracer
 from service.engine.batching import DynamicBatcher
 from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
@@ -102,6 +103,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
         expected_requests=state.expected_requests,
+        tracer=batch_tracer(manifest, runner),
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):
         # The warm-up's timings let the deadlines be judged from the first request on.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import uvloop
 
+from service import tracing
 from service.bridge.server import BridgeServer
 from service.config import Settings, SettingsError, load_settings
 from service.engine.engine import Engine
@@ -110,14 +111,19 @@ def main() -> int:
         return 2
     configure_logging(settings.log_level)
     heartbeat = os.environ.get(ENGINE_HEARTBEAT_FILE_ENV)
-    return uvloop.run(
-        serve_engine(
-            settings,
-            Path(os.environ[ENGINE_SOCKET_ENV]),
-            os.environ[ENGINE_DEVICE_ENV],
-            Path(heartbeat) if heartbeat else None,
+    traced = tracing.start_from_environment("engine")
+    try:
+        return uvloop.run(
+            serve_engine(
+                settings,
+                Path(os.environ[ENGINE_SOCKET_ENV]),
+                os.environ[ENGINE_DEVICE_ENV],
+                Path(heartbeat) if heartbeat else None,
+            )
         )
-    )
+    finally:
+        if traced:
+            tracing.stop()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from service.config import CompileMode, Precision
+from service.engine.batch_spans import BatchTimings
 from service.engine.outputs import (
     OutputMismatchError,
     call_model,
@@ -147,6 +148,9 @@ class TorchRunner:
         self._model = _in_eval_mode(model.to(device))
         self._forward: Callable[..., object] = self._model
         self._padded_sizes = batch_sizes_to_warm(max_batch_size)
+        self.last_batch: BatchTimings | None = None
+        """When the phases of the batch run last began and ended, for its trace."""
+        self._forwarding = (0, 0, 0)  # when the forward began, padded rows, padded length
         if device.type == "cuda":
             # Fixed shapes (compiled, padded) let cuDNN pick the fastest kernels, at the cost of
             # bit-for-bit determinism between runs.
@@ -235,8 +239,10 @@ class TorchRunner:
         model cannot handle, or fp16 overflowing) gets an ``InferenceError`` instead of its
         rows; its batch-mates are answered as usual.
         """
+        collate_ns = time.time_ns()
         outputs, total_rows = self._forward_batch(payloads)
-        host = to_host(outputs, self._outputs, total_rows)
+        host = to_host(outputs, self._outputs, total_rows)  # waits for the device: forward
+        split_ns = time.time_ns()
         split: list[NamedArrays] = []
         start = 0
         for payload in payloads:  # slices, not np.split: a tenth of its cost per batch
@@ -244,9 +250,14 @@ class TorchRunner:
             split.append(host[start : start + count])
             start += count
         floating = [name for name in host.names if host[name].dtype.kind == "f"]
-        if all(np.isfinite(host[name]).all() for name in floating):
-            return list(split)
-        return [_finite_or_error(output, floating) for output in split]
+        answers: list[NamedArrays | InferenceError] = list(split)
+        if not all(np.isfinite(host[name]).all() for name in floating):
+            answers = [_finite_or_error(output, floating) for output in split]
+        forward_ns, padded_rows, length = self._forwarding
+        self.last_batch = BatchTimings(
+            collate_ns, forward_ns, split_ns, time.time_ns(), padded_rows, padded_rows * length
+        )
+        return answers
 
     def _forward_batch(
         self, payloads: Sequence[NamedArrays]
@@ -272,6 +283,7 @@ class TorchRunner:
             if self._on_cuda:
                 tensor = tensor.pin_memory().to(self.device, non_blocking=True)
             tensors[spec.name] = tensor
+        self._forwarding = (time.time_ns(), padded_rows, length)
         try:
             with torch.inference_mode(), self._autocast():
                 raw = call_model(self._forward, tensors, self._input_names)

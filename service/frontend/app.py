@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from service import tracing
 from service.bridge.interface import ModelInfo
 from service.errors import HandlerError, ServiceError
 from service.frontend import admin, docs, routes
@@ -44,7 +45,7 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
         title="batchserve",
         version=__version__,
         summary="PyTorch model serving with dynamic batching.",
-        lifespan=_with_grpc(frontend, lifespan),
+        lifespan=_with_tracing(frontend, _with_grpc(frontend, lifespan)),
         # FastAPI's pages load their scripts from CDNs; docs.py serves Swagger UI offline.
         docs_url=None,
         redoc_url=None,
@@ -58,6 +59,26 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error_response)
     return app
+
+
+def _with_tracing(frontend: FrontendState, lifespan: Lifespan) -> Lifespan:
+    """``lifespan``, with tracing started first when the ``OTEL_*`` variables ask for it
+    (in each worker process: the span exporter's thread does not survive a fork), and its
+    last spans exported at the end."""
+
+    @contextlib.asynccontextmanager
+    async def traced(app: FastAPI) -> AsyncIterator[None]:
+        started = tracing.start_from_environment(
+            "server" if frontend.engine_in_process else "frontend"
+        )
+        try:
+            async with lifespan(app):
+                yield
+        finally:
+            if started:
+                tracing.stop()
+
+    return traced
 
 
 def _with_grpc(frontend: FrontendState, lifespan: Lifespan) -> Lifespan:

@@ -18,7 +18,9 @@ from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import tracing
 from service.errors import FrontendBusyError, ServiceError
+from service.frontend import request_spans
 from service.frontend.oip import rest as v2
 from service.frontend.predict import ClientDisconnectedError, PredictHeaders, serve_prediction
 from service.frontend.responses import internal_error_response, service_error_response
@@ -63,6 +65,14 @@ class ServiceMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if tracing.current is not None:
+            route = traced_route(scope)
+            if route is not None:
+                await request_spans.serve_traced(self._serve, route, scope, receive, send)
+                return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope, self._ids)
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
@@ -117,7 +127,7 @@ class ServiceMiddleware:
             status_label = str(status)
             self.metrics.requests.labels(route, status_label).inc()
             self.metrics.request_latency.labels(route, status_label).observe(
-                time.perf_counter() - started_s
+                time.perf_counter() - started_s, tracing.current_exemplar()
             )
 
     async def _predict(
@@ -177,6 +187,17 @@ class ServiceMiddleware:
                 f"this front end holds {limit} requests already (max_requests_per_frontend);"
                 " retry shortly"
             )
+
+
+def traced_route(scope: Scope) -> str | None:
+    """The route of an inference request (``POST /predict`` or V2 ``infer``): only those are
+    traced."""
+    if scope["method"] != "POST":
+        return None
+    path: str = scope["path"]
+    if path == PREDICT_PATH:
+        return path
+    return V2_INFER_ROUTE if path.startswith("/v2/") and v2.INFER_PATH.match(path) else None
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:

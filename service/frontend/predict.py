@@ -28,6 +28,7 @@ from service.errors import (
     RequestTimeoutError,
     ServiceError,
 )
+from service.frontend import request_spans
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.inputs import (
     JSON_MEDIA_TYPE,
@@ -210,6 +211,7 @@ async def serve_prediction(
     body = await read_body(
         receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
     )
+    request_spans.event("body_read", {"bytes": len(body)})
     frontend.holding += 1
     try:
         model = frontend.serving_model(model_name, model_version)
@@ -221,7 +223,8 @@ async def serve_prediction(
             query=_query(query_string, handler),
         )
         answer_type = _answer_type(headers.accept, model, handler)
-        instances = await _preprocess(frontend, handler, handler_request)
+        with request_spans.child("parse"):
+            instances = await _preprocess(frontend, handler, handler_request)
         layout = frontend.layout_for(model)
         group, cost_per_row = layout.group_and_cost(instances)
         request = InferenceRequest(
@@ -236,7 +239,7 @@ async def serve_prediction(
             frontend_load=frontend.holding,
         )
         with DisconnectWatcher(receive):
-            result = await frontend.engine.infer(request)
+            result = await request_spans.infer(frontend, request)
     finally:
         frontend.holding -= 1
     name, version = model.manifest.name, result.version

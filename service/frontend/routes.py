@@ -21,7 +21,7 @@ from service.frontend.schemas import (
 )
 from service.frontend.state import FrontendState
 from service.manifest import manifest_summary
-from service.metrics import METRICS_CONTENT_TYPE, render
+from service.metrics import METRICS_CONTENT_TYPE, exposition
 
 router = APIRouter()
 
@@ -199,7 +199,9 @@ async def models(request: Request) -> Response:
     responses={200: {"content": {METRICS_CONTENT_TYPE: {}}}},
 )
 async def metrics(request: Request) -> Response:
-    """Prometheus text format; the sum over every process of the server when there are several."""
+    """Prometheus text format, or OpenMetrics (with exemplars) when ``Accept`` asks for it; the
+    sum over every process of the server when there are several."""
     frontend = frontend_of(request)
     frontend.refresh_gauges()
-    return Response(render(frontend.registry), media_type=METRICS_CONTENT_TYPE)
+    body, media_type = exposition(frontend.registry, request.headers.get("accept"))
+    return Response(body, media_type=media_type)

@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 
 import grpc
 
+from service import tracing
 from service.errors import (
     BadRequestError,
     DeadlineUnreachableError,
     InvalidInputError,
     ServiceError,
 )
+from service.frontend import request_spans
 from service.frontend.about import __version__
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -67,6 +69,8 @@ _STATUS_CODES: dict[int, grpc.StatusCode] = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 INFER_ROUTE = "grpc:ModelInfer"
+#: The server span's name: the full gRPC method, as OpenTelemetry's conventions name it.
+MODEL_INFER_METHOD = "inference.GRPCInferenceService/ModelInfer"
 
 Reply = TypeVar("Reply")
 
@@ -122,6 +126,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(  # noqa: N802
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
+        if tracing.current is None:
+            return await self._metered_infer(request, context)
+        return await request_spans.serve_traced_grpc(
+            lambda: self._metered_infer(request, context),
+            MODEL_INFER_METHOD,
+            context.invocation_metadata() or (),
+        )
+
+    async def _metered_infer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelInferResponse:
         metrics = self.frontend.metrics
         started_s = time.perf_counter()
         status = "200"
@@ -140,7 +155,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.frontend.receiving -= 1
             metrics.requests.labels(INFER_ROUTE, status).inc()
             metrics.request_latency.labels(INFER_ROUTE, status).observe(
-                time.perf_counter() - started_s
+                time.perf_counter() - started_s, tracing.current_exemplar()
             )
 
     async def _infer(

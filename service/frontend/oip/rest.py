@@ -27,6 +27,7 @@ from service.errors import (
     InvalidInputError,
     ServiceError,
 )
+from service.frontend import request_spans
 from service.frontend.oip.datatypes import to_bf16, wire_dtype
 from service.frontend.oip.tensors import (
     InferInput,
@@ -73,9 +74,11 @@ async def serve_v2_inference(
     body = await read_body(
         receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
     )
+    request_spans.event("body_read", {"bytes": len(body)})
     model = served_model(frontend, name, version)
-    document, binary = split_body(body, headers.get(HEADER_LENGTH))
-    inputs, options, request_key = parse_request(document, binary)
+    with request_spans.child("parse"):
+        document, binary = split_body(body, headers.get(HEADER_LENGTH))
+        inputs, options, request_key = parse_request(document, binary)
     with DisconnectWatcher(receive):
         result, answered = await run_inference(
             frontend,
@@ -112,11 +115,13 @@ async def run_inference(
     for output in options.outputs:
         check_classification(model.manifest, output)
     layout = frontend.layout_for(model)
-    instances = to_request(model.manifest, layout, inputs)
+    with request_spans.child("to_tensors"):
+        instances = to_request(model.manifest, layout, inputs)
     group, cost_per_row = layout.group_and_cost(instances)
     frontend.holding += 1
     try:
-        result = await frontend.engine.infer(
+        result = await request_spans.infer(
+            frontend,
             InferenceRequest(
                 model=model.manifest.name,
                 version=model.manifest.version,
@@ -127,7 +132,7 @@ async def run_inference(
                 deadline_s=deadline_s,
                 request_id=request_id,
                 frontend_load=frontend.holding,
-            )
+            ),
         )
     finally:
         frontend.holding -= 1

@@ -1,0 +1,166 @@
+"""Spans of the engine: each traced request's queue wait, and one span per batch.
+
+A batch span belongs to no request's trace: it is a root of its own, with a span link to every
+request it served (the link carries that request's rows), and child spans for collation, the
+forward pass and splitting, timed by the runner. Each request learns the batch's trace context
+and its rows in the batch (``InferenceResult.batches``), so its front end can record them on
+the request span. Nothing is recorded for a batch in which no request was sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from opentelemetry import trace
+
+from service import tracing
+from service.manifest import Manifest
+
+_NOT_TRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTimings:
+    """When the runner's phases of one batch began and ended (``time.time_ns()``)."""
+
+    collate_ns: int
+    forward_ns: int
+    split_ns: int
+    end_ns: int
+    padded_rows: int
+    padded_tokens: int
+    """Rows times the padded length of the variable axis (0 for fixed shapes)."""
+
+
+class TracedWork(Protocol):
+    """A queued piece of a request, as ``batching`` holds it."""
+
+    rows: int
+    arrival_s: float
+    trace: str | None
+    batches: tuple[tuple[str, int], ...]
+
+
+class TimedRunner(Protocol):
+    """What a batch span reads of the runner (``runner.TorchRunner``)."""
+
+    @property
+    def device(self) -> object: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def last_batch(self) -> BatchTimings | None: ...
+
+
+def batch_tracer(manifest: Manifest, runner: TimedRunner) -> BatchTracer:
+    """The tracer of the batches ``runner`` runs for ``manifest``'s version."""
+    return BatchTracer(
+        manifest.name,
+        manifest.version,
+        str(runner.device),
+        runner.precision,
+        lambda: runner.last_batch,
+    )
+
+
+@dataclass(frozen=True)
+class BatchTracer:
+    """Traces the batches of one served version."""
+
+    model: str
+    version: str
+    device: str
+    precision: str
+    timings: Callable[[], BatchTimings | None]
+    """The runner's timings of the batch it ran last."""
+
+    def queue_waits(self, batch: Sequence[TracedWork], started_s: float) -> None:
+        """A ``queue_wait`` span, from arrival to ``started_s`` (``time.monotonic()``), for
+        each sampled request in ``batch``."""
+        if tracing.current is None:
+            return
+        tracer = tracing.current.engine_tracer
+        now_ns = time.time_ns()
+        started_ns = now_ns - int((time.monotonic() - started_s) * 1e9)
+        for work in batch:
+            if work.trace is None or not tracing.is_sampled(work.trace):
+                continue
+            arrival_ns = now_ns - int((time.monotonic() - work.arrival_s) * 1e9)
+            span = tracer.start_span(
+                "queue_wait",
+                context=tracing.parent_from(work.trace),
+                start_time=arrival_ns,
+                attributes={"batchserve.rows": work.rows},
+            )
+            span.end(end_time=started_ns)
+
+    def batch(
+        self, batch: Sequence[TracedWork], rows: int
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around one forward of ``batch``: its span, current meanwhile (so log lines carry
+        it), linked to each sampled request in it; nothing when none is sampled."""
+        if tracing.current is None:
+            return _NOT_TRACED
+        sampled = [work for work in batch if work.trace and tracing.is_sampled(work.trace)]
+        if not sampled:
+            return _NOT_TRACED
+        return self._batch_span(batch, sampled, rows)
+
+    @contextlib.contextmanager
+    def _batch_span(
+        self, batch: Sequence[TracedWork], sampled: list[TracedWork], rows: int
+    ) -> Iterator[None]:
+        assert tracing.current is not None
+        links = [
+            trace.Link(tracing.span_context_from(work.trace or ""), {"batchserve.rows": work.rows})
+            for work in sampled
+        ]
+        start_ns = time.time_ns()
+        span = tracing.current.engine_tracer.start_span(
+            "batch",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),
+            links=links,
+            start_time=start_ns,
+            attributes={
+                "batchserve.model": self.model,
+                "batchserve.model.version": self.version,
+                "batchserve.device": self.device,
+                "batchserve.precision": self.precision,
+                "batchserve.batch.rows": rows,
+                "batchserve.batch.requests": len(batch),
+            },
+        )
+        traceparent = tracing.traceparent_of(span) or ""
+        for work in sampled:
+            work.batches += ((traceparent, work.rows),)
+        try:
+            with trace.use_span(span, end_on_exit=False, record_exception=True):
+                yield
+            self._record_phases(span, start_ns)
+        finally:
+            span.end()
+
+    def _record_phases(self, span: trace.Span, start_ns: int) -> None:
+        """Child spans for the runner's phases, when the batch it ran last is this one."""
+        timings = self.timings()
+        if tracing.current is None or timings is None or timings.collate_ns < start_ns:
+            return
+        span.set_attribute("batchserve.batch.padded_rows", timings.padded_rows)
+        span.set_attribute("batchserve.batch.padded_tokens", timings.padded_tokens)
+        context = trace.set_span_in_context(span)
+        phases = (
+            ("collate", timings.collate_ns, timings.forward_ns),
+            ("forward", timings.forward_ns, timings.split_ns),
+            ("split", timings.split_ns, timings.end_ns),
+        )
+        for name, begin_ns, end_ns in phases:
+            child = tracing.current.engine_tracer.start_span(
+                name, context=context, start_time=begin_ns
+            )
+            child.end(end_time=end_ns)
