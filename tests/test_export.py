@@ -66,7 +66,8 @@ def test_digits_exports_to_each_format_within_its_recorded_parity(
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("to", ["exported_program", "onnx"])
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("to", ["torchscript", "exported_program", "onnx", "aoti"])
 def test_textenc_exports_with_a_dynamic_length(store: ModelStore, to: ModelFormat) -> None:
     exported = export_version(store, "textenc", TEXTENC.version, to)
     assert exported.metadata["export"]["dynamic_axes"]["length"] == [1, 512]

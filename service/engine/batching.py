@@ -44,6 +44,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 from service import tracing
 from service.config import BatchPolicy
 from service.engine.batch_spans import BatchTracer
+from service.engine.device_turns import ModelTurns
 from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
@@ -264,7 +265,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         on_stall: Callable[[], None] | None = None,
         expected_requests: Callable[[], int] = lambda: 0,
         tracer: BatchTracer | None = None,
+        turns: ModelTurns | None = None,
     ) -> None:
+        """``turns``: this model's turns on a device shared with other models; a batch is
+        taken once its turn has come, and runs within it."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
@@ -272,6 +276,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             )
         self._run_batch = run_batch
         self._executor = executor
+        self._turns = turns
+        self._holding_turn = False
         self._metrics = metrics
         self.max_batch_size = max_batch_size
         self.max_batch_cost = max_batch_cost
@@ -550,16 +556,36 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     # ----------------------------------------------------------------- collecting
 
     async def _collect_forever(self) -> None:
-        while True:
-            batch = await self._next_batch()
-            if batch is None:
-                return
-            try:
-                await self._run(batch)
-            except Exception:  # never let one batch stop the collector
-                logger.exception("batch_failed_unexpectedly")
-                for entry in batch:
-                    entry.reject(InferenceError("internal error while running the batch"))
+        try:
+            while True:
+                batch = await self._next_batch()
+                if batch is None:
+                    return
+                try:
+                    await self._run(batch)
+                except Exception:  # never let one batch stop the collector
+                    logger.exception("batch_failed_unexpectedly")
+                    for entry in batch:
+                        entry.reject(InferenceError("internal error while running the batch"))
+                finally:
+                    self._release_turn()
+        finally:
+            self._release_turn()
+
+    async def _take_turn(self) -> bool:
+        """Wait for this model's turn on the device; whether it had to wait (requests may
+        have arrived meanwhile: look again)."""
+        if self._turns is None or self._holding_turn:
+            return False
+        await self._turns.acquire()
+        self._holding_turn = True
+        return True
+
+    def _release_turn(self) -> None:
+        if self._holding_turn:
+            assert self._turns is not None
+            self._holding_turn = False
+            self._turns.release()
 
     async def _next_batch(self) -> list[_Entry[PayloadT, OutputT]] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
@@ -573,6 +599,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             if oldest is None:
                 if self._closing:
                     return None
+                self._release_turn()  # what it waited for is gone (expired, cancelled)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -586,8 +613,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 continue
             now_s = time.monotonic()
             due = [group for group in self._groups.values() if self._is_due(group, now_s)]
+            if (due or self._closing) and await self._take_turn():
+                continue  # the device was another model's: take what is due now
             if due or self._closing:
                 return self._take(due or list(self._groups.values()))
+            self._release_turn()  # nothing due any more (expired, cancelled): let others run
             remaining_s = oldest.arrival_s + self._max_wait_s - now_s
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):

@@ -22,6 +22,7 @@ from service.config import Settings
 from service.engine import memory, published
 from service.engine.batch_spans import batch_tracer
 from service.engine.batching import DynamicBatcher
+from service.engine.device_turns import ModelTurns
 from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.engine.state import EngineState, ServedModel
@@ -75,7 +76,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
     try:
-        warmup_s = await _warm_up(runner, batches)
+        warmup_s = await _warm_up(runner, batches, state.device_turns.for_model(manifest.name))
         memory.release_freed_memory(device)  # the loading's scratch copies are not kept
         memory_bytes = memory.taken_since(device, before_bytes, folder, manifest)
         state.measured_memory[manifest.label] = memory_bytes
@@ -104,6 +105,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         on_stall=state.report_stall,
         expected_requests=state.expected_requests,
         tracer=batch_tracer(manifest, runner),
+        turns=state.device_turns.for_model(manifest.name),
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):
         # The warm-up's timings let the deadlines be judged from the first request on.
@@ -119,17 +121,19 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     )
 
 
-async def _warm_up(runner: TorchRunner, batches: list[NamedArrays]) -> list[float]:
-    """Each warm-up batch on the device thread, one at a time, so that the batches of the
-    models already served take turns with them rather than wait for the whole warm-up."""
+async def _warm_up(
+    runner: TorchRunner, batches: list[NamedArrays], turns: ModelTurns
+) -> list[float]:
+    """Each warm-up batch on the device thread in a turn of its model's, so that the models
+    already served take turns with them rather than wait for the whole warm-up."""
     loop = asyncio.get_running_loop()
     started_s = time.perf_counter()
-    if batches:
-        await loop.run_in_executor(runner.executor, runner.check_outputs, batches[0])
-    seconds = [
-        await loop.run_in_executor(runner.executor, runner.warm_up_batch, batch)
-        for batch in batches
-    ]
+    seconds = []
+    for index, batch in enumerate(batches):
+        async with turns.turn():
+            if index == 0:
+                await loop.run_in_executor(runner.executor, runner.check_outputs, batch)
+            seconds.append(await loop.run_in_executor(runner.executor, runner.warm_up_batch, batch))
     logger.info(
         "model_warmed_up",
         extra={"batches": len(batches), "seconds": round(time.perf_counter() - started_s, 3)},
@@ -282,6 +286,7 @@ async def unload(state: EngineState, name: str) -> str:
         _publish(state)
         state.changed()
         await retire(served)
+        state.device_turns.forget(name)
     return served.manifest.label
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from service.bridge.interface import ModelInfo
 from service.config import Settings
 from service.engine.batching import DynamicBatcher
+from service.engine.device_turns import DeviceTurns
 from service.engine.model_store import ModelStore
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
@@ -60,10 +61,10 @@ class EngineState:
     device_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
     )
-    """The one thread that runs every model's batches and warm-ups on this device. Each
-    model's batcher has at most one batch in it at a time and the thread takes them in
-    order of arrival, so the models take turns, a batch each: none waits longer than one
-    batch of every other model."""
+    """The one thread that runs every model's batches and warm-ups on this device, one at a
+    time, as ``device_turns`` hands it out."""
+    device_turns: DeviceTurns = field(default_factory=DeviceTurns)
+    """Which model runs next on the device: the one that has used it least."""
     models: dict[str, ServedModel] = field(default_factory=dict)
     """Each model served, by name, in the order they were loaded: the first answers
     ``/predict``."""
