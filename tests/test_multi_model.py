@@ -170,6 +170,28 @@ def instance_schema(paths: dict[str, Any], path: str) -> dict[str, Any]:
     return schema
 
 
+async def test_the_open_inference_protocol_reaches_each_model_by_its_name() -> None:
+    settings = Settings(models=("digits", "textenc"), device="cpu", admin_token=TOKEN)
+    async for http in serving(settings):
+        tokens = np.array([[5, 17, 99]], dtype=np.int64)
+        document = {
+            "inputs": [
+                {"name": "token_ids", "datatype": "INT64", "shape": [1, 3], "data": [5, 17, 99]}
+            ]
+        }
+        answer = await http.post("/v2/models/textenc/infer", json=document)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model_name"] == "textenc"
+        (output,) = answer.json()["outputs"]
+        want = expected(references(), "textenc", tokens)
+        np.testing.assert_allclose(np.reshape(output["data"], output["shape"]), want, atol=1e-4)
+        for name in ("digits", "textenc"):
+            assert (await http.get(f"/v2/models/{name}/ready")).status_code == 200
+        index = (await http.post("/v2/repository/index", headers=AUTH)).json()
+        ready = sorted(entry["name"] for entry in index if entry["state"] == "READY")
+        assert ready == ["digits", "textenc"]
+
+
 async def test_a_model_that_is_not_served_or_a_version_that_is_not_is_404() -> None:
     async for http in serving(Settings(models=("digits",), device="cpu")):
         one = {"instances": np.zeros((1, 8, 8)).tolist()}

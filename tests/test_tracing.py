@@ -219,6 +219,19 @@ async def test_a_v2_inference_is_traced_like_predict(
     assert server.attributes["batchserve.batch.rows"] == (2,)
 
 
+async def test_a_request_to_a_named_model_is_traced_like_predict(
+    client: httpx.AsyncClient, exported: InMemorySpanExporter
+) -> None:
+    response = await client.post("/models/digits/predict", json={"instances": digits(2, seed=3)})
+    assert response.status_code == 200, response.text
+    spans = list(exported.get_finished_spans())
+    (server,) = named(spans, "POST /models/{name}/predict")
+    (batch,) = named(spans, "batch")
+    assert server.attributes is not None
+    assert server.attributes["batchserve.batch.rows"] == (2,)
+    assert server.attributes["batchserve.batch.span_ids"] == (hex_id(batch.context.span_id, 16),)
+
+
 async def test_a_client_traceparent_is_continued(
     client: httpx.AsyncClient, exported: InMemorySpanExporter
 ) -> None:

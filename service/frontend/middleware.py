@@ -190,13 +190,15 @@ class ServiceMiddleware:
 
 
 def traced_route(scope: Scope) -> str | None:
-    """The route of an inference request (``POST /predict`` or V2 ``infer``): only those are
-    traced."""
+    """The route of an inference request (``POST /predict``, ``/models/{name}/predict`` or
+    V2 ``infer``): only those are traced."""
     if scope["method"] != "POST":
         return None
     path: str = scope["path"]
     if path == PREDICT_PATH:
         return path
+    if path.startswith("/models/") and MODEL_PREDICT_PATH.match(path):
+        return MODEL_PREDICT_ROUTE
     return V2_INFER_ROUTE if path.startswith("/v2/") and v2.INFER_PATH.match(path) else None
 
 
