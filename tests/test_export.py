@@ -67,6 +67,9 @@ def test_digits_exports_to_each_format_within_its_recorded_parity(
 
 
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+# Tracing textenc warns that a loop over a tensor may not generalise to other lengths; the
+# export's parity over lengths 3, 17 and 64, and the lengths below, show that it does.
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.parametrize("to", ["torchscript", "exported_program", "onnx", "aoti"])
 def test_textenc_exports_with_a_dynamic_length(store: ModelStore, to: ModelFormat) -> None:
     exported = export_version(store, "textenc", TEXTENC.version, to)

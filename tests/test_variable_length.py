@@ -143,7 +143,7 @@ async def test_token_budget_limits_the_rows_of_a_batch() -> None:
         ([list(range(1, 514))], "1 to 512 long on their variable axis, got 513"),
         ([[[1, 2]]], "instance with 2 dimension(s) instead of 1"),
         ([7], "instance with 0 dimension(s) instead of 1"),
-        ([[2**70]], "only integers"),
+        ([[2**70]], "integers outside [-9007199254740992, 9007199254740992]"),
     ],
 )
 async def test_invalid_token_ids_are_refused_before_queuing(
