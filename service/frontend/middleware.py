@@ -36,6 +36,7 @@ MODEL_PREDICT_ROUTE = "/models/{name}/predict"
 V2_INFER_ROUTE = "/v2/models/{name}/infer"
 #: nginx's code for "client closed the request": counted, never sent.
 CLIENT_CLOSED_STATUS = 499
+_INFERENCE_ROUTES = frozenset({PREDICT_PATH, MODEL_PREDICT_ROUTE, V2_INFER_ROUTE})
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ROUTES_WITH_METRICS = frozenset(
     {
@@ -75,15 +76,7 @@ class ServiceMiddleware:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope, self._ids)
         scope.setdefault("state", {})["request_id"] = request_id
-        path: str = scope["path"]
-        v2_infer = v2.INFER_PATH.match(path) if path.startswith("/v2/") else None
-        model_predict = MODEL_PREDICT_PATH.match(path) if path.startswith("/models/") else None
-        if v2_infer:
-            route = V2_INFER_ROUTE
-        elif model_predict:
-            route = MODEL_PREDICT_ROUTE
-        else:
-            route = path if path in _ROUTES_WITH_METRICS else "other"
+        route, path_match = route_of(scope["path"])
         status = 500
         started_s = time.perf_counter()
 
@@ -98,19 +91,16 @@ class ServiceMiddleware:
                     headers.append("Connection", "close")
             await send(message)
 
-        predicting = scope["method"] == "POST" and route in (
-            PREDICT_PATH,
-            MODEL_PREDICT_ROUTE,
-            V2_INFER_ROUTE,
-        )
+        predicting = scope["method"] == "POST" and route in _INFERENCE_ROUTES
         try:
             if predicting:
                 self.metrics.in_flight.inc()
                 self.frontend.receiving += 1
-                if v2_infer:
-                    response = await self._infer_v2(scope, receive, request_id, v2_infer)
-                elif model_predict:
-                    name, version = model_predict.groups()
+                if route == V2_INFER_ROUTE:
+                    assert path_match is not None
+                    response = await self._infer_v2(scope, receive, request_id, path_match)
+                elif path_match is not None:
+                    name, version = path_match.groups()
                     response = await self._predict(scope, receive, request_id, name, version)
                 else:
                     response = await self._predict(scope, receive, request_id)
@@ -189,17 +179,27 @@ class ServiceMiddleware:
             )
 
 
+def route_of(path: str) -> tuple[str, re.Match[str] | None]:
+    """The route label of ``path`` in the request metrics, and the match of the name and
+    version in the path of an inference route that has them."""
+    if path.startswith("/v2/"):
+        v2_infer = v2.INFER_PATH.match(path)
+        if v2_infer:
+            return V2_INFER_ROUTE, v2_infer
+    elif path.startswith("/models/"):
+        model_predict = MODEL_PREDICT_PATH.match(path)
+        if model_predict:
+            return MODEL_PREDICT_ROUTE, model_predict
+    return (path if path in _ROUTES_WITH_METRICS else "other"), None
+
+
 def traced_route(scope: Scope) -> str | None:
     """The route of an inference request (``POST /predict``, ``/models/{name}/predict`` or
     V2 ``infer``): only those are traced."""
     if scope["method"] != "POST":
         return None
-    path: str = scope["path"]
-    if path == PREDICT_PATH:
-        return path
-    if path.startswith("/models/") and MODEL_PREDICT_PATH.match(path):
-        return MODEL_PREDICT_ROUTE
-    return V2_INFER_ROUTE if path.startswith("/v2/") and v2.INFER_PATH.match(path) else None
+    route, _ = route_of(scope["path"])
+    return route if route in _INFERENCE_ROUTES else None
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:

@@ -27,7 +27,7 @@ from service.frontend import request_spans
 from service.frontend.about import __version__
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from service.frontend.oip.rest import binary_of, run_inference, served_model
+from service.frontend.oip.rest import binary_of, run_inference
 from service.frontend.oip.routes import EXTENSIONS, PLATFORM, tensor_metadata
 from service.frontend.oip.tensors import (
     InferInput,
@@ -95,7 +95,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelReadyResponse:
         try:
-            served_model(self.frontend, request.name, request.version or None)
+            self.frontend.serving_model(request.name, request.version or None)
         except ServiceError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
@@ -111,7 +111,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelMetadataResponse:
         async def metadata() -> pb.ModelMetadataResponse:
-            manifest = served_model(self.frontend, request.name, request.version or None).manifest
+            manifest = self.frontend.serving_model(request.name, request.version or None).manifest
             tensor = pb.ModelMetadataResponse.TensorMetadata
             return pb.ModelMetadataResponse(
                 name=manifest.name,
@@ -167,7 +167,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             remaining_s = context.time_remaining()
             if remaining_s is not None:
                 deadline_s = min(deadline_s, time.monotonic() + remaining_s)
-            model = served_model(frontend, request.model_name, request.model_version or None)
+            model = frontend.serving_model(request.model_name, request.model_version or None)
             options = InferOptions(
                 outputs=tuple(_requested(output) for output in request.outputs),
                 parameters=_parameters(request.parameters),

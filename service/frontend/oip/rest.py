@@ -55,11 +55,6 @@ def error_response(error: ServiceError) -> Response:
     return json_response({"error": error.message}, status, error.headers)
 
 
-def served_model(frontend: FrontendState, name: str, version: str | None) -> ModelInfo:
-    """The model served as ``name`` (at ``version``, when one is named); 404 otherwise."""
-    return frontend.serving_model(name, version)
-
-
 async def serve_v2_inference(
     frontend: FrontendState,
     headers: dict[str, str],
@@ -70,12 +65,12 @@ async def serve_v2_inference(
 ) -> Response:
     """Validate, queue on the engine, and answer one V2 inference request."""
     deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
-    served_model(frontend, name, version)
+    frontend.serving_model(name, version)
     body = await read_body(
         receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
-    model = served_model(frontend, name, version)
+    model = frontend.serving_model(name, version)
     with request_spans.child("parse"):
         document, binary = split_body(body, headers.get(HEADER_LENGTH))
         inputs, options, request_key = parse_request(document, binary)

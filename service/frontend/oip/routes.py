@@ -18,7 +18,6 @@ from service.frontend.oip.rest import (
     JSON,
     error_response,
     serve_v2_inference,
-    served_model,
 )
 from service.frontend.oip.schemas import (
     V2InferenceRequest,
@@ -115,7 +114,7 @@ async def model(request: Request, name: str, version: str | None = None) -> Resp
     """Inputs and outputs (datatype, shape with -1 for variable sizes) of the served version,
     and every version of the model in the repository."""
     frontend = frontend_of(request)
-    served = served_model(frontend, name, version)
+    served = frontend.serving_model(name, version)
     try:
         versions = [manifest.version for manifest in frontend.repository.versions(name)]
     except ModelNotFoundError:
@@ -134,7 +133,7 @@ _READY = {"response_model": V2Readiness, "responses": {400: {"model": V2Readines
 )
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     try:
-        served_model(frontend_of(request), name, version)
+        frontend_of(request).serving_model(name, version)
     except ServiceError as error:
         return json_response({"name": name, "ready": False, "error": error.message}, 400)
     return json_response({"name": name, "ready": True})
