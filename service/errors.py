@@ -160,6 +160,14 @@ class NotReadyError(RetryLaterError):
     code = "not_ready"
 
 
+class VersionSwitchedError(NotReadyError):
+    """The request was prepared for a version switched away from before it was queued, and
+    the version served now would prepare or answer it otherwise (another tokenizer, handler
+    or tensors). ``/predict`` prepares it again for the version served, once."""
+
+    code = "version_switched"
+
+
 class FrontendBusyError(RetryLaterError):
     """The front end holds ``max_requests_per_frontend`` requests already."""
 
