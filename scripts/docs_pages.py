@@ -8,11 +8,14 @@ built, so a setting, metric, panel or alert added later appears without editing 
   values from the field's type and constraints, and its docstring), nested models included;
 - ``metrics``: every metric the front ends, engines and processes register;
 - ``dashboard``: every panel of ``deploy/grafana/batchserve-dashboard.json``;
-- ``alerts``: every rule of ``deploy/prometheus/alerts.yml``.
+- ``alerts``: every rule of ``deploy/prometheus/alerts.yml``;
+- ``errors``: every error of ``service/errors.py`` (code, HTTP and gRPC status, when it is
+  answered, from the class's docstring).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import types
@@ -30,6 +33,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from service.config import ENV_PREFIX, Settings
+from service.errors import RetryLaterError, documented_errors, grpc_status_name
 from service.metrics import EngineMetrics, FrontendMetrics, ProcessMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,11 +244,28 @@ def alerts_markdown(path: Path = ALERTS) -> str:
     return "\n".join(rows)
 
 
+def errors_markdown() -> str:
+    """Every error a client can get, by HTTP status, with the gRPC status it maps to."""
+    rows = [
+        "| code | HTTP | gRPC | `Retry-After` | when |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for error in documented_errors():
+        retry = "yes" if issubclass(error, RetryLaterError) else ""
+        when = _cell(inspect.cleandoc(error.__doc__ or ""))
+        rows.append(
+            f"| `{error.code}` | {error.status_code} | `{grpc_status_name(error)}` | {retry} "
+            f"| {when} |"
+        )
+    return "\n".join(rows)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "settings": settings_markdown,
     "metrics": metrics_markdown,
     "dashboard": dashboard_markdown,
     "alerts": alerts_markdown,
+    "errors": errors_markdown,
 }
 
 

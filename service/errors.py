@@ -10,7 +10,8 @@ from typing import Any
 
 
 class ServiceError(Exception):
-    """Base of every error that maps to an HTTP answer."""
+    """Anything unexpected in the server (a bug): logged with the request id, never sent to
+    the client beyond a generic message."""
 
     status_code: int = 500
     code: str = "internal_error"
@@ -47,34 +48,45 @@ def error_from_wire(document: dict[str, Any]) -> ServiceError:
 
 
 class BadRequestError(ServiceError):
-    """The body could not be parsed at all (malformed JSON, wrong content type)."""
+    """The body could not be parsed at all: malformed JSON (the literals ``NaN`` and
+    ``Infinity`` included), a ``.npy`` body that is not one readable array; or a header that
+    must appear once (``Content-Type``, ``X-Priority``, ``X-Request-ID``) is repeated."""
 
     status_code = 400
     code = "bad_request"
 
 
 class InvalidInputError(ServiceError):
-    """The body parsed but does not match the model's input spec."""
+    """The body parsed but does not match the model's inputs: wrong shape, non-numbers,
+    values not finite or outside the declared range, empty or too many instances, unknown
+    fields or query parameters, inputs missing or of unequal lengths, an image that is not a
+    PNG or JPEG. The message names what was expected and what was received."""
 
     status_code = 422
     code = "invalid_input"
 
 
 class DeadlineUnreachableError(InvalidInputError):
-    """The request's instances alone need more compute than its deadline leaves: fewer
-    instances per request would fit (gRPC answers it ``DEADLINE_EXCEEDED``)."""
+    """The request's instances alone need more compute than its deadline leaves, by the
+    timings measured: refused at once, never computed. Sent again unchanged it fails again,
+    so it is 422 (send fewer instances per request, or allow a longer deadline), not a 504
+    that gateways and clients retry; gRPC answers ``DEADLINE_EXCEEDED``."""
 
     code = "deadline_unreachable"
 
 
 class PayloadTooLargeError(ServiceError):
+    """The body is over ``max_body_bytes`` (by ``Content-Length``, or while it streams), or
+    an image or ``.npz`` would decode to more than allowed. The connection is closed: nothing
+    after it is read."""
+
     status_code = 413
     code = "payload_too_large"
     closes_connection = True
 
 
 class RequestTimeoutError(ServiceError):
-    """The body did not arrive by the request's deadline."""
+    """The body did not arrive by the request's deadline; the connection is closed."""
 
     status_code = 408
     code = "request_timeout"
@@ -82,6 +94,9 @@ class RequestTimeoutError(ServiceError):
 
 
 class UnsupportedMediaTypeError(ServiceError):
+    """A ``Content-Type`` other than JSON, ``.npy`` and ``.npz``, or what the version's
+    handler reads (text, images)."""
+
     status_code = 415
     code = "unsupported_media_type"
 
@@ -104,7 +119,9 @@ class ForbiddenError(ServiceError):
 
 
 class ConflictError(ServiceError):
-    """The operation cannot run now (another version is loading, nothing to roll back to)."""
+    """An admin change that cannot be made: another is under way, nothing was served before
+    to roll back to, a version does not fit in ``device_memory_budget_mb``, or the model to
+    unload is the only one served."""
 
     status_code = 409
     code = "conflict"
@@ -118,7 +135,8 @@ class ModelRejectedError(ServiceError):
 
 
 class ModelNotFoundError(ServiceError):
-    """Unknown model name or version in the repository."""
+    """An unknown model or version (or one not served), or a name that is not a plain
+    identifier."""
 
     status_code = 404
     code = "model_not_found"
@@ -135,7 +153,7 @@ class RetryLaterError(ServiceError):
 
 
 class QueueFullError(RetryLaterError):
-    """The batcher's queue is full."""
+    """The model's queue holds ``max_queue_size`` instances already."""
 
     status_code = 429
     code = "queue_full"
@@ -149,15 +167,26 @@ class OverloadedError(RetryLaterError):
 
 
 class DeadlineExceededError(ServiceError):
+    """The request's deadline (``request_timeout_ms``, or a shorter V2 ``timeout`` or gRPC
+    deadline) passed before it was answered; one still queued is never computed."""
+
     status_code = 504
     code = "deadline_exceeded"
 
 
 class NotReadyError(RetryLaterError):
-    """No model is loaded yet, or the server is draining for shutdown."""
+    """The model is not served yet (loading), failed to load, or the server is draining."""
 
     status_code = 503
     code = "not_ready"
+
+
+class VersionSwitchedError(NotReadyError):
+    """The request was prepared for a version switched away from before it was queued, and
+    the version served now would prepare or answer it otherwise (another tokenizer, handler
+    or tensors). ``/predict`` prepares it again for the version served, once."""
+
+    code = "version_switched"
 
 
 class FrontendBusyError(RetryLaterError):
@@ -169,7 +198,9 @@ class FrontendBusyError(RetryLaterError):
 
 
 class EngineUnavailableError(RetryLaterError):
-    """No engine can take the request: it died, hung or is restarting."""
+    """No engine can take the request: it died, hung or is restarting. An admin change that
+    cannot be decided now (an engine restarting) or whose engine was lost before the change
+    was recorded (it did not take place) is answered this too."""
 
     status_code = 503
     code = "engine_unavailable"
@@ -184,7 +215,8 @@ class InsufficientDeviceMemoryError(RetryLaterError):
 
 
 class InferenceError(ServiceError):
-    """The model raised on this request's input; its batch-mates are unaffected."""
+    """The model raised on this request's input, or gave values that are not finite for it;
+    its batch-mates are still answered."""
 
     status_code = 500
     code = "inference_failed"
@@ -199,10 +231,40 @@ class HandlerError(ServiceError):
 
 
 class NotAcceptableError(ServiceError):
-    """The ``Accept`` header asks for an answer format this model cannot give."""
+    """The ``Accept`` header asks for an answer format this model cannot give (``.npy`` from
+    a model with several outputs: ask for ``.npz``)."""
 
     status_code = 406
     code = "not_acceptable"
+
+
+#: The gRPC status each HTTP status is answered with (anything else: ``INTERNAL``).
+GRPC_STATUS_BY_HTTP: dict[int, str] = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
+    409: "FAILED_PRECONDITION",
+    413: "RESOURCE_EXHAUSTED",
+    415: "INVALID_ARGUMENT",
+    422: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_status_name(error: type[ServiceError]) -> str:
+    """The gRPC status code (its name) ``error`` is answered with over gRPC."""
+    if issubclass(error, DeadlineUnreachableError):
+        return "DEADLINE_EXCEEDED"  # gRPC's status for "cannot finish by the deadline"
+    return GRPC_STATUS_BY_HTTP.get(error.status_code, "INTERNAL")
+
+
+def documented_errors() -> list[type[ServiceError]]:
+    """Every error a client can be answered with, once per (code, status), by HTTP status."""
+    return sorted(_ERROR_CLASSES.values(), key=lambda cls: (cls.status_code, cls.code))
 
 
 class ModelIntegrityError(Exception):

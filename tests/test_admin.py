@@ -12,8 +12,8 @@ import orjson
 import pytest
 from asgi_lifespan import LifespanManager
 
+from service.bridge.published import PublishedVersion, publish, read_published
 from service.config import Settings
-from service.engine.published import PublishedVersion, publish, read_published
 from service.processes import RUN_DIR_ENV
 from service.server.single import create_app
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
@@ -163,7 +163,7 @@ async def test_an_engine_started_after_a_switch_serves_it_and_can_roll_it_back(
     repository: tuple[Path, Versions], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A replacement engine starts on the version recorded by the engines before it
-    (``engine/published.py``), not on ``model_version``, and knows what came before it."""
+    (``bridge/published.py``), not on ``model_version``, and knows what came before it."""
     root, versions = repository
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     publish([PublishedVersion("digits", versions.retrained, previous=versions.original)])

@@ -16,11 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from scripts.docs_pages import (
     ALERTS,
     DASHBOARD,
+    errors_markdown,
     render_markers,
     setting_variables,
     settings_markdown,
 )
 from service.config import Settings
+from service.errors import GRPC_STATUS_BY_HTTP, documented_errors, grpc_status_name
+from service.frontend.oip import grpc_server
 from service.metrics import EngineMetrics, FrontendMetrics, ProcessMetrics
 
 ROOT = Path(__file__).parent.parent
@@ -93,6 +96,28 @@ def test_the_monitoring_page_names_every_metric_alert_and_panel() -> None:
     ]
     assert len(metrics) > 10
     assert [name for name in metrics + alerts + panels if name not in page] == []
+
+
+def test_the_api_page_gives_every_error_its_code_and_statuses_from_the_code() -> None:
+    """The table is rendered from ``service/errors.py``: a status changed there changes the
+    page (it said 504 for a request that cannot finish by its deadline, the code 422)."""
+    page = _page("api.md")
+    assert "<!-- batchserve:errors -->" not in page
+    rows = {
+        line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| `")
+    }
+    for error in documented_errors():
+        row = rows[f"`{error.code}`"]
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert cells[1:3] == [str(error.status_code), f"`{grpc_status_name(error)}`"], row
+        assert cells[4], f"{error.__name__} needs a docstring saying when it is answered"
+    assert "| `deadline_unreachable` | 422 | `DEADLINE_EXCEEDED` |" in errors_markdown()
+    assert "| `version_switched` | 503 | `UNAVAILABLE` | yes |" in errors_markdown()
+
+
+def test_the_grpc_statuses_on_the_page_are_those_the_grpc_server_answers() -> None:
+    served = {http: code.name for http, code in grpc_server._STATUS_CODES.items()}
+    assert served == GRPC_STATUS_BY_HTTP
 
 
 def test_an_unknown_marker_fails_the_build() -> None:

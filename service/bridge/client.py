@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from service.bridge import wire
+from service.bridge import changes, wire
 from service.bridge.interface import (
     EngineStatus,
     InferenceRequest,
@@ -34,10 +34,8 @@ from service.bridge.interface import (
 from service.errors import (
     DeadlineExceededError,
     EngineUnavailableError,
-    ServiceError,
     error_from_wire,
 )
-from service.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -328,50 +326,18 @@ class BridgeClient:
         return min(ready, key=lambda connection: connection.outstanding)
 
     async def switch(self, name: str, version: str) -> SwitchResult:
-        """Prepare on every engine, then commit on all of them, or abort on all."""
-        self._require_every_engine("a version switch")
-        outcomes = await asyncio.gather(
-            *(c.control("prepare", name=name, version=version) for c in self._connections),
-            return_exceptions=True,
-        )
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
-            prepared = [
-                c
-                for c, outcome in zip(self._connections, outcomes, strict=True)
-                if not isinstance(outcome, BaseException)
-            ]
-            await asyncio.gather(*(c.control("abort") for c in prepared), return_exceptions=True)
-            raise _most_telling(failures)
-        results = await asyncio.gather(*(c.control("commit") for c in self._connections))
-        first = results[0]
-        return SwitchResult(
-            serving=Manifest.model_validate(first["serving"]), replaced=first["replaced"]
-        )
+        """Prepare on every engine, then commit on all of them, or abort on all (see
+        ``bridge/changes.py``)."""
+        before = self.status().find(name)
+        return await changes.switch_everywhere(self._connections, name, version, before)
 
     async def rollback(self, name: str | None = None) -> SwitchResult:
         return await self.switch(*self.status().rollback_target(name))
 
     async def unload(self, name: str) -> str:
         """Unload on every engine; any refusal is the answer (each engine refuses alike)."""
-        self._require_every_engine("unloading a model")
-        outcomes = await asyncio.gather(
-            *(c.control("unload", name=name) for c in self._connections),
-            return_exceptions=True,
-        )
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
-            raise _most_telling(failures)
-        replies = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
-        return str(replies[0]["unloaded"])
-
-    def _require_every_engine(self, what: str) -> None:
-        down = [c for c in self._connections if not c.status.ready]
-        if down:
-            phases = ", ".join(f"{c.status.device} {c.status.phase}" for c in down)
-            raise EngineUnavailableError(
-                f"{what} must reach every engine, and not all are ready ({phases})"
-            )
+        served = self.status().find(name)
+        return await changes.unload_everywhere(self._connections, name, served)
 
 
 def _expire(future: asyncio.Future[InferenceResult], timeout_ms: float) -> None:
@@ -379,14 +345,3 @@ def _expire(future: asyncio.Future[InferenceResult], timeout_ms: float) -> None:
         future.set_exception(
             DeadlineExceededError(f"the request was not answered within {timeout_ms:.0f} ms")
         )
-
-
-def _most_telling(failures: list[BaseException]) -> BaseException:
-    """The error to answer a failed switch with: a refusal (422) or conflict (409) says more
-    than an engine being away, which says more than anything unexpected."""
-    service_errors = [failure for failure in failures if isinstance(failure, ServiceError)]
-    for status in (422, 404, 409):
-        for failure in service_errors:
-            if failure.status_code == status:
-                return failure
-    return service_errors[0] if service_errors else failures[0]

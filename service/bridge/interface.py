@@ -84,7 +84,11 @@ class EngineStatus:
 
     def rollback_target(self, name: str | None) -> tuple[str, str]:
         """(name, version) a rollback of ``name`` (the first model when None) switches to:
-        the version it served before its last switch; 409 when there is none."""
+        the version it served before its last switch; 409 when there is none. Not ready (an
+        engine restarting, which learns what came before from the published record), it
+        cannot tell: 503 with ``Retry-After``."""
+        if not self.ready:
+            raise self.refusal()
         if name is None:
             name = self.model.manifest.name if self.model else ""
         previous = self.previous.get(name)

@@ -19,25 +19,18 @@ from service.bridge.interface import EngineStatus, InferenceRequest, InferenceRe
 from service.config import Settings
 from service.engine import lifecycle
 from service.engine.batching import Ticket
+from service.engine.compatibility import RequestContract, interchangeable, request_contract
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
-from service.errors import ConflictError, NotReadyError
-from service.manifest import HandlerSpec, Manifest, TensorSpec
+from service.engine.switching import Switcher
+from service.errors import NotReadyError, VersionSwitchedError
+from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
-#: Versions whose contracts an engine remembers, to accept requests validated against a
-#: version it has just switched away from when its inputs, outputs and handler are the same.
+#: Versions whose contracts an engine remembers, to accept requests prepared for a version
+#: it has just switched away from when the one served would prepare and answer them alike.
 REMEMBERED_VERSIONS = 16
-
-
-Contract = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], HandlerSpec | None]
-
-
-def contract_of(manifest: Manifest) -> Contract:
-    """What a front end relies on when it validates a request and answers it: the tensors
-    in and out and the handler."""
-    return manifest.inputs, manifest.outputs, manifest.handler
 
 
 class Engine:
@@ -61,11 +54,10 @@ class Engine:
         )
         self._on_load_failure = on_load_failure
         self._loading: asyncio.Task[None] | None = None
-        self._prepared: tuple[str, ServedModel | None] | None = None
-        self._holding_prepare = False
+        self._switcher = Switcher(self.state)
         self._stopped: asyncio.Task[None] | None = None
         self._status: EngineStatus | None = None
-        self._contracts: dict[str, Contract] = {}
+        self._contracts: dict[str, RequestContract] = {}
         self.state.listeners.append(self._forget_status)
 
     # ----------------------------------------------------------------- lifecycle
@@ -137,10 +129,10 @@ class Engine:
 
         ``source`` names the front end it came from (None: this process).
 
-        Raises ``NotReadyError`` when its model is not served (yet, or any more), or when the
-        request was validated against a version no longer served whose inputs, outputs or
-        handler differ from the one served now (its front end preprocessed it, and will
-        postprocess the answer, for that version).
+        Raises ``NotReadyError`` when its model is not served (yet, or any more), and
+        ``VersionSwitchedError`` when the request was prepared for a version no longer served
+        that is not ``interchangeable`` with the one served now (its front end preprocessed
+        it, and will postprocess the answer, for that version: see ``compatibility.py``).
         """
         served = self.state.models.get(request.model)
         if served is None:
@@ -149,12 +141,12 @@ class Engine:
                 "answers 200 and /models lists it"
             )
         manifest = served.manifest
-        if request.version != manifest.version and (
-            self._contracts.get(request.version) != contract_of(manifest)
+        if request.version != manifest.version and not interchangeable(
+            self._contracts.get(request.version), request_contract(manifest)
         ):
-            raise NotReadyError(
-                f"{request.model}@{request.version} is no longer served (now {manifest.label}) "
-                "and its inputs, outputs or handler differ; retry"
+            raise VersionSwitchedError(
+                f"{request.model}@{request.version} is no longer served (now {manifest.label}), "
+                "whose files (tokenizer, code), inputs, outputs or handler differ; retry"
             )
         self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
         ticket = served.batcher.enqueue(
@@ -170,62 +162,28 @@ class Engine:
         return ticket, manifest.version
 
     async def switch(self, name: str, version: str) -> SwitchResult:
-        manifest, replaced = await lifecycle.switch_version(self.state, name, version)
-        return SwitchResult(serving=manifest, replaced=replaced)
+        return await self._switcher.switch(name, version)
 
     async def rollback(self, name: str | None = None) -> SwitchResult:
         return await self.switch(*self.status().rollback_target(name))
 
     async def unload(self, name: str) -> str:
-        return await lifecycle.unload(self.state, name)
+        return await self._switcher.unload(name)
 
     # ----------------------------------------------------------------- two-phase switch
 
     async def prepare(self, name: str, version: str) -> Manifest:
         """Load ``name`` at ``version`` beside the serving one and hold it until ``commit`` or
         ``abort``; meanwhile any other switch is refused (409)."""
-        lock = self.state.switch_lock
-        if lock.locked():
-            raise ConflictError("another version is being loaded; retry when it is done")
-        await lock.acquire()
-        try:
-            self._prepared = name, await lifecycle.prepare_version(self.state, name, version)
-        except BaseException:
-            lock.release()
-            raise
-        self._holding_prepare = True
-        served = self._prepared[1] or self.state.models[name]  # None: served already
-        return served.manifest
+        return await self._switcher.prepare(name, version)
 
     async def commit(self) -> SwitchResult:
         """Serve what ``prepare`` loaded (nothing changes if it was served already)."""
-        if not self._holding_prepare:
-            raise ConflictError("no version has been prepared; nothing to commit")
-        assert self._prepared is not None
-        (name, prepared), self._prepared = self._prepared, None
-        self._holding_prepare = False
-        try:
-            if prepared is None:
-                return SwitchResult(serving=self.state.models[name].manifest, replaced=None)
-            current = self.state.models.get(name)
-            replaced = current.manifest.label if current else "nothing"
-            lifecycle.switch_to(self.state, prepared)
-            return SwitchResult(serving=prepared.manifest, replaced=replaced)
-        finally:
-            self.state.switch_lock.release()
+        return await self._switcher.commit()
 
     async def abort(self) -> None:
         """Discard what ``prepare`` loaded, if anything; the serving version stays."""
-        if not self._holding_prepare:
-            return
-        prepared = self._prepared[1] if self._prepared else None
-        self._prepared = None
-        self._holding_prepare = False
-        try:
-            if prepared is not None:
-                await lifecycle.retire(prepared)
-        finally:
-            self.state.switch_lock.release()
+        await self._switcher.abort()
 
     # ----------------------------------------------------------------- internals
 
@@ -233,6 +191,6 @@ class Engine:
         self._status = None
         versions = self._contracts
         for served in self.state.models.values():
-            versions[served.manifest.version] = contract_of(served.manifest)
+            versions[served.manifest.version] = request_contract(served.manifest)
         while len(versions) > REMEMBERED_VERSIONS:
             del versions[next(iter(versions))]

@@ -4,7 +4,8 @@
 the device, warmed up, and a started batcher) without touching what is being served, so a
 version that fails its hash check or cannot be built never replaces the one that works.
 ``switch_to`` then swaps it in at once and drains the old one in the background: requests
-already queued on the old version finish there and say so in their answer.
+already queued on the old version finish there and say so in their answer. Admin loads,
+switches and unloads go through ``switching.py``, one at a time.
 """
 
 from __future__ import annotations
@@ -17,22 +18,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from service.bridge import published
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
-from service.engine import memory, published
+from service.engine import memory
 from service.engine.batch_spans import batch_tracer
 from service.engine.batching import DynamicBatcher
 from service.engine.device_turns import ModelTurns
 from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.engine.state import EngineState, ServedModel
-from service.errors import (
-    ConflictError,
-    ModelIntegrityError,
-    ModelLoadError,
-    ModelNotFoundError,
-    ModelRejectedError,
-)
 from service.manifest import Manifest
 from service.tensors import NamedArrays
 
@@ -146,13 +141,14 @@ def _others(state: EngineState, name: str) -> list[ServedModel]:
     return [served for other, served in state.models.items() if other != name]
 
 
-def switch_to(state: EngineState, served: ServedModel) -> None:
+def switch_to(state: EngineState, served: ServedModel) -> str:
     """Serve ``served`` from now on, beside the other models or in place of the version of
-    its name served now, which retires in the background."""
+    its name served now, which retires in the background; publish that. Returns what it
+    replaced: ``name@version``, or ``nothing``."""
     manifest = served.manifest
     previous = state.models.get(manifest.name)
     state.models[manifest.name] = served
-    replaced = None
+    replaced = "nothing"
     if previous is not None:
         replaced = previous.manifest.label
         state.previous_versions[manifest.name] = previous.manifest.version
@@ -174,6 +170,7 @@ def switch_to(state: EngineState, served: ServedModel) -> None:
             "memory_bytes": served.memory_bytes,
         },
     )
+    return replaced
 
 
 def _retire_in_background(state: EngineState, served: ServedModel) -> None:
@@ -220,74 +217,16 @@ def _memory_labels(served: ServedModel) -> tuple[str, str, str]:
     return served.manifest.name, served.manifest.version, str(served.runner.device)
 
 
-async def prepare_version(state: EngineState, name: str, version: str) -> ServedModel | None:
-    """Load ``name`` at ``version`` (or ``latest``) beside the models served, warmed up.
-
-    Returns None when that version is served already. Raises ``ModelRejectedError`` when the
-    version fails its hash check or cannot be built, and ``ConflictError`` when it does not
-    fit in the memory budget: what is served then stays. The caller holds
-    ``state.switch_lock``.
-    """
-    current = state.models.get(name)
-    serving = current.manifest.label if current else "nothing"
-    try:
-        manifest = state.store.resolve(name, version)
-        if current is not None and current.manifest.version == manifest.version:
-            return None
-        return await load_version(state, name, manifest.version)
-    except (ModelIntegrityError, ModelLoadError) as error:
-        reason = str(error).replace(str(state.store.root), "<repository>")
-        raise ModelRejectedError(f"{reason}; still serving {serving} for {name}") from error
-
-
-async def switch_version(
-    state: EngineState, name: str, version: str
-) -> tuple[Manifest, str | None]:
-    """Load ``name`` at ``version`` (or ``latest``) beside what is served, then serve it.
-
-    Returns the manifest now served and what it replaced (``name@version``, or ``nothing``
-    for a model not served before), or None for what it replaced when that version was
-    being served already. Raises ``ConflictError`` while another switch is under way or when
-    it does not fit in the memory budget, and ``ModelRejectedError`` when the version cannot
-    be served.
-    """
-    if state.switch_lock.locked():
-        raise ConflictError("another version is being loaded; retry when it is done")
-    async with state.switch_lock:
-        prepared = await prepare_version(state, name, version)
-        if prepared is None:
-            return state.models[name].manifest, None
-        current = state.models.get(name)
-        replaced = current.manifest.label if current else "nothing"
-        switch_to(state, prepared)
-    return prepared.manifest, replaced
-
-
-async def unload(state: EngineState, name: str) -> str:
-    """Stop serving ``name``: new requests for it are refused at once, those queued finish,
-    then its memory is freed. Returns the ``name@version`` unloaded. Refused (409) for the
-    only model served and while a switch is under way."""
-    if state.switch_lock.locked():
-        raise ConflictError("a version is being loaded; retry when it is done")
-    async with state.switch_lock:
-        served = state.models.get(name)
-        if served is None:
-            raise ModelNotFoundError(
-                f"{name} is not served here (serving {', '.join(state.models) or 'nothing'})"
-            )
-        if len(state.models) == 1:
-            raise ConflictError(
-                f"{served.manifest.label} is the only model served; load another before "
-                "unloading it, or switch its version instead"
-            )
-        del state.models[name]
-        state.previous_versions.pop(name, None)
-        _forget_series(state, served)
-        _publish(state)
-        state.changed()
-        await retire(served)
-        state.device_turns.forget(name)
-    return served.manifest.label
+async def withdraw(state: EngineState, name: str) -> None:
+    """Stop serving ``name`` (new requests for it are refused from now on), publish that,
+    finish its queued requests and free its memory. The caller holds ``state.switch_lock``."""
+    served = state.models.pop(name)
+    state.previous_versions.pop(name, None)
+    _forget_series(state, served)
+    _publish(state)
+    state.changed()
+    await retire(served)
+    state.device_turns.forget(name)
 
 
 async def retire(served: ServedModel) -> None:

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 from urllib.parse import parse_qsl
 
@@ -27,6 +28,7 @@ from service.errors import (
     PayloadTooLargeError,
     RequestTimeoutError,
     ServiceError,
+    VersionSwitchedError,
 )
 from service.frontend import request_spans
 from service.frontend.handlers.base import Handler, HandlerRequest
@@ -212,6 +214,30 @@ async def serve_prediction(
         receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
+    answer = partial(
+        _serve_body, frontend, headers, receive, request_id, query_string, body, deadline_s
+    )
+    try:
+        return await answer(model_name, model_version)
+    except VersionSwitchedError:
+        # Prepared for a version switched away from meanwhile: prepared again, once, for the
+        # version served now (which would have tokenized or answered it otherwise).
+        return await answer(model_name, model_version)
+
+
+async def _serve_body(
+    frontend: FrontendState,
+    headers: PredictHeaders,
+    receive: Receive,
+    request_id: str,
+    query_string: bytes,
+    body: bytes,
+    deadline_s: float,
+    model_name: str | None,
+    model_version: str | None,
+) -> Response:
+    """``serve_prediction`` once the body has arrived: prepare it for the version served
+    now, queue it, answer it."""
     frontend.holding += 1
     try:
         model = frontend.serving_model(model_name, model_version)

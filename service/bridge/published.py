@@ -5,6 +5,11 @@ what it serves in a file of the server's run folder, which the supervisor create
 ``RUN_DIR_ENV``; an engine started later, such as the replacement for one that died, serves
 the recorded models instead of ``models`` (or ``model_name``/``model_version``), and can roll
 each back. One process serving alone has no run folder and records nothing.
+
+The record is the commit point of an admin change: an engine writes it when it commits, before
+it answers, so a front end that lost an engine's answer reads here whether the change took
+place (``recorded_version``): what the record says is what every engine serves after any
+restart.
 """
 
 from __future__ import annotations
@@ -75,3 +80,9 @@ def read_published() -> list[PublishedVersion] | None:
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, IndexError) as error:
         logger.error("published_version_unreadable", extra={"path": str(path), "error": str(error)})
         return None
+
+
+def recorded_version(record: list[PublishedVersion] | None, name: str) -> str | None:
+    """The version of ``name`` that ``record`` says is served; None when it says ``name`` is
+    not served, or when there is no record."""
+    return next((entry.version for entry in record or () if entry.name == name), None)

@@ -1,0 +1,134 @@
+"""Changing what one engine serves: load a version beside the others, switch to it, unload.
+
+A switch has two steps so that a front end can switch several engines all or none: ``prepare``
+loads, verifies and warms up the version beside what is served and holds it; ``commit`` serves
+it, ``abort`` discards it. ``switch`` is both at once, for one engine alone. One change at a
+time per engine (``state.switch_lock``): a second one is refused (409) rather than queued, so
+that the admin API answers at once and every memory measurement is a model's own.
+
+Committing publishes what the engine serves (``bridge/published.py``) before it answers: that
+record is the commit point, which an engine started later serves, and which a front end reads
+to tell whether a commit whose answer it never got took place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.bridge.interface import SwitchResult
+from service.engine import lifecycle
+from service.engine.state import EngineState, ServedModel
+from service.errors import (
+    ConflictError,
+    ModelIntegrityError,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelRejectedError,
+)
+from service.manifest import Manifest
+
+
+@dataclass
+class _Prepared:
+    name: str
+    loaded: ServedModel | None
+    """None: the version asked for is served already (committing changes nothing)."""
+
+
+class Switcher:
+    """One engine's loads, switches and unloads, one at a time."""
+
+    def __init__(self, state: EngineState) -> None:
+        self._state = state
+        self._prepared: _Prepared | None = None
+
+    async def prepare(self, name: str, version: str) -> Manifest:
+        """Load ``name`` at ``version`` (or ``latest``) beside what is served and hold it until
+        ``commit`` or ``abort``; meanwhile any other change is refused (409). Raises
+        ``ModelRejectedError`` (422) for a version that fails its hash check or cannot be
+        built, ``ConflictError`` (409) for one that does not fit in the memory budget."""
+        await self._lock("another version is being loaded")
+        try:
+            loaded = await _load_beside(self._state, name, version)
+        except BaseException:
+            self._state.switch_lock.release()
+            raise
+        self._prepared = _Prepared(name, loaded)
+        return (loaded or self._state.models[name]).manifest
+
+    async def commit(self) -> SwitchResult:
+        """Serve what ``prepare`` loaded (nothing changes if it was served already)."""
+        prepared = self._take_prepared("commit")
+        try:
+            if prepared.loaded is None:
+                return SwitchResult(
+                    serving=self._state.models[prepared.name].manifest, replaced=None
+                )
+            replaced = lifecycle.switch_to(self._state, prepared.loaded)
+            return SwitchResult(serving=prepared.loaded.manifest, replaced=replaced)
+        finally:
+            self._state.switch_lock.release()
+
+    async def abort(self) -> None:
+        """Discard what ``prepare`` loaded, if anything; what is served stays."""
+        if self._prepared is None:
+            return
+        prepared = self._take_prepared("abort")
+        try:
+            if prepared.loaded is not None:
+                await lifecycle.retire(prepared.loaded)
+        finally:
+            self._state.switch_lock.release()
+
+    async def switch(self, name: str, version: str) -> SwitchResult:
+        """``prepare`` then ``commit``: serve ``name`` at ``version`` beside the other models,
+        or in place of the version of ``name`` served now."""
+        await self.prepare(name, version)
+        return await self.commit()
+
+    async def unload(self, name: str) -> str:
+        """Stop serving ``name``: new requests for it are refused at once, those queued
+        finish, then its memory is freed. Returns the ``name@version`` unloaded. Refused (409)
+        for the only model served and while another change is under way."""
+        await self._lock("a version is being loaded")
+        try:
+            served = self._state.models.get(name)
+            if served is None:
+                serving = ", ".join(self._state.models) or "nothing"
+                raise ModelNotFoundError(f"{name} is not served here (serving {serving})")
+            if len(self._state.models) == 1:
+                raise ConflictError(
+                    f"{served.manifest.label} is the only model served; load another before "
+                    "unloading it, or switch its version instead"
+                )
+            await lifecycle.withdraw(self._state, name)
+        finally:
+            self._state.switch_lock.release()
+        return served.manifest.label
+
+    async def _lock(self, reason: str) -> None:
+        """Take the switch lock, or refuse (409) while another change holds it."""
+        if self._state.switch_lock.locked():
+            raise ConflictError(f"{reason}; retry when it is done")
+        await self._state.switch_lock.acquire()
+
+    def _take_prepared(self, step: str) -> _Prepared:
+        if self._prepared is None:
+            raise ConflictError(f"no version has been prepared; nothing to {step}")
+        prepared, self._prepared = self._prepared, None
+        return prepared
+
+
+async def _load_beside(state: EngineState, name: str, version: str) -> ServedModel | None:
+    """``name`` at ``version`` loaded and warmed up beside the models served, or None when
+    that version is served already. A version refused leaves what is served untouched."""
+    current = state.models.get(name)
+    serving = current.manifest.label if current else "nothing"
+    try:
+        manifest = state.store.resolve(name, version)
+        if current is not None and current.manifest.version == manifest.version:
+            return None
+        return await lifecycle.load_version(state, name, manifest.version)
+    except (ModelIntegrityError, ModelLoadError) as error:
+        reason = str(error).replace(str(state.store.root), "<repository>")
+        raise ModelRejectedError(f"{reason}; still serving {serving} for {name}") from error
