@@ -13,11 +13,12 @@ from asgi_lifespan import LifespanManager
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
-from service.engine.export import ATOL, RTOL, ExportError, export_version
 from service.engine.model_store import ModelStore
 from service.engine.outputs import call_model, named_outputs
 from service.errors import ModelIntegrityError
 from service.manifest import Architecture, Manifest, ModelFormat, TensorSpec
+from service.packaging.export import ATOL, RTOL, ExportError, export_version
+from service.packaging.package import Packager
 from service.server.cli import main
 from service.server.single import create_app
 
@@ -108,7 +109,7 @@ def test_an_operation_the_format_cannot_express_is_named(tmp_path: Path) -> None
     weights = tmp_path / "empty.safetensors"
     save_file({}, str(weights))
     store = ModelStore(tmp_path / "repository")
-    manifest = store.package(
+    manifest = Packager(store.root).package(
         name="eig",
         artifact=weights,
         format="safetensors",
