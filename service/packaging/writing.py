@@ -108,7 +108,7 @@ class Staging:
             kept = manifest
         self.repository.verify(kept)  # raises naming any file still damaged
         if replaced:
-            logger.warning("model_repaired", extra={"model": manifest.label, "files": replaced})
+            logger.info("model_repaired", extra={"model": manifest.label, "files": replaced})
         return kept, tuple(replaced)
 
 
