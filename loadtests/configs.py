@@ -68,9 +68,10 @@ class PackagedModel:
         import torch
         from safetensors.torch import save_file
 
-        from service.engine.model_store import ModelStore, instantiate
+        from service.engine.model_store import instantiate
         from service.errors import ModelLoadError
         from service.manifest import ARTIFACT_SUFFIXES, Architecture, Manifest, TensorSpec
+        from service.packaging.package import Packager
 
         architecture = Architecture(import_path=self.architecture)
         inputs = (
@@ -99,7 +100,7 @@ class PackagedModel:
         weights = root / f"{self.name}.safetensors"
         save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(weights))
         repository = root / "models"
-        ModelStore(repository).package(
+        Packager(repository).package(
             name=self.name,
             artifact=weights,
             format="safetensors",

@@ -2,7 +2,7 @@
 batch (ready to serve), rows/s at batch 1, 8 and 64, and the parity export recorded.
 
 ``python -m loadtests.formats [--models digits textenc]``: exports into a scratch copy of the
-repository (``service.engine.export``), then times each version with the runner's own call
+repository (``service.packaging.export``), then times each version with the runner's own call
 (one thread per device, as served; medians over at most ``--seconds`` or ``--calls``).
 Prints a Markdown table. AOTInductor compiles at export, not at load: its export time is
 given beside it.
@@ -25,11 +25,11 @@ import torch
 
 from loadtests import servers, wrk
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.engine.export import export_version
 from service.engine.model_store import ModelStore
 from service.engine.outputs import TORCH_DTYPES, call_model, example_inputs
 from service.engine.runner import configure_torch_threads
 from service.manifest import Manifest, ModelFormat
+from service.packaging.export import export_version
 
 FORMATS: dict[str, tuple[ModelFormat, ...]] = {
     "digits": ("torchscript", "exported_program", "aoti", "onnx"),

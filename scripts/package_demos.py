@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.engine.model_store import ModelStore
 from service.manifest import MANIFEST_FILE, Architecture, HandlerSpec, Manifest, TensorSpec
 from service.models.sentiment import PAD_ID, SentimentClassifier
+from service.packaging.package import Packager
 
 CORPUS = Path(__file__).resolve().parent / "sentiment_corpus.tsv"
 LABELS = ("negative", "positive")
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--repository", type=Path, default=BUNDLED_MODEL_REPOSITORY)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    store = ModelStore(args.repository)
+    store = Packager(args.repository)
     sentiment, tensors = package_sentiment(store, args.seed)
     print(f"sentiment {sentiment.version}")
     print(f"sentiment_tensors {tensors.version}")
@@ -130,7 +130,7 @@ def train_sentiment(
     return model
 
 
-def package_sentiment(store: ModelStore, seed: int) -> tuple[Manifest, Manifest]:
+def package_sentiment(store: Packager, seed: int) -> tuple[Manifest, Manifest]:
     """``sentiment`` (raw text in, labels out, through the text handler) and
     ``sentiment_tensors``: the same weights without a handler, for clients that tokenize
     themselves (two named inputs in, two named outputs out)."""
@@ -209,7 +209,7 @@ def package_sentiment(store: ModelStore, seed: int) -> tuple[Manifest, Manifest]
         return with_handler, tensors
 
 
-def package_digits_png(store: ModelStore, repository: Path) -> Manifest:
+def package_digits_png(store: Packager, repository: Path) -> Manifest:
     """The newest ``digits`` version's weights and tensors, behind the image handler."""
     digits = _newest_manifest(repository / "digits")
     folder = repository / "digits" / str(digits["version"])

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.engine.model_store import ModelStore
 from service.manifest import Architecture, TensorSpec
 from service.models.textenc import PAD_ID, TextEncoder
+from service.packaging.package import Packager
 
 VOCABULARY = 1000
 MAX_LENGTH = 512
@@ -33,7 +33,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "textenc.safetensors"
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
-        manifest = ModelStore(args.repository).package(
+        manifest = Packager(args.repository).package(
             name="textenc",
             artifact=weights,
             format="safetensors",

@@ -19,9 +19,9 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from service.config import BUNDLED_MODEL_REPOSITORY
-from service.engine.model_store import ModelStore
 from service.manifest import Architecture, TensorSpec
 from service.models.digits import DigitsCNN
+from service.packaging.package import Packager
 
 ARCHITECTURE = Architecture(import_path="service.models.digits:DigitsCNN", kwargs={})
 
@@ -72,7 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "digits.safetensors"
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
-        manifest = ModelStore(args.repository).package(
+        manifest = Packager(args.repository).package(
             name="digits",
             artifact=weights,
             format="safetensors",

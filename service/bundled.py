@@ -3,21 +3,23 @@
 An architecture (``net:Classifier``) or a handler (``handler:Tokenize``) may live in a ``.py``
 file packaged with the version, hashed like its weights, so the server needs no
 ``PYTHONPATH`` and a version always runs the code it was packaged with. Each bundled module
-is imported under a name of its own version (two versions may both ship ``net.py``); an
-import path whose module is not bundled is imported as usual (``service.models.digits``).
-Callers verify the files' hashes first.
+is imported under a name of its own version (two versions may both ship ``net.py``), from the
+bytes whose hash was checked as they were read (never by opening the file again); an import
+path whose module is not bundled is imported as usual (``service.models.digits``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
-from service.errors import ModelLoadError
+from service.errors import ModelIntegrityError, ModelLoadError
 from service.manifest import Manifest
+from service.verified_files import read_verified
 
 BUNDLE_PACKAGE = "_batchserve_bundled"
 
@@ -31,7 +33,7 @@ def import_attribute(import_path: str, manifest: Manifest, folder: Path) -> obje
         else:
             module = importlib.import_module(module_name)
         return getattr(module, attribute)
-    except ModelLoadError:
+    except (ModelLoadError, ModelIntegrityError):
         raise
     except Exception as error:
         bundled = ", ".join(f"{name}.py" for name in manifest.bundled_modules) or "none"
@@ -45,14 +47,31 @@ def _import_bundled(module_name: str, manifest: Manifest, folder: Path) -> Modul
     qualified = f"{BUNDLE_PACKAGE}.{manifest.name}_{manifest.version}_{module_name}"
     if qualified in sys.modules:
         return sys.modules[qualified]
-    spec = importlib.util.spec_from_file_location(qualified, folder / f"{module_name}.py")
-    if spec is None or spec.loader is None:
-        raise ModelLoadError(f"{manifest.label}: {module_name}.py cannot be imported")
+    file_name = f"{module_name}.py"
+    loader = _VerifiedSource(read_verified(manifest, folder, file_name), str(folder / file_name))
+    spec = importlib.util.spec_from_loader(qualified, loader, origin=loader.origin)
+    if spec is None:
+        raise ModelLoadError(f"{manifest.label}: {file_name} cannot be imported")
+    spec.has_location = True  # __file__ names the file, for tracebacks
     module = importlib.util.module_from_spec(spec)
     sys.modules[qualified] = module
     try:
-        spec.loader.exec_module(module)
+        loader.exec_module(module)
     except BaseException:
         del sys.modules[qualified]
         raise
     return module
+
+
+class _VerifiedSource(importlib.abc.InspectLoader):
+    """Runs a module from source bytes already verified, rather than re-reading its file."""
+
+    def __init__(self, source: bytes, origin: str) -> None:
+        self.source = source
+        self.origin = origin
+
+    def get_source(self, fullname: str) -> str:
+        return importlib.util.decode_source(self.source)
+
+    def exec_module(self, module: ModuleType) -> None:
+        exec(compile(self.source, self.origin, "exec", dont_inherit=True), module.__dict__)

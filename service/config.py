@@ -77,7 +77,8 @@ class Settings(BaseSettings):
     """Name of the model to serve (a plain identifier)."""
 
     model_version: str = Field(default="latest", pattern=r"^(latest|[0-9a-f]{12})$")
-    """``latest`` (newest manifest by creation time) or a 12-hex-character version id."""
+    """``latest`` (the newest packaged version by creation time; an export is served only
+    by its id) or a 12-hex-character version id."""
 
     models: Annotated[tuple[str, ...], NoDecode] = ()
     """Several models served by every engine, each ``name`` or ``name@version``

@@ -3,19 +3,20 @@
 A version id is the first 12 hex characters of the SHA-256 of everything that decides the
 answers (``Manifest.content_digest``: every file's hash, the tensors, architecture, handler and
 metadata), so packaging the same thing twice gives the same version and any change a new one.
-This module lists, reads and verifies versions, and writes new ones atomically; it never
-deserializes an artifact (``engine/model_store.py`` does, after ``verify``), so the front ends
-and the CLI can use it without torch.
+This module lists, reads and verifies versions; it never deserializes an artifact
+(``engine/model_store.py`` does, from the bytes it verified: ``service/verified_files.py``),
+so the front ends and the CLI can use it without torch. Writing versions is offline tooling
+(``service/packaging/``).
+
+``latest`` is the newest version by creation time that ``batchserve package`` wrote: a
+version ``batchserve export`` wrote (its metadata names ``exported_from``) is served only when
+named by its id, so an export never becomes the served version by being newer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -30,6 +31,7 @@ from service.manifest import (
     check_name,
     check_version,
 )
+from service.verified_files import PrivateCopy, check_digest, hash_file
 
 logger = logging.getLogger(__name__)
 
@@ -87,52 +89,70 @@ class ModelRepository:
         )
 
     def resolve(self, name: str, version: str = "latest") -> Manifest:
-        """The manifest of ``name`` at ``version`` (``latest``: newest by creation time)."""
+        """The manifest of ``name`` at ``version``; ``latest``: the newest packaged version by
+        creation time (exports are served only by id: ``is_export``)."""
         check_version(version)
         if version != "latest":
             if not (self.root / check_name(name) / version / MANIFEST_FILE).is_file():
                 raise ModelNotFoundError(f"model {name!r} has no version {version!r}")
             return self.read_manifest(name, version)
         manifests = self.versions(name)
-        if not manifests:
-            reasons = []
-            for version_id in self.version_ids(name)[:3]:
-                try:
-                    self.read_manifest(name, version_id)
-                except ModelIntegrityError as error:
-                    reasons.append(str(error))
-            why = f": {'; '.join(reasons)}" if reasons else ""
-            raise ModelNotFoundError(f"model {name!r} has no readable version{why}")
-        return manifests[-1]
+        packaged = [manifest for manifest in manifests if not is_export(manifest)]
+        if packaged:
+            return packaged[-1]
+        if manifests:
+            exports = ", ".join(manifest.version for manifest in manifests)
+            raise ModelNotFoundError(
+                f"model {name!r} has only exported versions ({exports}): 'latest' is the newest "
+                "version written by `batchserve package`; name an export's version id to serve it"
+            )
+        reasons = []
+        for version_id in self.version_ids(name)[:3]:
+            try:
+                self.read_manifest(name, version_id)
+            except ModelIntegrityError as error:
+                reasons.append(str(error))
+        why = f": {'; '.join(reasons)}" if reasons else ""
+        raise ModelNotFoundError(f"model {name!r} has no readable version{why}")
 
     def verify(self, manifest: Manifest, *, weights: bool = True) -> None:
         """Check the manifest against its version id and every file against its recorded
-        SHA-256; raise ``ModelIntegrityError`` if anything differs.
+        SHA-256; raise ``ModelIntegrityError`` if anything differs, or if a file is a link
+        leading out of the version folder.
 
-        ``weights=False`` skips the artifact: a front end checks the files it reads itself
-        (tokenizer, handler code) without hashing gigabytes of weights it never opens.
+        ``weights=False`` skips the artifact: the engine hashes the artifact as it reads it
+        to load it (``service/verified_files.py``), once.
         """
+        self.check_manifest(manifest)
+        folder = self.version_folder(manifest.name, manifest.version)
+        for file_name in manifest.files:
+            if weights or file_name != manifest.artifact:
+                check_digest(manifest, file_name, hash_file(manifest, folder, file_name))
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Raise ``ModelIntegrityError`` unless the manifest hashes to its version id."""
         if not manifest.version_matches_content:
             raise ModelIntegrityError(
                 f"{manifest.label}: the manifest does not match its version id (its content "
                 f"hashes to {manifest.content_digest()[:VERSION_LENGTH]}): it was edited after "
                 "packaging; package the model again instead; refusing to load"
             )
+
+    def verified_copy(self, manifest: Manifest) -> PrivateCopy:
+        """A private copy of the version's files but the artifact (a tokenizer, handler code),
+        each written from the bytes whose hash was checked: what a handler reads by path.
+        The manifest is checked against its id first."""
+        self.check_manifest(manifest)
         folder = self.version_folder(manifest.name, manifest.version)
-        for file_name, expected in manifest.files.items():
-            if not weights and file_name == manifest.artifact:
-                continue
-            path = folder / file_name
-            if not path.is_file():
-                raise ModelIntegrityError(
-                    f"{manifest.name}@{manifest.version}: file {file_name!r} is missing"
-                )
-            actual = sha256_of(path)
-            if actual != expected:
-                raise ModelIntegrityError(
-                    f"{manifest.name}@{manifest.version}: {file_name!r} has sha256 "
-                    f"{actual[:16]}…, the manifest records {expected[:16]}…; refusing to load"
-                )
+        copy = PrivateCopy()
+        try:
+            for file_name in manifest.files:
+                if file_name != manifest.artifact:
+                    copy.add(manifest, folder, file_name)
+        except BaseException:
+            copy.remove()
+            raise
+        return copy
 
     def has(self, manifest: Manifest) -> bool:
         """Whether the version ``manifest`` names is in the repository already."""
@@ -158,31 +178,10 @@ class ModelRepository:
             )
         return manifest
 
-    def add(self, manifest: Manifest, sources: Mapping[str, Path]) -> Manifest:
-        """Copy each file in (``sources``: file name in the version -> where it is now) as
-        ``manifest`` describes; an existing version is kept as is.
 
-        The files are written into a temporary sibling folder that is then renamed, so a
-        half-written version never appears.
-        """
-        if set(sources) != set(manifest.files):
-            raise ValueError(f"files {sorted(sources)} differ from the manifest's")
-        if self.has(manifest):
-            return self.read_manifest(manifest.name, manifest.version)
-        target = self.version_folder(manifest.name, manifest.version)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{manifest.version}-", dir=target.parent))
-        try:
-            for file_name, source in sources.items():
-                shutil.copyfile(source, staging / file_name)
-            (staging / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
-            staging.chmod(0o755)  # mkdtemp makes it private; servers run as other users
-            os.rename(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        logger.info("model_packaged", extra={"model": manifest.name, "version": manifest.version})
-        return manifest
+def is_export(manifest: Manifest) -> bool:
+    """Whether ``batchserve export`` wrote the version (``latest`` never names one)."""
+    return "exported_from" in manifest.metadata
 
 
 def one_line(error: BaseException, limit: int = 400) -> str:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from service.config import BUNDLED_MODEL_REPOSITORY
 from service.engine.model_store import ModelStore
 from service.manifest import Architecture, TensorSpec
+from service.packaging.package import Packager
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 
@@ -27,7 +28,7 @@ def add_digits_version(
     weights["classifier.3.bias"] = weights["classifier.3.bias"] + bias_shift
     artifact = repository / f"shifted-{bias_shift}.safetensors"
     save_file(weights, str(artifact))
-    manifest = ModelStore(repository).package(
+    manifest = Packager(repository).package(
         name="digits",
         artifact=artifact,
         format="safetensors",

@@ -23,7 +23,6 @@ from service.bridge.server import BridgeServer
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine.engine import Engine
-from service.engine.model_store import ModelStore
 from service.errors import (
     DeadlineExceededError,
     EngineUnavailableError,
@@ -32,6 +31,7 @@ from service.errors import (
 )
 from service.manifest import Architecture, TensorSpec
 from service.metrics import EngineMetrics
+from service.packaging.package import Packager
 from service.tensors import NamedArrays
 from tests.fixtures import sample_total, wait_until
 from tests.torch_models import (
@@ -50,7 +50,7 @@ def package(repository: Path, architecture: str, labels: tuple[str, ...] | None 
         weights = Path(scratch) / "empty.safetensors"
         save_file({}, str(weights), metadata={"architecture": architecture})
         return (
-            ModelStore(repository)
+            Packager(repository)
             .package(
                 name="fault",
                 artifact=weights,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,15 @@ DIGITS_WEIGHTS = BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.a
 
 
 def package_digits(repository: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    status, out, err = run_package_digits(repository, capsys, *extra)
+    assert status == 0, err
+    return out.strip()
+
+
+def run_package_digits(
+    repository: Path, capsys: pytest.CaptureFixture[str], *extra: str
+) -> tuple[int, str, str]:
+    """``batchserve package`` of the digits weights: exit status, stdout and stderr."""
     status = main(
         [
             "package",
@@ -37,8 +47,8 @@ def package_digits(repository: Path, capsys: pytest.CaptureFixture[str], *extra:
             "--metadata", '{"test_accuracy": 0.97}',
         ]
     )  # fmt: skip
-    assert status == 0, capsys.readouterr().err
-    return capsys.readouterr().out.strip()
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
 
 
 def test_package_prints_the_content_hash_version(
@@ -122,7 +132,7 @@ def test_models_list_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["models", "list", "--repository", str(tmp_path)]) == 0
     listed = capsys.readouterr().out
     assert f"mydigits\t{version}\t" in listed
-    assert listed.rstrip().endswith("safetensors\t0.97")
+    assert listed.rstrip().endswith("safetensors\t0.97\tlatest")
 
     assert main(["models", "verify", "--repository", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"ok\tmydigits\t{version}\n"
@@ -277,3 +287,59 @@ def test_a_text_classifier_is_packaged_with_its_tokenizer_and_handler_from_flags
     assert main(broken) == 1
     assert "the handler cannot be built" in capsys.readouterr().err
     assert not (tmp_path / "broken").exists()
+
+
+def flip_a_byte(path: Path) -> None:
+    content = bytearray(path.read_bytes())
+    content[len(content) // 2] ^= 0x01
+    path.write_bytes(bytes(content))
+
+
+@pytest.mark.parametrize(
+    ("damage", "damaged"),
+    [
+        (lambda folder: flip_a_byte(folder / "model.safetensors"), "model.safetensors"),
+        (lambda folder: (folder / "model.safetensors").unlink(), "model.safetensors"),
+        (lambda folder: (folder / "manifest.json").write_text("{"), "manifest.json"),
+    ],
+    ids=["flipped-byte", "missing-weights", "unreadable-manifest"],
+)
+def test_packaging_again_over_a_damaged_version_repairs_it(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: Callable[[Path], None],
+    damaged: str,
+) -> None:
+    version = package_digits(tmp_path, capsys)
+    damage(tmp_path / "mydigits" / version)
+    assert main(["models", "verify", "--repository", str(tmp_path)]) == 1
+    capsys.readouterr()
+
+    status, out, err = run_package_digits(tmp_path, capsys)
+
+    assert (status, out.strip()) == (0, version), err
+    assert f"mydigits@{version} was there with {damaged} damaged or missing; replaced" in err
+    assert main(["models", "verify", "--repository", str(tmp_path)]) == 0
+    assert f"ok\tmydigits\t{version}" in capsys.readouterr().out
+    assert ModelStore(tmp_path).load("mydigits", version).manifest.version == version
+    assert sorted(entry.name for entry in (tmp_path / "mydigits" / version).iterdir()) == [
+        "manifest.json",
+        "model.safetensors",
+    ]
+    assert [entry.name for entry in tmp_path.iterdir()] == ["mydigits"]  # no staging left
+
+
+def test_packaging_again_over_a_version_that_cannot_be_repaired_fails_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    version = package_digits(tmp_path, capsys)
+    weights = tmp_path / "mydigits" / version / "model.safetensors"
+    weights.unlink()
+    weights.mkdir()  # a folder in its place: a rename cannot replace it
+    (weights / "kept").write_text("")
+
+    status, out, err = run_package_digits(tmp_path, capsys)
+
+    assert (status, out) == (1, "")
+    assert f"mydigits@{version}: 'model.safetensors' is damaged or missing and cannot be" in err
+    assert main(["models", "verify", "--repository", str(tmp_path)]) == 1

@@ -13,11 +13,12 @@ from asgi_lifespan import LifespanManager
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
-from service.engine.export import ATOL, RTOL, ExportError, export_version
 from service.engine.model_store import ModelStore
 from service.engine.outputs import call_model, named_outputs
-from service.errors import ModelIntegrityError
+from service.errors import ModelIntegrityError, ModelNotFoundError
 from service.manifest import Architecture, Manifest, ModelFormat, TensorSpec
+from service.packaging.export import ATOL, RTOL, ExportError, export_version
+from service.packaging.package import Packager
 from service.server.cli import main
 from service.server.single import create_app
 
@@ -108,7 +109,7 @@ def test_an_operation_the_format_cannot_express_is_named(tmp_path: Path) -> None
     weights = tmp_path / "empty.safetensors"
     save_file({}, str(weights))
     store = ModelStore(tmp_path / "repository")
-    manifest = store.package(
+    manifest = Packager(store.root).package(
         name="eig",
         artifact=weights,
         format="safetensors",
@@ -138,3 +139,47 @@ def test_a_tampered_export_is_refused_and_the_cli_lists_formats(
     artifact.write_bytes(artifact.read_bytes() + b"\0")
     with pytest.raises(ModelIntegrityError):
         store.load("digits", version)
+
+
+def copy_of_digits(root: Path) -> ModelStore:
+    shutil.copytree(
+        BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version, root / "digits" / DIGITS.version
+    )
+    return ModelStore(root)
+
+
+def test_an_export_is_never_latest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = copy_of_digits(tmp_path)
+
+    status = main(["export", "--repository", str(tmp_path), "--model", "digits",
+                   "--to", "exported_program"])  # fmt: skip
+
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    exported = captured.out.strip()
+    assert store.resolve("digits").version == DIGITS.version
+    assert store.load("digits").manifest.version == DIGITS.version
+    assert f"not 'latest' (an export is served by its id: BATCHSERVE_MODEL_VERSION={exported})" in (
+        captured.err
+    )
+    assert main(["models", "list", "--repository", str(tmp_path)]) == 0
+    lines = {line.split("\t")[1]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines[DIGITS.version].endswith("\tlatest")
+    assert not lines[exported].endswith("\tlatest")
+    # Exporting from latest again exports the packaged version, not the export.
+    again = export_version(store, "digits", "latest", "exported_program")
+    assert (again.version, again.metadata["exported_from"]) == (exported, DIGITS.label)
+    # With only exports left, latest names none of them, and says how to serve one.
+    shutil.rmtree(store.version_folder("digits", DIGITS.version))
+    with pytest.raises(ModelNotFoundError, match=f"only exported versions \\({exported}\\)"):
+        store.resolve("digits")
+    assert store.load("digits", exported).manifest.version == exported
+
+
+def test_exporting_the_same_version_again_gives_the_same_id(tmp_path: Path) -> None:
+    first = export_version(copy_of_digits(tmp_path / "a"), "digits", DIGITS.version, "onnx")
+    second = export_version(copy_of_digits(tmp_path / "b"), "digits", DIGITS.version, "onnx")
+
+    assert "seconds" not in first.metadata["export"]
+    assert second.version == first.version
+    assert second.files == first.files

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from service.config import Settings
 from service.engine.batching import DynamicBatcher
-from service.engine.model_store import ModelStore
 from service.manifest import Architecture, TensorSpec
+from service.packaging.package import Packager
 from service.server.single import create_app
 from service.types import Array
 from tests.apps import engine_of, registry_of
@@ -35,7 +35,7 @@ def package(repository: Path, architecture: str, **kwargs: Any) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "empty.safetensors"
         save_file({}, str(weights), metadata={"architecture": architecture})
-        ModelStore(repository).package(
+        Packager(repository).package(
             name="fault",
             artifact=weights,
             format="safetensors",

@@ -27,6 +27,7 @@ from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.image import ImageHandler
 from service.frontend.inputs import InputLayout
 from service.manifest import Architecture, HandlerSpec, TensorSpec
+from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of
 from tests.fixtures import sample_total
@@ -226,7 +227,7 @@ async def test_a_bundled_handler_that_fails_answers_500_for_that_request_alone(
     module = tmp_path / "failing.py"
     module.write_text(FAILING_HANDLER)
     folder = STORE.version_folder("sentiment", SENTIMENT.version)
-    manifest = ModelStore(tmp_path / "repository").package(
+    manifest = Packager(tmp_path / "repository").package(
         name="fragile",
         artifact=folder / SENTIMENT.artifact,
         format=SENTIMENT.format,
@@ -255,7 +256,7 @@ async def test_a_handler_file_changed_on_disk_is_refused(tmp_path: Path) -> None
     folder = STORE.version_folder("sentiment", SENTIMENT.version)
     repository = tmp_path / "repository"
     version = (
-        ModelStore(repository)
+        Packager(repository)
         .package(
             name="sentiment",
             artifact=folder / SENTIMENT.artifact,
@@ -326,7 +327,7 @@ async def test_the_handler_of_your_own_in_the_docs_works_as_written(tmp_path: Pa
     module.write_text(code)
     weights = tmp_path / "weights.safetensors"
     save_file(dict(CharSum().state_dict()), str(weights))
-    ModelStore(tmp_path / "repository").package(
+    Packager(tmp_path / "repository").package(
         name="chars",
         artifact=weights,
         format="safetensors",

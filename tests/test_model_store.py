@@ -27,6 +27,7 @@ from service.manifest import (
     check_name,
     check_version,
 )
+from service.packaging.package import Packager
 from tests.torch_models import FEATURES, AffineModel
 
 INPUTS = (TensorSpec(name="x", dtype="float32", shape=(-1, FEATURES)),)
@@ -71,7 +72,7 @@ def package(
     name: str = "affine",
     architecture: Architecture | None = AFFINE,
 ) -> Manifest:
-    return store.package(
+    return Packager(store.root).package(
         name=name,
         artifact=artifact,
         format=format,
@@ -181,10 +182,11 @@ def test_a_flipped_byte_is_refused_before_the_model_is_built(
     content[len(content) // 2] ^= 0x01
     artifact.write_bytes(bytes(content))
 
-    def never_built(*args: object) -> torch.nn.Module:
+    def never_deserialized(*args: object) -> torch.nn.Module:
         raise AssertionError("a model whose hash does not match must never be deserialized")
 
-    monkeypatch.setattr(model_store, "build_module", never_built)
+    monkeypatch.setattr(model_store, "load_safetensors", never_deserialized)
+    monkeypatch.setattr(model_store, "instantiate", never_deserialized)
     with pytest.raises(ModelIntegrityError, match="refusing to load"):
         store.load("affine", packaged.version)
     with pytest.raises(ModelIntegrityError, match="refusing to load"):

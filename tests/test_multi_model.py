@@ -27,6 +27,7 @@ from service.engine.memory import MIB
 from service.engine.model_store import ModelStore
 from service.manifest import Architecture, TensorSpec
 from service.metrics import resident_memory_bytes
+from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import registry_of
 from tests.fixtures import sample_total
@@ -51,7 +52,7 @@ def package_affine(repository: Path, name: str, features: int, architecture: str
         weights = Path(scratch) / "model.safetensors"
         save_file(model.state_dict(), str(weights))
         return (
-            ModelStore(repository)
+            Packager(repository)
             .package(
                 name=name,
                 artifact=weights,

@@ -19,11 +19,11 @@ from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
 from service.bridge.interface import ModelInfo
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
-from service.engine.model_store import ModelStore
 from service.frontend.docs import ASSETS
 from service.frontend.handlers.base import Handler
 from service.frontend.openapi import model_openapi
 from service.manifest import HandlerSpec, Manifest, TensorSpec
+from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 
@@ -144,7 +144,7 @@ async def test_the_document_is_built_once_a_version_and_again_after_a_switch(
 
 async def test_a_version_with_a_handler_is_described_by_the_handler(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    handled = ModelStore(root).package(
+    handled = Packager(root).package(
         name="digits",
         artifact=BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact,
         format=DIGITS.format,

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from service.engine.model_store import ModelStore
 from service.manifest import Architecture, TensorSpec
 from service.models.digits import DigitsCNN
+from service.packaging.package import Packager
 from service.processes import ENGINE_INDEX_ENV
 
 FEATURES = 4
@@ -155,7 +155,7 @@ def package_hanging_model(repository: Path, gate: Path) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "empty.safetensors"
         save_file({}, str(weights))
-        ModelStore(repository).package(
+        Packager(repository).package(
             name="hangs",
             artifact=weights,
             format="safetensors",
@@ -222,7 +222,7 @@ def package_pair_classifier(repository: Path, **changes: object) -> str:
             "outputs": PAIR_OUTPUTS,
             **changes,
         }
-        return ModelStore(repository).package(**arguments).version  # type: ignore[arg-type]
+        return Packager(repository).package(**arguments).version  # type: ignore[arg-type]
 
 
 class PaddingSensitiveEncoder(nn.Module):

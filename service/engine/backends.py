@@ -19,7 +19,8 @@ from service.manifest import Manifest
 
 
 class AotiModule(torch.nn.Module):
-    """A ``.pt2`` package from ``torch._inductor.aoti_compile_and_package``."""
+    """A ``.pt2`` package from ``torch._inductor.aoti_compile_and_package``, loaded from a
+    path (a private verified copy: torch unpacks it while loading and never reads it again)."""
 
     def __init__(self, package: Path) -> None:
         super().__init__()
@@ -30,10 +31,11 @@ class AotiModule(torch.nn.Module):
 
 
 class OnnxModule(torch.nn.Module):
-    """An ONNX model in an ONNX Runtime session: graph optimisations on, torch's thread
-    count, the CUDA execution provider first when torch sees a GPU, else the CPU's."""
+    """An ONNX model (its verified bytes) in an ONNX Runtime session: graph optimisations
+    on, torch's thread count, the CUDA execution provider first when torch sees a GPU, else
+    the CPU's."""
 
-    def __init__(self, model: Path, manifest: Manifest) -> None:
+    def __init__(self, model: bytes, manifest: Manifest) -> None:
         super().__init__()
         try:
             import onnxruntime
@@ -50,7 +52,7 @@ class OnnxModule(torch.nn.Module):
             onnxruntime.get_available_providers()
         ):
             providers.insert(0, "CUDAExecutionProvider")
-        self._session = onnxruntime.InferenceSession(str(model), options, providers=providers)
+        self._session = onnxruntime.InferenceSession(model, options, providers=providers)
         self._inputs = [spec.name for spec in manifest.inputs]
         self._outputs = [spec.name for spec in manifest.outputs]
         served = {node.name for node in self._session.get_inputs()}

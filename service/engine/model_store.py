@@ -1,42 +1,31 @@
-"""Loading a verified version into an ``nn.Module``, and packaging a new one.
+"""Loading a verified version into an ``nn.Module``.
 
 ``ModelStore`` is the repository (``service/repository.py``) plus the one step that needs
-torch: building the module. Loading verifies every file's hash before anything is
-deserialized; a mismatch raises ``ModelIntegrityError`` and the model is never built. Weights
-are read with safetensors or ``torch.load(weights_only=True)``: no arbitrary pickles.
+torch: building the module. Every file is read once and hashed, and the module is built from
+those bytes (or, for a loader that needs a path, from a private copy written while hashing:
+``service/verified_files.py``), so what is loaded is exactly what was verified; a mismatch
+raises ``ModelIntegrityError`` before anything is deserialized. Weights are read with
+safetensors or ``torch.load(weights_only=True)``: no arbitrary pickles. Packaging new versions
+is offline tooling: ``service/packaging/``.
 """
 
 from __future__ import annotations
 
+import io
 import logging
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import load as load_safetensors
 
 from service.bundled import import_attribute
 from service.engine.backends import AotiModule, OnnxModule
-from service.engine.outputs import check_forward
 from service.errors import ModelIntegrityError, ModelLoadError
-from service.manifest import (
-    ARTIFACT_SUFFIXES,
-    FILE_NAME_PATTERN,
-    FORMATS_NEEDING_ARCHITECTURE,
-    MANIFEST_FILE,
-    Architecture,
-    HandlerSpec,
-    Manifest,
-    ModelFormat,
-    TensorSpec,
-    check_name,
-)
-from service.repository import ModelRepository, one_line, sha256_of
+from service.manifest import FORMATS_NEEDING_ARCHITECTURE, Architecture, Manifest
+from service.repository import ModelRepository, one_line
+from service.verified_files import PrivateCopy, read_verified
 
 logger = logging.getLogger(__name__)
 
@@ -48,108 +37,47 @@ class LoadedModel:
 
 
 class ModelStore(ModelRepository):
-    """The repository, able to load versions into modules and to package new ones."""
+    """The repository, able to load versions into modules."""
 
     def load(self, name: str, version: str = "latest") -> LoadedModel:
-        """Resolve, verify every hash, then build the model on the CPU."""
+        """Resolve, check the manifest and the small files, then build the model on the CPU
+        from the artifact's bytes as verified when read."""
         manifest = self.resolve(name, version)
-        self.verify(manifest)
-        folder = self.version_folder(manifest.name, manifest.version)
-        module = build_module(manifest, folder / manifest.artifact, folder)
+        self.verify(manifest, weights=False)
+        module = build_module(manifest, self.version_folder(manifest.name, manifest.version))
         logger.info(
             "model_loaded",
             extra={"model": manifest.name, "version": manifest.version, "format": manifest.format},
         )
         return LoadedModel(manifest=manifest, module=module)
 
-    def package(
-        self,
-        *,
-        name: str,
-        artifact: Path,
-        format: ModelFormat,
-        inputs: Sequence[TensorSpec],
-        outputs: Sequence[TensorSpec],
-        architecture: Architecture | None = None,
-        handler: HandlerSpec | None = None,
-        files: Sequence[Path] = (),
-        metadata: Mapping[str, Any] | None = None,
-        check_version: Callable[[Manifest, Path], None] | None = None,
-    ) -> Manifest:
-        """Copy ``artifact`` and ``files`` (a tokenizer, ``.py`` modules holding the
-        architecture or the handler) into a new version folder and write its manifest.
 
-        The version id covers all of it (``Manifest.content_digest``). The model is built
-        and run once on example inputs first (``check``, with torch, in this process), so a
-        version that cannot be served as declared is never written. Packaging the same
-        things twice returns the existing version. ``check_version(manifest, folder)`` may
-        check more (the CLI builds the handler), in a scratch folder holding every file but
-        the artifact.
-        """
-        check_name(name)
-        artifact_name = "model" + ARTIFACT_SUFFIXES[format]
-        sources = {artifact_name: artifact}
-        for path in files:
-            if not FILE_NAME_PATTERN.fullmatch(path.name) or path.name == MANIFEST_FILE:
-                raise ValueError(f"a packaged file needs a plain name, got {path.name!r}")
-            if path.name in sources:
-                raise ValueError(f"two packaged files are named {path.name!r}")
-            sources[path.name] = path
-        manifest = Manifest.create(
-            name=name,
-            format=format,
-            artifact=artifact_name,
-            files={file_name: sha256_of(path) for file_name, path in sources.items()},
-            architecture=architecture,
-            inputs=tuple(inputs),
-            outputs=tuple(outputs),
-            handler=handler,
-            created_at=datetime.now(UTC),
-            metadata=dict(metadata or {}),
-        )
-        if not self.has(manifest):
-            check_module(manifest, sources, check_version)
-        return self.add(manifest, sources)
-
-
-def check_module(
-    manifest: Manifest,
-    sources: Mapping[str, Path],
-    check_version: Callable[[Manifest, Path], None] | None = None,
-) -> None:
-    """Build the module from ``sources`` (in a scratch copy of the version folder, so
-    bundled modules import as they will when served) and run a forward on example inputs,
-    checking the outputs against the manifest; raises ``ModelLoadError`` naming a mismatch."""
-    with tempfile.TemporaryDirectory(prefix="batchserve-package-") as scratch:
-        folder = Path(scratch)
-        for file_name, source in sources.items():
-            if file_name != manifest.artifact:
-                shutil.copyfile(source, folder / file_name)
-        module = build_module(manifest, sources[manifest.artifact], folder)
-        check_forward(module, manifest)
-        if check_version is not None:
-            check_version(manifest, folder)
-
-
-def build_module(manifest: Manifest, artifact: Path, folder: Path) -> torch.nn.Module:
-    """Deserialize ``artifact`` by format into an ``nn.Module`` on the CPU, in eval mode;
-    an architecture bundled with the version is imported from ``folder``."""
+def build_module(manifest: Manifest, folder: Path) -> torch.nn.Module:
+    """The version in ``folder`` as an ``nn.Module`` on the CPU, in eval mode: the artifact
+    (and any bundled architecture) read once, hashed, and deserialized from those bytes.
+    ``ModelIntegrityError`` when a file does not match its hash, ``ModelLoadError`` when the
+    verified artifact cannot be deserialized."""
     try:
         if manifest.format in FORMATS_NEEDING_ARCHITECTURE:
             assert manifest.architecture is not None  # guaranteed by Manifest validation
+            state = _read_state_dict(manifest, folder)  # its bytes are freed on return
             module = instantiate(manifest.architecture, manifest, folder)
-            state = _read_state_dict(manifest.format, artifact)
             module.load_state_dict(state, strict=True)
         elif manifest.format == "aoti":
-            return AotiModule(artifact)
+            # AOTInductor loads from a path: a private copy, written while hashing, unpacked
+            # by torch when loading and no longer needed after.
+            with PrivateCopy() as copy:
+                return AotiModule(copy.add(manifest, folder, manifest.artifact))
         elif manifest.format == "onnx":
-            return OnnxModule(artifact, manifest)
+            return OnnxModule(read_verified(manifest, folder, manifest.artifact), manifest)
         elif manifest.format == "torchscript":
-            module = torch.jit.load(str(artifact), map_location="cpu")  # type: ignore[no-untyped-call]
+            data = io.BytesIO(read_verified(manifest, folder, manifest.artifact))
+            module = torch.jit.load(data, map_location="cpu")  # type: ignore[no-untyped-call]
         else:
             # An exported module's train/eval behaviour is fixed when it is exported, and it
             # raises NotImplementedError on eval(): return it as it is.
-            exported: torch.nn.Module = torch.export.load(artifact).module()
+            data = io.BytesIO(read_verified(manifest, folder, manifest.artifact))
+            exported: torch.nn.Module = torch.export.load(data).module()
             return exported
     except (ModelLoadError, ModelIntegrityError):
         raise
@@ -161,11 +89,13 @@ def build_module(manifest: Manifest, artifact: Path, folder: Path) -> torch.nn.M
     return module.eval() if hasattr(module, "eval") else module
 
 
-def _read_state_dict(format: str, artifact: Path) -> Mapping[str, torch.Tensor]:
-    if format == "safetensors":
-        return load_safetensors(str(artifact), device="cpu")
+def _read_state_dict(manifest: Manifest, folder: Path) -> Mapping[str, torch.Tensor]:
+    data = read_verified(manifest, folder, manifest.artifact)
+    if manifest.format == "safetensors":
+        tensors: Mapping[str, torch.Tensor] = load_safetensors(data)
+        return tensors
     # weights_only refuses any pickled object that is not tensors and plain containers.
-    state = torch.load(artifact, map_location="cpu", weights_only=True)
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     if not isinstance(state, Mapping):
         raise ModelLoadError(f"a state_dict artifact must hold a mapping, got {type(state)}")
     return state

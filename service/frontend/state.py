@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry
 
@@ -120,9 +120,10 @@ class FrontendState:
         context = HandlerContext(manifest=manifest, folder=folder, layout=self.layout_for(model))
         if manifest.handler is None:
             return Handler(context)
-        try:
-            self.repository.verify(manifest, weights=False)
-            handler = build_handler(context)
+        try:  # the handler reads a private copy of the files whose hashes were checked
+            with self.repository.verified_copy(manifest) as copy:
+                handler = build_handler(replace(context, folder=copy.folder))
+                copy.keep_while(handler)
         except Exception as error:  # operator code: whatever it raises, the version is unusable
             logger.error(
                 "handler_unavailable", extra={"model": manifest.label, "error": str(error)}

@@ -15,10 +15,10 @@ from service.config import Settings, SettingsError, load_settings
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
 from service.logs import configure_logging
 from service.manifest import ARTIFACT_SUFFIXES, Architecture, HandlerSpec, TensorSpec
+from service.packaging.spec import PackageSpec, check_handler, tensor_spec
 from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.launcher import clear_configured_multiprocess_dir
-from service.server.packaging import PackageSpec, check_handler, tensor_spec
 
 
 def serves_in_one_process(settings: Settings) -> bool:
@@ -168,11 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export",
         help="convert a version to torchscript, exported_program, aoti or onnx: a new version "
-        "recording its source, settings and the parity measured against it",
+        "recording its source, settings and the parity measured against it; served when "
+        "named by its id (never 'latest')",
     )
     export.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
     export.add_argument("--model", required=True, action=_Once, help="model name")
-    export.add_argument("--version", default="latest", action=_Once, help="version (latest)")
+    export.add_argument(
+        "--version",
+        default="latest",
+        action=_Once,
+        help="version (default: latest, the newest packaged version)",
+    )
     export.add_argument(
         "--to",
         required=True,
@@ -214,11 +220,10 @@ def _package(args: argparse.Namespace) -> int:
         files=tuple(args.file) if args.file else None,
         metadata=args.metadata,
     )
-    from service.engine.model_store import ModelStore  # imports torch: only when packaging
+    from service.packaging.package import Packager  # imports torch: only when packaging
 
-    store = ModelStore(_repository(args))
     name, artifact, format = spec.required()
-    manifest = store.package(
+    packaged = Packager(_repository(args)).package_version(
         name=name,
         artifact=artifact,
         format=format,
@@ -230,13 +235,19 @@ def _package(args: argparse.Namespace) -> int:
         metadata=spec.metadata,
         check_version=check_handler,
     )
-    print(manifest.version)
+    print(packaged.manifest.version)
+    if packaged.repaired:
+        print(
+            f"batchserve: {packaged.manifest.label} was there with {', '.join(packaged.repaired)} "
+            "damaged or missing; replaced from the files given (they hash to its id)",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from service.engine.export import ExportError, export_version  # imports torch
-    from service.engine.model_store import ModelStore
+    from service.engine.model_store import ModelStore  # imports torch
+    from service.packaging.export import ExportError, export_version
 
     try:
         manifest = export_version(ModelStore(_repository(args)), args.model, args.version, args.to)
@@ -247,7 +258,8 @@ def _export(args: argparse.Namespace) -> int:
     print(manifest.version)
     print(
         f"{manifest.label} ({manifest.format}): max abs diff {parity['max_abs_diff']}, "
-        f"max rel diff {parity['max_rel_diff']} over {parity['samples']} samples",
+        f"max rel diff {parity['max_rel_diff']} over {parity['samples']} samples; not "
+        f"'latest' (an export is served by its id: BATCHSERVE_MODEL_VERSION={manifest.version})",
         file=sys.stderr,
     )
     return 0
@@ -259,6 +271,7 @@ def _models(args: argparse.Namespace) -> int:
     failures = 0
     for name in names:
         if args.models_command == "list":
+            latest = _latest_version(store, name)
             for manifest in store.versions(name):
                 accuracy = manifest.metadata.get("test_accuracy", "")
                 parity = manifest.metadata.get("parity")
@@ -271,6 +284,7 @@ def _models(args: argparse.Namespace) -> int:
                 print(
                     f"{manifest.name}\t{manifest.version}\t{manifest.created_at.isoformat()}\t"
                     f"{manifest.format}\t{accuracy}{exported}"
+                    + ("\tlatest" if manifest.version == latest else "")
                 )
             continue
         for version in store.version_ids(name):
@@ -281,6 +295,14 @@ def _models(args: argparse.Namespace) -> int:
                 failures += 1
                 print(f"FAILED\t{name}\t{version}\t{error}")
     return 1 if failures else 0
+
+
+def _latest_version(store: ModelRepository, name: str) -> str | None:
+    """The version ``latest`` names (the newest packaged one), if any."""
+    try:
+        return store.resolve(name).version
+    except ModelNotFoundError:
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

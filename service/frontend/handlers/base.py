@@ -36,8 +36,9 @@ class HandlerContext:
 
     manifest: Manifest
     folder: Path
-    """The version's folder: ``folder / "tokenizer.json"`` is a file of the version, whose
-    hash was checked before the handler was built."""
+    """Where the version's files are: ``folder / "tokenizer.json"``. Served, a private copy
+    of the files but the weights, written from the bytes whose hashes were checked, kept as
+    long as the handler."""
     layout: InputLayout
     """Parses and validates tensors against the manifest's inputs (the default preprocess)."""
 

@@ -4,8 +4,10 @@ The source version is loaded (hashes verified), exported with a dynamic batch ax
 variable-length inputs, a dynamic length shared by them, and the result is loaded back and run
 beside the source on a fixed seeded sample covering several batch sizes and lengths. Outside
 the tolerance the export fails with the numbers; inside, the new version's manifest records
-the source, the export settings and the parity measured. A format that cannot express the
-model fails with the exporter's own words, which name the operation.
+the source, the export settings and the parity measured (no timings: exporting the same
+version again gives the same id, where the format's exporter writes the same bytes). A format
+that cannot express the model fails with the exporter's own words, which name the operation.
+An export is never ``latest`` (``service/repository.py``): it is served when named by its id.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ import torch
 from service.engine.model_store import ModelStore, build_module
 from service.engine.outputs import TORCH_DTYPES, call_model, example_inputs, named_outputs
 from service.manifest import ARTIFACT_SUFFIXES, Manifest, ModelFormat
-from service.repository import one_line
+from service.packaging.package import Packager
+from service.repository import one_line, sha256_of
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,6 @@ def export_version(store: ModelStore, name: str, version: str, to: ModelFormat) 
     settings = _settings(manifest, to)
     with tempfile.TemporaryDirectory(prefix="batchserve-export-") as scratch:
         artifact = Path(scratch) / ("model" + ARTIFACT_SUFFIXES[to])
-        started_s = time.perf_counter()
         try:
             with _torch_deprecations_quiet():
                 _write(module, manifest, to, artifact)
@@ -80,10 +81,15 @@ def export_version(store: ModelStore, name: str, version: str, to: ModelFormat) 
                 f"{manifest.label} cannot be exported to {to}: {type(error).__name__}: "
                 f"{_summary(error)}"
             ) from error
-        seconds = time.perf_counter() - started_s
-        draft = manifest.model_copy(update={"format": to, "artifact": artifact.name})
+        draft = manifest.model_copy(
+            update={
+                "format": to,
+                "artifact": artifact.name,
+                "files": {artifact.name: sha256_of(artifact)},
+            }
+        )
         with _torch_deprecations_quiet():
-            exported = build_module(draft, artifact, Path(scratch))
+            exported = build_module(draft, Path(scratch))
         parity = measure_parity(manifest, module, exported)
         if not parity.within:
             raise ExportError(
@@ -93,7 +99,7 @@ def export_version(store: ModelStore, name: str, version: str, to: ModelFormat) 
             )
         folder = store.version_folder(manifest.name, manifest.version)
         files = [folder / file for file in manifest.files if file != manifest.artifact]
-        return store.package(
+        return Packager(store.root).package(
             name=manifest.name,
             artifact=artifact,
             format=to,
@@ -104,7 +110,7 @@ def export_version(store: ModelStore, name: str, version: str, to: ModelFormat) 
             metadata={
                 **manifest.metadata,
                 "exported_from": manifest.label,
-                "export": {**settings, "seconds": round(seconds, 1)},
+                "export": settings,
                 "parity": parity.as_metadata(),
             },
         )
