@@ -29,6 +29,7 @@ from service.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
+from service.frontend.per_token import padded_instances
 from service.manifest import Manifest, TensorSpec
 from service.tensors import NamedArrays
 from service.types import Array
@@ -166,7 +167,8 @@ class InputLayout:
         instances = read_instances(body)
         if len(self.tensors) == 1 and not (instances and isinstance(instances[0], dict)):
             name = self.names[0]
-            return NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
+            parsed = NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
+            return self._with_own_lengths(parsed, {name: instances})
         columns: dict[str, list[Any]] = {name: [] for name in self.names}
         for index, instance in enumerate(instances):
             if not isinstance(instance, dict):
@@ -195,7 +197,7 @@ class InputLayout:
             name: self.tensors[name].parse_instances(column, body)
             for name, column in columns.items()
         }
-        return self._checked_lengths(NamedArrays(arrays))
+        return self._with_own_lengths(self._checked_lengths(NamedArrays(arrays)), columns)
 
     def parse_npz(self, body: bytes) -> NamedArrays:
         """An ``.npz`` archive (``np.savez``, no pickles) with one array per input name."""
@@ -259,6 +261,17 @@ class InputLayout:
                     f"instance {index}: inputs with a variable axis must be equally long, "
                     f"got lengths {lengths}"
                 )
+
+    def _with_own_lengths(
+        self, arrays: NamedArrays, columns: Mapping[str, list[Any]]
+    ) -> NamedArrays:
+        """The parsed instances with each one's own length, when some are shorter than the
+        longest: per-token outputs answer each at its length (``per_token``)."""
+        spec = self.manifest.variable_input
+        if spec is None or spec.variable_axis is None:
+            return arrays
+        lengths = [_length(value, spec.variable_axis) or 0 for value in columns[spec.name]]
+        return padded_instances(arrays, lengths, self.manifest.inputs)
 
     def _checked_lengths(self, arrays: NamedArrays) -> NamedArrays:
         lengths = {

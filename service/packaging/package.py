@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict, Unpack
 
 from service.engine.model_store import build_module
+from service.engine.length_ties import tie_lengths
 from service.engine.outputs import check_forward
 from service.manifest import (
     ARTIFACT_SUFFIXES,
@@ -111,18 +112,21 @@ class Packager:
                 metadata=dict(metadata or {}),
             )
             if not self.repository.has(manifest):
-                check_module(manifest, staging.folder, check_version)
+                manifest = check_module(manifest, staging.folder, check_version)
             kept, repaired = staging.commit(manifest)
         return Packaged(kept, repaired)
 
 
 def check_module(
     manifest: Manifest, folder: Path, check_version: VersionCheck | None = None
-) -> None:
+) -> Manifest:
     """Build the module from ``folder`` (every file of the version) as the engine will, and
     run a forward on example inputs, checking the outputs against the manifest; raises
-    ``ModelLoadError`` naming a mismatch."""
+    ``ModelLoadError`` naming a mismatch. Returns the manifest with the outputs that follow
+    an input's length tied to it (``length_ties``: a new version id when any is)."""
     module = build_module(manifest, folder)
+    manifest = tie_lengths(module, manifest)
     check_forward(module, manifest)
     if check_version is not None:
         check_version(manifest, folder)
+    return manifest
