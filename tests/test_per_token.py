@@ -19,6 +19,7 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from pydantic import ValidationError
 from safetensors.torch import save_file
+from service.server.packaging import tensor_spec
 from torch import nn
 
 from service.config import Settings
@@ -31,7 +32,6 @@ from service.frontend.per_token import PaddedInstances
 from service.manifest import Manifest, TensorSpec
 from service.repository import ModelRepository
 from service.server import cli
-from service.server.packaging import tensor_spec
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of, registry_of

@@ -15,6 +15,7 @@ import pytest
 import torch
 from asgi_lifespan import LifespanManager
 from safetensors.torch import load_file, save_file
+from service.server.packaging import check_handler, tensor_spec
 from tokenizers import (
     Tokenizer,
     decoders,
@@ -31,7 +32,6 @@ from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.tokens import TokenClassificationHandler
 from service.frontend.inputs import InputLayout
 from service.manifest import Architecture, HandlerSpec, Manifest
-from service.server.packaging import check_handler, tensor_spec
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of

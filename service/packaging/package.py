@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict, Unpack
 
-from service.engine.model_store import build_module
 from service.engine.length_ties import tie_lengths
+from service.engine.model_store import build_module
 from service.engine.outputs import check_forward
 from service.manifest import (
     ARTIFACT_SUFFIXES,
