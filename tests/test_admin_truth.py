@@ -29,10 +29,10 @@ from service.bridge.published import PublishedVersion, read_published, recorded_
 from service.bridge.server import BridgeServer, QueuedRequest
 from service.config import Settings
 from service.engine.engine import Engine
-from service.engine.model_store import ModelStore
 from service.errors import ConflictError, EngineUnavailableError, ServiceError
 from service.manifest import Architecture, Manifest, TensorSpec
 from service.metrics import EngineMetrics
+from service.packaging.package import Packager
 from service.processes import RUN_DIR_ENV
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 from tests.fixtures import wait_until
@@ -55,7 +55,7 @@ def package(repository: Path, architecture: str) -> str:
         weights = Path(scratch) / "empty.safetensors"
         save_file({}, str(weights), metadata={"architecture": architecture})
         return (
-            ModelStore(repository)
+            Packager(repository)
             .package(
                 name="pair",
                 artifact=weights,

@@ -19,7 +19,6 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from pydantic import ValidationError
 from safetensors.torch import save_file
-from service.server.packaging import tensor_spec
 from torch import nn
 
 from service.config import Settings
@@ -30,6 +29,7 @@ from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from service.frontend.per_token import PaddedInstances
 from service.manifest import Manifest, TensorSpec
+from service.packaging.spec import tensor_spec
 from service.repository import ModelRepository
 from service.server import cli
 from service.server.single import create_app

@@ -15,7 +15,6 @@ import pytest
 import torch
 from asgi_lifespan import LifespanManager
 from safetensors.torch import load_file, save_file
-from service.server.packaging import check_handler, tensor_spec
 from tokenizers import (
     Tokenizer,
     decoders,
@@ -32,6 +31,8 @@ from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.tokens import TokenClassificationHandler
 from service.frontend.inputs import InputLayout
 from service.manifest import Architecture, HandlerSpec, Manifest
+from service.packaging.package import Packager
+from service.packaging.spec import check_handler, tensor_spec
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of
@@ -93,7 +94,7 @@ def package_ner(folder: Path, **options: Any) -> tuple[Manifest, Tokenizer]:
     model.embedding.weight.data.copy_(weights)
     save_file(dict(model.state_dict()), str(folder / "ner.safetensors"))
     limits = f"max_length=32:min_value=1:max_value={vocabulary - 1}:pad_value=0"
-    manifest = ModelStore(folder / "models").package(
+    manifest = Packager(folder / "models").package(
         name="ner",
         artifact=folder / "ner.safetensors",
         format="safetensors",

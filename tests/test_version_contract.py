@@ -27,6 +27,7 @@ from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.compatibility import interchangeable, request_contract
 from service.engine.model_store import ModelStore
 from service.manifest import Manifest, TensorSpec
+from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import frontend_of
 from tests.fixtures import ManualExecutor, wait_until
@@ -74,7 +75,7 @@ def reversed_vocabulary(tokenizer_json: bytes) -> bytes:
 
 def package_twin(repository: Path, tokenizer: Path) -> Manifest:
     folder = BUNDLED_MODEL_REPOSITORY / "sentiment" / SENTIMENT.version
-    return ModelStore(repository).package(
+    return Packager(repository).package(
         name="sentiment",
         artifact=folder / SENTIMENT.artifact,
         format=SENTIMENT.format,
