@@ -22,8 +22,7 @@ from scripts.docs_pages import (
     settings_markdown,
 )
 from service.config import Settings
-from service.errors import GRPC_STATUS_BY_HTTP, documented_errors, grpc_status_name
-from service.frontend.oip import grpc_server
+from service.errors import documented_errors, grpc_status_name
 from service.metrics import EngineMetrics, FrontendMetrics, ProcessMetrics
 
 ROOT = Path(__file__).parent.parent
@@ -113,11 +112,6 @@ def test_the_api_page_gives_every_error_its_code_and_statuses_from_the_code() ->
         assert cells[4], f"{error.__name__} needs a docstring saying when it is answered"
     assert "| `deadline_unreachable` | 422 | `DEADLINE_EXCEEDED` |" in errors_markdown()
     assert "| `version_switched` | 503 | `UNAVAILABLE` | yes |" in errors_markdown()
-
-
-def test_the_grpc_statuses_on_the_page_are_those_the_grpc_server_answers() -> None:
-    served = {http: code.name for http, code in grpc_server._STATUS_CODES.items()}
-    assert served == GRPC_STATUS_BY_HTTP
 
 
 def test_an_unknown_marker_fails_the_build() -> None:

@@ -19,9 +19,9 @@ import grpc
 from service import tracing
 from service.errors import (
     BadRequestError,
-    DeadlineUnreachableError,
     InvalidInputError,
     ServiceError,
+    grpc_status_name,
 )
 from service.frontend import request_spans
 from service.frontend.about import __version__
@@ -53,20 +53,6 @@ _CONTENTS_FIELDS: dict[str, str] = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
-}
-_STATUS_CODES: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    409: grpc.StatusCode.FAILED_PRECONDITION,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    415: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 INFER_ROUTE = "grpc:ModelInfer"
 #: The server span's name: the full gRPC method, as OpenTelemetry's conventions name it.
@@ -201,10 +187,8 @@ async def _answering(
     try:
         return await call()
     except ServiceError as error:
-        code = _STATUS_CODES.get(error.status_code, grpc.StatusCode.INTERNAL)
-        if isinstance(error, DeadlineUnreachableError):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        if error.status_code >= 500 and error.status_code not in _STATUS_CODES:
+        code = grpc.StatusCode[grpc_status_name(type(error))]
+        if code == grpc.StatusCode.INTERNAL:
             logger.error("grpc_request_failed", extra={"error": error.message})
         await context.abort(code, error.message)
         raise  # abort raises; this line is never reached
