@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ FIRST_START_GUESS_S = 8.0
 #: The shortest wait for a server to get ready: on a loaded host a start takes seconds.
 MIN_READY_TIMEOUT_S = 30.0
 MAX_READY_TIMEOUT_S = 120.0
+#: Kept for the end: stopping the servers and writing the report (matplotlib imports slowly).
+FINISH_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,13 @@ def plan_budget(budget_s: float, cores: int) -> Plan:
     )
 
 
+def host_cores() -> int:
+    """Cores this process may run on (its CPU affinity), as the servers it starts will."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class Progress:
     """One line per step on ``stream``, with the time spent and left; and the estimates of
     what a trial and the re-measurement still need."""
@@ -51,7 +61,8 @@ class Progress:
         self.stream = stream
         self.start_s = FIRST_START_GUESS_S
         self.trial_s = FIRST_START_GUESS_S + plan.warmup_s + plan.measure_s
-        self._measured = False
+        self._started = False
+        self._tried = False
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started_s
@@ -64,12 +75,13 @@ class Progress:
 
     def started_in(self, seconds: float) -> None:
         """A server took ``seconds`` to get ready: later estimates use the slowest seen."""
-        self.start_s = max(self.start_s, seconds) if self._measured else seconds
-        self._measured = True
+        self.start_s = max(self.start_s, seconds) if self._started else seconds
+        self._started = True
 
     def trial_took(self, seconds: float) -> None:
         """A whole trial (start, measure, stop) took ``seconds``: the next may take as long."""
-        self.trial_s = max(self.trial_s, seconds) if self._measured else seconds
+        self.trial_s = max(self.trial_s, seconds) if self._tried else seconds
+        self._tried = True
 
     def measure_s(self) -> float:
         return self.plan.warmup_s + self.plan.measure_s
@@ -79,11 +91,11 @@ class Progress:
         return self.start_s + 2 * self.plan.rounds * self.measure_s()
 
     def time_for_a_trial(self) -> bool:
-        return self.left_s() > self.trial_s + self.remeasure_s()
+        return self.left_s() > self.trial_s + self.remeasure_s() + FINISH_S
 
     def rounds_left(self) -> int:
-        """Rounds the time left holds once the winner has started (at least one)."""
-        room = (self.left_s() - self.start_s) / (2 * self.measure_s())
+        """Rounds the time left holds, both servers started (at least one)."""
+        room = (self.left_s() - FINISH_S) / (2 * self.measure_s())
         return max(1, min(self.plan.rounds, int(room)))
 
     def say(self, message: str) -> None:

@@ -19,7 +19,7 @@ from service.config import ENV_PREFIX, load_settings
 from service.errors import ModelLoadError
 from service.repository import ModelRepository
 from service.server.tuning import search, trials
-from service.server.tuning.budget import Progress
+from service.server.tuning.budget import Progress, host_cores
 from service.server.tuning.load import Workload, workload
 from service.server.tuning.model_limit import measure_limit
 from service.server.tuning.report import Trial, TuneReport, median_of
@@ -36,12 +36,6 @@ def base_environment(environ: Mapping[str, str], model: str, version: str) -> di
     kept = {key: value for key, value in environ.items() if key not in tuned}
     kept.pop(ENV_PREFIX + "MODELS", None)
     return kept | {ENV_PREFIX + "MODEL_NAME": model, ENV_PREFIX + "MODEL_VERSION": version}
-
-
-def host_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def describe(result: Result, target_ms: float) -> str:
