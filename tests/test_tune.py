@@ -16,7 +16,7 @@ from service.config import ENV_PREFIX, Settings
 from service.server.env_file import read_env_file
 from service.server.tuning.space import TUNED_FIELDS
 
-BUDGET_S = 30
+BUDGET_S = 40
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

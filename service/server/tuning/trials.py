@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,10 +200,15 @@ async def ceiling_rps(
     bodies: Sequence[bytes],
     measurement: Measurement,
     log: Path,
+    meanwhile: Awaitable[object] | None = None,
 ) -> float:
-    """Requests/s of the HTTP ceiling (the real front end, a model that costs nothing)."""
+    """Requests/s of the HTTP ceiling (the real front end, a model that costs nothing).
+    ``meanwhile`` (another server starting) is awaited before the load starts, so that its
+    start overlaps this one's but never its measurement."""
     env = dict(environ) | {"BATCHSERVE_WORKERS": str(workers)}
     async with serving(ceiling_command(), env, log, measurement.ready_timeout_s) as server:
+        if meanwhile is not None:
+            await meanwhile
         load, _ = await measure_server(server, bodies, measurement)
     return load.throughput_rps
 

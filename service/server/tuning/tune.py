@@ -73,6 +73,14 @@ class Tuning:
         progress.started_in(time.monotonic() - started_s)
         return server
 
+    async def start_defaults(self, progress: Progress) -> None:
+        """Start the defaults' server, kept until the re-measurement (a failure is noted,
+        and the defaults' trial will try again)."""
+        try:
+            self.defaults_server = await self.serve(defaults_candidate(), progress, "defaults.log")
+        except trials.TrialError as error:
+            self.report.notes.append(f"the defaults' server failed to start: {error}")
+
     async def trial(self, stage: str, candidate: Candidate, progress: Progress) -> None:
         """Serve and measure ``candidate`` once (not again if it was measured)."""
         if any(trial.result.candidate == candidate for trial in self.report.trials):
@@ -81,8 +89,11 @@ class Tuning:
         progress.say(f"trial {index} ({stage}): {candidate.label()}")
         started_s = time.monotonic()
         target = self.report.p99_target_ms
+        keep = candidate == defaults_candidate()
         try:
-            server = await self.serve(candidate, progress, f"trial-{index}.log")
+            server = self.defaults_server if keep else None
+            if server is None:
+                server = await self.serve(candidate, progress, f"trial-{index}.log")
         except trials.TrialError as error:
             self.report.notes.append(f"trial {index} ({candidate.label()}) failed: {error}")
             result = Result(candidate, 0.0, float("inf"), float("inf"), errors=1)
@@ -92,7 +103,7 @@ class Tuning:
                     candidate, server, self.load.bodies, self.measurement(progress)
                 )
             finally:
-                if candidate == defaults_candidate() and self.defaults_server is None:
+                if keep:
                     self.defaults_server = server
                 else:
                     await trials.stop(server)
@@ -107,25 +118,35 @@ class Tuning:
         assert report.winner is not None
         winner, defaults = report.winner.candidate, defaults_candidate()
         try:
-            tuned_server = await self.serve(winner, progress, "remeasure-tuned.log")
             if self.defaults_server is None:
-                self.defaults_server = await self.serve(
-                    defaults, progress, "remeasure-defaults.log"
-                )
+                self.defaults_server = await self.serve(defaults, progress, "defaults-2.log")
+            # The defaults won: their one server is measured in every round as both.
+            tuned_server = (
+                self.defaults_server
+                if winner == defaults
+                else await self.serve(winner, progress, "tuned.log")
+            )
         except trials.TrialError as error:
             report.notes.append(f"the re-measurement failed: {error}")
             return
         try:
             rounds = progress.rounds_left()
             progress.say(f"re-measuring the winner against the defaults: {rounds} rounds")
-            default_runs, tuned_runs = await trials.interleaved(
-                [(defaults, self.defaults_server), (winner, tuned_server)],
-                self.load.bodies,
-                self.measurement(progress),
-                rounds,
+            served = [(defaults, self.defaults_server)]
+            if tuned_server is not self.defaults_server:
+                served.append((winner, tuned_server))
+            runs = await trials.interleaved(
+                served, self.load.bodies, self.measurement(progress), rounds
             )
+            default_runs, tuned_runs = runs[0], runs[-1]
         finally:
-            await trials.stop(tuned_server)
+            if tuned_server is not self.defaults_server:
+                await trials.stop(tuned_server)
+        if winner == defaults:
+            report.notes.append(
+                "the defaults won: the re-measurement measured their server alone, so both "
+                "rows are the same runs"
+            )
         report.remeasured = {"tuned": tuned_runs, "defaults": default_runs}
         tuned_rps, tuned_p99 = median_of(tuned_runs)
         default_rps, default_p99 = median_of(default_runs)
@@ -190,28 +211,6 @@ async def tune(
         progress=progress.say,
     )
     model_rps = limit.best_rows_per_s(weights)
-    ceiling: dict[int, float] = {}
-    for workers in plan.ceiling_workers:
-        if workers > 1 and ceiling[1] >= model_rps:
-            break  # more front ends cannot help a model slower than one front end
-        progress.say(f"measuring the HTTP ceiling with {workers} front end(s)")
-        measurement = trials.Measurement(
-            concurrency, plan.measure_s, plan.warmup_s, progress.ready_timeout_s()
-        )
-        ceiling[workers] = await trials.ceiling_rps(
-            workers, environ, load.bodies, measurement, logs / f"ceiling-{workers}.log"
-        )
-        progress.say(f"HTTP ceiling, {workers} front end(s): {ceiling[workers]:,.0f} requests/s")
-    variable = manifest.variable_input
-    context = Context(
-        cores=cores,
-        concurrency=concurrency,
-        p99_ms=p99_ms,
-        limit=limit,
-        weights=weights,
-        ceiling_rps=ceiling,
-        max_length=variable.max_length if variable is not None else None,
-    )
     report = TuneReport(
         model=model,
         version=manifest.version,
@@ -221,10 +220,21 @@ async def tune(
         budget_s=progress.budget_s,
         limit=limit,
         model_limit_rps=model_rps,
-        ceiling_rps=ceiling,
+        ceiling_rps={},
     )
     tuning = Tuning(report, environ, load, logs)
     try:
+        await _measure_ceilings(tuning, model_rps, progress)
+        variable = manifest.variable_input
+        context = Context(
+            cores=cores,
+            concurrency=concurrency,
+            p99_ms=p99_ms,
+            limit=limit,
+            weights=weights,
+            ceiling_rps=report.ceiling_rps,
+            max_length=variable.max_length if variable is not None else None,
+        )
         await _search(tuning, context, edges, progress)
         report.winner = search.best([trial.result for trial in report.trials], p99_ms)
         if report.winner is not None:
@@ -236,6 +246,26 @@ async def tune(
             await tuning.close()
     report.elapsed_s = progress.elapsed_s()
     return report
+
+
+async def _measure_ceilings(tuning: Tuning, model_rps: float, progress: Progress) -> None:
+    """The HTTP ceiling with one front end (and with one per core when the budget allows
+    and HTTP bounds below the model). The defaults' server starts beside the first."""
+    plan, ceiling = progress.plan, tuning.report.ceiling_rps
+    for workers in plan.ceiling_workers:
+        if workers > 1 and ceiling[1] >= model_rps:
+            break  # more front ends cannot help a model slower than one front end
+        progress.say(f"measuring the HTTP ceiling with {workers} front end(s)")
+        measurement = tuning.measurement(progress)
+        ceiling[workers] = await trials.ceiling_rps(
+            workers,
+            tuning.environ,
+            tuning.load.bodies,
+            measurement,
+            tuning.logs / f"ceiling-{workers}.log",
+            meanwhile=tuning.start_defaults(progress) if workers == 1 else None,
+        )
+        progress.say(f"HTTP ceiling, {workers} front end(s): {ceiling[workers]:,.0f} requests/s")
 
 
 async def _search(
