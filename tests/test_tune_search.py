@@ -89,6 +89,7 @@ def test_batch_sizes_fall_back_to_one_row_when_even_one_is_too_slow() -> None:
 def test_unmeasured_batch_sizes_are_never_proposed() -> None:
     partial = ModelLimit(rows_per_s={None: {1: 1000.0, 2: 1900.0}})
     assert set(batch_sizes(context(partial))) <= {1, 2}
+    assert batch_sizes(context(ModelLimit(rows_per_s={None: {}}))) == [1]
 
 
 def test_the_search_starts_from_a_batch_size_the_model_limit_favours() -> None:
@@ -162,7 +163,15 @@ def test_mixed_rows_per_s_is_the_harmonic_mean_over_lengths() -> None:
     mixed = VARIABLE.mixed_rows_per_s(1, weights)
     expected = 1 / (0.5 / VARIABLE.rows_per_s[8][1] + 0.5 / VARIABLE.rows_per_s[512][1])
     assert mixed == pytest.approx(expected)
-    assert VARIABLE.mixed_rows_per_s(1024, weights) == 0.0
+    # Larger than measured: the largest measured batch's rate (the token budget caps it).
+    assert VARIABLE.mixed_rows_per_s(1024, weights) == VARIABLE.mixed_rows_per_s(64, weights)
+    assert VARIABLE.mixed_rows_per_s(1, {7: 1.0}) == 0.0
+
+
+def test_a_variable_length_model_starts_with_a_token_budget() -> None:
+    ctx = context(VARIABLE, weights={8: 0.5, 512: 0.5}, max_length=512)
+    assert start_candidate(ctx, EDGES).max_batch_tokens == 16 * 512
+    assert start_candidate(context()).max_batch_tokens == Candidate().max_batch_tokens
 
 
 def test_every_stage_proposes_valid_settings() -> None:

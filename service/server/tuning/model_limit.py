@@ -90,24 +90,25 @@ async def measure_limit(
         runner, manifest = served.runner, served.manifest
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)
-        rows_per_s: dict[int | None, dict[int, float]] = {}
-        for length in lengths:
-            rates = rows_per_s.setdefault(length, {})
-            for size in sizes:
-                if time.monotonic() >= deadline_s:
-                    break
+        rows_per_s: dict[int | None, dict[int, float]] = {length: {} for length in lengths}
+        too_slow: set[int | None] = set()
+        # Batch sizes outer: when the budget ends, every length has its small batches.
+        for size in sizes:
+            for length in lengths:
+                if length in too_slow or time.monotonic() >= deadline_s:
+                    continue
                 batch = example_batch(manifest, size, length, rng)
                 rate = await loop.run_in_executor(
                     runner.executor, time_batch, runner.run_batch, batch, per_cell_s
                 )
-                rates[size] = rate
+                rows_per_s[length][size] = rate
                 batch_ms = size / rate * 1000
                 shown = f"length {length}, " if length is not None else ""
                 progress(
                     f"model limit: {shown}batch {size}: {rate:,.0f} rows/s ({batch_ms:.2f} ms)"
                 )
                 if batch_ms > slowest_batch_ms:
-                    break
+                    too_slow.add(length)
         limit = ModelLimit(
             rows_per_s=rows_per_s,
             memory_bytes=served.memory_bytes,

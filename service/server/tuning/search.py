@@ -32,12 +32,19 @@ class ModelLimit:
     memory_bytes: int = 0
     torch_threads: int = 1
 
+    def rate(self, batch: int, length: int | None) -> float:
+        """Rows/s at ``batch``; where ``batch`` was too slow to measure at this length, the
+        largest measured batch's (the token budget keeps long batches that small)."""
+        rates = self.rows_per_s.get(length, {})
+        sizes = [size for size in rates if size <= batch]
+        return rates[max(sizes)] if sizes else 0.0
+
     def mixed_rows_per_s(self, batch: int, weights: Mapping[int | None, float]) -> float:
         """Rows/s at ``batch`` over the workload's mix of lengths (weights sum to 1): the
         harmonic mean, as each row costs its own bucket's time. 0 if a length lacks it."""
         seconds_per_row = 0.0
         for length, weight in weights.items():
-            rate = self.rows_per_s.get(length, {}).get(batch, 0.0)
+            rate = self.rate(batch, length)
             if rate <= 0:
                 return 0.0
             seconds_per_row += weight / rate
@@ -110,6 +117,7 @@ def batch_sizes(context: Context) -> list[int]:
     cannot hold more rows than ``concurrency`` requests send, so none above that is tried."""
     cap = power_of_two_at_least(context.concurrency)
     sizes = sorted({size for rates in context.limit.rows_per_s.values() for size in rates})
+    # The mix is what the row budget limits; the longest batches are the token budget's.
     feasible = [
         size
         for size in sizes
@@ -124,11 +132,16 @@ def batch_sizes(context: Context) -> list[int]:
     return chosen or [enough]
 
 
-def start_candidate(context: Context) -> Candidate:
-    """Where the search starts: the batch size the model limit favours, no extra wait."""
+def start_candidate(context: Context, default_edges: Sequence[int] = ()) -> Candidate:
+    """Where the search starts: the batch size the model limit favours, no extra wait, and
+    for a variable-length model the token budget that keeps its longest batches in time."""
     sizes = batch_sizes(context)
     middle = sizes[len(sizes) // 2] if len(sizes) > 2 else sizes[-1]
-    return Candidate(max_batch_size=middle, max_wait_ms=0.0)
+    start = Candidate(max_batch_size=middle, max_wait_ms=0.0)
+    if context.max_length is not None and default_edges:
+        tokens = max(token_budget(context, default_edges), max(default_edges))
+        start = start.changed(max_batch_tokens=tokens)
+    return start
 
 
 def wait_candidates(context: Context, current: Candidate) -> list[Candidate]:

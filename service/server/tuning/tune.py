@@ -274,7 +274,7 @@ async def _search(
     """The defaults, the model limit's starting point, then each stage around the best."""
     await tuning.trial("defaults", defaults_candidate(), progress)
     if progress.time_for_a_trial():
-        await tuning.trial("start", search.start_candidate(context), progress)
+        await tuning.trial("start", search.start_candidate(context, edges), progress)
     for stage in STAGES:
         results = [trial.result for trial in tuning.report.trials]
         current = search.best(results, context.p99_ms)
