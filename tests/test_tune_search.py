@@ -8,7 +8,7 @@ import math
 import pytest
 
 from service.config import Settings
-from service.server.tuning.budget import Plan, Progress, plan_budget
+from service.server.tuning.budget import Plan, Progress, plan_budget, window_for
 from service.server.tuning.search import (
     Context,
     ModelLimit,
@@ -242,3 +242,11 @@ def test_progress_stops_trials_that_would_leave_no_time_to_re_measure() -> None:
     progress.trial_took(40.0)
     assert not progress.time_for_a_trial()
     assert progress.rounds_left() == 2
+
+
+def test_slow_models_get_longer_windows_within_bounds() -> None:
+    plan = plan_budget(300, cores=2)
+    assert window_for(plan, expected_rps=10_000).measure_s == plan.measure_s
+    assert window_for(plan, expected_rps=20).measure_s == 10.0  # 200 answers at 20/s
+    assert window_for(plan, expected_rps=1).measure_s == 4 * plan.measure_s
+    assert window_for(plan, expected_rps=0).measure_s == 4 * plan.measure_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 #: A first guess of how long a server takes to start, until one is measured.
@@ -40,6 +40,23 @@ def plan_budget(budget_s: float, cores: int) -> Plan:
         warmup_s=min(1.0, max(0.3, measure_s / 4)),
         rounds=3 if budget_s >= 120 else 2,
         ceiling_workers=(1, cores) if several else (1,),
+    )
+
+
+#: Answers a measurement window should hold for its p99 to mean something.
+ANSWERS_PER_WINDOW = 200
+#: The longest window, as a multiple of the plan's: a slow model gets longer windows.
+LONGEST_WINDOW_FACTOR = 4
+
+
+def window_for(plan: Plan, expected_rps: float) -> Plan:
+    """``plan`` with a measurement window long enough for ``ANSWERS_PER_WINDOW`` answers at
+    ``expected_rps`` (the lower of the model limit and the HTTP ceiling), within bounds."""
+    if expected_rps <= 0:
+        return replace(plan, measure_s=plan.measure_s * LONGEST_WINDOW_FACTOR)
+    wanted_s = ANSWERS_PER_WINDOW / expected_rps
+    return replace(
+        plan, measure_s=min(plan.measure_s * LONGEST_WINDOW_FACTOR, max(plan.measure_s, wanted_s))
     )
 
 

@@ -125,8 +125,9 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
     lines += [
         "## Candidates",
         "",
-        "| # | stage | settings | requests/s | p50 ms | p99 ms | errors | memory MiB | meets |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| # | stage | settings | requests/s | p50 ms | p99 ms | answered | errors | memory MiB "
+        "| meets |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for index, trial in enumerate(report.trials):
         result = trial.result
@@ -134,7 +135,7 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
         lines.append(
             f"| {index} | {trial.stage} | `{result.candidate.label()}`{mark} | "
             f"{result.throughput_rps:,.0f} | {_ms(result.p50_ms)} | {_ms(result.p99_ms)} | "
-            f"{result.errors} | {result.memory_bytes / MIB:,.0f} | "
+            f"{result.answered} | {result.errors} | {result.memory_bytes / MIB:,.0f} | "
             f"{'yes' if result.meets(target) else 'no'} |"
         )
     lines += ["", "## Model limit and HTTP ceiling", ""]

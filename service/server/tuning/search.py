@@ -93,6 +93,8 @@ class Result:
     p99_ms: float
     errors: int = 0
     memory_bytes: int = 0
+    answered: int = 0
+    """Requests answered in the measurement window (the p99's sample)."""
 
     def meets(self, p99_ms: float) -> bool:
         return self.errors == 0 and self.throughput_rps > 0 and self.p99_ms <= p99_ms

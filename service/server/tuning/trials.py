@@ -158,6 +158,7 @@ def result_of(candidate: Candidate, load: LoadResult, memory_bytes: int) -> Resu
         p99_ms=load.percentile_ms(0.99),
         errors=load.errors,
         memory_bytes=memory_bytes,
+        answered=len(load.latencies_ms),
     )
 
 
