@@ -61,8 +61,15 @@ def run_tune(args: argparse.Namespace) -> int:
 
     # The budget counts from here: importing torch is part of the run.
     progress = Progress(args.budget_s, plan_budget(args.budget_s, host_cores()))
-    from service.server.tuning.report import write_env, write_report
-    from service.server.tuning.tune import EXIT_TARGET_MISSED, tune
+    try:
+        from service.server.tuning.report import write_env, write_report
+        from service.server.tuning.tune import EXIT_TARGET_MISSED, tune
+    except ModuleNotFoundError as error:
+        print(
+            f"batchserve: tune needs {error.name}: pip install 'batchserve[tune]'",
+            file=sys.stderr,
+        )
+        return 1
 
     out: Path = args.out
     with tempfile.TemporaryDirectory(prefix="batchserve-tune-") as logs:
