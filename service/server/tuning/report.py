@@ -69,8 +69,11 @@ def env_comments(report: TuneReport) -> list[str]:
         for name in ("tuned", "defaults"):
             rps, p99 = median_of(report.remeasured.get(name, []))
             lines.append(f"{name}: {rps:,.0f} requests/s, p99 {p99:.1f} ms (interleaved median)")
-    if not report.met:
-        lines.append(f"NO configuration met p99 {report.p99_target_ms:g} ms: the lowest p99")
+    if not report.met and report.winner is not None:
+        lines.append(
+            f"NO configuration met p99 {report.p99_target_ms:g} ms; these settings reached "
+            f"the lowest p99, {report.winner.p99_ms:.1f} ms"
+        )
     return lines
 
 
@@ -194,6 +197,11 @@ def plot(report: TuneReport, path: Path) -> bool:
         )
     throughput_axis.set_xlabel("candidate (as in the table; orange: winner)")
     throughput_axis.set_ylabel("requests/s (bars)")
+    shown = [r.throughput_rps for r in results if r.throughput_rps > 0]
+    lines_top = max([report.model_limit_rps, *report.ceiling_rps.values()])
+    if shown and lines_top > 20 * min(shown):  # bars would be flat under the ceilings
+        throughput_axis.set_yscale("log")
+        throughput_axis.set_ylabel("requests/s (bars, log scale)")
     throughput_axis.set_xticks(indexes)
     p99_axis = throughput_axis.twinx()
     p99_values = [r.p99_ms if math.isfinite(r.p99_ms) else float("nan") for r in results]
