@@ -8,7 +8,13 @@ import math
 import pytest
 
 from service.config import Settings
-from service.server.tuning.budget import Plan, Progress, plan_budget, window_for
+from service.server.tuning.budget import (
+    Plan,
+    Progress,
+    plan_budget,
+    rounds_for,
+    window_for,
+)
 from service.server.tuning.search import (
     Context,
     ModelLimit,
@@ -247,6 +253,13 @@ def test_progress_stops_trials_that_would_leave_no_time_to_re_measure() -> None:
 def test_slow_models_get_longer_windows_within_bounds() -> None:
     plan = plan_budget(300, cores=2)
     assert window_for(plan, expected_rps=10_000).measure_s == plan.measure_s
-    assert window_for(plan, expected_rps=20).measure_s == 10.0  # 200 answers at 20/s
-    assert window_for(plan, expected_rps=1).measure_s == 4 * plan.measure_s
-    assert window_for(plan, expected_rps=0).measure_s == 4 * plan.measure_s
+    assert window_for(plan, expected_rps=25).measure_s == 8.0  # 200 answers at 25/s
+    assert window_for(plan, expected_rps=1).measure_s == 2 * plan.measure_s
+    assert window_for(plan, expected_rps=0).measure_s == 2 * plan.measure_s
+
+
+def test_long_windows_leave_fewer_rounds_to_the_re_measurement() -> None:
+    plan = plan_budget(300, cores=2)
+    assert rounds_for(plan, 300).rounds == 3  # 3 x 2 x 6 s = 36 s of 300
+    assert rounds_for(window_for(plan, 1), 300).rounds == 3  # 3 x 2 x 11 s = 66 s
+    assert rounds_for(window_for(plan, 1), 120).rounds == 2  # never fewer than 2

@@ -46,18 +46,26 @@ def plan_budget(budget_s: float, cores: int) -> Plan:
 #: Answers a measurement window should hold for its p99 to mean something.
 ANSWERS_PER_WINDOW = 200
 #: The longest window, as a multiple of the plan's: a slow model gets longer windows.
-LONGEST_WINDOW_FACTOR = 4
+LONGEST_WINDOW_FACTOR = 2
+#: The most of the budget the re-measurement's rounds may take (at least 2 rounds).
+REMEASURE_SHARE = 0.3
 
 
 def window_for(plan: Plan, expected_rps: float) -> Plan:
     """``plan`` with a measurement window long enough for ``ANSWERS_PER_WINDOW`` answers at
     ``expected_rps`` (the lower of the model limit and the HTTP ceiling), within bounds."""
-    if expected_rps <= 0:
-        return replace(plan, measure_s=plan.measure_s * LONGEST_WINDOW_FACTOR)
-    wanted_s = ANSWERS_PER_WINDOW / expected_rps
-    return replace(
-        plan, measure_s=min(plan.measure_s * LONGEST_WINDOW_FACTOR, max(plan.measure_s, wanted_s))
-    )
+    longest_s = plan.measure_s * LONGEST_WINDOW_FACTOR
+    wanted_s = ANSWERS_PER_WINDOW / expected_rps if expected_rps > 0 else longest_s
+    measure_s = min(longest_s, max(plan.measure_s, wanted_s))
+    return replace(plan, measure_s=measure_s)
+
+
+def rounds_for(plan: Plan, budget_s: float) -> Plan:
+    """``plan`` with as many re-measurement rounds (2 or 3) as ``REMEASURE_SHARE`` of the
+    budget holds: longer windows, fewer rounds, more time for the search."""
+    round_s = 2 * (plan.warmup_s + plan.measure_s)
+    held = int(REMEASURE_SHARE * budget_s / round_s)
+    return replace(plan, rounds=max(2, min(plan.rounds, held)))
 
 
 def host_cores() -> int:

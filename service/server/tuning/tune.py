@@ -19,7 +19,7 @@ from service.config import ENV_PREFIX, load_settings
 from service.errors import ModelLoadError
 from service.repository import ModelRepository
 from service.server.tuning import search, trials
-from service.server.tuning.budget import Progress, host_cores, window_for
+from service.server.tuning.budget import Progress, host_cores, rounds_for, window_for
 from service.server.tuning.load import Workload, workload
 from service.server.tuning.model_limit import measure_limit
 from service.server.tuning.report import Trial, TuneReport, median_of
@@ -226,7 +226,7 @@ async def tune(
     try:
         await _measure_ceilings(tuning, model_rps, progress)
         expected_rps = min(model_rps, max(report.ceiling_rps.values(), default=model_rps))
-        progress.plan = window_for(progress.plan, expected_rps)
+        progress.plan = rounds_for(window_for(progress.plan, expected_rps), progress.budget_s)
         progress.say(f"each trial measures {progress.plan.measure_s:.1f} s")
         variable = manifest.variable_input
         context = Context(
