@@ -9,6 +9,7 @@ the re-measurement (``budget.Progress``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -154,9 +155,13 @@ class Tuning:
             f"tuned: {tuned_rps:,.0f} requests/s, p99 {tuned_p99:.1f} ms; defaults: "
             f"{default_rps:,.0f} requests/s, p99 {default_p99:.1f} ms (medians)"
         )
-        target = report.p99_target_ms
-        defaults_meet, tuned_meets = default_p99 <= target, tuned_p99 <= target
-        if winner != defaults and defaults_meet and (not tuned_meets or default_rps > tuned_rps):
+        # Side by side decides, by the search's own rule on the medians.
+        medians = [
+            Result(defaults, default_rps, math.nan, default_p99),
+            Result(winner, tuned_rps, math.nan, tuned_p99),
+        ]
+        chosen = search.best(medians, report.p99_target_ms)
+        if winner != defaults and chosen is medians[0]:
             report.notes.append(
                 f"the defaults did better than `{winner.label()}` when re-measured side by "
                 "side, so the defaults are written"
