@@ -95,9 +95,10 @@ def run_tune(args: argparse.Namespace) -> int:
         progress.say(f"winner: {report.winner.candidate.label()}; settings in {out}")
         return 0
     assert report.bound is not None
+    assert report.decisive is not None
     progress.say(
         f"no configuration met p99 {args.p99_ms:g} ms: the lowest p99 reached was "
-        f"{report.winner.p99_ms:.1f} ms ({report.winner.candidate.label()}); bound by "
+        f"{report.decisive.p99_ms:.1f} ms ({report.winner.candidate.label()}); bound by "
         f"{report.bound.kind}: {report.bound.reason}"
     )
     return EXIT_TARGET_MISSED

@@ -161,6 +161,7 @@ class Tuning:
             Result(winner, tuned_rps, math.nan, tuned_p99),
         ]
         chosen = search.best(medians, report.p99_target_ms)
+        report.final = medians[1] if chosen is None or winner == defaults else chosen
         if winner != defaults and chosen is medians[0]:
             report.notes.append(
                 f"the defaults did better than `{winner.label()}` when re-measured side by "
@@ -248,7 +249,8 @@ async def tune(
         if report.winner is not None:
             await tuning.remeasure(progress)
             if not report.met:
-                report.bound = search.what_bounds(context, report.winner.p99_ms)
+                best_p99_ms = report.decisive.p99_ms if report.decisive else math.inf
+                report.bound = search.what_bounds(context, best_p99_ms)
     finally:
         with contextlib.suppress(Exception):
             await tuning.close()
