@@ -6,7 +6,8 @@ loads it the same way, with ``service.engine.engine.Engine``): ``ModelStore.load
 ``TorchRunner`` with the same device, precision, compile mode, length buckets and
 ``configure_torch_threads``, and the server's warm-up. Then ``TorchRunner.run_batch``
 (collation, forward, split) is timed with ``time.perf_counter`` in the runner's own device
-thread, after ``WARMUP_ITERATIONS`` untimed runs per batch size. Each batch size runs for at
+thread (``service.server.tuning.model_limit``, as ``batchserve tune`` times it), after
+``WARMUP_ITERATIONS`` untimed runs per batch size. Each batch size runs for at
 most ``--max-seconds-per-size`` seconds and ``--max-iterations`` runs (at least
 ``MIN_ITERATIONS``). Prints one JSON object on stdout.
 
@@ -19,51 +20,19 @@ import argparse
 import asyncio
 import json
 import sys
-import time
-from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
 
 from service.config import load_settings
 from service.engine.engine import Engine
-from service.engine.outputs import example_inputs
 from service.engine.runner import batch_sizes_to_warm
-from service.manifest import Manifest
 from service.server.single import create_app
-from service.tensors import NamedArrays
+from service.server.tuning.model_limit import example_batch, time_batch
 
 WARMUP_ITERATIONS = 3
 MIN_ITERATIONS = 3
-
-
-def example_batch(
-    manifest: Manifest, rows: int, length: int | None, rng: np.random.Generator
-) -> NamedArrays:
-    """Random rows of every input, within each one's declared values and never its padding
-    (as the warm-up makes them); variable axes get ``length`` (1 when not given)."""
-    return NamedArrays(example_inputs(manifest, rows, length or 1, rng))
-
-
-def time_batch(
-    run_batch: Callable[[list[NamedArrays]], object],
-    batch: NamedArrays,
-    max_seconds: float,
-    max_iterations: int,
-) -> float:
-    """Rows/s of ``run_batch([batch])`` after warm-up, bounded in time and iterations."""
-    for _ in range(WARMUP_ITERATIONS):  # compiles this shape when compiling
-        run_batch([batch])
-    iterations = 0
-    elapsed_s = 0.0
-    started_s = time.perf_counter()
-    while iterations < max(max_iterations, MIN_ITERATIONS):
-        run_batch([batch])
-        iterations += 1
-        elapsed_s = time.perf_counter() - started_s
-        if iterations >= MIN_ITERATIONS and elapsed_s >= max_seconds:
-            break
-    return len(batch) * iterations / elapsed_s
 
 
 async def measure(
@@ -85,7 +54,11 @@ async def measure(
             batch = example_batch(manifest, size, length, rng)
             rows_per_s[size] = await loop.run_in_executor(
                 runner.executor,
-                time_batch,
+                partial(
+                    time_batch,
+                    warmup_iterations=WARMUP_ITERATIONS,
+                    min_iterations=MIN_ITERATIONS,
+                ),
                 runner.run_batch,
                 batch,
                 max_seconds_per_size,

@@ -18,7 +18,9 @@ from service.manifest import ARTIFACT_SUFFIXES, Architecture, HandlerSpec, Tenso
 from service.packaging.spec import PackageSpec, check_handler, tensor_spec
 from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
+from service.server.env_file import apply_env_file
 from service.server.launcher import clear_configured_multiprocess_dir
+from service.server.tune_command import add_tune_parser, run_tune
 
 
 def serves_in_one_process(settings: Settings) -> bool:
@@ -103,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_parser = commands.add_parser("serve", help="serve a model over HTTP")
     _add_settings_flags(serve_parser)
+    serve_parser.add_argument(
+        "--env-file",
+        type=Path,
+        default=None,
+        help="KEY=VALUE lines of BATCHSERVE_* settings (docker run --env-file's format, as "
+        "batchserve tune writes); the environment and flags win over it",
+    )
+    add_tune_parser(commands)
 
     package = commands.add_parser(
         "package",
@@ -311,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
+            if args.env_file is not None:
+                apply_env_file(args.env_file)
             overrides = {
                 name: getattr(args, name)
                 for name in Settings.model_fields
@@ -324,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _package(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "tune":
+            return run_tune(args)
         return _models(args)
     except SettingsError as error:
         print(error, file=sys.stderr)

@@ -1,0 +1,217 @@
+"""The HTTP ceiling: batchserve's own front end answering ``/predict`` without running a model.
+
+The front end is the real one (``create_frontend_app``: same middleware, request ids, metrics,
+body reading, parsing and validation against the model's input spec, JSON or ``.npy``
+encoding, uvicorn options), given ``ZeroEngine`` as its ``EngineClient``: every request is
+answered at once with zero rows, nothing is queued, batched or computed, and torch is never
+imported. No server can answer faster than this on the same machine, whatever its batching.
+
+It runs the way ``batchserve serve`` would with the same ``BATCHSERVE_*`` settings:
+
+- one process (``workers`` 1, ``engine_mode`` auto or in_process): uvicorn with
+  ``DrainingServer``, as ``service.server.single.serve`` runs it;
+- otherwise ``workers`` gunicorn front ends: gunicorn with the server's own configuration
+  (``python:service.server.gunicorn_conf``: worker class, ``SO_REUSEPORT``, keep-alive,
+  logging) and this module's ``create_app_from_environment()`` as the app. gunicorn takes an
+  app named on its command line over the config's ``wsgi_app`` (the bridge front end), so
+  this factory is the one used; a front end that tried to reach an engine would never start.
+
+    BATCHSERVE_MODEL_NAME=digits python -m service.server.tuning.ceiling --port 8098
+    BATCHSERVE_WORKERS=2 python -m service.server.tuning.ceiling --port 8098
+
+``batchserve tune`` measures it before its search; ``python -m loadtests.http_ceiling`` is
+the same program for the load-test harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from types import FrameType
+
+import numpy as np
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from service.bridge.interface import (
+    EngineStatus,
+    InferenceRequest,
+    InferenceResult,
+    ModelInfo,
+    SwitchResult,
+)
+from service.buckets import manifest_length_edges
+from service.config import Settings, load_settings
+from service.errors import ConflictError
+from service.frontend.app import create_frontend_app
+from service.frontend.state import FrontendState
+from service.logs import configure_logging
+from service.metrics import FrontendMetrics, ProcessMetrics
+from service.repository import ModelRepository
+from service.server.cli import serves_in_one_process
+from service.server.draining import DrainingServer, uvicorn_config
+from service.server.launcher import (
+    clear_configured_multiprocess_dir,
+    prepare_multiprocess_dir,
+    settings_environment,
+)
+from service.server.supervisor import GUNICORN_CONFIG
+from service.tensors import NamedArrays
+
+APP_FACTORY = "service.server.tuning.ceiling:create_app_from_environment()"
+
+
+class ZeroEngine:
+    """An ``EngineClient`` that answers every request at once with zero rows of each of the
+    model's outputs (its shape, a variable axis 1 long, and its dtype), for the version it was
+    validated against; it never switches versions."""
+
+    def __init__(self, model: ModelInfo) -> None:
+        self._status = EngineStatus(phase="ready", models=(model,), device="none", pid=os.getpid())
+        self._outputs = {
+            spec.name: (tuple(max(size, 1) for size in spec.instance_shape), spec.numpy_dtype)
+            for spec in model.manifest.outputs
+        }
+
+    def status(self) -> EngineStatus:
+        return self._status
+
+    def engines(self) -> list[EngineStatus]:
+        return [self._status]
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        rows = len(request.instances)
+        outputs = NamedArrays(
+            {
+                name: np.zeros((rows, *row_shape), dtype=dtype)
+                for name, (row_shape, dtype) in self._outputs.items()
+            }
+        )
+        return InferenceResult(outputs=outputs, version=request.version)
+
+    async def switch(self, name: str, version: str) -> SwitchResult:
+        raise ConflictError("the HTTP ceiling serves one version and never switches")
+
+    async def rollback(self, name: str | None = None) -> SwitchResult:
+        raise ConflictError("the HTTP ceiling serves one version and never switches")
+
+    async def unload(self, name: str) -> str:
+        raise ConflictError("the HTTP ceiling serves one model and never unloads it")
+
+
+def model_info(settings: Settings) -> ModelInfo:
+    """The configured version as an engine would report it: its manifest (read, not loaded)
+    and the length buckets requests are grouped by."""
+    manifest = ModelRepository(settings.model_repository).resolve(
+        settings.model_name, settings.model_version
+    )
+    return ModelInfo(
+        manifest=manifest,
+        device="none",
+        precision=settings.precision,
+        compiled=False,
+        length_edges=manifest_length_edges(manifest, settings.length_buckets),
+    )
+
+
+def create_ceiling_app(settings: Settings, *, in_process: bool) -> FastAPI:
+    """The real front-end app over a ``ZeroEngine``. ``app.state.loading`` is done at once
+    (the gunicorn worker awaits it before it accepts connections)."""
+    registry = CollectorRegistry()
+    engine = ZeroEngine(model_info(settings))
+    frontend = FrontendState(
+        settings=settings,
+        metrics=FrontendMetrics(registry),
+        process_metrics=ProcessMetrics("server" if in_process else "frontend", registry),
+        registry=registry,
+        engine=engine,
+        repository=ModelRepository(settings.model_repository),
+        engine_in_process=in_process,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading: asyncio.Future[EngineStatus] = asyncio.get_running_loop().create_future()
+        loading.set_result(engine.status())
+        app.state.loading = loading
+        if in_process:
+            # As the one-process server does once its model serves (service.engine.lifecycle):
+            # later full collections then skip everything alive now.
+            gc.collect()
+            gc.freeze()
+        try:
+            yield
+        finally:
+            frontend.draining = True
+            frontend.refresh_gauges()
+
+    return create_frontend_app(frontend, lifespan)
+
+
+def create_app_from_environment() -> FastAPI:
+    """The app of one gunicorn front end of the ceiling, from the ``BATCHSERVE_*`` variables."""
+    return create_ceiling_app(load_settings(), in_process=False)
+
+
+def serve_in_one_process(settings: Settings) -> int:
+    """uvicorn with the options ``service.server.single.serve`` gives it."""
+    clear_configured_multiprocess_dir()  # as ``batchserve serve`` does before serving alone
+    app = create_ceiling_app(settings, in_process=True)
+    DrainingServer(uvicorn_config(app, settings), app.state.frontend, settings.drain_delay_s).run()
+    return 0
+
+
+def gunicorn_command() -> list[str]:
+    return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, APP_FACTORY]
+
+
+def serve_with_gunicorn(settings: Settings) -> int:
+    """``settings.workers`` gunicorn front ends until SIGTERM/SIGINT, which go to gunicorn."""
+    environ = dict(os.environ) | settings_environment(
+        {"host": settings.host, "port": settings.port, "workers": settings.workers}
+    )
+    metrics_dir, temporary = prepare_multiprocess_dir(environ)
+    gunicorn = subprocess.Popen(gunicorn_command(), env=environ)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        gunicorn.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    try:
+        return gunicorn.wait()
+    finally:
+        if temporary:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--workers", type=int, default=None, help="front ends (default BATCHSERVE_WORKERS)"
+    )
+    args = parser.parse_args(argv)
+    overrides: dict[str, object] = {"host": args.host, "port": args.port}
+    if args.workers is not None:
+        overrides["workers"] = args.workers
+    settings = load_settings(**overrides)
+    configure_logging(settings.log_level)
+    if serves_in_one_process(settings):
+        return serve_in_one_process(settings)
+    return serve_with_gunicorn(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

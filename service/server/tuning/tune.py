@@ -1,0 +1,298 @@
+"""``batchserve tune``: measure the model limit and the HTTP ceiling, search, re-measure the
+winner against the defaults in interleaved rounds, and report.
+
+The defaults' server, the first trial, keeps running (idle) until the re-measurement, so that
+only the winner's has to start again. A trial starts only while the time left holds it and
+the re-measurement (``budget.Progress``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from service.buckets import manifest_length_edges
+from service.config import ENV_PREFIX, load_settings
+from service.errors import ModelLoadError
+from service.repository import ModelRepository
+from service.server.tuning import search, trials
+from service.server.tuning.budget import Progress, host_cores, rounds_for, window_for
+from service.server.tuning.load import Workload, workload
+from service.server.tuning.model_limit import measure_limit
+from service.server.tuning.report import Trial, TuneReport, median_of
+from service.server.tuning.search import STAGES, Context, Result
+from service.server.tuning.space import TUNED_FIELDS, Candidate, defaults_candidate
+
+EXIT_TARGET_MISSED = 3
+
+
+def base_environment(environ: Mapping[str, str], model: str, version: str) -> dict[str, str]:
+    """The environment trial servers start in: this one without the tuned settings (so
+    "defaults" are ``Settings``' defaults), naming the model."""
+    tuned = {ENV_PREFIX + name.upper() for name in TUNED_FIELDS}
+    kept = {key: value for key, value in environ.items() if key not in tuned}
+    kept.pop(ENV_PREFIX + "MODELS", None)
+    return kept | {ENV_PREFIX + "MODEL_NAME": model, ENV_PREFIX + "MODEL_VERSION": version}
+
+
+def describe(result: Result, target_ms: float) -> str:
+    verdict = "meets" if result.meets(target_ms) else "misses"
+    errors = f", {result.errors} errors" if result.errors else ""
+    return (
+        f"{result.throughput_rps:,.0f} requests/s, p50 {result.p50_ms:.1f} ms, "
+        f"p99 {result.p99_ms:.1f} ms{errors}: {verdict} {target_ms:g} ms"
+    )
+
+
+class Tuning:
+    """One run: what was measured so far, and the servers it keeps."""
+
+    def __init__(
+        self, report: TuneReport, environ: Mapping[str, str], load: Workload, logs: Path
+    ) -> None:
+        self.report = report
+        self.environ = environ
+        self.load = load
+        self.logs = logs
+        self.defaults_server: trials.Server | None = None
+
+    def measurement(self, progress: Progress) -> trials.Measurement:
+        plan = progress.plan
+        return trials.Measurement(
+            self.report.concurrency, plan.measure_s, plan.warmup_s, progress.ready_timeout_s()
+        )
+
+    async def serve(self, candidate: Candidate, progress: Progress, log: str) -> trials.Server:
+        started_s = time.monotonic()
+        server = await trials.start_ready(
+            candidate, self.environ, progress.ready_timeout_s(), self.logs / log
+        )
+        progress.started_in(time.monotonic() - started_s)
+        return server
+
+    async def start_defaults(self, progress: Progress) -> None:
+        """Start the defaults' server, kept until the re-measurement (a failure is noted,
+        and the defaults' trial will try again)."""
+        try:
+            self.defaults_server = await self.serve(defaults_candidate(), progress, "defaults.log")
+        except trials.TrialError as error:
+            self.report.notes.append(f"the defaults' server failed to start: {error}")
+
+    async def trial(self, stage: str, candidate: Candidate, progress: Progress) -> None:
+        """Serve and measure ``candidate`` once (not again if it was measured)."""
+        if any(trial.result.candidate == candidate for trial in self.report.trials):
+            return
+        index = len(self.report.trials)
+        progress.say(f"trial {index} ({stage}): {candidate.label()}")
+        started_s = time.monotonic()
+        target = self.report.p99_target_ms
+        keep = candidate == defaults_candidate()
+        try:
+            server = self.defaults_server if keep else None
+            if server is None:
+                server = await self.serve(candidate, progress, f"trial-{index}.log")
+        except trials.TrialError as error:
+            self.report.notes.append(f"trial {index} ({candidate.label()}) failed: {error}")
+            result = Result(candidate, 0.0, float("inf"), float("inf"), errors=1)
+        else:
+            try:
+                result = await trials.measure_candidate(
+                    candidate, server, self.load.bodies, self.measurement(progress)
+                )
+            finally:
+                if keep:
+                    self.defaults_server = server
+                else:
+                    await trials.stop(server)
+        progress.trial_took(time.monotonic() - started_s)
+        self.report.trials.append(Trial(stage, result))
+        progress.say(f"trial {index}: {describe(result, target)}")
+
+    async def remeasure(self, progress: Progress) -> None:
+        """The winner and the defaults side by side, measured in alternate rounds; the
+        defaults are written instead when they did better there."""
+        report = self.report
+        assert report.winner is not None
+        winner, defaults = report.winner.candidate, defaults_candidate()
+        try:
+            if self.defaults_server is None:
+                self.defaults_server = await self.serve(defaults, progress, "defaults-2.log")
+            # The defaults won: their one server is measured in every round as both.
+            tuned_server = (
+                self.defaults_server
+                if winner == defaults
+                else await self.serve(winner, progress, "tuned.log")
+            )
+        except trials.TrialError as error:
+            report.notes.append(f"the re-measurement failed: {error}")
+            return
+        try:
+            rounds = progress.rounds_left()
+            progress.say(f"re-measuring the winner against the defaults: {rounds} rounds")
+            served = [(defaults, self.defaults_server)]
+            if tuned_server is not self.defaults_server:
+                served.append((winner, tuned_server))
+            runs = await trials.interleaved(
+                served, self.load.bodies, self.measurement(progress), rounds
+            )
+            default_runs, tuned_runs = runs[0], runs[-1]
+        finally:
+            if tuned_server is not self.defaults_server:
+                await trials.stop(tuned_server)
+        if winner == defaults:
+            report.notes.append(
+                "the defaults won: the re-measurement measured their server alone, so both "
+                "rows are the same runs"
+            )
+        report.remeasured = {"tuned": tuned_runs, "defaults": default_runs}
+        tuned_rps, tuned_p99 = median_of(tuned_runs)
+        default_rps, default_p99 = median_of(default_runs)
+        progress.say(
+            f"tuned: {tuned_rps:,.0f} requests/s, p99 {tuned_p99:.1f} ms; defaults: "
+            f"{default_rps:,.0f} requests/s, p99 {default_p99:.1f} ms (medians)"
+        )
+        # Side by side decides, by the search's own rule on the medians.
+        medians = [
+            Result(defaults, default_rps, math.nan, default_p99),
+            Result(winner, tuned_rps, math.nan, tuned_p99),
+        ]
+        chosen = search.best(medians, report.p99_target_ms)
+        report.final = medians[1] if chosen is None or winner == defaults else chosen
+        if winner != defaults and chosen is medians[0]:
+            report.notes.append(
+                f"the defaults did better than `{winner.label()}` when re-measured side by "
+                "side, so the defaults are written"
+            )
+            measured = [t.result for t in report.trials if t.result.candidate == defaults]
+            report.winner = measured[0] if measured else default_runs[0]
+
+    async def close(self) -> None:
+        if self.defaults_server is not None:
+            await trials.stop(self.defaults_server)
+            self.defaults_server = None
+
+
+async def tune(
+    *, model: str, version: str, concurrency: int, p99_ms: float, logs: Path, progress: Progress
+) -> TuneReport:
+    """Run the whole tuning within ``progress``'s budget; the report of what was found."""
+    plan = progress.plan
+    environ = base_environment(os.environ, model, version)
+    cap = min(4096, search.power_of_two_at_least(concurrency))
+    # The model alone, as one process serving alone loads it, with the tuned settings at
+    # their defaults (an environment's own values for them are what tune replaces).
+    settings = load_settings(
+        model_name=model,
+        model_version=version,
+        models=(),
+        engine_mode="in_process",
+        workers=1,
+        torch_threads=0,
+        length_buckets=(),
+        max_batch_size=cap,
+        warmup_batch_sizes=(1,),
+    )
+    manifest = ModelRepository(settings.model_repository).resolve(model, version)
+    if manifest.handler is not None:
+        raise ModelLoadError(
+            f"{manifest.label} has a handler ({manifest.handler.import_path}); tune sends "
+            "tensor instances generated from the inputs, so it tunes models without one"
+        )
+    cores = host_cores()
+    load = workload(manifest)
+    edges = manifest_length_edges(manifest, ())
+    weights = search.length_weights(load.lengths, edges)
+
+    progress.say(f"measuring the model limit of {manifest.label} ({plan.limit_s:.0f} s at most)")
+    limit, _ = await measure_limit(
+        settings,
+        lengths=sorted(weights, key=lambda length: length or 0),
+        largest_batch=cap,
+        slowest_batch_ms=p99_ms * search.BATCH_SHARE_OF_P99,
+        budget_s=plan.limit_s,
+        progress=progress.say,
+    )
+    model_rps = limit.best_rows_per_s(weights)
+    report = TuneReport(
+        model=model,
+        version=manifest.version,
+        cores=cores,
+        concurrency=concurrency,
+        p99_target_ms=p99_ms,
+        budget_s=progress.budget_s,
+        limit=limit,
+        model_limit_rps=model_rps,
+        ceiling_rps={},
+    )
+    tuning = Tuning(report, environ, load, logs)
+    try:
+        await _measure_ceilings(tuning, model_rps, progress)
+        expected_rps = min(model_rps, max(report.ceiling_rps.values(), default=model_rps))
+        progress.plan = rounds_for(window_for(progress.plan, expected_rps), progress.budget_s)
+        progress.say(f"each trial measures {progress.plan.measure_s:.1f} s")
+        variable = manifest.variable_input
+        context = Context(
+            cores=cores,
+            concurrency=concurrency,
+            p99_ms=p99_ms,
+            limit=limit,
+            weights=weights,
+            ceiling_rps=report.ceiling_rps,
+            max_length=variable.max_length if variable is not None else None,
+        )
+        await _search(tuning, context, edges, progress)
+        report.winner = search.best([trial.result for trial in report.trials], p99_ms)
+        if report.winner is not None:
+            await tuning.remeasure(progress)
+            if not report.met:
+                best_p99_ms = report.decisive.p99_ms if report.decisive else math.inf
+                report.bound = search.what_bounds(context, best_p99_ms)
+    finally:
+        with contextlib.suppress(Exception):
+            await tuning.close()
+    report.elapsed_s = progress.elapsed_s()
+    return report
+
+
+async def _measure_ceilings(tuning: Tuning, model_rps: float, progress: Progress) -> None:
+    """The HTTP ceiling with one front end (and with one per core when the budget allows
+    and HTTP bounds below the model). The defaults' server starts beside the first."""
+    plan, ceiling = progress.plan, tuning.report.ceiling_rps
+    for workers in plan.ceiling_workers:
+        if workers > 1 and ceiling[1] >= model_rps:
+            break  # more front ends cannot help a model slower than one front end
+        progress.say(f"measuring the HTTP ceiling with {workers} front end(s)")
+        measurement = tuning.measurement(progress)
+        ceiling[workers] = await trials.ceiling_rps(
+            workers,
+            tuning.environ,
+            tuning.load.bodies,
+            measurement,
+            tuning.logs / f"ceiling-{workers}.log",
+            meanwhile=tuning.start_defaults(progress) if workers == 1 else None,
+        )
+        progress.say(f"HTTP ceiling, {workers} front end(s): {ceiling[workers]:,.0f} requests/s")
+
+
+async def _search(
+    tuning: Tuning, context: Context, edges: tuple[int, ...], progress: Progress
+) -> None:
+    """The defaults, the model limit's starting point, then each stage around the best."""
+    await tuning.trial("defaults", defaults_candidate(), progress)
+    if progress.time_for_a_trial():
+        await tuning.trial("start", search.start_candidate(context, edges), progress)
+    for stage in STAGES:
+        results = [trial.result for trial in tuning.report.trials]
+        current = search.best(results, context.p99_ms)
+        base = current.candidate if current is not None else defaults_candidate()
+        for candidate in search.stage_candidates(stage, context, base, edges):
+            if not progress.time_for_a_trial():
+                tuning.report.notes.append(
+                    "the budget ended the search; a longer --budget-s tries more"
+                )
+                return
+            await tuning.trial(stage, candidate, progress)
