@@ -81,7 +81,14 @@ class Staging:
             (self.folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
             self.folder.chmod(0o755)  # mkdtemp makes it private; servers run as other users
             target.parent.mkdir(exist_ok=True)
-            os.rename(self.folder, target)
+            try:
+                os.rename(self.folder, target)
+            except OSError:
+                if not target.exists():
+                    raise
+                # Written meanwhile by another packaging of the same things: check it instead.
+                self.folder.chmod(0o700)
+                return self._repair(manifest, target)
             self._root_created = False
             logger.info(
                 "model_packaged", extra={"model": manifest.name, "version": manifest.version}
