@@ -140,9 +140,9 @@ class Settings(BaseSettings):
 
     handler_threads: int = Field(default=0, ge=0, le=64)
     """Threads per front end that run a version's handler preprocessing (tokenizing,
-    decoding images); 0 runs it on the event loop. Measured on 2 cores, the hop to a thread
-    cost more than it freed (docs/bench/handlers); run a front end per core instead. Threads
-    help when front ends are fewer than cores and images large: Pillow releases the GIL."""
+    decoding images) and parse tensor bodies over 256 KiB, off the event loop, so one costly
+    request never delays another or ``/healthz``; 0 means one per CPU core, from 2 to 4.
+    Pillow releases the GIL while decoding, so threads also use more cores for images."""
 
     drain_delay_s: float = Field(default=0.0, ge=0.0, le=300.0)
     """After SIGTERM, how long ``/readyz`` answers 503 while still serving, before the listening
