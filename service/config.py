@@ -130,6 +130,19 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     """Largest accepted request body; a larger one is answered 413 before it is read whole."""
 
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    """Largest request line and headers together, in bytes; a larger head is answered 431
+    and its connection closed as soon as that many bytes have come without it ending."""
+
+    header_timeout_s: float = Field(default=5.0, gt=0.0, le=300.0)
+    """Time for a request's line and headers to arrive whole, counted from the connection
+    opening (or a kept-alive connection's next byte); past it the connection is closed (408
+    if part of a request came). Stops clients that trickle a request from holding connections."""
+
+    keep_alive_timeout_s: int = Field(default=5, ge=1, le=3600)
+    """How long an idle kept-alive connection stays open after its last answer. Keep it
+    below a load balancer's idle timeout in front of batchserve."""
+
     max_requests_per_frontend: int = Field(default=1024, ge=1, le=1_000_000)
     """Most prediction requests one front end holds at once, uploads still arriving included
     (each at most ``request_timeout_ms``); the next is answered 503 with ``Retry-After`` at

@@ -15,11 +15,12 @@ from fastapi import FastAPI
 
 from service.config import Settings
 from service.frontend.state import FrontendState
+from service.server.http_limits import limited_protocol
 
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """uvicorn serving ``app`` in one process: our JSON logs, no access log, no ``Server``
-    header, and the settings' address and shutdown grace."""
+    header, and the settings' address, shutdown grace and limits on request heads."""
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -28,6 +29,8 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         access_log=False,
         server_header=False,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
+        http=limited_protocol(settings),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
     )
 
 
