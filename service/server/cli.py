@@ -18,7 +18,7 @@ from service.manifest import ARTIFACT_SUFFIXES, Architecture, HandlerSpec, Tenso
 from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.launcher import clear_configured_multiprocess_dir
-from service.server.packaging import PackageSpec, check_handler, tensor_spec
+from service.server.packaging import PackageSpec, check_handler, tensor_spec, unreadable_files
 
 
 def serves_in_one_process(settings: Settings) -> bool:
@@ -218,18 +218,26 @@ def _package(args: argparse.Namespace) -> int:
 
     store = ModelStore(_repository(args))
     name, artifact, format = spec.required()
-    manifest = store.package(
-        name=name,
-        artifact=artifact,
-        format=format,
-        architecture=spec.architecture,
-        inputs=spec.inputs or (),
-        outputs=spec.outputs or (),
-        handler=spec.handler,
-        files=spec.files or (),
-        metadata=spec.metadata,
-        check_version=check_handler,
-    )
+    problems = unreadable_files(artifact, spec.files or ())
+    if problems:
+        print(f"batchserve: cannot package: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    try:
+        manifest = store.package(
+            name=name,
+            artifact=artifact,
+            format=format,
+            architecture=spec.architecture,
+            inputs=spec.inputs or (),
+            outputs=spec.outputs or (),
+            handler=spec.handler,
+            files=spec.files or (),
+            metadata=spec.metadata,
+            check_version=check_handler,
+        )
+    except OSError as error:  # unreadable, or gone since the check
+        print(f"batchserve: cannot package: {error.filename}: {error.strerror}", file=sys.stderr)
+        return 2
     print(manifest.version)
     return 0
 
