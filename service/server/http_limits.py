@@ -29,7 +29,7 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 #: before the connection closes: closing with unread bytes would reset it (RST), and the
 #: client would lose the answer (nginx's lingering close).
 LINGER_S = 2.0
-LINGER_MAX_BYTES = 1024 * 1024
+LINGER_MAX_BYTES = 4 * 1024 * 1024
 #: The bytes each header adds to the head besides its name and value (": " and CRLF).
 _HEADER_OVERHEAD_BYTES = 4
 
