@@ -24,7 +24,8 @@ INFER = "/v2/models/digits/infer"
 @pytest.fixture
 async def digits() -> AsyncIterator[FastAPI]:
     app = create_app(Settings(device="cpu", max_wait_ms=20.0))
-    async with LifespanManager(app):
+    # Generous: starting takes seconds on a busy machine (the default 5 s timed out).
+    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=120):
         await app.state.loading
         yield app
 
