@@ -11,11 +11,13 @@
   against alone.
 - ``slow-uploads``: 8 connections send half a body and stall; a lone client's latency beside
   them against alone.
+- ``headers``, ``slowloris``, ``handler-bomb``: one hostile client's huge headers, trickled
+  requests, and costly handler requests (``loadtests.hostile``).
 
 Every server runs on a free 127.0.0.1 port with one torch thread; every loop is bounded in
 time and count. Writes a Markdown report to stdout.
 
-    python -m loadtests.attacks                       # all three, about 4 minutes
+    python -m loadtests.attacks                       # all six, about 6 minutes
     python -m loadtests.attacks --scenario fairness --duration-s 20
 """
 
@@ -37,7 +39,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from loadtests import servers
+from loadtests import hostile, servers
 from loadtests.soak import HttpConnection
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -45,6 +47,7 @@ GOODPUT_CLIENTS = (1, 4, 64)
 ENGINE_MODES = ("in_process", "process")
 DEADLINE_MS = 300
 SLOW_UPLOADS = 8
+SCENARIOS = ["goodput", "fairness", "slow-uploads", "headers", "slowloris", "handler-bomb"]
 #: Bounds of every loop: requests per client and seconds per measurement.
 MAX_REQUESTS_PER_CLIENT = 100_000
 
@@ -294,14 +297,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--scenario",
-        choices=["goodput", "fairness", "slow-uploads"],
+        choices=SCENARIOS,
         action="append",
         help="the attacks to run (default: all)",
     )
     parser.add_argument("--duration-s", type=float, default=10.0, help="per goodput point")
     parser.add_argument("--count", type=int, default=30, help="short or lone requests")
     args = parser.parse_args(argv)
-    chosen = args.scenario or ["goodput", "fairness", "slow-uploads"]
+    chosen = args.scenario or SCENARIOS
     report = ["# Attacks on batchserve", ""]
     with tempfile.TemporaryDirectory(prefix="batchserve-attacks-") as folder:
         scratch = Path(folder)
@@ -310,8 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report += goodput(scratch, args.duration_s)
             elif scenario == "fairness":
                 report += fairness(scratch, args.count)
-            else:
+            elif scenario == "slow-uploads":
                 report += slow_uploads(scratch, args.count)
+            elif scenario == "headers":
+                report += hostile.headers(scratch)
+            elif scenario == "slowloris":
+                report += hostile.slowloris(scratch, args.count)
+            else:
+                report += hostile.handler_bomb(scratch)
             report.append("")
     print("\n".join(report))
     return 0

@@ -131,6 +131,19 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     """Largest accepted request body; a larger one is answered 413 before it is read whole."""
 
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    """Largest request line and headers together, in bytes; a larger head is answered 431
+    and its connection closed as soon as that many bytes have come without it ending."""
+
+    header_timeout_s: float = Field(default=5.0, gt=0.0, le=300.0)
+    """Time for a request's line and headers to arrive whole, counted from the connection
+    opening (or a kept-alive connection's next byte); past it the connection is closed (408
+    if part of a request came). Stops clients that trickle a request from holding connections."""
+
+    keep_alive_timeout_s: int = Field(default=5, ge=1, le=3600)
+    """How long an idle kept-alive connection stays open after its last answer. Keep it
+    below a load balancer's idle timeout in front of batchserve."""
+
     max_requests_per_frontend: int = Field(default=1024, ge=1, le=1_000_000)
     """Most prediction requests one front end holds at once, uploads still arriving included
     (each at most ``request_timeout_ms``); the next is answered 503 with ``Retry-After`` at
@@ -141,9 +154,9 @@ class Settings(BaseSettings):
 
     handler_threads: int = Field(default=0, ge=0, le=64)
     """Threads per front end that run a version's handler preprocessing (tokenizing,
-    decoding images); 0 runs it on the event loop. Measured on 2 cores, the hop to a thread
-    cost more than it freed (docs/bench/handlers); run a front end per core instead. Threads
-    help when front ends are fewer than cores and images large: Pillow releases the GIL."""
+    decoding images) and parse tensor bodies over 256 KiB, off the event loop, so one costly
+    request never delays another or ``/healthz``; 0 means one per CPU core, from 2 to 4.
+    Pillow releases the GIL while decoding, so threads also use more cores for images."""
 
     drain_delay_s: float = Field(default=0.0, ge=0.0, le=300.0)
     """After SIGTERM, how long ``/readyz`` answers 503 while still serving, before the listening

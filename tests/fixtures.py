@@ -342,3 +342,21 @@ def predict_scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 80),
     }
+
+
+class HandlerGate:
+    """Holds a test's bundled handler inside its preprocessing (in a handler thread) until the
+    test opens it; ``entered`` says a request got there. Thread events: handlers run in
+    threads, not on the event loop."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def reset(self) -> None:
+        self.entered.clear()
+        self.opened.clear()
+
+
+#: The gate of ``tests/test_hostile_clients.py``'s bundled ``WaitsAtTheGate`` handler.
+HANDLER_GATE = HandlerGate()

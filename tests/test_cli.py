@@ -343,3 +343,24 @@ def test_packaging_again_over_a_version_that_cannot_be_repaired_fails_naming_the
     assert (status, out) == (1, "")
     assert f"mydigits@{version}: 'model.safetensors' is damaged or missing and cannot be" in err
     assert main(["models", "verify", "--repository", str(tmp_path)]) == 1
+
+
+def test_a_missing_artifact_or_file_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [
+        "package", "--repository", str(tmp_path / "repo"), "--name", "mydigits",
+        "--format", "safetensors", "--architecture", "service.models.digits:DigitsCNN",
+        "--input", "image:float32:-1,8,8", "--output", "logits:float32:-1,10",
+    ]  # fmt: skip
+    missing = main([*common, "--artifact", str(tmp_path / "nowhere.safetensors")])
+    missing_err = capsys.readouterr().err
+    folder = main([*common, "--artifact", str(DIGITS_WEIGHTS), "--file", str(tmp_path)])
+    folder_err = capsys.readouterr().err
+
+    assert (missing, folder) == (2, 2)
+    assert missing_err == (
+        f"batchserve: cannot package: {tmp_path / 'nowhere.safetensors'} does not exist\n"
+    )
+    assert folder_err == f"batchserve: cannot package: {tmp_path} is not a file\n"
+    assert not (tmp_path / "repo" / "mydigits").exists()

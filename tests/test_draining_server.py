@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import threading
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -14,6 +16,14 @@ from service.config import Settings
 from service.server.draining import DrainingServer
 from service.server.single import create_app
 from tests.fixtures import wait_until
+from tests.processes import (
+    BATCHSERVE,
+    answers,
+    batchserve_environment,
+    free_port,
+    running,
+    wait_for,
+)
 
 DRAIN_DELAY_S = 0.3
 
@@ -58,3 +68,39 @@ async def test_the_sigterm_handler_waits_on_no_lock_the_interrupted_code_may_hol
     assert not serving.done()
     await asyncio.wait_for(serving, timeout=10.0)
     assert server.should_exit
+
+
+def answer_status(client: socket.socket) -> str:
+    """The status line's code the server answered on ``client``, or how it failed."""
+    received = b""
+    try:
+        while chunk := client.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        return "reset"
+    except TimeoutError:
+        return "no answer"
+    finally:
+        client.close()
+    return received.split(b" ", 2)[1].decode() if received else "closed unanswered"
+
+
+def test_sigterm_answers_the_connections_waiting_in_the_accept_backlog(tmp_path: Path) -> None:
+    """Connections the kernel accepted and the server had not (it was stopped, here with
+    SIGSTOP) when SIGTERM came are answered, not reset by closing the listening socket."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = batchserve_environment(port, BATCHSERVE_DRAIN_DELAY_S="0")
+    with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as server:
+        wait_for(lambda: answers(url + "/readyz"), "ready", server)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            clients = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(32)]
+            for client in clients:
+                client.sendall(b"GET /healthz HTTP/1.1\r\nHost: batchserve\r\n\r\n")
+            server.process.send_signal(signal.SIGTERM)
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        statuses = [answer_status(client) for client in clients]
+        assert server.process.wait(timeout=30) == 0, server.output()
+    assert statuses == ["200"] * len(clients)

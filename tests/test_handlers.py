@@ -10,6 +10,7 @@ import base64
 import hashlib
 import io
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 
 from service.errors import (
     BadRequestError,
+    DeadlineExceededError,
     InvalidInputError,
     PayloadTooLargeError,
     ServiceError,
@@ -597,3 +599,84 @@ def test_the_first_output_with_labels_is_classified_by_default(tmp_path: Path) -
     handler = ClassificationHandler(make_context(tmp_path, (DIGIT_INPUT,), outputs))
     assert handler.output == "logits"
     assert handler.labels == ("negative", "positive")
+
+
+# --- bounds on one request's preprocessing ---------------------------------------------------
+
+
+def test_images_declaring_too_many_pixels_together_are_refused_before_any_is_decoded(
+    tmp_path: Path,
+) -> None:
+    handler = rgb_handler(tmp_path, max_pixels=1_000_000, max_request_pixels=2_500_000)
+    # Three headers of a megapixel each, no pixels: decoding any would fail as truncated.
+    body = multipart([(f"image{i}", f"{i}.png", png_declaring(1000, 1000)) for i in range(3)])
+
+    message = refusal(
+        lambda: handler.preprocess(request(body, "multipart/form-data", MULTIPART)),
+        PayloadTooLargeError,
+    )
+
+    assert message.startswith("the request's 3 images declare 3,000,000 pixels together")
+    assert "at most 2,500,000" in message
+
+
+def test_max_request_pixels_below_max_pixels_is_refused_when_built(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_request_pixels must be an integer at least"):
+        rgb_handler(tmp_path, max_pixels=100, max_request_pixels=99)
+
+
+def test_images_are_not_decoded_past_the_requests_deadline(tmp_path: Path) -> None:
+    handler = rgb_handler(tmp_path)
+    png = encode_image(picture((20, 20)))
+    late = HandlerRequest(png, "image/png", "image/png", deadline_s=time.monotonic() - 0.5)
+
+    message = refusal(lambda: handler.preprocess(late), DeadlineExceededError)
+
+    assert "image 0 of 1 was about to be decoded" in message
+
+
+def test_a_long_text_costs_only_what_truncation_keeps(tmp_path: Path) -> None:
+    handler, tokenizer = text_handler(tmp_path)
+    short = handler.preprocess(json_request({"instances": ["i loved this film " * 4]}))
+    started_s = time.perf_counter()
+
+    long = handler.preprocess(json_request({"instances": ["i loved this film " * 15_000]}))
+
+    elapsed_s = time.perf_counter() - started_s
+    assert long["input_ids"].tolist() == short["input_ids"].tolist()
+    # The whole text tokenized once, for comparison: the handler cut it first.
+    whole_started_s = time.perf_counter()
+    tokenizer.encode("i loved this film " * 15_000)
+    assert elapsed_s < (time.perf_counter() - whole_started_s) / 5
+
+
+def test_texts_above_the_character_limits_are_refused_before_tokenizing(tmp_path: Path) -> None:
+    handler, _ = text_handler(tmp_path, truncate=False, max_chars=50, max_request_chars=80)
+
+    too_long = refusal(
+        lambda: handler.preprocess(json_request({"instances": ["a", "a " * 30]})),
+        PayloadTooLargeError,
+    )
+    too_many = refusal(
+        lambda: handler.preprocess(json_request({"instances": ["a " * 20] * 3})),
+        PayloadTooLargeError,
+    )
+
+    assert too_long == "instance 1 is 60 characters long; at most 50 are accepted"
+    assert too_many == (
+        "the request's 3 texts hold 120 characters together; at most 80 are accepted in one request"
+    )
+
+
+def test_texts_are_not_tokenized_past_the_requests_deadline(tmp_path: Path) -> None:
+    handler, _ = text_handler(tmp_path)
+    late = HandlerRequest(
+        orjson.dumps({"instances": ["i loved it"] * 100}),
+        "application/json",
+        "application/json",
+        deadline_s=time.monotonic() - 0.5,
+    )
+
+    message = refusal(lambda: handler.preprocess(late), DeadlineExceededError)
+
+    assert "0 of its 100 texts were tokenized" in message

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import statistics
 import time
 from pathlib import Path
 
 import orjson
 import pytest
+import torch
 
 from loadtests import soak
+from service.config import BUNDLED_MODEL_REPOSITORY
+from service.engine.model_store import ModelStore
 from tests.processes import (
     BATCHSERVE,
     answers,
@@ -81,37 +85,70 @@ async def one_client_rate_per_s(host: str, port: int, body: bytes, seconds: floa
     return answered / (time.monotonic() - started_s)
 
 
+def textenc_forward_ms(length: int = 512) -> float:
+    """One ``textenc`` forward of ``length`` tokens on one torch thread, here and now (median
+    of 5): how fast this machine is while the test runs (about 56 ms when quiet)."""
+    module = ModelStore(BUNDLED_MODEL_REPOSITORY).load("textenc").module
+    ids = torch.ones((1, length), dtype=torch.int64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            module(ids)
+            times = []
+            for _ in range(5):
+                started_s = time.perf_counter()
+                module(ids)
+                times.append(time.perf_counter() - started_s)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times) * 1000
+
+
 @pytest.mark.slow
 def test_twice_the_capacity_keeps_the_goodput_loses_nothing_and_memory_stays_flat(
     tmp_path: Path,
 ) -> None:
-    """textenc, 512 tokens a request, a 300 ms deadline: open-loop load at twice what one
+    """textenc, 512 tokens a request, a deadline of about 6 forwards (300 ms on a quiet
+    machine, longer on a busy one, where 300 ms left no request answerable at all): open-loop
+    load at twice what one
     client gets answered, every answer checked. The excess is refused at once, nothing is lost
     or wrong, and the correct answers keep coming at least at 0.8x the one-client rate: the
-    batcher does not spend the device on rows that would be late."""
+    batcher does not spend the device on rows that would be late. The one-client rate is
+    measured before and after the overload and the lower one kept: a machine busy with other
+    work serves less, and a rate measured in a quieter moment failed the test."""
+    deadline_ms = max(300, round(6 * textenc_forward_ms()))
     port = free_port()
     env = batchserve_environment(
         port,
         BATCHSERVE_MODEL_NAME="textenc",
         BATCHSERVE_MAX_QUEUE_SIZE="8",
         BATCHSERVE_MAX_INSTANCES_PER_REQUEST="64",
-        BATCHSERVE_REQUEST_TIMEOUT_MS="300",
+        BATCHSERVE_REQUEST_TIMEOUT_MS=str(deadline_ms),
     )
     url = f"http://127.0.0.1:{port}"
     with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as server:
         wait_for(lambda: answers(url + "/readyz"), "ready", server)
         reference = soak.Reference(pool=1, seed=0, model="textenc")
         one_client = asyncio.run(one_client_rate_per_s("127.0.0.1", port, reference.bodies[0], 3.0))
+        assert one_client > 0, f"not one answer within the {deadline_ms} ms deadline"
         result = soak.run(
             ["--url", url, "--model", "textenc", "--overload", "--rate", f"{2 * one_client:.1f}",
              "--duration-s", "20", "--window-s", "10", "--connections", "64", "--pool", "8",
              "--request-timeout-s", "5"]
         )  # fmt: skip
-        report = soak.report_markdown(result, note=f"one client: {one_client:.1f} answers/s")
+        one_client_after = asyncio.run(
+            one_client_rate_per_s("127.0.0.1", port, reference.bodies[0], 3.0)
+        )
+        note = (
+            f"deadline {deadline_ms} ms; one client: {one_client:.1f} answers/s before, "
+            f"{one_client_after:.1f} after"
+        )
+        report = soak.report_markdown(result, note=note)
         print(report)
     assert result.errors == {}, report  # every request answered: nothing lost
     assert result.mismatches == 0, report
     assert sum(result.refusals.values()) > 0, "twice the capacity must be refused in part"
-    assert result.goodput_per_s >= 0.8 * one_client, report
+    assert result.goodput_per_s >= 0.8 * min(one_client, one_client_after), report
     rss = [value for _, value in result.rss if value is not None]
     assert max(rss) - rss[0] < 64 * 2**20, report

@@ -23,6 +23,7 @@ from service.bridge.interface import ModelInfo
 from service.errors import HandlerError, ServiceError
 from service.frontend import admin, docs, routes
 from service.frontend.about import __version__
+from service.frontend.head_requests import HeadAsGet
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
 from service.frontend.openapi import model_openapi, with_model_routes
@@ -113,7 +114,7 @@ class ServingApp(FastAPI):
     def __init__(self, frontend: FrontendState, **options: Any) -> None:
         super().__init__(**options)
         self.state.frontend = frontend
-        self._outer = ServiceMiddleware(super().__call__, frontend)
+        self._outer = ServiceMiddleware(HeadAsGet(super().__call__), frontend)
         # The served version and its document: built once a version, not once a request.
         self._model_openapi: tuple[str, dict[str, Any]] | None = None
 

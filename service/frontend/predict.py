@@ -41,6 +41,7 @@ from service.frontend.inputs import (
     encode_npy,
     encode_npz,
 )
+from service.frontend.preprocessing import cheap_to_parse, off_the_loop
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
@@ -247,6 +248,7 @@ async def _serve_body(
             media_type=body_media_type(headers.content_type, handler.media_types),
             content_type=headers.content_type or JSON_MEDIA_TYPE,
             query=_query(query_string, handler),
+            deadline_s=deadline_s,
         )
         answer_type = _answer_type(headers.accept, model, handler)
         with request_spans.child("parse"):
@@ -317,12 +319,12 @@ def _answer_type(accept: str | None, model: ModelInfo, handler: Handler) -> str:
 async def _preprocess(
     frontend: FrontendState, handler: Handler, request: HandlerRequest
 ) -> NamedArrays:
-    """Tensors parsed inline (cheap); a version's own handler in the handler threads."""
-    pool = frontend.handler_pool
-    if type(handler) is Handler or pool is None:
+    """A small tensor body parsed inline; a version's own handler, or a large body, in the
+    handler threads, waited for until the deadline at most (504)."""
+    if type(handler) is Handler and cheap_to_parse(request.body):
         return _handled(handler.preprocess, request)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(pool, _handled, handler.preprocess, request)
+    pool = frontend.handler_pool
+    return await off_the_loop(pool, request.deadline_s, _handled, handler.preprocess, request)
 
 
 def _postprocess(handler: Handler, result: InferenceResult, request: HandlerRequest) -> object:

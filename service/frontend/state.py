@@ -14,6 +14,7 @@ from service.config import Settings
 from service.errors import HandlerError, ModelNotFoundError
 from service.frontend.handlers.base import Handler, HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
+from service.frontend.preprocessing import handler_thread_count
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 
@@ -50,12 +51,13 @@ class FrontendState:
     _handler_pool: ThreadPoolExecutor | None = None
 
     @property
-    def handler_pool(self) -> ThreadPoolExecutor | None:
-        """Where handlers' preprocessing runs (``handler_threads``; None: on the event loop).
+    def handler_pool(self) -> ThreadPoolExecutor:
+        """Where handlers' preprocessing runs, off the event loop (``handler_threads``).
         Started on first use, in the process that serves (after gunicorn's fork)."""
-        if self._handler_pool is None and self.settings.handler_threads > 0:
+        if self._handler_pool is None:
             self._handler_pool = ThreadPoolExecutor(
-                self.settings.handler_threads, thread_name_prefix="batchserve-handler"
+                handler_thread_count(self.settings.handler_threads),
+                thread_name_prefix="batchserve-handler",
             )
         return self._handler_pool
 

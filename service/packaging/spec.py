@@ -144,6 +144,17 @@ class PackageSpec:
         return self.name, self.artifact, self.format
 
 
+def unreadable_files(artifact: Path, files: tuple[Path, ...]) -> list[str]:
+    """What is wrong with each path to package that is not a readable file, in words."""
+    problems = []
+    for path in (artifact, *files):
+        if not path.exists():
+            problems.append(f"{path} does not exist")
+        elif not path.is_file():
+            problems.append(f"{path} is not a file")
+    return problems
+
+
 def check_handler(manifest: Manifest, folder: Path) -> None:
     """Build the version's handler as a front end will, from ``folder``; raise
     ``ModelLoadError`` saying why it cannot be built."""

@@ -15,7 +15,7 @@ from service.config import Settings, SettingsError, load_settings
 from service.errors import ModelIntegrityError, ModelLoadError, ModelNotFoundError
 from service.logs import configure_logging
 from service.manifest import ARTIFACT_SUFFIXES, Architecture, HandlerSpec, TensorSpec
-from service.packaging.spec import PackageSpec, check_handler, tensor_spec
+from service.packaging.spec import PackageSpec, check_handler, tensor_spec, unreadable_files
 from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.env_file import apply_env_file
@@ -235,18 +235,26 @@ def _package(args: argparse.Namespace) -> int:
     from service.packaging.package import Packager  # imports torch: only when packaging
 
     name, artifact, format = spec.required()
-    packaged = Packager(_repository(args)).package_version(
-        name=name,
-        artifact=artifact,
-        format=format,
-        architecture=spec.architecture,
-        inputs=spec.inputs or (),
-        outputs=spec.outputs or (),
-        handler=spec.handler,
-        files=spec.files or (),
-        metadata=spec.metadata,
-        check_version=check_handler,
-    )
+    problems = unreadable_files(artifact, spec.files or ())
+    if problems:
+        print(f"batchserve: cannot package: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    try:
+        packaged = Packager(_repository(args)).package_version(
+            name=name,
+            artifact=artifact,
+            format=format,
+            architecture=spec.architecture,
+            inputs=spec.inputs or (),
+            outputs=spec.outputs or (),
+            handler=spec.handler,
+            files=spec.files or (),
+            metadata=spec.metadata,
+            check_version=check_handler,
+        )
+    except OSError as error:  # unreadable, or gone since the check
+        print(f"batchserve: cannot package: {error.filename}: {error.strerror}", file=sys.stderr)
+        return 2
     print(packaged.manifest.version)
     if packaged.repaired:
         print(

@@ -15,11 +15,12 @@ from fastapi import FastAPI
 
 from service.config import Settings
 from service.frontend.state import FrontendState
+from service.server.http_limits import limited_protocol
 
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """uvicorn serving ``app`` in one process: our JSON logs, no access log, no ``Server``
-    header, and the settings' address and shutdown grace."""
+    header, and the settings' address, shutdown grace and limits on request heads."""
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -28,7 +29,14 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         access_log=False,
         server_header=False,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
+        http=limited_protocol(settings),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
     )
+
+
+#: At shutdown, how long connections that have not sent a request yet are given to send it.
+FIRST_REQUEST_WAIT_S = 1.0
+FIRST_REQUEST_POLL_S = 0.01
 
 
 class DrainingServer(uvicorn.Server):
@@ -78,3 +86,61 @@ class DrainingServer(uvicorn.Server):
 
     def stop(self) -> None:
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, after answering the connections still in the listening
+        socket's accept backlog. Closing that socket would reset them (2 to 26 of them in a
+        burst); under gunicorn the socket is shared with the other workers, which go on
+        accepting from it, so only a socket of this process's own is drained."""
+        if sockets is None:
+            await self._answer_the_backlog()
+        await super().shutdown(sockets)
+
+    async def _answer_the_backlog(self) -> None:
+        loop = asyncio.get_running_loop()
+        accepted = take_backlog(self.servers)
+        for connection in accepted:
+            await loop.connect_accepted_socket(self._new_protocol, connection)
+        # uvicorn's shutdown closes every connection that has not begun a request: give
+        # those whose requests are still on their way a moment (polled: shutdown only).
+        for _ in range(round(FIRST_REQUEST_WAIT_S / FIRST_REQUEST_POLL_S)):
+            if not any(
+                getattr(connection, "cycle", True) is None
+                for connection in self.server_state.connections
+            ):
+                break
+            await asyncio.sleep(FIRST_REQUEST_POLL_S)
+
+    def _new_protocol(self) -> asyncio.Protocol:
+        """A connection's protocol, as uvicorn's ``startup`` builds it."""
+        protocol: asyncio.Protocol = self.config.http_protocol_class(  # type: ignore[call-arg]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+        )
+        return protocol
+
+
+def take_backlog(servers: list[asyncio.base_events.Server]) -> list[socket.socket]:
+    """Stop ``servers`` accepting, then take the connections waiting in their listening
+    sockets' backlogs: the sockets are duplicated first, so closing the servers leaves them
+    listening until every waiting connection is taken."""
+    listeners = [
+        socket.fromfd(sock.fileno(), sock.family, sock.type)
+        for server in servers
+        for sock in server.sockets
+    ]
+    for server in servers:
+        server.close()
+    accepted = []
+    try:
+        for listener in listeners:
+            listener.setblocking(False)
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                accepted.append(connection)
+    finally:
+        for listener in listeners:
+            listener.close()  # nothing awaited since the last accept: no connection lost
+    return accepted

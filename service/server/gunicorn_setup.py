@@ -77,8 +77,8 @@ def gunicorn_options(settings: Settings) -> dict[str, Any]:
         "graceful_timeout": graceful_timeout_s(settings),
         # A front end holds no model, but recycling would still drop its keep-alive clients.
         "max_requests": 0,
-        # uvicorn's default; gunicorn's 2 s is shorter than most load balancers' idle timeout.
-        "keepalive": 5,
+        # uvicorn's default 5 s; gunicorn's 2 s is shorter than most load balancers' idle timeout.
+        "keepalive": settings.keep_alive_timeout_s,
         # gunicorn >= 25 would otherwise open a control socket under $HOME, shared by every
         # instance of the same user (and failing on a read-only home in a container).
         "control_socket_disable": True,

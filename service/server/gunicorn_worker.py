@@ -1,7 +1,8 @@
 """The gunicorn worker of a front end: uvicorn's worker, made to start and stop like one.
 
-Four differences from ``uvicorn_worker.UvicornWorker``:
+Five differences from ``uvicorn_worker.UvicornWorker``:
 
+- It limits request heads in size and arrival time (``http_limits``).
 - It serves with ``DrainingServer``: on SIGTERM readiness turns 503 at once and the worker
   keeps serving for ``drain_delay_s`` before it closes its socket and waits for its requests.
 - It accepts no connection before an engine is ready: the kernel then hands connections only
@@ -27,6 +28,7 @@ from uvicorn_worker import UvicornWorker
 
 from service.frontend.state import FrontendState
 from service.server.draining import DrainingServer
+from service.server.http_limits import limited_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
         frontend: FrontendState = app.state.frontend
         settings = frontend.settings
         self.config.app = ReadyBeforeAccepting(app)
+        self.config.http = limited_protocol(settings)
         self.config.timeout_graceful_shutdown = settings.shutdown_grace_s
         server = DrainingServer(self.config, frontend, settings.drain_delay_s)
         asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit_now, server)

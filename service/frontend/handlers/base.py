@@ -11,11 +11,14 @@ its class is named by the manifest, its options come from the manifest, and a re
 only send it a body and the query parameters it chooses to read. Raise the service's errors
 (``InvalidInputError`` for 422, ``BadRequestError`` for 400, ``UnsupportedMediaTypeError``,
 ``PayloadTooLargeError``) for what the client got wrong; any other exception is answered 500
-and logged, and never fails another request.
+and logged, and never fails another request. ``preprocess`` runs in a handler thread (a small
+tensor body excepted), never on the event loop; one that loops over costly steps calls
+``request.check_deadline`` between them, so a request nobody waits for any more stops.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from service.bundled import import_attribute
 from service.errors import ModelLoadError
 from service.frontend.inputs import InputLayout
 from service.frontend.per_token import PaddedInstances
+from service.frontend.preprocessing import check_deadline
 from service.manifest import Manifest
 from service.tensors import NamedArrays
 
@@ -55,6 +59,13 @@ class HandlerRequest:
     """The whole ``Content-Type`` header (a multipart body's boundary is a parameter)."""
     query: Mapping[str, str] = field(default_factory=dict)
     """The URL's query parameters (``?top_k=3``); each handler reads only those it documents."""
+    deadline_s: float = math.inf
+    """When the request must be answered (``time.monotonic()``); past it, its answer is 504."""
+
+    def check_deadline(self, what: str) -> None:
+        """504 once the deadline has passed: a handler calls it between costly steps (each
+        image, each group of texts), so work nobody waits for stops soon."""
+        check_deadline(self.deadline_s, what)
 
 
 class Handler:

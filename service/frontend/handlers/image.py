@@ -9,7 +9,9 @@ Bodies, each image an instance:
 
 Each image is checked before its pixels are decoded: a PNG or JPEG (by content, not by the
 declared type), at most ``max_pixels`` pixels as its header declares (a decompression bomb,
-a few kilobytes declaring gigapixels, is refused with 413 without allocating them). It is
+a few kilobytes declaring gigapixels, is refused with 413 without allocating them), and the
+request's images together at most ``max_request_pixels``, checked from every image's header
+before any is decoded. The request's deadline is checked before each image. Each image is
 then turned upright (EXIF orientation), laid on white where transparent, converted to
 ``mode``, stretched to the input's height and width, scaled to [0, 1], optionally inverted,
 normalised with ``mean`` and ``std`` per channel, and laid out as the input's axes.
@@ -32,6 +34,10 @@ Options, besides the classification handler's (``output``, ``top_k``, ``apply_so
   ``"box"``, ``"bilinear"``, ``"bicubic"`` or ``"lanczos"``.
 - ``max_pixels`` (default 16,000,000, a 16-megapixel photo: 48 MB decoded as RGB): the most
   pixels an image may declare.
+- ``max_request_pixels`` (default 64,000,000): the most pixels a request's images may declare
+  together (413 above). Decoding costs about 5 ms a megapixel (a loaded 2-core machine), so
+  the default bounds one request's decoding near a third of a second; raise it for
+  batches of large photos.
 
 The model must take one input, the images.
 
@@ -42,30 +48,23 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
 from PIL import Image, ImageOps
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.errors import (
-    BadRequestError,
     InvalidInputError,
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
 from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.classification import ClassificationHandler, PostprocessMode
-from service.frontend.handlers.instances import (
-    check_count,
-    content_type_parameter,
-    json_instances,
-    json_type,
-)
+from service.frontend.handlers.image_files import open_image
+from service.frontend.handlers.instances import check_count, json_instances, json_type
+from service.frontend.handlers.multipart import multipart_files
 from service.tensors import NamedArrays
 from service.types import Array
 
@@ -77,10 +76,7 @@ Resample = Literal["nearest", "box", "bilinear", "bicubic", "lanczos"]
 IMAGE_MEDIA_TYPES = frozenset({"image/png", "image/jpeg"})
 MULTIPART_MEDIA_TYPE = "multipart/form-data"
 DEFAULT_MAX_PIXELS = 16_000_000
-#: The formats Pillow may parse: nothing else is even tried (each parser is attack surface).
-#: MPO is how Pillow names a JPEG holding several pictures (phone cameras write them).
-_OPENED_FORMATS = ("PNG", "JPEG")
-_ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "MPO"})
+DEFAULT_MAX_REQUEST_PIXELS = 64_000_000
 _CHANNELS: dict[str, int] = {"RGB": 3, "L": 1}
 _RESAMPLING: dict[str, Image.Resampling] = {
     "nearest": Image.Resampling.NEAREST,
@@ -89,18 +85,6 @@ _RESAMPLING: dict[str, Image.Resampling] = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
-#: How other files start, to tell a client what it sent instead of an image.
-_MAGIC_NAMES: tuple[tuple[bytes, str], ...] = (
-    (b"GIF87a", "a GIF image"),
-    (b"GIF89a", "a GIF image"),
-    (b"BM", "a BMP image"),
-    (b"II*\x00", "a TIFF image"),
-    (b"MM\x00*", "a TIFF image"),
-    (b"%PDF", "a PDF document"),
-    (b"<svg", "an SVG image"),
-    (b"<?xml", "an XML document"),
-    (b"\x00\x00\x01\x00", "an ICO image"),
-)
 
 
 class ImageHandler(ClassificationHandler):
@@ -122,6 +106,7 @@ class ImageHandler(ClassificationHandler):
         fit_content: bool = False,
         resample: Resample = "bilinear",
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
         output: str | None = None,
         top_k: int = 1,
         apply_softmax: bool = True,
@@ -143,6 +128,11 @@ class ImageHandler(ClassificationHandler):
             )
         if not (isinstance(max_pixels, int) and max_pixels >= 1):
             raise ValueError(f"option max_pixels must be a positive integer, got {max_pixels!r}")
+        if not (isinstance(max_request_pixels, int) and max_request_pixels >= max_pixels):
+            raise ValueError(
+                "option max_request_pixels must be an integer at least max_pixels "
+                f"({max_pixels}), got {max_request_pixels!r}"
+            )
         if len(manifest.inputs) != 1:
             raise ValueError(
                 f"an image handler feeds a model with one input, the images; {manifest.label} "
@@ -155,6 +145,7 @@ class ImageHandler(ClassificationHandler):
         self.height, self.width = _spatial_size(self.spec.shape, layout, self.channels)
         self.resample = _RESAMPLING[resample]
         self.max_pixels = max_pixels
+        self.max_request_pixels = max_request_pixels
         self.invert = invert
         self.fit_content = fit_content
         self.scale, self.offset = _affine(mean, std, invert, self.channels)
@@ -176,8 +167,12 @@ class ImageHandler(ClassificationHandler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         self.top_k(request)
-        images = self.encoded_images(request)
-        pixels = np.stack([self.decode(index, image) for index, image in enumerate(images)])
+        images = self.opened_images(self.encoded_images(request))
+        decoded = []
+        for index, image in enumerate(images):
+            request.check_deadline(f"image {index} of {len(images)} was about to be decoded")
+            decoded.append(self.decode(index, image))
+        pixels = np.stack(decoded)
         return self.context.layout.check({self.spec.name: self.to_input(pixels)})
 
     def encoded_images(self, request: HandlerRequest) -> list[bytes]:
@@ -196,9 +191,22 @@ class ImageHandler(ClassificationHandler):
         instances = json_instances(request.body, self.context.layout.max_instances)
         return [_base64_image(index, instance) for index, instance in enumerate(instances)]
 
-    def decode(self, index: int, encoded: bytes) -> Array:
-        """One image as ``(height, width, channels)`` uint8 pixels in ``mode``, resized."""
-        image = open_image(index, encoded, self.max_pixels)
+    def opened_images(self, encoded: list[bytes]) -> list[Image.Image]:
+        """Every image's header read, none decoded: 422 for what is no PNG or JPEG, 413 for
+        an image above ``max_pixels`` or images above ``max_request_pixels`` together."""
+        images = [open_image(index, data, self.max_pixels) for index, data in enumerate(encoded)]
+        total = sum(image.width * image.height for image in images)
+        if total > self.max_request_pixels:
+            raise PayloadTooLargeError(
+                f"the request's {len(images)} images declare {total:,} pixels together; at "
+                f"most {self.max_request_pixels:,} are accepted in one request: send fewer or "
+                "smaller images per request"
+            )
+        return images
+
+    def decode(self, index: int, image: Image.Image) -> Array:
+        """One opened image as ``(height, width, channels)`` uint8 pixels in ``mode``,
+        resized."""
         kind = image.format
         try:
             if kind in ("JPEG", "MPO"):
@@ -250,6 +258,7 @@ class ImageHandler(ClassificationHandler):
             "input": self.spec.name,
             "image": {"mode": self.mode, "height": self.height, "width": self.width},
             "max_pixels": self.max_pixels,
+            "max_request_pixels": self.max_request_pixels,
             "request": {
                 "image/png": {"type": "string", "format": "binary"},
                 "image/jpeg": {"type": "string", "format": "binary"},
@@ -285,115 +294,6 @@ class ImageHandler(ClassificationHandler):
                 },
             },
         }
-
-
-def open_image(index: int, encoded: bytes, max_pixels: int) -> Image.Image:
-    """The image's header read, its pixels not yet decoded: 422 for anything but PNG or
-    JPEG, 413 for more than ``max_pixels`` pixels."""
-    try:
-        image = Image.open(io.BytesIO(encoded), formats=_OPENED_FORMATS)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        # Pillow's own limit (89 megapixels warns, twice that raises) is far above ours; the
-        # warning is an exception only where warnings are errors (the tests).
-        raise PayloadTooLargeError(
-            f"image {index} declares more than {max_pixels:,} pixels; at most {max_pixels:,} "
-            "are accepted"
-        ) from None
-    except Exception:
-        raise InvalidInputError(
-            f"image {index} is not a PNG or JPEG image: got {describe_bytes(encoded)}"
-        ) from None
-    if image.format not in _ACCEPTED_FORMATS:
-        raise InvalidInputError(f"image {index} is not a PNG or JPEG image: got {image.format}")
-    width, height = image.size
-    if width * height > max_pixels:
-        raise PayloadTooLargeError(
-            f"image {index} is {width}x{height} ({width * height:,} pixels); at most "
-            f"{max_pixels:,} are accepted"
-        )
-    return image
-
-
-def describe_bytes(encoded: bytes) -> str:
-    """What a body that is no PNG or JPEG seems to be, for the error message."""
-    if not encoded:
-        return "no bytes"
-    if encoded.startswith(b"\x89PNG"):
-        return "a damaged PNG"
-    if encoded.startswith(b"\xff\xd8"):
-        return "a damaged JPEG"
-    if encoded[8:12] == b"WEBP" and encoded.startswith(b"RIFF"):
-        return "a WebP image"
-    for magic, name in _MAGIC_NAMES:
-        if encoded.startswith(magic):
-            return name
-    try:
-        encoded[:64].decode("utf-8")
-    except UnicodeDecodeError:
-        return f"{len(encoded)} bytes starting {encoded[:8]!r}"
-    return f"text starting {encoded[:24].decode('utf-8', 'replace')!r}"
-
-
-def multipart_files(body: bytes, content_type: str) -> list[bytes]:
-    """The contents of a ``multipart/form-data`` body's file parts, in order; 400 when the
-    body is not well formed, 422 for a part that is not a file."""
-    boundary = content_type_parameter(content_type, "boundary")
-    if not boundary:
-        raise BadRequestError("a multipart/form-data body needs a boundary in its Content-Type")
-    parts: list[tuple[dict[bytes, bytes], list[bytes]]] = []
-    header_field: list[bytes] = []
-    header_value: list[bytes] = []
-    ended: list[bool] = []
-
-    def on_part_begin() -> None:
-        parts.append(({}, []))
-
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        header_field.append(data[start:end])
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        header_value.append(data[start:end])
-
-    def on_header_end() -> None:
-        parts[-1][0][b"".join(header_field).lower()] = b"".join(header_value)
-        header_field.clear()
-        header_value.clear()
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        parts[-1][1].append(data[start:end])
-
-    def on_end() -> None:
-        ended.append(True)
-
-    try:
-        parser = MultipartParser(
-            boundary,
-            {
-                "on_part_begin": on_part_begin,
-                "on_header_field": on_header_field,
-                "on_header_value": on_header_value,
-                "on_header_end": on_header_end,
-                "on_part_data": on_part_data,
-                "on_end": on_end,
-            },
-        )
-        parser.write(body)
-        parser.finalize()
-    except MultipartParseError as error:
-        raise BadRequestError(f"the multipart/form-data body is malformed: {error}") from None
-    if not ended:
-        raise BadRequestError("the multipart/form-data body ends before its closing boundary")
-    files = []
-    for index, (headers, chunks) in enumerate(parts):
-        _, disposition = parse_options_header(headers.get(b"content-disposition", b""))
-        if b"filename" not in disposition:
-            name = disposition.get(b"name", b"").decode("latin-1")
-            raise InvalidInputError(
-                f"multipart part {index} ({name!r}) is not a file; send each image as a file "
-                "part (curl -F image=@picture.png)"
-            )
-        files.append(b"".join(chunks))
-    return files
 
 
 def _base64_image(index: int, instance: object) -> bytes:

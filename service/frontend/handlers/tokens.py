@@ -105,7 +105,7 @@ class TokenClassificationHandler(TextHandler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         self.strategy(request)  # a bad query is refused before the model runs
-        return self.encode(self.texts(request))
+        return self.encode(self.bounded(self.texts(request)), request.deadline_s)
 
     def strategy(self, request: HandlerRequest) -> AggregationStrategy:
         """``?aggregation_strategy=`` when given, else the option; 422 for another value."""
@@ -118,7 +118,7 @@ class TokenClassificationHandler(TextHandler):
         """Per instance, its tokens' entries (or entities). The texts are tokenized again
         for their offsets: the handler keeps no state between a request's two steps, and
         tokenizing costs microseconds beside the forward."""
-        texts = self.texts(request)
+        texts = self.bounded(self.texts(request))  # as preprocess tokenized them
         strategy = self.strategy(request)
         scores = outputs[self.output]
         answers = []

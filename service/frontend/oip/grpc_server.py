@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -25,6 +25,7 @@ from service.errors import (
 )
 from service.frontend import request_spans
 from service.frontend.about import __version__
+from service.frontend.oip.parameters import batch_priority
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from service.frontend.oip.rest import binary_of, run_inference
@@ -35,7 +36,6 @@ from service.frontend.oip.tensors import (
     RequestedOutput,
 )
 from service.frontend.state import FrontendState
-from service.types import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 _inputs(request),
                 options,
                 deadline_s=deadline_s,
-                priority=_priority(options.parameters),
+                priority=batch_priority(options.parameters),
                 request_id=request.id or "grpc",
             )
             response = pb.ModelInferResponse(
@@ -233,11 +233,6 @@ def _requested(output: pb.ModelInferRequest.InferRequestedOutputTensor) -> Reque
     if not isinstance(classification, int) or isinstance(classification, bool):
         raise InvalidInputError(f"output {output.name!r}: classification must be an integer")
     return RequestedOutput(output.name, binary=True, classification=classification)
-
-
-def _priority(parameters: Mapping[str, Any]) -> Priority:
-    """Triton's ``priority`` parameter: 1 is the highest level."""
-    return "high" if parameters.get("priority") == 1 else "normal"
 
 
 async def start_grpc_server(frontend: FrontendState) -> grpc.aio.Server:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import struct
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -29,16 +28,18 @@ from service.errors import (
 )
 from service.frontend import request_spans
 from service.frontend.oip.datatypes import to_bf16, wire_dtype
+from service.frontend.oip.parameters import batch_priority, deadline, flag, naming_the_timeout
 from service.frontend.oip.tensors import (
     InferInput,
     InferOptions,
     OutputTensor,
     RequestedOutput,
     answer_outputs,
-    check_classification,
+    check_requested_outputs,
     to_request,
 )
 from service.frontend.predict import DisconnectWatcher, read_body
+from service.frontend.preprocessing import check_deadline
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.types import Priority
@@ -64,7 +65,8 @@ async def serve_v2_inference(
     version: str | None,
 ) -> Response:
     """Validate, queue on the engine, and answer one V2 inference request."""
-    deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
+    request_timeout_ms = frontend.settings.request_timeout_ms
+    deadline_s = time.monotonic() + request_timeout_ms / 1000.0
     frontend.serving_model(name, version)
     body = await read_body(
         receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
@@ -74,14 +76,14 @@ async def serve_v2_inference(
     with request_spans.child("parse"):
         document, binary = split_body(body, headers.get(HEADER_LENGTH))
         inputs, options, request_key = parse_request(document, binary)
-    with DisconnectWatcher(receive):
+    with DisconnectWatcher(receive), naming_the_timeout(options.parameters, request_timeout_ms):
         result, answered = await run_inference(
             frontend,
             model,
             inputs,
             options,
-            deadline_s=_deadline(options.parameters, deadline_s),
-            priority=_priority(options.parameters, headers.get("x-priority")),
+            deadline_s=deadline(options.parameters, deadline_s),
+            priority=batch_priority(options.parameters, headers.get("x-priority")),
             request_id=request_id,
         )
     return encode_response(
@@ -107,12 +109,12 @@ async def run_inference(
 ) -> tuple[InferenceResult, list[OutputTensor]]:
     """Validate a V2 request's tensors against ``model``, queue them on the engine (REST and
     gRPC alike), and the outputs to answer."""
-    for output in options.outputs:
-        check_classification(model.manifest, output)
+    check_requested_outputs(model.manifest, options.outputs)
     layout = frontend.layout_for(model)
     with request_spans.child("to_tensors"):
         instances = to_request(model.manifest, layout, inputs)
     group, cost_per_row = layout.group_and_cost(instances)
+    check_deadline(deadline_s, "it was being parsed")  # 504, not a refusal for "-3 ms left"
     frontend.holding += 1
     try:
         result = await request_spans.infer(
@@ -139,12 +141,14 @@ def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
     if header_length is None:
         json_part, binary = body, b""
     else:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        # isdigit alone takes "²", which int() refuses.
+        length = int(header_length) if header_length.isascii() and header_length.isdigit() else -1
+        if not 0 <= length <= len(body):
             raise BadRequestError(
                 f"Inference-Header-Content-Length {header_length[:32]!r} is not a length "
                 f"within the body's {len(body)} bytes"
             )
-        json_part, binary = body[: int(header_length)], body[int(header_length) :]
+        json_part, binary = body[:length], body[length:]
     try:
         return orjson.loads(json_part), binary
     except orjson.JSONDecodeError as error:
@@ -186,7 +190,7 @@ def parse_request(
         raise BadRequestError(
             f"{len(binary) - offset} bytes of binary data follow the inputs' declared sizes"
         )
-    binary_outputs = bool(parameters.get("binary_data_output", False))
+    binary_outputs = flag(parameters, "binary_data_output", "the request")
     outputs = tuple(_output(entry, binary_outputs) for entry in document.get("outputs") or [])
     return inputs, InferOptions(outputs, binary_outputs, parameters), request_key
 
@@ -229,29 +233,8 @@ def _output(entry: Any, binary_outputs: bool) -> RequestedOutput:
     classification = parameters.get("classification", 0)
     if not isinstance(classification, int) or isinstance(classification, bool):
         raise BadRequestError(f"output {entry['name']!r}: classification must be an integer")
-    return RequestedOutput(
-        entry["name"], bool(parameters.get("binary_data", binary_outputs)), classification
-    )
-
-
-def _priority(parameters: Mapping[str, Any], header: str | None) -> Priority:
-    """Triton's ``priority`` parameter (1 is the highest level) or ``X-Priority: high``."""
-    priority = parameters.get("priority")
-    if priority is not None and (not isinstance(priority, int) or priority < 0):
-        raise BadRequestError(f"'priority' must be a non-negative integer, got {priority!r}")
-    if priority == 1 or (header or "").strip().lower() == "high":
-        return "high"
-    return "normal"
-
-
-def _deadline(parameters: Mapping[str, Any], deadline_s: float) -> float:
-    """Triton's ``timeout`` parameter (microseconds) shortens the request's deadline."""
-    timeout_us = parameters.get("timeout")
-    if timeout_us is None:
-        return deadline_s
-    if not isinstance(timeout_us, int) or timeout_us <= 0:
-        raise BadRequestError("'timeout' must be a positive number of microseconds")
-    return min(deadline_s, time.monotonic() + timeout_us / 1e6)
+    binary = flag(parameters, "binary_data", f"output {entry['name']!r}", binary_outputs)
+    return RequestedOutput(entry["name"], binary, classification)
 
 
 def encode_response(

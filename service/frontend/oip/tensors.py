@@ -179,13 +179,24 @@ def answer_outputs(
     return answered
 
 
-def check_classification(manifest: Manifest, output: RequestedOutput) -> None:
-    """400 before the model runs: classification needs labels and a k within them."""
+def check_requested_outputs(manifest: Manifest, outputs: Sequence[RequestedOutput]) -> None:
+    """400 before the model runs: each output asked for once, by a name the model has, and
+    classification only with labels and a k within them."""
+    specs = {spec.name: spec for spec in manifest.outputs}
+    names = [output.name for output in outputs]
+    unknown = sorted(set(names) - set(specs))
+    if unknown:
+        raise BadRequestError(f"{manifest.name} has the outputs {list(specs)}; unknown {unknown}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise BadRequestError(f"outputs {repeated} are asked for more than once; ask once")
+    for output in outputs:
+        check_classification(specs[output.name], output)
+
+
+def check_classification(spec: TensorSpec, output: RequestedOutput) -> None:
     if not output.classification:
         return
-    spec = next((spec for spec in manifest.outputs if spec.name == output.name), None)
-    if spec is None:
-        return  # answered as unknown by answer_outputs... checked once more there
     if spec.labels is None:
         raise BadRequestError(
             f"output {output.name!r} has no labels in the model's manifest: classification "

@@ -1,0 +1,72 @@
+"""The V2 request parameters batchserve reads, type-checked: JSON's ``true`` is no number and
+``"no"`` is no boolean.
+
+Python counts ``True`` as the integer 1 and any non-empty string as true, so an unchecked
+``timeout: true`` was a timeout of 1 µs and ``binary_data_output: "no"`` asked for binary
+outputs. Each parameter here is refused with 400 unless it has the protocol's type.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from service.errors import BadRequestError, DeadlineExceededError
+from service.types import Priority
+
+
+def flag(parameters: Mapping[str, Any], name: str, where: str, default: bool = False) -> bool:
+    """A boolean parameter (``binary_data_output``, ``binary_data``); 400 for anything else."""
+    value = parameters.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequestError(f"{name} of {where} must be true or false, got {value!r}")
+    return value
+
+
+def _whole_number(parameters: Mapping[str, Any], name: str) -> int | None:
+    value = parameters.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRequestError(f"'{name}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def timeout_us(parameters: Mapping[str, Any]) -> int | None:
+    """Triton's ``timeout`` parameter, a positive number of microseconds, if given."""
+    value = _whole_number(parameters, "timeout")
+    if value == 0:
+        raise BadRequestError("'timeout' must be a positive number of microseconds, got 0")
+    return value
+
+
+def deadline(parameters: Mapping[str, Any], deadline_s: float) -> float:
+    """The request's deadline, shortened by its ``timeout`` parameter."""
+    timeout = timeout_us(parameters)
+    if timeout is None:
+        return deadline_s
+    return min(deadline_s, time.monotonic() + timeout / 1e6)
+
+
+def batch_priority(parameters: Mapping[str, Any], header: str | None = None) -> Priority:
+    """Triton's ``priority`` parameter (1 is the highest level) or ``X-Priority: high``."""
+    if _whole_number(parameters, "priority") == 1 or (header or "").strip().lower() == "high":
+        return "high"
+    return "normal"
+
+
+@contextmanager
+def naming_the_timeout(parameters: Mapping[str, Any], request_timeout_ms: float) -> Iterator[None]:
+    """A 504 names the request's own ``timeout`` when that is the deadline that applied (the
+    engine's message names the server's ``request_timeout_ms``)."""
+    try:
+        yield
+    except DeadlineExceededError:
+        timeout = timeout_us(parameters)
+        if timeout is None or timeout / 1000 >= request_timeout_ms:
+            raise
+        raise DeadlineExceededError(
+            f"the request was not answered within its 'timeout' parameter of {timeout} µs"
+        ) from None

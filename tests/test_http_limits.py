@@ -1,0 +1,165 @@
+"""Request heads are bounded in size (431) and in arrival time (408, then closed), on a real
+uvicorn server on 127.0.0.1 and on gunicorn's front ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import orjson
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from service.config import Settings
+from service.server.draining import uvicorn_config
+from tests.fixtures import wait_until
+from tests.processes import serve_with_engines, wait_until_serving
+
+HEAD_TIMEOUT_S = 0.5
+MAX_HEADER_BYTES = 4096
+
+
+async def slow_hello(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers after twice the head timeout: the head's timer must not cut a slow answer."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(2 * HEAD_TIMEOUT_S)
+    headers = [(b"content-length", b"5")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+@asynccontextmanager
+async def serving(**settings: object) -> AsyncIterator[int]:
+    """The port of uvicorn configured as batchserve configures it, serving ``slow_hello``."""
+    chosen = Settings(
+        port=1, max_header_bytes=MAX_HEADER_BYTES, header_timeout_s=HEAD_TIMEOUT_S, **settings
+    )
+    config = uvicorn_config(slow_hello, chosen)  # type: ignore[arg-type]
+    config.port, config.lifespan = 0, "off"
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def exchange(port: int, data: bytes) -> tuple[bytes, float]:
+    """What the server answers to ``data`` before it closes, and after how many seconds."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started_s = time.monotonic()
+    writer.write(data)
+    answer = await asyncio.wait_for(reader.read(), timeout=10.0)
+    writer.close()
+    return answer, time.monotonic() - started_s
+
+
+def status_and_body(answer: bytes) -> tuple[int, bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def test_a_header_over_the_limit_is_answered_431_and_the_connection_closed() -> None:
+    async with serving() as port:
+        big = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1024 * 1024) + b"\r\n\r\n"
+        answer, _ = await exchange(port, big)
+        many = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Small: aaaaaaaaaa\r\n" * 400 + b"\r\n"
+        many_answer, _ = await exchange(port, many)
+        within = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Ok: "
+        within_answer, _ = await exchange(port, within + b"a" * 3000 + b"\r\n\r\n")
+
+    status, body = status_and_body(answer)
+    assert status == 431
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "request_header_fields_too_large"
+    assert f"exceed {MAX_HEADER_BYTES} bytes" in error["message"]
+    assert b"connection: close" in answer.lower()
+    assert status_and_body(many_answer)[0] == 431  # many small headers count together
+    assert status_and_body(within_answer) == (200, b"hello")
+
+
+async def test_a_huge_header_is_refused_before_it_is_all_sent() -> None:
+    """100 MB offered: the server answers once the limit is passed, having read little."""
+    async with serving() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answered = asyncio.create_task(reader.read())  # until the server's end of stream
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        try:
+            while sent < 100 * 1024 * 1024 and not (answered.done() or writer.is_closing()):
+                writer.write(b"a" * 65536)
+                await writer.drain()
+                sent += 65536
+        except ConnectionError:
+            pass  # closed once the lingering read more than a MiB after answering
+        answer = await asyncio.wait_for(answered, timeout=10.0)
+        writer.close()
+    assert status_and_body(answer)[0] == 431
+    assert sent < 50 * 1024 * 1024
+
+
+async def test_a_request_line_trickling_in_is_cut_at_the_head_timeout() -> None:
+    async with serving() as port:
+        half, half_s = await exchange(port, b"GET /predi")
+        silent, silent_s = await exchange(port, b"")
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started_s = time.monotonic()
+        answered = asyncio.create_task(reader.read())  # until the server's end of stream
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            if answered.done():
+                break
+            writer.write(bytes([byte]))
+            await asyncio.sleep(0.05)  # a byte every 50 ms: the head needs 7 s
+        trickled = await asyncio.wait_for(answered, timeout=10.0)
+        trickled_s = time.monotonic() - started_s
+        writer.close()
+
+    assert status_and_body(half)[0] == 408
+    assert b"did not arrive within 0.5 s" in half
+    assert silent == b""  # nothing asked, nothing answered: closed
+    for waited_s in (half_s, silent_s, trickled_s):
+        assert HEAD_TIMEOUT_S * 0.9 <= waited_s < HEAD_TIMEOUT_S + 2.0
+    assert status_and_body(trickled)[0] == 408
+
+
+async def test_the_head_timer_spares_slow_answers_and_restarts_for_the_next_request() -> None:
+    async with serving(keep_alive_timeout_s=1) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            slow = await client.get("/slow")  # longer than the head timeout
+            again = await client.get("/")  # the same kept-alive connection
+            await asyncio.sleep(2 * HEAD_TIMEOUT_S)  # idle, within keep-alive
+            third = await client.get("/")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        started_s = time.monotonic()
+        answer = await asyncio.wait_for(reader.read(), timeout=10.0)  # until it is closed
+        idle_closed_s = time.monotonic() - started_s
+        writer.close()
+    assert [slow.status_code, again.status_code, third.status_code] == [200, 200, 200]
+    assert status_and_body(answer) == (200, b"hello")
+    assert 0.9 <= idle_closed_s < 4.0  # keep_alive_timeout_s = 1
+
+
+async def test_gunicorn_front_ends_limit_heads_too(tmp_path: Path) -> None:
+    with serve_with_engines(
+        tmp_path,
+        2,
+        BATCHSERVE_MAX_HEADER_BYTES="4096",
+        BATCHSERVE_HEADER_TIMEOUT_S="0.5",
+    ) as server:
+        wait_until_serving(server, 2)
+        port = int(server.url.rsplit(":", 1)[1])
+        big, _ = await exchange(port, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 8192 + b"\r\n")
+        half, half_s = await exchange(port, b"GET /heal")
+    assert status_and_body(big)[0] == 431
+    assert status_and_body(half)[0] == 408
+    assert half_s < 3.0
