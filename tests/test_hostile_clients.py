@@ -23,6 +23,7 @@ from PIL import Image
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.manifest import HandlerSpec
+from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import engine_of
 from tests.fixtures import HANDLER_GATE
@@ -54,7 +55,7 @@ def gated_repository(tmp_path: Path) -> Path:
     shutil.copytree(BUNDLED_MODEL_REPOSITORY / "digits", repository / "digits")
     module = tmp_path / "gated.py"
     module.write_text(GATED_HANDLER)
-    ModelStore(repository).package(
+    Packager(repository).package(
         name="gated",
         artifact=STORE.version_folder("digits", DIGITS.version) / DIGITS.artifact,
         format=DIGITS.format,
