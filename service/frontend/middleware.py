@@ -22,7 +22,8 @@ from service import tracing
 from service.errors import FrontendBusyError, ServiceError
 from service.frontend import request_spans
 from service.frontend.oip import rest as v2
-from service.frontend.predict import ClientDisconnectedError, PredictHeaders, serve_prediction
+from service.frontend.predict import PredictHeaders, serve_prediction
+from service.frontend.requests import ClientDisconnectedError
 from service.frontend.responses import internal_error_response, service_error_response
 from service.frontend.state import FrontendState
 

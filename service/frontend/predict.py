@@ -16,9 +16,9 @@ from typing import TypeVar
 from urllib.parse import parse_qsl
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope
+from starlette.types import Receive, Scope
 
-from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
+from service.bridge.interface import InferenceResult, ModelInfo
 from service.errors import (
     BadRequestError,
     HandlerError,
@@ -39,6 +39,7 @@ from service.frontend.inputs import (
     encode_npy,
     encode_npz,
 )
+from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
@@ -47,10 +48,6 @@ from service.types import PRIORITIES, Priority
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away before its body arrived; there is nobody to answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,54 +96,6 @@ class PredictHeaders:
 _PREDICT_HEADERS = frozenset(
     {b"content-type", b"accept", b"content-length", b"x-priority", b"x-request-id"}
 )
-
-
-class DisconnectWatcher:
-    """While the caller waits for its batch, cancels the wait if the client disconnects.
-
-    The cancellation drops the request's queued work (it is never computed) and surfaces as
-    ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
-    it tried to write the answer. Watching costs a task, so it starts only once the request
-    has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the ones
-    for which dropping queued work matters least.
-    """
-
-    WATCH_AFTER_S = 0.02
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._waiting = False
-        self._watch: asyncio.Future[Message] | None = None
-        self.disconnected = False
-
-    def __enter__(self) -> DisconnectWatcher:
-        self._caller = asyncio.current_task()
-        self._waiting = True
-        self._timer = asyncio.get_running_loop().call_later(self.WATCH_AFTER_S, self._start)
-        return self
-
-    def _start(self) -> None:
-        if self._waiting:
-            self._watch = asyncio.ensure_future(self._receive())
-            self._watch.add_done_callback(self._on_message)
-
-    def _on_message(self, watch: asyncio.Future[Message]) -> None:
-        if not self._waiting or watch.cancelled() or watch.exception() is not None:
-            return
-        if watch.result()["type"] == "http.disconnect" and self._caller is not None:
-            self.disconnected = True
-            self._caller.cancel()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: object
-    ) -> None:
-        self._waiting = False
-        self._timer.cancel()
-        if self._watch is not None:
-            self._watch.cancel()
-        if self.disconnected and kind is asyncio.CancelledError and self._caller is not None:
-            self._caller.uncancel()
-            raise ClientDisconnectedError from None
 
 
 async def read_body(
@@ -201,19 +150,19 @@ async def serve_prediction(
 
     The request is validated against the version served once its body has arrived, so a
     version switched while a slow body was uploading costs nothing; the answer names the
-    version that computed it. A version's handler turns the body into tensors and the output
-    rows into its answer, in a thread of this front end.
+    version that computed it. A version's handler turns the body into tensors in the handler
+    threads (on the event loop when ``handler_threads`` is 0) and the output rows into its
+    answer on the event loop; a version without a handler is parsed on the event loop.
     """
-    deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
+    deadline = Deadline.start(frontend.settings)
     # Refused at once, before reading a body nobody can serve.
     model = frontend.serving_model(model_name, model_version)
     body_media_type(headers.content_type, frontend.handler_for(model).media_types)
     body = await read_body(
-        receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
+        receive, headers.content_length, frontend.settings.max_body_bytes, deadline.at_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
-    frontend.holding += 1
-    try:
+    with HeldRequest(frontend, deadline, request_id) as held:
         model = frontend.serving_model(model_name, model_version)
         handler = frontend.handler_for(model)
         handler_request = HandlerRequest(
@@ -225,23 +174,7 @@ async def serve_prediction(
         answer_type = _answer_type(headers.accept, model, handler)
         with request_spans.child("parse"):
             instances = await _preprocess(frontend, handler, handler_request)
-        layout = frontend.layout_for(model)
-        group, cost_per_row = layout.group_and_cost(instances)
-        request = InferenceRequest(
-            model=model.manifest.name,
-            version=model.manifest.version,
-            instances=instances,
-            group=group,
-            cost_per_row=cost_per_row,
-            priority=headers.batch_priority(),
-            deadline_s=deadline_s,
-            request_id=request_id,
-            frontend_load=frontend.holding,
-        )
-        with DisconnectWatcher(receive):
-            result = await request_spans.infer(frontend, request)
-    finally:
-        frontend.holding -= 1
+        result = await held.infer(model, instances, headers.batch_priority(), receive)
     name, version = model.manifest.name, result.version
     response_headers = {"X-Model-Version": f"{name}@{version}"}
     if answer_type == NPY_MEDIA_TYPE:

@@ -34,6 +34,7 @@ from service.frontend.oip.tensors import (
     InferOptions,
     RequestedOutput,
 )
+from service.frontend.requests import Deadline
 from service.frontend.state import FrontendState
 from service.types import Priority
 
@@ -69,6 +70,8 @@ _STATUS_CODES: dict[int, grpc.StatusCode] = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 INFER_ROUTE = "grpc:ModelInfer"
+#: The deadline's source when the call's own deadline set it.
+GRPC_DEADLINE = "the call's gRPC deadline"
 #: The server span's name: the full gRPC method, as OpenTelemetry's conventions name it.
 MODEL_INFER_METHOD = "inference.GRPCInferenceService/ModelInfer"
 
@@ -163,10 +166,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         async def infer() -> pb.ModelInferResponse:
             frontend = self.frontend
-            deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
-            remaining_s = context.time_remaining()
-            if remaining_s is not None:
-                deadline_s = min(deadline_s, time.monotonic() + remaining_s)
+            deadline = Deadline.start(frontend.settings).sooner(
+                context.time_remaining(), GRPC_DEADLINE
+            )
             model = frontend.serving_model(request.model_name, request.model_version or None)
             options = InferOptions(
                 outputs=tuple(_requested(output) for output in request.outputs),
@@ -177,7 +179,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 model,
                 _inputs(request),
                 options,
-                deadline_s=deadline_s,
+                deadline=deadline,
                 priority=_priority(options.parameters),
                 request_id=request.id or "grpc",
             )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import struct
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +20,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive
 
-from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
+from service.bridge.interface import InferenceResult, ModelInfo
 from service.errors import (
     BadRequestError,
     InvalidInputError,
@@ -38,7 +37,8 @@ from service.frontend.oip.tensors import (
     check_classification,
     to_request,
 )
-from service.frontend.predict import DisconnectWatcher, read_body
+from service.frontend.predict import read_body
+from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.types import Priority
@@ -47,6 +47,8 @@ INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 HEADER_LENGTH = "inference-header-content-length"
 JSON = "application/json"
 BINARY = "application/octet-stream"
+#: The deadline's source when the request's ``timeout`` parameter set it.
+TIMEOUT_PARAMETER = "the request's 'timeout' parameter"
 
 
 def error_response(error: ServiceError) -> Response:
@@ -64,26 +66,26 @@ async def serve_v2_inference(
     version: str | None,
 ) -> Response:
     """Validate, queue on the engine, and answer one V2 inference request."""
-    deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
+    deadline = Deadline.start(frontend.settings)
     frontend.serving_model(name, version)
     body = await read_body(
-        receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
+        receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline.at_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
     model = frontend.serving_model(name, version)
     with request_spans.child("parse"):
         document, binary = split_body(body, headers.get(HEADER_LENGTH))
         inputs, options, request_key = parse_request(document, binary)
-    with DisconnectWatcher(receive):
-        result, answered = await run_inference(
-            frontend,
-            model,
-            inputs,
-            options,
-            deadline_s=_deadline(options.parameters, deadline_s),
-            priority=_priority(options.parameters, headers.get("x-priority")),
-            request_id=request_id,
-        )
+    result, answered = await run_inference(
+        frontend,
+        model,
+        inputs,
+        options,
+        deadline=deadline.sooner(_timeout_s(options.parameters), TIMEOUT_PARAMETER),
+        priority=_priority(options.parameters, headers.get("x-priority")),
+        request_id=request_id,
+        receive=receive,
+    )
     return encode_response(
         {
             "model_name": model.manifest.name,
@@ -101,36 +103,21 @@ async def run_inference(
     inputs: list[InferInput],
     options: InferOptions,
     *,
-    deadline_s: float,
+    deadline: Deadline,
     priority: Priority,
     request_id: str,
+    receive: Receive | None = None,
 ) -> tuple[InferenceResult, list[OutputTensor]]:
     """Validate a V2 request's tensors against ``model``, queue them on the engine (REST and
-    gRPC alike), and the outputs to answer."""
+    gRPC alike), and the outputs to answer. ``receive``: the HTTP request's, to stop waiting
+    when its client leaves."""
     for output in options.outputs:
         check_classification(model.manifest, output)
     layout = frontend.layout_for(model)
-    with request_spans.child("to_tensors"):
-        instances = to_request(model.manifest, layout, inputs)
-    group, cost_per_row = layout.group_and_cost(instances)
-    frontend.holding += 1
-    try:
-        result = await request_spans.infer(
-            frontend,
-            InferenceRequest(
-                model=model.manifest.name,
-                version=model.manifest.version,
-                instances=instances,
-                group=group,
-                cost_per_row=cost_per_row,
-                priority=priority,
-                deadline_s=deadline_s,
-                request_id=request_id,
-                frontend_load=frontend.holding,
-            ),
-        )
-    finally:
-        frontend.holding -= 1
+    with HeldRequest(frontend, deadline, request_id) as held:
+        with request_spans.child("to_tensors"):
+            instances = to_request(model.manifest, layout, inputs)
+        result = await held.infer(model, instances, priority, receive)
     return result, answer_outputs(model.manifest, result.outputs, options)
 
 
@@ -244,14 +231,17 @@ def _priority(parameters: Mapping[str, Any], header: str | None) -> Priority:
     return "normal"
 
 
-def _deadline(parameters: Mapping[str, Any], deadline_s: float) -> float:
-    """Triton's ``timeout`` parameter (microseconds) shortens the request's deadline."""
+def _timeout_s(parameters: Mapping[str, Any]) -> float | None:
+    """Triton's ``timeout`` parameter (microseconds), in seconds: it may shorten the
+    request's deadline."""
     timeout_us = parameters.get("timeout")
     if timeout_us is None:
-        return deadline_s
-    if not isinstance(timeout_us, int) or timeout_us <= 0:
-        raise BadRequestError("'timeout' must be a positive number of microseconds")
-    return min(deadline_s, time.monotonic() + timeout_us / 1e6)
+        return None
+    if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us <= 0:
+        raise BadRequestError(
+            f"'timeout' must be a positive number of microseconds, got {timeout_us!r}"
+        )
+    return timeout_us / 1e6
 
 
 def encode_response(
