@@ -10,7 +10,6 @@ answers ``/predict``, and it is queued on the same engine, so both share batches
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +42,6 @@ from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.types import Priority
 
-INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 HEADER_LENGTH = "inference-header-content-length"
 JSON = "application/json"
 BINARY = "application/octet-stream"
