@@ -22,7 +22,6 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
-from service.buckets import batch_group, group_and_cost
 from service.errors import (
     BadRequestError,
     InvalidInputError,
@@ -86,11 +85,6 @@ def answer_media_type(accept: str | None) -> str:
     return next(media for media, quality in qualities.items() if quality == best)
 
 
-def wants_npy(accept: str | None) -> bool:
-    """Whether the ``Accept`` header prefers a ``.npy`` answer to JSON."""
-    return answer_media_type(accept) == NPY_MEDIA_TYPE
-
-
 def _quality(parameters: str) -> float:
     """The ``q`` of one ``Accept`` entry's parameters (``;q=0.5``); 1 when absent, 0 when
     unreadable or out of range, so a malformed entry is never preferred."""
@@ -120,8 +114,8 @@ def encode_npz(arrays: NamedArrays) -> bytes:
 
 @dataclass(frozen=True)
 class InputLayout:
-    """How requests for one model are parsed into its named inputs, validated, grouped into
-    batches and costed."""
+    """How requests for one model are parsed into its named inputs and validated (their batch
+    group and cost: ``buckets.batch_group``)."""
 
     manifest: Manifest
     length_edges: tuple[int, ...] = ()
@@ -238,10 +232,6 @@ class InputLayout:
             raise InvalidInputError(f"every input needs one row per instance, got {counts}")
         return self._checked_lengths(NamedArrays(checked))
 
-    def group_and_cost(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
-        """Requests with the same group may share a batch; cost is padded positions per row."""
-        return batch_group(self.manifest, instances, self.length_edges)
-
     def _check_shared_lengths(self, columns: dict[str, list[Any]]) -> None:
         """Inputs with a variable axis (ids and mask) must be as long as each other, instance
         by instance, before they are padded."""
@@ -275,7 +265,7 @@ class InputLayout:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How one input tensor is validated, grouped into batches and costed."""
+    """How one input tensor is parsed and validated."""
 
     spec: TensorSpec
     length_edges: tuple[int, ...] = ()
@@ -336,10 +326,6 @@ class TensorLayout:
         stored, or compressed at most to what the request size limit already allowed) times
         a generous ratio, so a zip bomb is refused before it is inflated."""
         return max(len(body) * 64, 1 << 20)
-
-    def group_and_cost(self, instances: Array) -> tuple[tuple[int, ...], int]:
-        """Requests with the same group may share a batch; cost is padded positions per row."""
-        return group_and_cost(instances.shape[1:], self.spec.variable_axis, self.length_edges)
 
     def check_count(self, count: int) -> None:
         if count == 0:
