@@ -15,7 +15,6 @@ import random
 import re
 import time
 
-from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,7 +42,7 @@ class ServiceMiddleware:
     def __init__(self, app: ASGIApp, frontend: FrontendState) -> None:
         self.app = app
         self.frontend = frontend
-        self.metrics = frontend.metrics
+        self.tally = frontend.request_tally
         # Its own generator: code that seeds the global one (tests, libraries) must not make
         # request ids repeat.
         self._ids = random.Random()
@@ -70,17 +69,19 @@ class ServiceMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = MutableHeaders(scope=message)
-                headers.append("X-Request-ID", request_id)
-                if self.frontend.draining and "connection" not in headers:
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                if self.frontend.draining and all(
+                    name.lower() != b"connection" for name, _ in headers
+                ):
                     # A keep-alive client would send its next request to a closing socket.
-                    headers.append("Connection", "close")
+                    headers.append((b"connection", b"close"))
+                message["headers"] = headers
             await send(message)
 
         inference = found if scope["method"] == "POST" else None
         try:
             if inference is not None:
-                self.metrics.in_flight.inc()
+                self.tally.started()
                 self.frontend.receiving += 1
                 if inference.route.protocol == "v2":
                     response = await self._infer_v2(scope, receive, request_id, inference)
@@ -94,12 +95,9 @@ class ServiceMiddleware:
                 await self.app(scope, receive, send_with_request_id)
         finally:
             if inference is not None:
-                self.metrics.in_flight.dec()
                 self.frontend.receiving -= 1
-            status_label = str(status)
-            self.metrics.requests.labels(route, status_label).inc()
-            self.metrics.request_latency.labels(route, status_label).observe(
-                time.perf_counter() - started_s, tracing.current_exemplar()
+            self.tally.answered(
+                route, str(status), time.perf_counter() - started_s, inference is not None
             )
 
     async def _predict(

@@ -140,10 +140,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _metered_infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
-        metrics = self.frontend.metrics
+        tally = self.frontend.request_tally
         started_s = time.perf_counter()
         status = "200"
-        metrics.in_flight.inc()
+        tally.started()
         self.frontend.receiving += 1
         try:
             return await self._infer(request, context)
@@ -154,12 +154,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             status = "499" if context.cancelled() else "500"
             raise
         finally:
-            metrics.in_flight.dec()
             self.frontend.receiving -= 1
-            metrics.requests.labels(INFER_ROUTE, status).inc()
-            metrics.request_latency.labels(INFER_ROUTE, status).observe(
-                time.perf_counter() - started_s, tracing.current_exemplar()
-            )
+            tally.answered(INFER_ROUTE, status, time.perf_counter() - started_s)
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
