@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass
 
 from starlette.types import Message, Receive
@@ -127,30 +128,36 @@ class DisconnectWatcher:
     ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
     it tried to write the answer. Watching costs a task, so it starts only once the request
     has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the ones
-    for which dropping queued work matters least.
+    for which dropping queued work matters least. One timer per event loop (``_Waiting``)
+    starts the watches that are due, rather than a timer per request.
     """
 
     WATCH_AFTER_S = 0.02
 
+    __slots__ = ("_caller", "_receive", "_waiting", "_watch", "disconnected")
+
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
-        self._waiting = False
         self._watch: asyncio.Future[Message] | None = None
         self.disconnected = False
 
     def __enter__(self) -> DisconnectWatcher:
-        self._caller = asyncio.current_task()
-        self._waiting = True
-        self._timer = asyncio.get_running_loop().call_later(self.WATCH_AFTER_S, self._start)
+        loop = asyncio.get_running_loop()
+        self._caller = asyncio.current_task(loop)
+        waiting = _WAITING.get(loop)
+        if waiting is None:
+            waiting = _WAITING[loop] = _Waiting(loop, self.WATCH_AFTER_S)
+        self._waiting = waiting
+        waiting.add(self)
         return self
 
-    def _start(self) -> None:
-        if self._waiting:
-            self._watch = asyncio.ensure_future(self._receive())
-            self._watch.add_done_callback(self._on_message)
+    def start(self) -> None:
+        """Watch the client from now on (``_Waiting`` calls it once the request is due)."""
+        self._watch = asyncio.ensure_future(self._receive())
+        self._watch.add_done_callback(self._on_message)
 
     def _on_message(self, watch: asyncio.Future[Message]) -> None:
-        if not self._waiting or watch.cancelled() or watch.exception() is not None:
+        if watch.cancelled() or watch.exception() is not None:
             return
         if watch.result()["type"] == "http.disconnect" and self._caller is not None:
             self.disconnected = True
@@ -159,10 +166,45 @@ class DisconnectWatcher:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> None:
-        self._waiting = False
-        self._timer.cancel()
+        self._waiting.remove(self)
         if self._watch is not None:
+            self._watch.remove_done_callback(self._on_message)
             self._watch.cancel()
         if self.disconnected and kind is asyncio.CancelledError and self._caller is not None:
             self._caller.uncancel()
             raise ClientDisconnectedError from None
+
+
+class _Waiting:
+    """The watchers of one event loop whose requests wait for the engine, in arrival order;
+    one timer starts each one's watch once it has waited ``after_s``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, after_s: float) -> None:
+        self._loop = loop
+        self._after_s = after_s
+        self._since: dict[DisconnectWatcher, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, watcher: DisconnectWatcher) -> None:
+        self._since[watcher] = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._after_s, self._start_due)
+
+    def remove(self, watcher: DisconnectWatcher) -> None:
+        self._since.pop(watcher, None)
+
+    def _start_due(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        while self._since:
+            watcher, since = next(iter(self._since.items()))
+            if now - since < self._after_s:
+                self._timer = self._loop.call_later(since + self._after_s - now, self._start_due)
+                return
+            del self._since[watcher]
+            watcher.start()
+
+
+_WAITING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waiting] = (
+    weakref.WeakKeyDictionary()
+)
