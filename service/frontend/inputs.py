@@ -520,7 +520,7 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
         )
     narrowing = target.kind == "f" and array.dtype.kind == "f" and array.itemsize > target.itemsize
     # Checked here rather than silenced with np.errstate, which costs more per request.
-    if narrowing and not np.all(np.abs(array) <= np.finfo(target).max):
+    if narrowing and not (np.abs(array) <= np.finfo(target).max).all():
         raise InvalidInputError(
             f"instances contain values that are not finite in {spec.dtype} (NaN, infinity, "
             "or beyond its range)"
@@ -536,7 +536,7 @@ def _whole_numbers(array: Array, spec: TensorSpec) -> Array:
     refused as fractional); 422 when one is outside ``spec``'s dtype or beyond 2**53, where a
     JSON number no longer holds every integer exactly."""
     values = array.astype(np.float64, copy=False)
-    if not np.all(np.floor(values) == values):
+    if not (np.floor(values) == values).all():
         return array
     limits = np.iinfo(spec.numpy_dtype)
     lowest, highest = max(limits.min, -(2**53)), min(limits.max, 2**53)

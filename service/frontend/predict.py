@@ -156,8 +156,10 @@ async def serve_prediction(
     """
     deadline = Deadline.start(frontend.settings)
     # Refused at once, before reading a body nobody can serve.
-    model = frontend.serving_model(model_name, model_version)
-    body_media_type(headers.content_type, frontend.handler_for(model).media_types)
+    first_model = frontend.serving_model(model_name, model_version)
+    media_type = body_media_type(
+        headers.content_type, frontend.handler_for(first_model).media_types
+    )
     body = await read_body(
         receive, headers.content_length, frontend.settings.max_body_bytes, deadline.at_s
     )
@@ -165,9 +167,11 @@ async def serve_prediction(
     with HeldRequest(frontend, deadline, request_id) as held:
         model = frontend.serving_model(model_name, model_version)
         handler = frontend.handler_for(model)
+        if model is not first_model:  # switched while the body arrived: its handler decides
+            media_type = body_media_type(headers.content_type, handler.media_types)
         handler_request = HandlerRequest(
             body=body,
-            media_type=body_media_type(headers.content_type, handler.media_types),
+            media_type=media_type,
             content_type=headers.content_type or JSON_MEDIA_TYPE,
             query=_query(query_string, handler),
         )
