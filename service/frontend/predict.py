@@ -39,6 +39,7 @@ from service.frontend.inputs import (
     encode_npy,
     encode_npz,
 )
+from service.frontend.receiving import received_or_pending
 from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
@@ -111,6 +112,12 @@ async def read_body(
             raise PayloadTooLargeError(
                 f"the body is {int(declared_length)} bytes; at most {max_bytes} bytes are accepted"
             )
+    first, pending = received_or_pending(receive)
+    if first is not None and first["type"] == "http.request" and not first.get("more_body"):
+        body: bytes = first.get("body", b"")  # all there already: no timer to arm
+        if len(body) > max_bytes:
+            raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
+        return body
     chunks: list[bytes] = []
     received = 0
     more_body = True
@@ -118,7 +125,12 @@ async def read_body(
     try:
         async with asyncio.timeout_at(loop.time() + deadline_s - time.monotonic()):
             while more_body:
-                message = await receive()
+                if first is not None:
+                    message, first = first, None
+                elif pending is not None:
+                    message, pending = await pending, None
+                else:
+                    message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnectedError
                 chunk: bytes = message.get("body", b"")
