@@ -3,17 +3,14 @@ metrics labels all come from it."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI
 
 from service.frontend.app import create_frontend_app
 from service.frontend.inference_routes import INFERENCE_ROUTES, match_inference
 from service.frontend.middleware import route_of
-from tests.test_requests import EngineAnsweringLate, frontend_with
+from tests.test_requests import EngineAnsweringLate, frontend_with, no_lifespan
 
 
 @pytest.mark.parametrize(
@@ -59,11 +56,7 @@ def test_other_paths_are_labelled_by_themselves_or_other() -> None:
 async def test_the_openapi_document_describes_exactly_the_table_s_inference_routes(
     tmp_path: Path,
 ) -> None:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-
-    app = create_frontend_app(frontend_with(EngineAnsweringLate(), tmp_path), lifespan)
+    app = create_frontend_app(frontend_with(EngineAnsweringLate(), tmp_path), no_lifespan)
     paths = app.openapi()["paths"]
     posted = {path for path, operations in paths.items() if "post" in operations}
     inference = {path for path in posted if path.endswith(("/predict", "/infer"))}

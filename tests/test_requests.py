@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import (
@@ -18,6 +23,7 @@ from service.bridge.interface import (
 )
 from service.config import Settings
 from service.errors import DeadlineExceededError
+from service.frontend.app import create_frontend_app
 from service.frontend.requests import SERVER_TIMEOUT, Deadline, HeldRequest
 from service.frontend.state import FrontendState
 from service.manifest import Architecture, Manifest, TensorSpec
@@ -62,11 +68,12 @@ class EngineAnsweringLate:
     """An engine that answers every request 504, as the engine does past its deadline, and
     keeps what it was asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: ModelInfo | None = None) -> None:
         self.requests: list[InferenceRequest] = []
+        self._models = () if model is None else (model,)
 
     def status(self) -> EngineStatus:
-        return EngineStatus(phase="ready")
+        return EngineStatus(phase="ready", models=self._models)
 
     def engines(self) -> list[EngineStatus]:
         return [self.status()]
@@ -129,3 +136,30 @@ async def test_a_held_request_reaches_the_engine_counted_grouped_and_with_its_de
     assert request.deadline_s == 123.0
     assert (request.group, request.cost_per_row) == ((16,), 16)  # the length bucket of 10
     assert request.frontend_load == 1
+
+
+async def test_a_v2_timeout_sets_the_deadline_and_its_504_names_it(tmp_path: Path) -> None:
+    engine = EngineAnsweringLate(tokens_model())
+    app = create_frontend_app(frontend_with(engine, tmp_path), no_lifespan)
+    document = {
+        "parameters": {"timeout": 50_000},
+        "inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]}],
+    }
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        started_s = time.monotonic()
+        answer = await http.post("/v2/models/tokens/infer", json=document)
+        plain = await http.post("/v2/models/tokens/infer", json={"inputs": document["inputs"]})
+    assert answer.status_code == 504
+    assert answer.json()["error"] == (
+        "the request was not answered within 50 ms (the request's 'timeout' parameter)"
+    )
+    first, second = engine.requests
+    assert started_s < first.deadline_s <= time.monotonic() + 0.05
+    assert plain.json()["error"].endswith("within 2000 ms (request_timeout_ms)")
+    assert second.deadline_s > first.deadline_s + 1.0
+
+
+@contextlib.asynccontextmanager
+async def no_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
