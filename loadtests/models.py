@@ -1,5 +1,6 @@
 """Two models in one engine: each alone, then both at once, to show that neither starves the
-other on the device thread they share (they take turns, a batch each).
+other on the device thread they share (it goes to the waiting model with the least device
+time so far: fair in device time, ``service/engine/device_turns.py``).
 
 ``python -m loadtests.models [--duration-s 8] [--repeats 3] [--workers 1]``: one server with
 ``BATCHSERVE_MODELS=digits,textenc``; wrk (closed loop) on ``/models/digits/predict`` (one

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from numpy.lib import format as npy_format
 
+from service.buckets import batch_group, group_and_cost
 from service.errors import (
     BadRequestError,
     InvalidInputError,
@@ -27,7 +28,6 @@ from service.frontend.inputs import (
     answer_media_type,
     body_media_type,
     encode_npy,
-    wants_npy,
 )
 from service.manifest import Manifest, TensorSpec
 from service.types import Array
@@ -142,7 +142,7 @@ def test_another_content_type_is_415_naming_the_accepted_ones() -> None:
 def test_an_npy_answer_needs_a_higher_quality_than_json(
     accept: str | None, npy_answer: bool
 ) -> None:
-    assert wants_npy(accept) is npy_answer
+    assert (answer_media_type(accept) == NPY_MEDIA_TYPE) is npy_answer
 
 
 def test_answers_encode_as_npy_and_never_as_pickles() -> None:
@@ -419,9 +419,12 @@ def test_the_length_checked_is_the_variable_axis() -> None:
 
 
 def test_group_and_cost_follow_the_length_bucket() -> None:
-    assert TOKENS.group_and_cost(np.zeros((5, 3), np.int64)) == ((3,), 0)  # no buckets
-    assert VECTORS.group_and_cost(np.zeros((5, 3, 2), np.float32)) == ((4, 2), 8)
-    assert PAIRS.group_and_cost(np.zeros((5, 2), np.float32)) == ((2,), 0)
+    def grouped(layout: TensorLayout, array: np.ndarray) -> tuple[tuple[int, ...], int]:
+        return group_and_cost(array.shape[1:], layout.spec.variable_axis, layout.length_edges)
+
+    assert grouped(TOKENS, np.zeros((5, 3), np.int64)) == ((3,), 0)  # no buckets
+    assert grouped(VECTORS, np.zeros((5, 3, 2), np.float32)) == ((4, 2), 8)
+    assert grouped(PAIRS, np.zeros((5, 2), np.float32)) == ((2,), 0)
 
 
 # --------------------------------------------------------------------------- .npy bodies
@@ -570,7 +573,7 @@ def test_named_instances_become_one_padded_array_per_input() -> None:
     same(parsed["ids"], np.array([[3, 4, 5], [9, 0, 0]], dtype=np.int64))
     same(parsed["mask"], np.array([[True, True, False], [True, False, False]]))
     same(parsed["scale"], np.array([7, 255], dtype=np.uint8))
-    assert PAIR.group_and_cost(parsed) == ((6,), 6)
+    assert batch_group(PAIR.manifest, parsed, PAIR.length_edges) == ((6,), 6)
     assert PAIR.parse(body([{"ids": [1], "mask": [True], "scale": 0}]), JSON_MEDIA_TYPE)[
         "ids"
     ].shape == (1, 1)

@@ -212,7 +212,8 @@ async def test_a_model_that_is_not_served_or_a_version_that_is_not_is_404() -> N
 async def test_a_flooded_model_does_not_starve_another(tmp_path: Path) -> None:
     """``slow`` holds the device thread (a batch that blocks until released) with ten more
     single-row batches queued behind it; ``quick``'s request, sent after all of them, is
-    answered after one more batch of ``slow``'s at most: the models take turns, a batch each."""
+    answered after one more batch of ``slow``'s at most: the device goes to the waiting model
+    with the least device time, so a model waits behind at most the batch that is running."""
     repository = tmp_path / "repository"
     package_affine(repository, "slow", FEATURES, "tests.torch_models:HangsOnValue")
     package_affine(repository, "quick", FEATURES, "tests.torch_models:AffineModel")

@@ -12,7 +12,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from service.buckets import bucket_of, default_edges, resolve_edges
+from service.buckets import batch_group, bucket_of, default_edges, resolve_edges
 from service.config import Settings
 from service.server.single import create_app
 from service.tensors import NamedArrays
@@ -95,8 +95,8 @@ async def test_requests_in_different_buckets_never_share_a_batch(
     layout = frontend.layout_for(frontend.serving_model())
     short = NamedArrays({"token_ids": np.ones((2, 5), dtype=np.int64)})
     long = NamedArrays({"token_ids": np.ones((1, 200), dtype=np.int64)})
-    assert layout.group_and_cost(short) == ((8,), 8)
-    assert layout.group_and_cost(long) == ((256,), 256)
+    assert batch_group(layout.manifest, short, layout.length_edges) == ((8,), 8)
+    assert batch_group(layout.manifest, long, layout.length_edges) == ((256,), 256)
     lengths = [5, 200, 6, 201, 7]
     responses = await asyncio.gather(
         *(client.post("/predict", json={"instances": [s]}) for s in sequences(lengths))

@@ -22,7 +22,6 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
-from service.buckets import batch_group, group_and_cost
 from service.errors import (
     BadRequestError,
     InvalidInputError,
@@ -87,11 +86,6 @@ def answer_media_type(accept: str | None) -> str:
     return next(media for media, quality in qualities.items() if quality == best)
 
 
-def wants_npy(accept: str | None) -> bool:
-    """Whether the ``Accept`` header prefers a ``.npy`` answer to JSON."""
-    return answer_media_type(accept) == NPY_MEDIA_TYPE
-
-
 def _quality(parameters: str) -> float:
     """The ``q`` of one ``Accept`` entry's parameters (``;q=0.5``); 1 when absent, 0 when
     unreadable or out of range, so a malformed entry is never preferred."""
@@ -121,8 +115,8 @@ def encode_npz(arrays: NamedArrays) -> bytes:
 
 @dataclass(frozen=True)
 class InputLayout:
-    """How requests for one model are parsed into its named inputs, validated, grouped into
-    batches and costed."""
+    """How requests for one model are parsed into its named inputs and validated (their batch
+    group and cost: ``buckets.batch_group``)."""
 
     manifest: Manifest
     length_edges: tuple[int, ...] = ()
@@ -240,10 +234,6 @@ class InputLayout:
             raise InvalidInputError(f"every input needs one row per instance, got {counts}")
         return self._checked_lengths(NamedArrays(checked))
 
-    def group_and_cost(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
-        """Requests with the same group may share a batch; cost is padded positions per row."""
-        return batch_group(self.manifest, instances, self.length_edges)
-
     def _check_shared_lengths(self, columns: dict[str, list[Any]]) -> None:
         """Inputs with a variable axis (ids and mask) must be as long as each other, instance
         by instance, before they are padded."""
@@ -288,7 +278,7 @@ class InputLayout:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How one input tensor is validated, grouped into batches and costed."""
+    """How one input tensor is parsed and validated."""
 
     spec: TensorSpec
     length_edges: tuple[int, ...] = ()
@@ -349,10 +339,6 @@ class TensorLayout:
         stored, or compressed at most to what the request size limit already allowed) times
         a generous ratio, so a zip bomb is refused before it is inflated."""
         return max(len(body) * 64, 1 << 20)
-
-    def group_and_cost(self, instances: Array) -> tuple[tuple[int, ...], int]:
-        """Requests with the same group may share a batch; cost is padded positions per row."""
-        return group_and_cost(instances.shape[1:], self.spec.variable_axis, self.length_edges)
 
     def check_count(self, count: int) -> None:
         if count == 0:
@@ -547,7 +533,7 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
         )
     narrowing = target.kind == "f" and array.dtype.kind == "f" and array.itemsize > target.itemsize
     # Checked here rather than silenced with np.errstate, which costs more per request.
-    if narrowing and not np.all(np.abs(array) <= np.finfo(target).max):
+    if narrowing and not (np.abs(array) <= np.finfo(target).max).all():
         raise InvalidInputError(
             f"instances contain values that are not finite in {spec.dtype} (NaN, infinity, "
             "or beyond its range)"
@@ -563,7 +549,7 @@ def _whole_numbers(array: Array, spec: TensorSpec) -> Array:
     refused as fractional); 422 when one is outside ``spec``'s dtype or beyond 2**53, where a
     JSON number no longer holds every integer exactly."""
     values = array.astype(np.float64, copy=False)
-    if not np.all(np.floor(values) == values):
+    if not (np.floor(values) == values).all():
         return array
     limits = np.iinfo(spec.numpy_dtype)
     lowest, highest = max(limits.min, -(2**53)), min(limits.max, 2**53)

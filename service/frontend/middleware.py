@@ -1,10 +1,11 @@
 """The outermost layer of the service: request ids, request metrics, and the predict paths.
 
 A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request). It answers
-``POST /predict``, ``/models/{name}[/versions/{version}]/predict`` and the V2 inference route
-itself through ``predict.serve_prediction``: routing them through FastAPI's exception,
-dependency and routing layers took half of the event loop's time per request. Every other
-route goes on to the FastAPI app.
+``POST`` on the inference routes (``inference_routes.INFERENCE_ROUTES``: ``/predict``,
+``/models/{name}[/versions/{version}]/predict`` and the V2 ``infer`` routes) itself, through
+``predict.serve_prediction`` or ``oip.rest.serve_v2_inference``: routing them through
+FastAPI's exception, dependency and routing layers took half of the event loop's time per
+request. Every other request goes on to the FastAPI app.
 """
 
 from __future__ import annotations
@@ -14,41 +15,25 @@ import random
 import re
 import time
 
-from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import tracing
 from service.errors import FrontendBusyError, ServiceError
 from service.frontend import request_spans
+from service.frontend.inference_routes import INFERENCE_LABELS, RouteMatch, match_inference
 from service.frontend.oip import rest as v2
-from service.frontend.predict import ClientDisconnectedError, PredictHeaders, serve_prediction
+from service.frontend.predict import PredictHeaders, serve_prediction
+from service.frontend.requests import ClientDisconnectedError
 from service.frontend.responses import internal_error_response, service_error_response
 from service.frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
 
-PREDICT_PATH = "/predict"
-MODEL_PREDICT_PATH = re.compile(r"^/models/([^/]+)(?:/versions/([^/]+))?/predict$")
-#: The route label of ``POST /models/.../predict`` in the request metrics.
-MODEL_PREDICT_ROUTE = "/models/{name}/predict"
-#: The route label of ``POST /v2/models/.../infer`` in the request metrics.
-V2_INFER_ROUTE = "/v2/models/{name}/infer"
 #: nginx's code for "client closed the request": counted, never sent.
 CLIENT_CLOSED_STATUS = 499
-_INFERENCE_ROUTES = frozenset({PREDICT_PATH, MODEL_PREDICT_ROUTE, V2_INFER_ROUTE})
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ROUTES_WITH_METRICS = frozenset(
-    {
-        PREDICT_PATH,
-        MODEL_PREDICT_ROUTE,
-        V2_INFER_ROUTE,
-        "/healthz",
-        "/readyz",
-        "/models",
-        "/metrics",
-    }
-)
+_ROUTES_WITH_METRICS = INFERENCE_LABELS | {"/healthz", "/readyz", "/models", "/metrics"}
 
 
 class ServiceMiddleware:
@@ -57,7 +42,7 @@ class ServiceMiddleware:
     def __init__(self, app: ASGIApp, frontend: FrontendState) -> None:
         self.app = app
         self.frontend = frontend
-        self.metrics = frontend.metrics
+        self.tally = frontend.request_tally
         # Its own generator: code that seeds the global one (tests, libraries) must not make
         # request ids repeat.
         self._ids = random.Random()
@@ -76,7 +61,7 @@ class ServiceMiddleware:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope, self._ids)
         scope.setdefault("state", {})["request_id"] = request_id
-        route, path_match = route_of(scope["path"])
+        route, found = route_of(scope["path"])
         status = 500
         started_s = time.perf_counter()
 
@@ -84,26 +69,24 @@ class ServiceMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = MutableHeaders(scope=message)
-                headers.append("X-Request-ID", request_id)
-                if self.frontend.draining and "connection" not in headers:
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                if self.frontend.draining and all(
+                    name.lower() != b"connection" for name, _ in headers
+                ):
                     # A keep-alive client would send its next request to a closing socket.
-                    headers.append("Connection", "close")
+                    headers.append((b"connection", b"close"))
+                message["headers"] = headers
             await send(message)
 
-        predicting = scope["method"] == "POST" and route in _INFERENCE_ROUTES
+        inference = found if scope["method"] == "POST" else None
         try:
-            if predicting:
-                self.metrics.in_flight.inc()
+            if inference is not None:
+                self.tally.started()
                 self.frontend.receiving += 1
-                if route == V2_INFER_ROUTE:
-                    assert path_match is not None
-                    response = await self._infer_v2(scope, receive, request_id, path_match)
-                elif path_match is not None:
-                    name, version = path_match.groups()
-                    response = await self._predict(scope, receive, request_id, name, version)
+                if inference.route.protocol == "v2":
+                    response = await self._infer_v2(scope, receive, request_id, inference)
                 else:
-                    response = await self._predict(scope, receive, request_id)
+                    response = await self._predict(scope, receive, request_id, inference)
                 if response is None:
                     status = CLIENT_CLOSED_STATUS
                 else:
@@ -111,13 +94,10 @@ class ServiceMiddleware:
             else:
                 await self.app(scope, receive, send_with_request_id)
         finally:
-            if predicting:
-                self.metrics.in_flight.dec()
+            if inference is not None:
                 self.frontend.receiving -= 1
-            status_label = str(status)
-            self.metrics.requests.labels(route, status_label).inc()
-            self.metrics.request_latency.labels(route, status_label).observe(
-                time.perf_counter() - started_s, tracing.current_exemplar()
+            self.tally.answered(
+                route, str(status), time.perf_counter() - started_s, inference is not None
             )
 
     async def _predict(
@@ -125,8 +105,7 @@ class ServiceMiddleware:
         scope: Scope,
         receive: Receive,
         request_id: str,
-        model_name: str | None = None,
-        model_version: str | None = None,
+        inference: RouteMatch,
     ) -> Response | None:
         """The prediction's response, an error response, or None if the client left."""
         try:
@@ -137,8 +116,8 @@ class ServiceMiddleware:
                 receive,
                 request_id,
                 scope.get("query_string", b""),
-                model_name,
-                model_version,
+                inference.name,
+                inference.version,
             )
         except ServiceError as error:
             return service_error_response(error, request_id)
@@ -149,7 +128,7 @@ class ServiceMiddleware:
             return internal_error_response(request_id)
 
     async def _infer_v2(
-        self, scope: Scope, receive: Receive, request_id: str, path: re.Match[str]
+        self, scope: Scope, receive: Receive, request_id: str, inference: RouteMatch
     ) -> Response | None:
         """A V2 inference's response, its ``{"error": ...}`` response, or None if the client
         left."""
@@ -160,7 +139,7 @@ class ServiceMiddleware:
                 for name, value in scope["headers"]
             }
             return await v2.serve_v2_inference(
-                self.frontend, headers, receive, request_id, path[1], path[2]
+                self.frontend, headers, receive, request_id, inference.name or "", inference.version
             )
         except ServiceError as error:
             return v2.error_response(error)
@@ -179,27 +158,22 @@ class ServiceMiddleware:
             )
 
 
-def route_of(path: str) -> tuple[str, re.Match[str] | None]:
-    """The route label of ``path`` in the request metrics, and the match of the name and
-    version in the path of an inference route that has them."""
-    if path.startswith("/v2/"):
-        v2_infer = v2.INFER_PATH.match(path)
-        if v2_infer:
-            return V2_INFER_ROUTE, v2_infer
-    elif path.startswith("/models/"):
-        model_predict = MODEL_PREDICT_PATH.match(path)
-        if model_predict:
-            return MODEL_PREDICT_ROUTE, model_predict
+def route_of(path: str) -> tuple[str, RouteMatch | None]:
+    """The route label of ``path`` in the request metrics, and the inference route it is on
+    (with the model and version it names), if any."""
+    found = match_inference(path)
+    if found is not None:
+        return found.route.label, found
     return (path if path in _ROUTES_WITH_METRICS else "other"), None
 
 
 def traced_route(scope: Scope) -> str | None:
-    """The route of an inference request (``POST /predict``, ``/models/{name}/predict`` or
-    V2 ``infer``): only those are traced."""
+    """The route label of an inference request (``POST`` on an inference route): only those
+    are traced."""
     if scope["method"] != "POST":
         return None
-    route, _ = route_of(scope["path"])
-    return route if route in _INFERENCE_ROUTES else None
+    found = match_inference(scope["path"])
+    return None if found is None else found.route.label
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:

@@ -17,15 +17,17 @@ from typing import Any
 import numpy as np
 
 from service.bridge.interface import ModelInfo
+from service.frontend.inference_routes import (
+    MODEL_PREDICT_PATH,
+    MODEL_VERSION_PREDICT_PATH,
+    PREDICT_PATH,
+)
 from service.frontend.inputs import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.responses import JSON
 from service.manifest import Manifest, TensorSpec
 
 Schema = dict[str, Any]
 
-PREDICT_PATH = "/predict"
-MODEL_PREDICT_PATH = "/models/{name}/predict"
-MODEL_VERSION_PREDICT_PATH = "/models/{name}/versions/{version}/predict"
 _BINARY: Schema = {"type": "string", "format": "binary"}
 #: Length of the variable axis in the request example (shorter when the model allows less).
 _EXAMPLE_LENGTH = 4

@@ -17,9 +17,9 @@ from typing import TypeVar
 from urllib.parse import parse_qsl
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope
+from starlette.types import Receive, Scope
 
-from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
+from service.bridge.interface import InferenceResult, ModelInfo
 from service.errors import (
     BadRequestError,
     HandlerError,
@@ -42,6 +42,8 @@ from service.frontend.inputs import (
     encode_npz,
 )
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
+from service.frontend.receiving import received_or_pending
+from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
@@ -50,10 +52,6 @@ from service.types import PRIORITIES, Priority
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away before its body arrived; there is nobody to answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,54 +102,6 @@ _PREDICT_HEADERS = frozenset(
 )
 
 
-class DisconnectWatcher:
-    """While the caller waits for its batch, cancels the wait if the client disconnects.
-
-    The cancellation drops the request's queued work (it is never computed) and surfaces as
-    ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
-    it tried to write the answer. Watching costs a task, so it starts only once the request
-    has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the ones
-    for which dropping queued work matters least.
-    """
-
-    WATCH_AFTER_S = 0.02
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._waiting = False
-        self._watch: asyncio.Future[Message] | None = None
-        self.disconnected = False
-
-    def __enter__(self) -> DisconnectWatcher:
-        self._caller = asyncio.current_task()
-        self._waiting = True
-        self._timer = asyncio.get_running_loop().call_later(self.WATCH_AFTER_S, self._start)
-        return self
-
-    def _start(self) -> None:
-        if self._waiting:
-            self._watch = asyncio.ensure_future(self._receive())
-            self._watch.add_done_callback(self._on_message)
-
-    def _on_message(self, watch: asyncio.Future[Message]) -> None:
-        if not self._waiting or watch.cancelled() or watch.exception() is not None:
-            return
-        if watch.result()["type"] == "http.disconnect" and self._caller is not None:
-            self.disconnected = True
-            self._caller.cancel()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: object
-    ) -> None:
-        self._waiting = False
-        self._timer.cancel()
-        if self._watch is not None:
-            self._watch.cancel()
-        if self.disconnected and kind is asyncio.CancelledError and self._caller is not None:
-            self._caller.uncancel()
-            raise ClientDisconnectedError from None
-
-
 async def read_body(
     receive: Receive, declared_length: str | None, max_bytes: int, deadline_s: float
 ) -> bytes:
@@ -165,6 +115,12 @@ async def read_body(
             raise PayloadTooLargeError(
                 f"the body is {int(declared_length)} bytes; at most {max_bytes} bytes are accepted"
             )
+    first, pending = received_or_pending(receive)
+    if first is not None and first["type"] == "http.request" and not first.get("more_body"):
+        body: bytes = first.get("body", b"")  # all there already: no timer to arm
+        if len(body) > max_bytes:
+            raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
+        return body
     chunks: list[bytes] = []
     received = 0
     more_body = True
@@ -172,7 +128,12 @@ async def read_body(
     try:
         async with asyncio.timeout_at(loop.time() + deadline_s - time.monotonic()):
             while more_body:
-                message = await receive()
+                if first is not None:
+                    message, first = first, None
+                elif pending is not None:
+                    message, pending = await pending, None
+                else:
+                    message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnectedError
                 chunk: bytes = message.get("body", b"")
@@ -204,19 +165,30 @@ async def serve_prediction(
 
     The request is validated against the version served once its body has arrived, so a
     version switched while a slow body was uploading costs nothing; the answer names the
-    version that computed it. A version's handler turns the body into tensors and the output
-    rows into its answer, in a thread of this front end.
+    version that computed it. A version's handler (or a large tensor body) turns the body
+    into tensors in the handler threads, waited for until the deadline at most (504); a small
+    tensor body is parsed on the event loop, and the output rows become the answer there.
     """
-    deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
+    deadline = Deadline.start(frontend.settings)
     # Refused at once, before reading a body nobody can serve.
-    model = frontend.serving_model(model_name, model_version)
-    body_media_type(headers.content_type, frontend.handler_for(model).media_types)
+    first_model = frontend.serving_model(model_name, model_version)
+    media_type = body_media_type(
+        headers.content_type, frontend.handler_for(first_model).media_types
+    )
     body = await read_body(
-        receive, headers.content_length, frontend.settings.max_body_bytes, deadline_s
+        receive, headers.content_length, frontend.settings.max_body_bytes, deadline.at_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
     answer = partial(
-        _serve_body, frontend, headers, receive, request_id, query_string, body, deadline_s
+        _serve_body,
+        frontend,
+        headers,
+        receive,
+        request_id,
+        query_string,
+        body,
+        deadline,
+        (first_model, media_type),
     )
     try:
         return await answer(model_name, model_version)
@@ -233,43 +205,31 @@ async def _serve_body(
     request_id: str,
     query_string: bytes,
     body: bytes,
-    deadline_s: float,
+    deadline: Deadline,
+    checked: tuple[ModelInfo, str],
     model_name: str | None,
     model_version: str | None,
 ) -> Response:
     """``serve_prediction`` once the body has arrived: prepare it for the version served
-    now, queue it, answer it."""
-    frontend.holding += 1
-    try:
+    now, queue it, answer it. ``checked``: the model the body's media type was checked
+    against before it arrived, and that media type."""
+    first_model, media_type = checked
+    with HeldRequest(frontend, deadline, request_id) as held:
         model = frontend.serving_model(model_name, model_version)
         handler = frontend.handler_for(model)
+        if model is not first_model:  # switched while the body arrived: its handler decides
+            media_type = body_media_type(headers.content_type, handler.media_types)
         handler_request = HandlerRequest(
             body=body,
-            media_type=body_media_type(headers.content_type, handler.media_types),
+            media_type=media_type,
             content_type=headers.content_type or JSON_MEDIA_TYPE,
             query=_query(query_string, handler),
-            deadline_s=deadline_s,
+            deadline_s=deadline.at_s,
         )
         answer_type = _answer_type(headers.accept, model, handler)
         with request_spans.child("parse"):
             instances = await _preprocess(frontend, handler, handler_request)
-        layout = frontend.layout_for(model)
-        group, cost_per_row = layout.group_and_cost(instances)
-        request = InferenceRequest(
-            model=model.manifest.name,
-            version=model.manifest.version,
-            instances=instances,
-            group=group,
-            cost_per_row=cost_per_row,
-            priority=headers.batch_priority(),
-            deadline_s=deadline_s,
-            request_id=request_id,
-            frontend_load=frontend.holding,
-        )
-        with DisconnectWatcher(receive):
-            result = await request_spans.infer(frontend, request)
-    finally:
-        frontend.holding -= 1
+        result = await held.infer(model, instances, headers.batch_priority(), receive)
     name, version = model.manifest.name, result.version
     response_headers = {"X-Model-Version": f"{name}@{version}"}
     if answer_type == NPY_MEDIA_TYPE:

@@ -103,8 +103,10 @@ async def infer(frontend: FrontendState, request: InferenceRequest) -> Inference
     """``frontend.engine.infer(request)``; while tracing, inside a span (``engine`` in this
     process, ``bridge`` to an engine process) whose context travels with the request, and the
     batches that computed it recorded on the request span."""
+    if tracing.current is None:
+        return await frontend.engine.infer(request)
     request_span = trace.get_current_span()
-    if tracing.current is None or not request_span.is_recording():
+    if not request_span.is_recording():
         return await frontend.engine.infer(request)
     in_process = frontend.engine_in_process
     with tracing.current.tracer.start_as_current_span(

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError
+from service.frontend.inference_routes import of_protocol
 from service.frontend.inputs import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.predict import PredictHeaders, serve_prediction
 from service.frontend.responses import JSON, json_response
@@ -64,7 +65,6 @@ _PREDICT_DOCUMENT: dict[str, Any] = dict(
 )
 
 
-@router.post("/predict", summary="Predict one or more instances", **_PREDICT_DOCUMENT)
 async def predict(request: Request) -> Response:
     """Queue the instances for the next batch and answer with one prediction row each.
 
@@ -81,17 +81,9 @@ async def predict(request: Request) -> Response:
     )
 
 
-@router.post("/models/{name}/predict", summary="Predict with a model", **_PREDICT_DOCUMENT)
-@router.post(
-    "/models/{name}/versions/{version}/predict",
-    summary="Predict with a model's version",
-    **_PREDICT_DOCUMENT,
-)
 async def predict_with_model(request: Request, name: str, version: str | None = None) -> Response:
     """As ``/predict``, answered by the model ``name`` (404 when it is not served), at
-    ``version`` when one is named (404 when that version is not the one served). (The
-    service's middleware answers this route itself; this is its documentation and the same
-    code.)"""
+    ``version`` when one is named (404 when that version is not the one served)."""
     return await serve_prediction(
         frontend_of(request),
         PredictHeaders.from_scope(request.scope),
@@ -100,6 +92,18 @@ async def predict_with_model(request: Request, name: str, version: str | None = 
         request.scope.get("query_string", b""),
         name,
         version,
+    )
+
+
+# The middleware answers these paths itself (inference_routes.py); FastAPI has them for the
+# OpenAPI document, with the same code behind them.
+for _route in of_protocol("predict"):
+    router.add_api_route(
+        _route.path,
+        predict_with_model if _route.names_model else predict,
+        methods=["POST"],
+        summary=_route.summary,
+        **_PREDICT_DOCUMENT,
     )
 
 

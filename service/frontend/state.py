@@ -15,6 +15,7 @@ from service.errors import HandlerError, ModelNotFoundError
 from service.frontend.handlers.base import Handler, HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
 from service.frontend.preprocessing import handler_thread_count
+from service.frontend.request_metrics import RequestTally
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 
@@ -46,9 +47,14 @@ class FrontendState:
     """Prediction requests in this front end, from their first byte to their answer."""
     gauge_refreshers: list[Callable[[], None]] = field(default_factory=list)
     """More gauges to refresh with this process's (an engine in this process adds its own)."""
+    request_tally: RequestTally = field(init=False)
+    """Request counts, latencies and in-flight, written to ``metrics`` a batch at a time."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
     _handler_pool: ThreadPoolExecutor | None = None
+
+    def __post_init__(self) -> None:
+        self.request_tally = RequestTally(self.metrics)
 
     @property
     def handler_pool(self) -> ThreadPoolExecutor:
@@ -137,7 +143,9 @@ class FrontendState:
         return handler
 
     def refresh_gauges(self) -> None:
-        """Readiness, the engines reached and this process's memory, into their gauges."""
+        """Readiness, the engines reached, this process's memory and its requests tallied,
+        into their metrics."""
+        self.request_tally.flush()
         self.metrics.ready.set(1 if self.ready else 0)
         self.metrics.engines_ready.set(sum(engine.ready for engine in self.engine.engines()))
         self.process_metrics.refresh()

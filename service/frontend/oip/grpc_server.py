@@ -35,6 +35,7 @@ from service.frontend.oip.tensors import (
     InferOptions,
     RequestedOutput,
 )
+from service.frontend.requests import Deadline
 from service.frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ _CONTENTS_FIELDS: dict[str, str] = {
     "BYTES": "bytes_contents",
 }
 INFER_ROUTE = "grpc:ModelInfer"
+#: The deadline's source when the call's own deadline set it.
+GRPC_DEADLINE = "the call's gRPC deadline"
 #: The server span's name: the full gRPC method, as OpenTelemetry's conventions name it.
 MODEL_INFER_METHOD = "inference.GRPCInferenceService/ModelInfer"
 
@@ -123,10 +126,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _metered_infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
-        metrics = self.frontend.metrics
+        tally = self.frontend.request_tally
         started_s = time.perf_counter()
         status = "200"
-        metrics.in_flight.inc()
+        tally.started()
         self.frontend.receiving += 1
         try:
             return await self._infer(request, context)
@@ -137,22 +140,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             status = "499" if context.cancelled() else "500"
             raise
         finally:
-            metrics.in_flight.dec()
             self.frontend.receiving -= 1
-            metrics.requests.labels(INFER_ROUTE, status).inc()
-            metrics.request_latency.labels(INFER_ROUTE, status).observe(
-                time.perf_counter() - started_s, tracing.current_exemplar()
-            )
+            tally.answered(INFER_ROUTE, status, time.perf_counter() - started_s)
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
         async def infer() -> pb.ModelInferResponse:
             frontend = self.frontend
-            deadline_s = time.monotonic() + frontend.settings.request_timeout_ms / 1000.0
-            remaining_s = context.time_remaining()
-            if remaining_s is not None:
-                deadline_s = min(deadline_s, time.monotonic() + remaining_s)
+            deadline = Deadline.start(frontend.settings).sooner(
+                context.time_remaining(), GRPC_DEADLINE
+            )
             model = frontend.serving_model(request.model_name, request.model_version or None)
             options = InferOptions(
                 outputs=tuple(_requested(output) for output in request.outputs),
@@ -163,7 +161,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 model,
                 _inputs(request),
                 options,
-                deadline_s=deadline_s,
+                deadline=deadline,
                 priority=batch_priority(options.parameters),
                 request_id=request.id or "grpc",
             )

@@ -8,12 +8,10 @@ outputs. Each parameter here is refused with 400 unless it has the protocol's ty
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
-from service.errors import BadRequestError, DeadlineExceededError
+from service.errors import BadRequestError
 from service.types import Priority
 
 
@@ -42,12 +40,10 @@ def timeout_us(parameters: Mapping[str, Any]) -> int | None:
     return value
 
 
-def deadline(parameters: Mapping[str, Any], deadline_s: float) -> float:
-    """The request's deadline, shortened by its ``timeout`` parameter."""
+def timeout_s(parameters: Mapping[str, Any]) -> float | None:
+    """The ``timeout`` parameter in seconds: it may shorten the request's deadline."""
     timeout = timeout_us(parameters)
-    if timeout is None:
-        return deadline_s
-    return min(deadline_s, time.monotonic() + timeout / 1e6)
+    return None if timeout is None else timeout / 1e6
 
 
 def batch_priority(parameters: Mapping[str, Any], header: str | None = None) -> Priority:
@@ -55,18 +51,3 @@ def batch_priority(parameters: Mapping[str, Any], header: str | None = None) -> 
     if _whole_number(parameters, "priority") == 1 or (header or "").strip().lower() == "high":
         return "high"
     return "normal"
-
-
-@contextmanager
-def naming_the_timeout(parameters: Mapping[str, Any], request_timeout_ms: float) -> Iterator[None]:
-    """A 504 names the request's own ``timeout`` when that is the deadline that applied (the
-    engine's message names the server's ``request_timeout_ms``)."""
-    try:
-        yield
-    except DeadlineExceededError:
-        timeout = timeout_us(parameters)
-        if timeout is None or timeout / 1000 >= request_timeout_ms:
-            raise
-        raise DeadlineExceededError(
-            f"the request was not answered within its 'timeout' parameter of {timeout} µs"
-        ) from None

@@ -10,9 +10,7 @@ answers ``/predict``, and it is queued on the same engine, so both share batches
 
 from __future__ import annotations
 
-import re
 import struct
-import time
 from typing import Any
 
 import numpy as np
@@ -20,7 +18,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive
 
-from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
+from service.bridge.interface import InferenceResult, ModelInfo
 from service.errors import (
     BadRequestError,
     InvalidInputError,
@@ -28,7 +26,7 @@ from service.errors import (
 )
 from service.frontend import request_spans
 from service.frontend.oip.datatypes import to_bf16, wire_dtype
-from service.frontend.oip.parameters import batch_priority, deadline, flag, naming_the_timeout
+from service.frontend.oip.parameters import batch_priority, flag, timeout_s
 from service.frontend.oip.tensors import (
     InferInput,
     InferOptions,
@@ -38,16 +36,17 @@ from service.frontend.oip.tensors import (
     check_requested_outputs,
     to_request,
 )
-from service.frontend.predict import DisconnectWatcher, read_body
-from service.frontend.preprocessing import check_deadline
+from service.frontend.predict import read_body
+from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.types import Priority
 
-INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 HEADER_LENGTH = "inference-header-content-length"
 JSON = "application/json"
 BINARY = "application/octet-stream"
+#: The deadline's source when the request's ``timeout`` parameter set it.
+TIMEOUT_PARAMETER = "the request's 'timeout' parameter"
 
 
 def error_response(error: ServiceError) -> Response:
@@ -65,27 +64,26 @@ async def serve_v2_inference(
     version: str | None,
 ) -> Response:
     """Validate, queue on the engine, and answer one V2 inference request."""
-    request_timeout_ms = frontend.settings.request_timeout_ms
-    deadline_s = time.monotonic() + request_timeout_ms / 1000.0
+    deadline = Deadline.start(frontend.settings)
     frontend.serving_model(name, version)
     body = await read_body(
-        receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline_s
+        receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline.at_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
     model = frontend.serving_model(name, version)
     with request_spans.child("parse"):
         document, binary = split_body(body, headers.get(HEADER_LENGTH))
         inputs, options, request_key = parse_request(document, binary)
-    with DisconnectWatcher(receive), naming_the_timeout(options.parameters, request_timeout_ms):
-        result, answered = await run_inference(
-            frontend,
-            model,
-            inputs,
-            options,
-            deadline_s=deadline(options.parameters, deadline_s),
-            priority=batch_priority(options.parameters, headers.get("x-priority")),
-            request_id=request_id,
-        )
+    result, answered = await run_inference(
+        frontend,
+        model,
+        inputs,
+        options,
+        deadline=deadline.sooner(timeout_s(options.parameters), TIMEOUT_PARAMETER),
+        priority=batch_priority(options.parameters, headers.get("x-priority")),
+        request_id=request_id,
+        receive=receive,
+    )
     return encode_response(
         {
             "model_name": model.manifest.name,
@@ -103,36 +101,21 @@ async def run_inference(
     inputs: list[InferInput],
     options: InferOptions,
     *,
-    deadline_s: float,
+    deadline: Deadline,
     priority: Priority,
     request_id: str,
+    receive: Receive | None = None,
 ) -> tuple[InferenceResult, list[OutputTensor]]:
     """Validate a V2 request's tensors against ``model``, queue them on the engine (REST and
-    gRPC alike), and the outputs to answer."""
+    gRPC alike), and the outputs to answer. ``receive``: the HTTP request's, to stop waiting
+    when its client leaves."""
     check_requested_outputs(model.manifest, options.outputs)
     layout = frontend.layout_for(model)
-    with request_spans.child("to_tensors"):
-        instances = to_request(model.manifest, layout, inputs)
-    group, cost_per_row = layout.group_and_cost(instances)
-    check_deadline(deadline_s, "it was being parsed")  # 504, not a refusal for "-3 ms left"
-    frontend.holding += 1
-    try:
-        result = await request_spans.infer(
-            frontend,
-            InferenceRequest(
-                model=model.manifest.name,
-                version=model.manifest.version,
-                instances=instances,
-                group=group,
-                cost_per_row=cost_per_row,
-                priority=priority,
-                deadline_s=deadline_s,
-                request_id=request_id,
-                frontend_load=frontend.holding,
-            ),
-        )
-    finally:
-        frontend.holding -= 1
+    with HeldRequest(frontend, deadline, request_id) as held:
+        with request_spans.child("to_tensors"):
+            instances = to_request(model.manifest, layout, inputs)
+        deadline.check("it was being parsed")  # 504, not a refusal for "-3 ms left"
+        result = await held.infer(model, instances, priority, receive)
     return result, answer_outputs(model.manifest, result.outputs, options)
 
 

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 from service.errors import ModelNotFoundError, ServiceError
 from service.frontend.about import __version__
 from service.frontend.admin import require_admin_token
+from service.frontend.inference_routes import of_protocol
 from service.frontend.oip.datatypes import datatype_of
 from service.frontend.oip.rest import (
     BINARY,
@@ -222,16 +223,9 @@ _INFER = {
 }
 
 
-@router.post("/models/{name}/infer", summary="Inference", **_INFER)  # type: ignore[arg-type]
-@router.post(
-    "/models/{name}/versions/{version}/infer",
-    summary="Inference on a version",
-    **_INFER,  # type: ignore[arg-type]
-)
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     """Run the model on the request's named tensors (JSON ``data`` or binary data); every
-    output, or the ones asked for, in JSON or as binary data. (The service's middleware
-    answers this route itself; this is its documentation and the same code.)"""
+    output, or the ones asked for, in JSON or as binary data."""
     frontend = frontend_of(request)
     headers = {key.lower(): value for key, value in request.headers.items()}
     try:
@@ -240,3 +234,15 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         )
     except ServiceError as error:
         return error_response(error)
+
+
+# The middleware answers these paths itself (inference_routes.py); FastAPI has them for the
+# OpenAPI document, with the same code behind them.
+for _route in of_protocol("v2"):
+    router.add_api_route(
+        _route.path.removeprefix(router.prefix),
+        infer,
+        methods=["POST"],
+        summary=_route.summary,
+        **_INFER,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,98 @@
+"""A front end's request counts, latencies and in-flight gauge, tallied in its own memory and
+written to the Prometheus metrics a batch at a time.
+
+With several processes each write to a metric is a write to a memory-mapped file under a lock,
+five per request (the count, the latency's sum and bucket, in-flight up and down): about 8 % of
+a front end's CPU at 64 connections (py-spy). Here a request adds to a dict; the tally is
+written when the front end goes idle (nothing in flight: what a quiet server or a test then
+scrapes is exact), when a request arrives at an idle front end (so in-flight shows at once),
+when this process renders ``/metrics`` (``flush``), and otherwise at most ``FLUSH_EVERY_S``
+apart, so a scrape of another process lags this one's counts by that much at most.
+
+A request traced with an exemplar is written at once: the exemplar belongs to its own
+observation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+from prometheus_client import Histogram
+
+from service import tracing
+from service.metrics import FrontendMetrics
+
+FLUSH_EVERY_S = 0.1
+
+
+class RequestTally:
+    """Requests of one front end (HTTP and gRPC): inference requests from arrival
+    (``started``) to answer (``answered``), the others when answered. One event loop uses it:
+    no lock."""
+
+    def __init__(self, metrics: FrontendMetrics, flush_every_s: float = FLUSH_EVERY_S) -> None:
+        self._metrics = metrics
+        self._flush_every_s = flush_every_s
+        self.in_flight = 0
+        self._in_flight_written = 0
+        self._latencies: dict[tuple[str, str], list[float]] = {}
+        self._flushed_s = time.perf_counter()
+
+    def started(self) -> None:
+        self.in_flight += 1
+        if self.in_flight == 1:
+            self.flush()
+
+    def answered(self, route: str, status: str, latency_s: float, in_flight: bool = True) -> None:
+        """One request of ``route`` answered ``status`` after ``latency_s``; ``in_flight``:
+        one that ``started`` counted."""
+        if in_flight:
+            self.in_flight -= 1
+        exemplar = tracing.current_exemplar()
+        if exemplar is not None:
+            self._metrics.requests.labels(route, status).inc()
+            self._metrics.request_latency.labels(route, status).observe(latency_s, exemplar)
+        else:
+            latencies = self._latencies.get((route, status))
+            if latencies is None:
+                self._latencies[route, status] = [latency_s]
+            else:
+                latencies.append(latency_s)
+        if self.in_flight == 0 or time.perf_counter() - self._flushed_s >= self._flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what was tallied since the last flush to the metrics."""
+        self._flushed_s = time.perf_counter()
+        if self.in_flight != self._in_flight_written:
+            self._metrics.in_flight.set(self.in_flight)
+            self._in_flight_written = self.in_flight
+        if not self._latencies:
+            return
+        tallied, self._latencies = self._latencies, {}
+        for (route, status), latencies in tallied.items():
+            self._metrics.requests.labels(route, status).inc(len(latencies))
+            observe_all(self._metrics.request_latency.labels(route, status), latencies)
+
+
+def observe_all(histogram: Histogram, values: list[float]) -> None:
+    """``histogram.observe(value)`` for each of ``values``, with one write per bucket touched
+    rather than two per value (prometheus-client's own fields; each value observed alone if
+    they are not there)."""
+    child: Any = histogram
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        index = bisect.bisect_left(bounds, value)  # the first bound >= value, as observe does
+        counts[index] = counts.get(index, 0) + 1
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)

@@ -1,0 +1,165 @@
+"""The one request path every entry point shares (``service/frontend/requests.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from service.bridge.interface import (
+    EngineStatus,
+    InferenceRequest,
+    InferenceResult,
+    ModelInfo,
+    SwitchResult,
+)
+from service.config import Settings
+from service.errors import DeadlineExceededError
+from service.frontend.app import create_frontend_app
+from service.frontend.requests import SERVER_TIMEOUT, Deadline, HeldRequest
+from service.frontend.state import FrontendState
+from service.manifest import Architecture, Manifest, TensorSpec
+from service.metrics import FrontendMetrics, ProcessMetrics
+from service.repository import ModelRepository
+from service.tensors import NamedArrays
+
+SETTINGS = Settings(request_timeout_ms=2000)
+
+
+def test_the_deadline_is_request_timeout_ms_from_arrival() -> None:
+    deadline = Deadline.start(SETTINGS, now_s=100.0)
+    assert deadline == Deadline(102.0, 2000, SERVER_TIMEOUT)
+
+
+def test_a_client_limit_shortens_the_deadline_only_when_it_ends_sooner() -> None:
+    deadline = Deadline.start(SETTINGS, now_s=100.0)
+    sooner = deadline.sooner(0.05, "the call's gRPC deadline", now_s=100.5)
+    assert sooner == Deadline(100.55, 50.0, "the call's gRPC deadline")
+    assert deadline.sooner(5.0, "the call's gRPC deadline", now_s=100.5) is deadline
+    assert deadline.sooner(None, "the call's gRPC deadline") is deadline
+
+
+def test_the_504_names_the_limit_that_applied_and_keeps_why() -> None:
+    """The engine knows only ``request_timeout_ms``; the answer names the client's limit."""
+    shortened = Deadline(100.05, 50.0, "the request's 'timeout' parameter")
+    late = shortened.exceeded(DeadlineExceededError("the request was not answered within 2000 ms"))
+    assert late.message == (
+        "the request was not answered within 50 ms (the request's 'timeout' parameter)"
+    )
+    unreachable = shortened.exceeded(
+        DeadlineExceededError(
+            "the request could not be answered within 2000 ms: its rows would take about 90 ms"
+        )
+    )
+    assert unreachable.message.endswith("(the request's 'timeout' parameter): its rows would "
+                                        "take about 90 ms")  # fmt: skip
+    assert unreachable.status_code == 504
+
+
+class EngineAnsweringLate:
+    """An engine that answers every request 504, as the engine does past its deadline, and
+    keeps what it was asked."""
+
+    def __init__(self, model: ModelInfo | None = None) -> None:
+        self.requests: list[InferenceRequest] = []
+        self._models = () if model is None else (model,)
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(phase="ready", models=self._models)
+
+    def engines(self) -> list[EngineStatus]:
+        return [self.status()]
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        self.requests.append(request)
+        raise DeadlineExceededError("the request was not answered within 2000 ms")
+
+    async def switch(self, name: str, version: str) -> SwitchResult:
+        raise NotImplementedError
+
+    async def rollback(self, name: str | None = None) -> SwitchResult:
+        raise NotImplementedError
+
+    async def unload(self, name: str) -> str:
+        raise NotImplementedError
+
+
+def frontend_with(engine: EngineAnsweringLate, tmp_path: Path) -> FrontendState:
+    registry = CollectorRegistry()
+    return FrontendState(
+        settings=SETTINGS,
+        metrics=FrontendMetrics(registry),
+        process_metrics=ProcessMetrics("frontend", registry),
+        registry=registry,
+        engine=engine,
+        repository=ModelRepository(tmp_path),
+        engine_in_process=False,
+    )
+
+
+def tokens_model() -> ModelInfo:
+    manifest = Manifest.create(
+        name="tokens",
+        format="safetensors",
+        artifact="model.safetensors",
+        files={"model.safetensors": "0" * 64},
+        architecture=Architecture(import_path="service.models.mlp:PeerMLP"),
+        inputs=(TensorSpec(name="ids", dtype="int64", shape=(-1, -1)),),
+        outputs=(TensorSpec(name="out", dtype="float32", shape=(-1, 2)),),
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    return ModelInfo(manifest, "cpu", "fp32", False, length_edges=(8, 16))
+
+
+async def test_a_held_request_reaches_the_engine_counted_grouped_and_with_its_deadline(
+    tmp_path: Path,
+) -> None:
+    engine = EngineAnsweringLate()
+    frontend = frontend_with(engine, tmp_path)
+    deadline = Deadline(123.0, 50.0, "the call's gRPC deadline")
+    instances = NamedArrays({"ids": np.ones((3, 10), np.int64)})
+    with HeldRequest(frontend, deadline, "r-1") as held:
+        assert frontend.holding == 1
+        with pytest.raises(DeadlineExceededError, match=r"within 50 ms \(the call's gRPC"):
+            await held.infer(tokens_model(), instances, "high")
+    assert frontend.holding == 0
+    (request,) = engine.requests
+    assert (request.model, request.priority, request.request_id) == ("tokens", "high", "r-1")
+    assert request.deadline_s == 123.0
+    assert (request.group, request.cost_per_row) == ((16,), 16)  # the length bucket of 10
+    assert request.frontend_load == 1
+
+
+async def test_a_v2_timeout_sets_the_deadline_and_its_504_names_it(tmp_path: Path) -> None:
+    engine = EngineAnsweringLate(tokens_model())
+    app = create_frontend_app(frontend_with(engine, tmp_path), no_lifespan)
+    document = {
+        "parameters": {"timeout": 50_000},
+        "inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]}],
+    }
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        started_s = time.monotonic()
+        answer = await http.post("/v2/models/tokens/infer", json=document)
+        plain = await http.post("/v2/models/tokens/infer", json={"inputs": document["inputs"]})
+    assert answer.status_code == 504
+    assert answer.json()["error"] == (
+        "the request was not answered within 50 ms (the request's 'timeout' parameter)"
+    )
+    first, second = engine.requests
+    assert started_s < first.deadline_s <= time.monotonic() + 0.05
+    assert plain.json()["error"].endswith("within 2000 ms (request_timeout_ms)")
+    assert second.deadline_s > first.deadline_s + 1.0
+
+
+@contextlib.asynccontextmanager
+async def no_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
