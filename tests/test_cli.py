@@ -13,7 +13,7 @@ from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.errors import ModelIntegrityError
 from service.repository import sha256_of
-from service.server.cli import main
+from service.server.cli import ACCURACY_KEY, main
 from service.server.single import create_app
 from tests.apps import engine_of
 from tests.torch_models import PaddingSensitiveEncoder
@@ -277,3 +277,9 @@ def test_a_text_classifier_is_packaged_with_its_tokenizer_and_handler_from_flags
     assert main(broken) == 1
     assert "the handler cannot be built" in capsys.readouterr().err
     assert not (tmp_path / "broken").exists()
+
+
+def test_the_accuracy_column_reads_the_key_the_docs_show() -> None:
+    """docs/models.md packages with the metadata key that ``models list`` shows."""
+    page = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    assert f"--metadata '{{\"{ACCURACY_KEY}\": " in page

@@ -88,6 +88,9 @@ def _parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
+#: The metadata key ``models list`` shows as its accuracy column (docs/models.md).
+ACCURACY_KEY = "test_accuracy"
+
 _REPOSITORY_HELP = "model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)"
 
 
@@ -260,7 +263,7 @@ def _models(args: argparse.Namespace) -> int:
     for name in names:
         if args.models_command == "list":
             for manifest in store.versions(name):
-                accuracy = manifest.metadata.get("test_accuracy", "")
+                accuracy = manifest.metadata.get(ACCURACY_KEY, "")
                 parity = manifest.metadata.get("parity")
                 exported = (
                     f"\tfrom {manifest.metadata.get('exported_from')}, max abs diff "
