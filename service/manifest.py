@@ -14,7 +14,15 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from service.errors import ModelNotFoundError
 from service.types import Array
@@ -74,6 +82,18 @@ class TensorSpec(BaseModel):
     """Value that pads the variable axis up to the batch's length; the model must ignore it."""
     labels: tuple[str, ...] | None = None
     """Outputs: the name of each class along the last axis (classification handlers use them)."""
+    default_value: float | None = None
+    """Inputs: a request may leave this input out, and it is filled with this value at the
+    request's shape (an attention mask of ones, type ids of zeros), as a ``forward()``
+    argument with a default is optional. ``None``: the input is required."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_default(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out when unset, so the versions packaged before it existed keep their ids.
+        document: dict[str, Any] = handler(self)
+        if document.get("default_value") is None:
+            document.pop("default_value", None)
+        return document
 
     @field_validator("shape")
     @classmethod

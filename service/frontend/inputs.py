@@ -174,8 +174,15 @@ class InputLayout:
                     f"instance {index} must be an object keyed by input name "
                     f"{list(self.names)}, got {json_type(instance)}"
                 )
-            if instance.keys() != columns.keys():
-                missing = sorted(columns.keys() - instance.keys())
+            if self.required <= instance.keys() <= columns.keys() and (
+                instance.keys() != instances[0].keys()
+            ):
+                raise InvalidInputError(
+                    f"every instance must give the same inputs: instance 0 gives "
+                    f"{sorted(instances[0])}, instance {index} {sorted(instance)}"
+                )
+            if not self.required <= instance.keys() <= columns.keys():
+                missing = sorted(self.required - instance.keys())
                 unknown = sorted(instance.keys() - columns.keys())
                 raise InvalidInputError(
                     f"instance {index} must have exactly the inputs {list(self.names)}; "
@@ -190,23 +197,51 @@ class InputLayout:
                 )
             for name, value in instance.items():
                 columns[name].append(value)
+        columns = {name: column for name, column in columns.items() if column}
         self._check_shared_lengths(columns)
         arrays = {
             name: self.tensors[name].parse_instances(column, body)
             for name, column in columns.items()
         }
-        return self._checked_lengths(NamedArrays(arrays))
+        return self._checked_lengths(NamedArrays(self.filled(arrays)))
+
+    @property
+    def required(self) -> frozenset[str]:
+        """The inputs a request must send: those without a ``default_value``."""
+        return frozenset(spec.name for spec in self.manifest.inputs if spec.default_value is None)
+
+    def filled(self, arrays: Mapping[str, Array]) -> dict[str, Array]:
+        """``arrays`` with each optional input the request left out, filled with its
+        ``default_value`` at the request's rows and length (the other inputs')."""
+        given = [name for name in self.names if name in arrays]
+        if len(given) == len(self.names) or not given:
+            return dict(arrays)
+        rows = len(arrays[given[0]])
+        length = next(
+            (
+                arrays[name].shape[spec.variable_axis + 1]
+                for name, spec in ((name, self.tensors[name].spec) for name in given)
+                if spec.variable_axis is not None and arrays[name].ndim > spec.variable_axis + 1
+            ),
+            1,
+        )
+        filled = dict(arrays)
+        for spec in self.manifest.inputs:
+            if spec.name not in arrays and spec.default_value is not None:
+                shape = (rows, *(length if size == -1 else size for size in spec.instance_shape))
+                filled[spec.name] = np.full(shape, spec.default_value, dtype=spec.numpy_dtype)
+        return filled
 
     def parse_npz(self, body: bytes) -> NamedArrays:
         """An ``.npz`` archive (``np.savez``, no pickles) with one array per input name."""
         members = _npz_members(body, self.tensors[self.names[0]].max_body_bytes(body))
-        if members.keys() != set(self.names):
+        if not self.required <= members.keys() <= set(self.names):
             raise InvalidInputError(
                 f"the .npz archive must hold exactly the arrays {list(self.names)}, "
                 f"got {sorted(members)}"
             )
         arrays = {}
-        for name in self.names:
+        for name in (name for name in self.names if name in members):
             try:
                 arrays[name] = self.tensors[name].parse_npy(members[name])
             except (InvalidInputError, BadRequestError) as error:
@@ -214,11 +249,13 @@ class InputLayout:
         counts = {name: len(array) for name, array in arrays.items()}
         if len(set(counts.values())) > 1:
             raise InvalidInputError(f"every input needs one row per instance, got {counts}")
-        return self._checked_lengths(NamedArrays(arrays))
+        return self._checked_lengths(NamedArrays(self.filled(arrays)))
 
     def check(self, arrays: Mapping[str, Array]) -> NamedArrays:
         """Validate named arrays a handler built against the input specs (dtype, shape,
-        length, range) and return them as the request's inputs."""
+        length, range) and return them as the request's inputs; optional inputs left out are
+        filled with their default."""
+        arrays = self.filled(arrays)
         if arrays.keys() != set(self.names):
             raise InvalidInputError(
                 f"the handler built inputs {sorted(arrays)}; the model takes {list(self.names)}"

@@ -167,6 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat for several",
     )
     package.add_argument("--metadata", type=_parse_json_object, action=_Once, help="JSON object")
+    package.add_argument(
+        "--hf",
+        type=Path,
+        action=_Once,
+        metavar="DIR",
+        help="a folder written by transformers' save_pretrained (config.json, model.safetensors, "
+        "tokenizer.json or preprocessor_config.json): the task, labels, inputs and handler come "
+        "from it (needs the hf extra); only --name, --metadata and --max-length go with it",
+    )
+    package.add_argument(
+        "--max-length",
+        type=int,
+        action=_Once,
+        help="with --hf: the most tokens a text may have (default: what the tokenizer and the "
+        "model's position embeddings both hold)",
+    )
 
     export = commands.add_parser(
         "export",
@@ -197,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _package(args: argparse.Namespace) -> int:
+    if args.hf is not None or args.max_length is not None:
+        from service.server.hf_cli import package_hf
+
+        return package_hf(args, _repository(args))
     spec = PackageSpec.from_file(args.spec) if args.spec else PackageSpec()
     spec = spec.overridden(
         name=args.name,

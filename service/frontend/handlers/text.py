@@ -156,7 +156,11 @@ class TextHandler(ClassificationHandler):
             if len(texts) == 1
             else self.tokenizer.encode_batch(list(texts))
         )
-        lengths = np.fromiter((len(encoding) for encoding in encodings), np.int64, len(texts))
+        return self.inputs_of(encodings)
+
+    def inputs_of(self, encodings: Sequence[Encoding]) -> NamedArrays:
+        """The model's padded inputs for the tokenizer's ``encodings``, checked."""
+        lengths = np.fromiter((len(encoding) for encoding in encodings), np.int64, len(encodings))
         self._check_lengths(lengths)
         longest = int(lengths.max())
         arrays = {self.ids.name: self._padded([e.ids for e in encodings], self.ids, longest)}
