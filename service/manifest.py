@@ -86,14 +86,10 @@ class TensorSpec(BaseModel):
     """Inputs: a request may leave this input out, and it is filled with this value at the
     request's shape (an attention mask of ones, type ids of zeros), as a ``forward()``
     argument with a default is optional. ``None``: the input is required."""
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_default(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left out when unset, so the versions packaged before it existed keep their ids.
-        document: dict[str, Any] = handler(self)
-        if document.get("default_value") is None:
-            document.pop("default_value", None)
-        return document
+    length_of: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    """Outputs: the input whose variable axis this output's variable axis follows (a tagger's
+    ``tags`` follow its ``input_ids``): each instance is answered at its own length, never at
+    the padded length of its batch."""
 
     @field_validator("shape")
     @classmethod
@@ -112,7 +108,22 @@ class TensorSpec(BaseModel):
             raise ValueError(
                 f"{self.name}: {len(self.labels)} labels for a last axis of {self.shape[-1]}"
             )
+        if self.length_of is not None and self.variable_axis is None:
+            raise ValueError(
+                f"{self.name}: length_of={self.length_of!r} needs a variable axis (-1) besides "
+                f"the batch, got shape {self.shape}"
+            )
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_keys(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Absent rather than null: the manifests (and version ids) written before the keys
+        # existed stay what they were.
+        document: dict[str, Any] = serialize(self)
+        for key in ("length_of", "default_value"):
+            if getattr(self, key) is None:
+                document.pop(key, None)
+        return document
 
     @property
     def numpy_dtype(self) -> np.dtype[Any]:
@@ -239,6 +250,7 @@ class Manifest(BaseModel):
             repeated = sorted({name for name in names if names.count(name) > 1})
             if repeated:
                 raise ValueError(f"{kind} names must be unique, got {repeated} more than once")
+        _check_length_ties(self.inputs, self.outputs)
         lengths = {spec.max_length for spec in self.inputs if spec.variable_axis is not None}
         if len(lengths) > 1:
             raise ValueError(
@@ -271,6 +283,23 @@ class Manifest(BaseModel):
     def label(self) -> str:
         """``name@version``, as answers and logs show it."""
         return f"{self.name}@{self.version}"
+
+
+def _check_length_ties(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> None:
+    """``length_of`` is a key of outputs, naming an input with a variable axis."""
+    variable = [spec.name for spec in inputs if spec.variable_axis is not None]
+    for spec in inputs:
+        if spec.length_of is not None:
+            raise ValueError(
+                f"input {spec.name!r}: length_of is a key of outputs (the input an output's "
+                f"length follows), got length_of={spec.length_of!r} on an input"
+            )
+    for spec in outputs:
+        if spec.length_of is not None and spec.length_of not in variable:
+            raise ValueError(
+                f"output {spec.name!r}: length_of must name an input with a variable axis "
+                f"({variable or 'this model has none'}), got {spec.length_of!r}"
+            )
 
 
 def check_name(name: str) -> str:

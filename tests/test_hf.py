@@ -44,6 +44,7 @@ TEXTS = [
 PAIRS = [{"text": "the quick brown fox", "text_pair": "jumps over the lazy dog"}]
 NAMES = {
     "text-classification": "sentiment",
+    "token-classification": "tagger",
     "feature-extraction": "embedder",
     "image-classification": "vit",
 }
@@ -54,7 +55,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     made = {
         task: save_text_model(root / task, task)
-        for task in ("text-classification", "feature-extraction")
+        for task in ("text-classification", "token-classification", "feature-extraction")
     }
     made["image-classification"] = save_image_model(root / "image-classification")
     return made
@@ -127,6 +128,29 @@ async def test_text_classification_answers_as_the_pipeline(
         assert_same_labels(answer, pipe(text))
     assert_same_labels(pairs[0], [pipe(PAIRS[0])])
     assert_same_labels(plain[0], texts[0])
+
+
+async def test_token_classification_answers_as_the_pipeline_with_simple_aggregation(
+    repository: Path, folders: dict[str, Path]
+) -> None:
+    from transformers import pipeline
+
+    pipe = pipeline(
+        "token-classification",
+        model=str(folders["token-classification"]),
+        aggregation_strategy="simple",
+    )
+    async with serving(repository, "tagger") as client:
+        answers = await predict(client, "tagger", json={"instances": TEXTS})
+    for text, answer in zip(TEXTS, answers, strict=True):
+        want = pipe(text)
+        assert [
+            (entity["entity_group"], entity["word"], entity["start"], entity["end"])
+            for entity in answer
+        ] == [(entity["entity_group"], entity["word"], entity["start"], entity["end"]) for entity in want]
+        gaps = [abs(a["score"] - float(b["score"])) for a, b in zip(answer, want, strict=True)]
+        assert max(gaps, default=0.0) <= SCORE_TOLERANCE
+        assert want, "the random tagger finds some entity in each text"
 
 
 async def test_feature_extraction_is_the_pipeline_features_mean_pooled(

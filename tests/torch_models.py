@@ -262,3 +262,33 @@ class Eigenvalues(nn.Module):
     def forward(self, matrices: torch.Tensor) -> torch.Tensor:
         values: torch.Tensor = torch.linalg.eigvals(matrices).real
         return values
+
+
+TAG_CLASSES = 5
+
+
+class TokenTagger(nn.Module):
+    """(N, L) int64 token ids -> ``logits`` (N, L, classes) float32 and ``tags`` (N, L) int64,
+    each position from its own token alone (an embedding lookup), so answers are checkable:
+    with the default weights the logits of token ``t`` are ``-|c - t % classes|`` and its tag
+    is ``t % classes``. Padding (id 0) gets real-looking tags (0), as a real tagger's would."""
+
+    def __init__(self, vocabulary: int = 100, classes: int = TAG_CLASSES) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, classes)
+        with torch.no_grad():
+            tags = torch.arange(vocabulary).unsqueeze(1) % classes
+            self.embedding.weight.copy_(-(torch.arange(classes) - tags).abs().to(torch.float32))
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits: torch.Tensor = self.embedding(input_ids)
+        return {"logits": logits, "tags": logits.argmax(dim=-1)}
+
+
+class MaskedTokenTagger(TokenTagger):
+    """``TokenTagger`` taking the text handler's inputs (ids and attention mask)."""
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        return super().forward(input_ids)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from service.bundled import import_attribute
 from service.engine.backends import AotiModule, OnnxModule
+from service.engine.length_ties import tie_lengths
 from service.engine.outputs import check_forward
 from service.errors import ModelIntegrityError, ModelLoadError
 from service.manifest import (
@@ -108,7 +109,7 @@ class ModelStore(ModelRepository):
             metadata=dict(metadata or {}),
         )
         if not self.has(manifest):
-            check_module(manifest, sources, check_version)
+            manifest = check_module(manifest, sources, check_version)
         return self.add(manifest, sources)
 
 
@@ -116,19 +117,23 @@ def check_module(
     manifest: Manifest,
     sources: Mapping[str, Path],
     check_version: Callable[[Manifest, Path], None] | None = None,
-) -> None:
+) -> Manifest:
     """Build the module from ``sources`` (in a scratch copy of the version folder, so
     bundled modules import as they will when served) and run a forward on example inputs,
-    checking the outputs against the manifest; raises ``ModelLoadError`` naming a mismatch."""
+    checking the outputs against the manifest; raises ``ModelLoadError`` naming a mismatch.
+    Returns the manifest with the outputs that follow an input's length tied to it
+    (``length_ties``)."""
     with tempfile.TemporaryDirectory(prefix="batchserve-package-") as scratch:
         folder = Path(scratch)
         for file_name, source in sources.items():
             if file_name != manifest.artifact:
                 shutil.copyfile(source, folder / file_name)
         module = build_module(manifest, sources[manifest.artifact], folder)
+        manifest = tie_lengths(module, manifest)
         check_forward(module, manifest)
         if check_version is not None:
             check_version(manifest, folder)
+    return manifest
 
 
 def build_module(manifest: Manifest, artifact: Path, folder: Path) -> torch.nn.Module:

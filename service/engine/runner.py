@@ -142,6 +142,7 @@ class TorchRunner:
         self._inputs = tuple(inputs)
         self._input_names = [spec.name for spec in self._inputs]
         self._outputs = tuple(outputs)
+        self._length_ties = _length_ties(self._inputs, self._outputs)
         self._length_edges = tuple(length_edges)
         self._owns_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
@@ -247,7 +248,7 @@ class TorchRunner:
         start = 0
         for payload in payloads:  # slices, not np.split: a tenth of its cost per batch
             count = len(payload)
-            split.append(host[start : start + count])
+            split.append(_at_own_length(host[start : start + count], payload, self._length_ties))
             start += count
         floating = [name for name in host.names if host[name].dtype.kind == "f"]
         answers: list[NamedArrays | InferenceError] = list(split)
@@ -342,6 +343,37 @@ class TorchRunner:
         del self._model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+_LengthTie = tuple[str, int, str, int]
+"""An output whose variable axis follows an input's: (output, its axis, input, its axis)."""
+
+
+def _length_ties(
+    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> tuple[_LengthTie, ...]:
+    axes = {spec.name: spec.variable_axis for spec in inputs}
+    ties = []
+    for spec in outputs:
+        input_axis = axes.get(spec.length_of or "")
+        if spec.variable_axis is not None and input_axis is not None:
+            ties.append((spec.name, spec.variable_axis + 1, spec.length_of or "", input_axis + 1))
+    return tuple(ties)
+
+
+def _at_own_length(
+    rows: NamedArrays, payload: NamedArrays, ties: Sequence[_LengthTie]
+) -> NamedArrays:
+    """``rows`` with each tied output cut to the payload's own length (the batch padded it to
+    its longest payload's): an answer never depends on its batch-mates."""
+    if not ties:
+        return rows
+    arrays = dict(rows.arrays)
+    for output, axis, source, source_axis in ties:
+        length = payload[source].shape[source_axis]
+        if arrays[output].shape[axis] > length:
+            arrays[output] = arrays[output][(slice(None),) * axis + (slice(0, length),)]
+    return NamedArrays(arrays)
 
 
 def _finite_or_error(output: NamedArrays, floating: Sequence[str]) -> NamedArrays | InferenceError:

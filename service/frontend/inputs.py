@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import math
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from service.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
+from service.frontend.per_token import padded_instances
 from service.manifest import Manifest, TensorSpec
 from service.tensors import NamedArrays
 from service.types import Array
@@ -166,7 +167,14 @@ class InputLayout:
         instances = read_instances(body)
         if len(self.tensors) == 1 and not (instances and isinstance(instances[0], dict)):
             name = self.names[0]
-            return NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
+            parsed = NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
+            spec = self.tensors[name].spec
+            own = (
+                [_length(value, spec.variable_axis) or 0 for value in instances]
+                if spec.variable_axis is not None
+                else None
+            )
+            return self._with_own_lengths(parsed, own)
         columns: dict[str, list[Any]] = {name: [] for name in self.names}
         for index, instance in enumerate(instances):
             if not isinstance(instance, dict):
@@ -203,16 +211,27 @@ class InputLayout:
             name: self.tensors[name].parse_instances(column, body)
             for name, column in columns.items()
         }
-        return self._checked_lengths(NamedArrays(self.filled(arrays)))
+        variable = next((name for name in columns if self.tensors[name].spec.variable_axis is not None), None)
+        lengths = (
+            [_length(value, self.tensors[variable].spec.variable_axis or 0) or 0 for value in columns[variable]]
+            if variable is not None
+            else None
+        )
+        filled = NamedArrays(self.filled(arrays, lengths))
+        return self._with_own_lengths(self._checked_lengths(filled), lengths)
 
     @property
     def required(self) -> frozenset[str]:
         """The inputs a request must send: those without a ``default_value``."""
         return frozenset(spec.name for spec in self.manifest.inputs if spec.default_value is None)
 
-    def filled(self, arrays: Mapping[str, Array]) -> dict[str, Array]:
+    def filled(
+        self, arrays: Mapping[str, Array], lengths: Sequence[int] | None = None
+    ) -> dict[str, Array]:
         """``arrays`` with each optional input the request left out, filled with its
-        ``default_value`` at the request's rows and length (the other inputs')."""
+        ``default_value`` at the request's rows and length (the other inputs'); past each
+        instance's own length (``lengths``, when instances were padded together) with its
+        ``pad_value``."""
         given = [name for name in self.names if name in arrays]
         if len(given) == len(self.names) or not given:
             return dict(arrays)
@@ -229,7 +248,11 @@ class InputLayout:
         for spec in self.manifest.inputs:
             if spec.name not in arrays and spec.default_value is not None:
                 shape = (rows, *(length if size == -1 else size for size in spec.instance_shape))
-                filled[spec.name] = np.full(shape, spec.default_value, dtype=spec.numpy_dtype)
+                values = np.full(shape, spec.default_value, dtype=spec.numpy_dtype)
+                if lengths is not None and spec.variable_axis is not None:
+                    beyond = np.arange(length) >= np.asarray(lengths)[:, np.newaxis]
+                    np.moveaxis(values, spec.variable_axis + 1, -1)[beyond] = spec.pad_value
+                filled[spec.name] = values
         return filled
 
     def parse_npz(self, body: bytes) -> NamedArrays:
@@ -296,6 +319,14 @@ class InputLayout:
                     f"instance {index}: inputs with a variable axis must be equally long, "
                     f"got lengths {lengths}"
                 )
+
+    def _with_own_lengths(self, arrays: NamedArrays, lengths: Sequence[int] | None) -> NamedArrays:
+        """The parsed instances with each one's own length (``lengths``: of the variable
+        inputs, when some are shorter than the longest): per-token outputs answer each at its
+        length (``per_token``)."""
+        if lengths is None:
+            return arrays
+        return padded_instances(arrays, lengths, self.manifest.inputs)
 
     def _checked_lengths(self, arrays: NamedArrays) -> NamedArrays:
         lengths = {

@@ -357,4 +357,10 @@ def _describe(spec: TensorSpec, length_limit: int | None, *, is_input: bool) -> 
             text += f" or the padding value {spec.pad_value:g}"
     if spec.labels is not None:
         text += f"; classes along the last axis: {', '.join(spec.labels)}"
+    if spec.length_of is not None:
+        text += (
+            f"; L is each instance's own length of `{spec.length_of}` (.npy and .npz answers "
+            "are at the request's longest instance: positions past an instance's length are "
+            "the model's output on padding)"
+        )
     return text + "."

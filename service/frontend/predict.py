@@ -28,7 +28,7 @@ from service.errors import (
     RequestTimeoutError,
     ServiceError,
 )
-from service.frontend import request_spans
+from service.frontend import per_token, request_spans
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.inputs import (
     JSON_MEDIA_TYPE,
@@ -251,6 +251,7 @@ async def serve_prediction(
         return Response(
             encode_npz(result.outputs), media_type=NPZ_MEDIA_TYPE, headers=response_headers
         )
+    result = per_token.at_own_lengths(result, instances, model.manifest)
     predictions = _postprocess(handler, result, handler_request)
     return json_response(
         {"model": name, "version": version, "predictions": predictions},
@@ -301,7 +302,7 @@ async def _preprocess(
 def _postprocess(handler: Handler, result: InferenceResult, request: HandlerRequest) -> object:
     """On the event loop: softmax and top-k of a few rows cost less than a thread hop."""
     outputs = result.outputs
-    if type(handler) is Handler and len(outputs.names) == 1:
+    if type(handler) is Handler and type(outputs) is NamedArrays and len(outputs.names) == 1:
         # The whole array at once: orjson writes it far faster than a list of rows.
         return outputs[outputs.names[0]]
     return _handled(handler.postprocess, outputs, request)

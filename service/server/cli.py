@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_parse_tensor,
         action="append",
         metavar="NAME:DTYPE:SHAPE[:KEY=VALUE...]",
-        help="an output tensor, once per output, e.g. logits:float32:-1,2:labels=neg,pos",
+        help="an output tensor, once per output, e.g. logits:float32:-1,2:labels=neg,pos; "
+        "tags:int64:-1,-1:length_of=input_ids answers each instance at its own length (found "
+        "by a run of the model when not given)",
     )
     package.add_argument(
         "--handler",

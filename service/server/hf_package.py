@@ -98,9 +98,16 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
     elif task == "token-classification":
         assert labels is not None
         outputs = (
-            TensorSpec(name="logits", dtype="float32", shape=(-1, -1, len(labels)), labels=labels),
+            TensorSpec(
+                name="logits",
+                dtype="float32",
+                shape=(-1, -1, len(labels)),
+                labels=labels,
+                length_of="input_ids",
+            ),
         )
-        import_path = "service.frontend.handlers.hf_tokens:HFTokenClassificationHandler"
+        handler_options["aggregation_strategy"] = "simple"
+        import_path = "service.frontend.handlers.tokens:TokenClassificationHandler"
     else:
         assert labels is not None
         outputs = (TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),)

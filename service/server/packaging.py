@@ -49,10 +49,12 @@ def tensor_spec(text: str) -> TensorSpec:
             fields[key] = float(value)
         elif key == "labels":
             fields[key] = tuple(value.split(","))
+        elif key == "length_of":
+            fields[key] = value
         else:
             raise ValueError(
                 f"{name}: unknown option {key!r}; the options are max_length, min_value, "
-                "max_value, pad_value and labels"
+                "max_value, pad_value, labels and length_of"
             )
     return TensorSpec.model_validate(fields)
 

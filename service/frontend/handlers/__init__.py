@@ -8,6 +8,9 @@ The built-in handlers, named by a manifest's ``handler.import_path``:
   labels out;
 - ``service.frontend.handlers.text:TextHandler``: strings in (the version's tokenizer), top-k
   labels or tensors out;
+- ``service.frontend.handlers.tokens:TokenClassificationHandler``: strings in, each token's
+  label with its character offsets (or grouped entities) out, as HF's token-classification
+  pipeline;
 - ``service.frontend.handlers.image:ImageHandler``: PNG or JPEG in, top-k labels or tensors
   out.
 

@@ -26,6 +26,7 @@ import numpy as np
 from service.bundled import import_attribute
 from service.errors import ModelLoadError
 from service.frontend.inputs import InputLayout
+from service.frontend.per_token import PaddedInstances
 from service.manifest import Manifest
 from service.tensors import NamedArrays
 
@@ -103,7 +104,10 @@ def build_handler(context: HandlerContext) -> Handler:
 
 
 def output_rows(outputs: NamedArrays) -> list[Any]:
-    """Per instance: the bare row of a single output, or ``{name: row}`` for several."""
+    """Per instance: the bare row of a single output, or ``{name: row}`` for several (a
+    per-token output at the instance's own length)."""
+    if isinstance(outputs, PaddedInstances):
+        return outputs.rows()
     if len(outputs.names) == 1:
         return list(outputs[outputs.names[0]])
     return [{name: outputs[name][index] for name in outputs.names} for index in range(len(outputs))]

@@ -48,7 +48,7 @@ class HFTextHandler(TextHandler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         self.top_k(request)
-        return self.inputs_of(self.tokenize(self.instances(request)))
+        return self.encode(self.instances(request))
 
     def instances(self, request: HandlerRequest) -> list[TextInstance]:
         """The request's texts and pairs (``text/plain``: the body, one text)."""
@@ -57,16 +57,20 @@ class HFTextHandler(TextHandler):
         instances = json_instances(request.body, self.context.layout.max_instances)
         return [_text_instance(index, instance) for index, instance in enumerate(instances)]
 
-    def tokenize(self, instances: Sequence[TextInstance]) -> list[Encoding]:
+    def encode(self, texts: Sequence[TextInstance]) -> NamedArrays:  # type: ignore[override]
+        """The text handler's inputs, for texts and pairs (``tokenize`` takes both)."""
+        return super().encode(texts)  # type: ignore[arg-type]
+
+    def tokenize(self, texts: Sequence[TextInstance]) -> list[Encoding]:
         """One ``tokenizers`` call for the lot; pairs as sequence pairs."""
-        if len(instances) == 1:
-            first = instances[0]
+        if len(texts) == 1:
+            first = texts[0]
             return [
                 self.tokenizer.encode(first)
                 if isinstance(first, str)
                 else self.tokenizer.encode(*first)
             ]
-        encodings: list[Encoding] = self.tokenizer.encode_batch(list(instances))
+        encodings: list[Encoding] = self.tokenizer.encode_batch(list(texts))
         return encodings
 
     def classify(self, scores: np.ndarray[Any, Any], top_k: int) -> list[Any]:

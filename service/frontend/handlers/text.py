@@ -43,6 +43,7 @@ from service.frontend.handlers.instances import (
     json_instances,
     json_type,
 )
+from service.frontend.per_token import padded_instances
 from service.manifest import TensorSpec
 from service.tensors import NamedArrays
 from service.types import Array
@@ -149,18 +150,18 @@ class TextHandler(ClassificationHandler):
                 )
         return instances
 
-    def encode(self, texts: Sequence[str]) -> NamedArrays:
-        """Tokenize ``texts`` (one Rust call for the lot) into the model's padded inputs."""
-        encodings: list[Encoding] = (
-            [self.tokenizer.encode(texts[0])]
-            if len(texts) == 1
-            else self.tokenizer.encode_batch(list(texts))
-        )
-        return self.inputs_of(encodings)
+    def tokenize(self, texts: Sequence[str]) -> list[Encoding]:
+        """``texts`` through the version's tokenizer (one Rust call for the lot), unpadded."""
+        if len(texts) == 1:
+            return [self.tokenizer.encode(texts[0])]
+        encodings: list[Encoding] = self.tokenizer.encode_batch(list(texts))
+        return encodings
 
-    def inputs_of(self, encodings: Sequence[Encoding]) -> NamedArrays:
-        """The model's padded inputs for the tokenizer's ``encodings``, checked."""
-        lengths = np.fromiter((len(encoding) for encoding in encodings), np.int64, len(encodings))
+    def encode(self, texts: Sequence[str]) -> NamedArrays:
+        """Tokenize ``texts`` into the model's inputs, padded to the longest, with each
+        instance's own length (per-token outputs answer each at its length)."""
+        encodings = self.tokenize(texts)
+        lengths = np.fromiter((len(encoding) for encoding in encodings), np.int64, len(texts))
         self._check_lengths(lengths)
         longest = int(lengths.max())
         arrays = {self.ids.name: self._padded([e.ids for e in encodings], self.ids, longest)}
@@ -171,7 +172,8 @@ class TextHandler(ClassificationHandler):
             real = np.arange(longest) < lengths[:, np.newaxis]
             mask = np.where(real, 1, self.mask.pad_value)
             arrays[self.mask.name] = mask.astype(self.mask.numpy_dtype)
-        return self.context.layout.check(arrays)
+        checked = self.context.layout.check(arrays)
+        return padded_instances(checked, lengths, self.context.manifest.inputs)
 
     def _check_lengths(self, lengths: npt.NDArray[np.int64]) -> None:
         empty = np.flatnonzero(lengths == 0)
