@@ -282,4 +282,4 @@ def test_a_text_classifier_is_packaged_with_its_tokenizer_and_handler_from_flags
 def test_the_accuracy_column_reads_the_key_the_docs_show() -> None:
     """docs/models.md packages with the metadata key that ``models list`` shows."""
     page = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
-    assert f"--metadata '{{\"{ACCURACY_KEY}\": " in page
+    assert f'--metadata \'{{"{ACCURACY_KEY}": ' in page

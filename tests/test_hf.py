@@ -65,7 +65,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def repository(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repository")
     for task, folder in folders.items():
-        code = main(["package", "--repository", str(root), "--name", NAMES[task], "--hf", str(folder)])
+        code = main(
+            ["package", "--repository", str(root), "--name", NAMES[task], "--hf", str(folder)]
+        )
         assert code == 0
     return root
 
@@ -123,7 +125,9 @@ async def test_text_classification_answers_as_the_pipeline(
     async with serving(repository, "sentiment") as client:
         texts = await predict(client, "sentiment", json={"instances": TEXTS})
         pairs = await predict(client, "sentiment", json={"instances": PAIRS})
-        plain = await predict(client, "sentiment", content=TEXTS[0], headers={"content-type": "text/plain"})
+        plain = await predict(
+            client, "sentiment", content=TEXTS[0], headers={"content-type": "text/plain"}
+        )
     for text, answer in zip(TEXTS, texts, strict=True):
         assert_same_labels(answer, pipe(text))
     assert_same_labels(pairs[0], [pipe(PAIRS[0])])
@@ -147,7 +151,10 @@ async def test_token_classification_answers_as_the_pipeline_with_simple_aggregat
         assert [
             (entity["entity_group"], entity["word"], entity["start"], entity["end"])
             for entity in answer
-        ] == [(entity["entity_group"], entity["word"], entity["start"], entity["end"]) for entity in want]
+        ] == [
+            (entity["entity_group"], entity["word"], entity["start"], entity["end"])
+            for entity in want
+        ]
         gaps = [abs(a["score"] - float(b["score"])) for a, b in zip(answer, want, strict=True)]
         assert max(gaps, default=0.0) <= SCORE_TOLERANCE
         assert want, "the random tagger finds some entity in each text"
@@ -200,7 +207,10 @@ async def test_an_onnx_export_of_the_version_answers_as_the_pipeline(
 ) -> None:
     store = ModelStore(repository)
     exported = export_version(store, NAMES[task], "latest", "onnx")
-    assert exported.handler == store.resolve(NAMES[task], exported.metadata["exported_from"].split("@")[1]).handler
+    assert (
+        exported.handler
+        == store.resolve(NAMES[task], exported.metadata["exported_from"].split("@")[1]).handler
+    )
     async with serving(repository, f"{NAMES[task]}@{exported.version}") as client:
         if task == "text-classification":
             answers = await predict(client, NAMES[task], json={"instances": TEXTS})
@@ -208,7 +218,9 @@ async def test_an_onnx_export_of_the_version_answers_as_the_pipeline(
                 assert_same_labels(answer, pipelines[task](text))
             return
         for image in images():
-            answer = await predict(client, NAMES[task], content=image, headers={"content-type": "image/png"})
+            answer = await predict(
+                client, NAMES[task], content=image, headers={"content-type": "image/png"}
+            )
             assert_same_labels(answer[0], pipelines[task](Image.open(io.BytesIO(image))))
 
 
@@ -234,7 +246,9 @@ def test_a_folder_without_a_served_architecture_is_refused_naming_it(
     for path in source.iterdir():
         (folder / path.name).write_bytes(path.read_bytes())
     config = (folder / "config.json").read_text()
-    (folder / "config.json").write_text(config.replace("BertForSequenceClassification", "BertForMaskedLM"))
+    (folder / "config.json").write_text(
+        config.replace("BertForSequenceClassification", "BertForMaskedLM")
+    )
     assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
     assert "architecture 'BertForMaskedLM' is not served by --hf" in capsys.readouterr().err
 

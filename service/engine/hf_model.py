@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+
 def model_class(config: dict[str, Any]) -> type[torch.nn.Module]:
     """The ``transformers`` class ``config.architectures`` names (what saved the folder)."""
     import transformers
@@ -56,17 +57,20 @@ class _Wrapped(torch.nn.Module):
         with torch.device("meta"):
             self.model: torch.nn.Module = self.cls(self.config)
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: Any, strict: bool = True, assign: bool = False
     ) -> Any:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         model, info = self.cls.from_pretrained(
             None, config=self.config, state_dict=dict(state_dict), output_loading_info=True
         )
-        problems = {key: sorted(info[key]) for key in ("missing_keys", "unexpected_keys",
-                                                      "mismatched_keys") if info.get(key)}
+        problems = {
+            key: sorted(info[key])
+            for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+            if info.get(key)
+        }
         if strict and problems:
             raise ValueError(f"the weights do not fit {self.cls.__name__}: {problems}")
         self.model = model.eval()

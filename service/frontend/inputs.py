@@ -211,9 +211,14 @@ class InputLayout:
             name: self.tensors[name].parse_instances(column, body)
             for name, column in columns.items()
         }
-        variable = next((name for name in columns if self.tensors[name].spec.variable_axis is not None), None)
+        variable = next(
+            (name for name in columns if self.tensors[name].spec.variable_axis is not None), None
+        )
         lengths = (
-            [_length(value, self.tensors[variable].spec.variable_axis or 0) or 0 for value in columns[variable]]
+            [
+                _length(value, self.tensors[variable].spec.variable_axis or 0) or 0
+                for value in columns[variable]
+            ]
             if variable is not None
             else None
         )

@@ -9,8 +9,18 @@ from service.server.hf_package import hf_version
 from service.server.packaging import check_handler
 
 #: Flags that describe a version by hand: --hf reads all of it from the folder.
-_BY_HAND = ("spec", "artifact", "format", "architecture", "kwargs", "input", "output", "handler",
-            "handler_options", "file")
+_BY_HAND = (
+    "spec",
+    "artifact",
+    "format",
+    "architecture",
+    "kwargs",
+    "input",
+    "output",
+    "handler",
+    "handler_options",
+    "file",
+)
 
 
 def package_hf(args: argparse.Namespace, repository: Path) -> int:

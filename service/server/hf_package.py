@@ -33,7 +33,9 @@ _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longforme
 _RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box"}
 #: Image processors that resize to a fixed size, rescale and normalise: what ``ImageHandler``
 #: does, so its answers equal theirs.
-_RESIZING_PROCESSORS = frozenset({"ViTImageProcessor", "ViTImageProcessorFast", "DeiTImageProcessor"})
+_RESIZING_PROCESSORS = frozenset(
+    {"ViTImageProcessor", "ViTImageProcessorFast", "DeiTImageProcessor"}
+)
 _IMAGE_TOP_K = 5  # the image-classification pipeline's default
 
 
@@ -72,7 +74,9 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
     if task == "image-classification":
         pixel_values, options = _image_input(folder, config)
         assert labels is not None
-        outputs = (TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),)
+        outputs = (
+            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
+        )
         return HFVersion(
             task=task,
             artifact=folder / ARTIFACT,
@@ -110,7 +114,9 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         import_path = "service.frontend.handlers.tokens:TokenClassificationHandler"
     else:
         assert labels is not None
-        outputs = (TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),)
+        outputs = (
+            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
+        )
         multi = config.get("problem_type") == "multi_label_classification"
         handler_options["scores"] = "sigmoid" if multi or len(labels) == 1 else "softmax"
         import_path = "service.frontend.handlers.hf_text:HFTextHandler"
@@ -133,7 +139,9 @@ def _json(path: Path) -> dict[str, Any]:
     try:
         document = orjson.loads(path.read_bytes())
     except FileNotFoundError:
-        raise ValueError(f"{path.parent.name} has no {path.name}: is it a save_pretrained folder?") from None
+        raise ValueError(
+            f"{path.parent.name} has no {path.name}: is it a save_pretrained folder?"
+        ) from None
     except orjson.JSONDecodeError as error:
         raise ValueError(f"{path.name} is not valid JSON: {error}") from None
     if not isinstance(document, dict):
@@ -143,7 +151,9 @@ def _json(path: Path) -> dict[str, Any]:
 
 def _task(config: dict[str, Any]) -> str:
     architectures = config.get("architectures") or []
-    if not (isinstance(architectures, list) and architectures and isinstance(architectures[0], str)):
+    if not (
+        isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
+    ):
         raise ValueError(f"config.json names no architectures (got {architectures!r})")
     name = architectures[0]
     for suffix, task in _TASK_SUFFIXES:
@@ -158,9 +168,13 @@ def _labels(config: dict[str, Any]) -> tuple[str, ...]:
     try:
         indexed = {int(index): str(label) for index, label in id2label.items()}
     except (AttributeError, ValueError):
-        raise ValueError(f"config.json's id2label must map class indices to names, got {id2label!r}") from None
+        raise ValueError(
+            f"config.json's id2label must map class indices to names, got {id2label!r}"
+        ) from None
     if sorted(indexed) != list(range(len(indexed))) or not indexed:
-        raise ValueError(f"config.json's id2label must name classes 0 to n-1, got {sorted(indexed)}")
+        raise ValueError(
+            f"config.json's id2label must name classes 0 to n-1, got {sorted(indexed)}"
+        )
     return tuple(indexed[index] for index in range(len(indexed)))
 
 
@@ -255,19 +269,32 @@ def _image_input(folder: Path, config: dict[str, Any]) -> tuple[TensorSpec, dict
     if processor.get("do_center_crop"):
         raise ValueError("preprocessor_config.json asks for do_center_crop, which --hf does not do")
     size = processor.get("size") or {}
-    if not (processor.get("do_resize", True) and isinstance(size, dict) and set(size) == {"height", "width"}):
+    if not (
+        processor.get("do_resize", True)
+        and isinstance(size, dict)
+        and set(size) == {"height", "width"}
+    ):
         raise ValueError(
             f"--hf serves image processors resizing to a fixed {{height, width}}, got size {size!r}"
         )
-    if processor.get("do_rescale", True) and abs(float(processor.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
-        raise ValueError(f"--hf serves rescale_factor 1/255, got {processor.get('rescale_factor')!r}")
+    if (
+        processor.get("do_rescale", True)
+        and abs(float(processor.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12
+    ):
+        raise ValueError(
+            f"--hf serves rescale_factor 1/255, got {processor.get('rescale_factor')!r}"
+        )
     resample = processor.get("resample", 2)
     if resample not in _RESAMPLE_NAMES:
         raise ValueError(f"resample {resample!r} is not one of PIL's {sorted(_RESAMPLE_NAMES)}")
     channels = int(config.get("num_channels", 3))
     if channels != 3:
         raise ValueError(f"--hf serves RGB image models (num_channels 3), got {channels}")
-    options: dict[str, Any] = {"mode": "RGB", "layout": "CHW", "resample": _RESAMPLE_NAMES[resample]}
+    options: dict[str, Any] = {
+        "mode": "RGB",
+        "layout": "CHW",
+        "resample": _RESAMPLE_NAMES[resample],
+    }
     if processor.get("do_normalize", True):
         options["mean"] = [float(value) for value in processor["image_mean"]]
         options["std"] = [float(value) for value in processor["image_std"]]

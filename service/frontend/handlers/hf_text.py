@@ -57,7 +57,7 @@ class HFTextHandler(TextHandler):
         instances = json_instances(request.body, self.context.layout.max_instances)
         return [_text_instance(index, instance) for index, instance in enumerate(instances)]
 
-    def encode(self, texts: Sequence[TextInstance]) -> NamedArrays:  # type: ignore[override]
+    def encode(self, texts: Sequence[TextInstance]) -> NamedArrays:
         """The text handler's inputs, for texts and pairs (``tokenize`` takes both)."""
         return super().encode(texts)  # type: ignore[arg-type]
 
@@ -105,6 +105,6 @@ def _text_instance(index: int, instance: object) -> TextInstance:
         return (instance["text"], instance["text_pair"])
     described = sorted(instance) if isinstance(instance, dict) else json_type(instance)
     raise InvalidInputError(
-        f"an instance is a string or {{\"text\": ..., \"text_pair\": ...}} of strings, got "
+        f'an instance is a string or {{"text": ..., "text_pair": ...}} of strings, got '
         f"{described} at instance {index}"
     )
