@@ -57,9 +57,7 @@ class _Wrapped(torch.nn.Module):
         with torch.device("meta"):
             self.model: torch.nn.Module = self.cls(self.config)
 
-    def load_state_dict(
-        self, state_dict: Any, strict: bool = True, assign: bool = False
-    ) -> Any:
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
