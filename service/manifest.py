@@ -113,6 +113,15 @@ class TensorSpec(BaseModel):
                 f"{self.name}: length_of={self.length_of!r} needs a variable axis (-1) besides "
                 f"the batch, got shape {self.shape}"
             )
+        default = self.default_value
+        if default is not None and not (
+            (self.min_value is None or default >= self.min_value)
+            and (self.max_value is None or default <= self.max_value)
+        ):
+            raise ValueError(
+                f"{self.name}: default_value {default:g} is outside the accepted range "
+                f"[{self.min_value}, {self.max_value}]"
+            )
         return self
 
     @model_serializer(mode="wrap")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from service.bundled import import_attribute
 from service.engine.backends import AotiModule, OnnxModule
+from service.engine.length_check import check_max_length
 from service.engine.length_ties import tie_lengths
 from service.engine.outputs import check_forward
 from service.errors import ModelIntegrityError, ModelLoadError
@@ -131,6 +132,7 @@ def check_module(
         module = build_module(manifest, sources[manifest.artifact], folder)
         manifest = tie_lengths(module, manifest)
         check_forward(module, manifest)
+        check_max_length(module, manifest)
         if check_version is not None:
             check_version(manifest, folder)
     return manifest

@@ -312,7 +312,7 @@ class InputLayout:
         by instance, before they are padded."""
         variable = [
             (name, self.tensors[name].spec.variable_axis)
-            for name in self.names
+            for name in columns
             if self.tensors[name].spec.variable_axis is not None
         ]
         if len(variable) < 2:

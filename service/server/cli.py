@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME:DTYPE:SHAPE[:KEY=VALUE...]",
         help="an input tensor, once per input in forward()'s order, e.g. "
         "input_ids:int64:-1,-1:max_length=128:min_value=1:max_value=29999:pad_value=0 "
-        "(keys: max_length, min_value, max_value, pad_value)",
+        "(keys: max_length, min_value, max_value, pad_value, default_value: a request may "
+        "leave the input out, filled with it)",
     )
     package.add_argument(
         "--output",
