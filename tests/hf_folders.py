@@ -6,7 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -26,6 +34,7 @@ def tokenizer() -> Tokenizer:
     trained = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     trained.normalizer = normalizers.BertNormalizer(lowercase=True)
     trained.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trained.decoder = decoders.WordPiece()
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     trainer = trainers.WordPieceTrainer(vocab_size=120, special_tokens=special)
     trained.train_from_iterator(CORPUS * 5, trainer)
