@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from service.errors import BadRequestError, InvalidInputError
 from service.frontend.inputs import InputLayout
+from service.frontend.optional_inputs import fill_defaults
 from service.frontend.oip.tensors import InferInput, to_request
 from service.manifest import Manifest, TensorSpec
 
@@ -80,3 +81,14 @@ def test_unset_defaults_leave_manifests_and_their_ids_as_they_were() -> None:
     assert "default_value" not in IDS.model_dump(mode="json")
     assert MASK.model_dump(mode="json")["default_value"] == 1
     assert np.isclose(MASK.default_value or 0, 1)
+
+
+def test_an_optional_input_with_a_feature_axis_is_padded_along_its_variable_axis() -> None:
+    positions = TensorSpec(
+        name="positions", dtype="float32", shape=(-1, -1, 2), pad_value=0, default_value=0.5
+    )
+    ids = np.array([[5, 6, 7], [8, 0, 0]], dtype=np.int64)
+    filled = fill_defaults((IDS, positions), {"input_ids": ids}, lengths=[3, 1])
+    assert filled["positions"].shape == (2, 3, 2)
+    assert filled["positions"][1].tolist() == [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]]
+    assert filled["positions"][0].tolist() == [[0.5, 0.5]] * 3

@@ -29,6 +29,7 @@ from service.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
+from service.frontend.optional_inputs import fill_defaults
 from service.frontend.per_token import padded_instances
 from service.manifest import Manifest, TensorSpec
 from service.tensors import NamedArrays
@@ -233,32 +234,8 @@ class InputLayout:
     def filled(
         self, arrays: Mapping[str, Array], lengths: Sequence[int] | None = None
     ) -> dict[str, Array]:
-        """``arrays`` with each optional input the request left out, filled with its
-        ``default_value`` at the request's rows and length (the other inputs'); past each
-        instance's own length (``lengths``, when instances were padded together) with its
-        ``pad_value``."""
-        given = [name for name in self.names if name in arrays]
-        if len(given) == len(self.names) or not given:
-            return dict(arrays)
-        rows = len(arrays[given[0]])
-        length = next(
-            (
-                arrays[name].shape[spec.variable_axis + 1]
-                for name, spec in ((name, self.tensors[name].spec) for name in given)
-                if spec.variable_axis is not None and arrays[name].ndim > spec.variable_axis + 1
-            ),
-            1,
-        )
-        filled = dict(arrays)
-        for spec in self.manifest.inputs:
-            if spec.name not in arrays and spec.default_value is not None:
-                shape = (rows, *(length if size == -1 else size for size in spec.instance_shape))
-                values = np.full(shape, spec.default_value, dtype=spec.numpy_dtype)
-                if lengths is not None and spec.variable_axis is not None:
-                    beyond = np.arange(length) >= np.asarray(lengths)[:, np.newaxis]
-                    np.moveaxis(values, spec.variable_axis + 1, -1)[beyond] = spec.pad_value
-                filled[spec.name] = values
-        return filled
+        """``arrays`` with the optional inputs left out filled (``optional_inputs``)."""
+        return fill_defaults(self.manifest.inputs, arrays, lengths)
 
     def parse_npz(self, body: bytes) -> NamedArrays:
         """An ``.npz`` archive (``np.savez``, no pickles) with one array per input name."""

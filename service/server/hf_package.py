@@ -277,12 +277,11 @@ def _image_input(folder: Path, config: dict[str, Any]) -> tuple[TensorSpec, dict
         raise ValueError(
             f"--hf serves image processors resizing to a fixed {{height, width}}, got size {size!r}"
         )
-    if (
-        processor.get("do_rescale", True)
-        and abs(float(processor.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12
-    ):
+    rescale = processor.get("do_rescale", True), processor.get("rescale_factor", 1 / 255)
+    if not rescale[0] or abs(float(rescale[1]) - 1 / 255) > 1e-12:
         raise ValueError(
-            f"--hf serves rescale_factor 1/255, got {processor.get('rescale_factor')!r}"
+            "--hf serves image processors scaling pixels to [0, 1] (do_rescale with "
+            f"rescale_factor 1/255), got do_rescale={rescale[0]!r}, rescale_factor={rescale[1]!r}"
         )
     resample = processor.get("resample", 2)
     if resample not in _RESAMPLE_NAMES:
