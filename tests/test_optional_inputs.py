@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from service.errors import BadRequestError, InvalidInputError
 from service.frontend.inputs import InputLayout
-from service.frontend.optional_inputs import fill_defaults
 from service.frontend.oip.tensors import InferInput, to_request
+from service.frontend.optional_inputs import fill_defaults
 from service.manifest import Manifest, TensorSpec
 
 IDS = TensorSpec(
