@@ -167,8 +167,8 @@ class Settings(BaseSettings):
     answer 503 so the process is replaced (0 turns the watchdog off)."""
 
     admin_token: SecretStr | None = Field(default=None, min_length=16)
-    """Bearer token for the ``/admin`` routes (load and roll back versions); unset disables
-    them. Never logged or echoed."""
+    """Bearer token for the ``/admin`` routes (load and roll back versions), at least 16
+    characters (a shorter one stops the start); unset disables them. Never logged or echoed."""
 
     warmup_batch_sizes: Annotated[tuple[int, ...], NoDecode] = ()
     """Batch sizes run once at load; empty means powers of two up to ``max_batch_size``."""

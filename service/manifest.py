@@ -82,6 +82,10 @@ class TensorSpec(BaseModel):
     """Value that pads the variable axis up to the batch's length; the model must ignore it."""
     labels: tuple[str, ...] | None = None
     """Outputs: the name of each class along the last axis (classification handlers use them)."""
+    default_value: float | None = None
+    """Inputs: a request may leave this input out, and it is filled with this value at the
+    request's shape (an attention mask of ones, type ids of zeros), as a ``forward()``
+    argument with a default is optional. ``None``: the input is required."""
     length_of: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
     """Outputs: the input whose variable axis this output's variable axis follows (a tagger's
     ``tags`` follow its ``input_ids``): each instance is answered at its own length, never at
@@ -109,15 +113,25 @@ class TensorSpec(BaseModel):
                 f"{self.name}: length_of={self.length_of!r} needs a variable axis (-1) besides "
                 f"the batch, got shape {self.shape}"
             )
+        default = self.default_value
+        if default is not None and not (
+            (self.min_value is None or default >= self.min_value)
+            and (self.max_value is None or default <= self.max_value)
+        ):
+            raise ValueError(
+                f"{self.name}: default_value {default:g} is outside the accepted range "
+                f"[{self.min_value}, {self.max_value}]"
+            )
         return self
 
     @model_serializer(mode="wrap")
-    def _omit_unset_length_of(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Absent rather than null: the manifests (and version ids) written before the key
+    def _omit_unset_keys(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Absent rather than null: the manifests (and version ids) written before the keys
         # existed stay what they were.
         document: dict[str, Any] = serialize(self)
-        if self.length_of is None:
-            document.pop("length_of", None)
+        for key in ("length_of", "default_value"):
+            if getattr(self, key) is None:
+                document.pop(key, None)
         return document
 
     @property

@@ -14,7 +14,7 @@ from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.errors import ModelIntegrityError
 from service.repository import sha256_of
-from service.server.cli import main
+from service.server.cli import ACCURACY_KEY, main
 from service.server.single import create_app
 from tests.apps import engine_of
 from tests.torch_models import PaddingSensitiveEncoder
@@ -364,3 +364,36 @@ def test_a_missing_artifact_or_file_is_a_clear_error_not_a_traceback(
     )
     assert folder_err == f"batchserve: cannot package: {tmp_path} is not a file\n"
     assert not (tmp_path / "repo" / "mydigits").exists()
+
+
+def test_the_accuracy_column_reads_the_key_the_docs_show() -> None:
+    """docs/models.md packages with the metadata key that ``models list`` shows."""
+    page = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    assert f'--metadata \'{{"{ACCURACY_KEY}": ' in page
+
+
+def test_a_max_length_beyond_the_position_embeddings_is_refused_at_packaging(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Start-up used to fail at warm-up with "index out of range in self"; packaging now runs
+    one row at max_length and names it."""
+    weights = tmp_path / "encoder.safetensors"
+    save_file(dict(PaddingSensitiveEncoder(positions=64).state_dict()), str(weights))
+    arguments = [
+        "package", "--repository", str(tmp_path), "--name", "encoder",
+        "--artifact", str(weights), "--format", "safetensors",
+        "--architecture", "tests.torch_models:PaddingSensitiveEncoder",
+        "--kwargs", '{"positions": 64}',
+        "--output", "pooled:float32:-1,16",
+    ]  # fmt: skip
+    too_long = [*arguments, "--input", "input_ids:int64:-1,-1:max_length=65:max_value=99"]
+    assert main(too_long) == 1
+    error = capsys.readouterr().err
+    assert "max_length 65 of input 'input_ids' is more than the model can hold" in error
+    assert "index out of range in self" in error
+    assert not (tmp_path / "encoder").exists()
+    undeclared = [*arguments, "--input", "input_ids:int64:-1,-1:max_value=99"]
+    assert main(undeclared) == 1
+    assert "the default max_length 512 (none is declared)" in capsys.readouterr().err
+    fits = [*arguments, "--input", "input_ids:int64:-1,-1:max_length=64:max_value=99"]
+    assert main(fits) == 0, capsys.readouterr().err

@@ -138,3 +138,12 @@ def test_the_site_builds_strictly_and_its_configuration_page_names_every_setting
         name for name in Settings.model_fields if f">BATCHSERVE_{name.upper()}</code>" not in page
     ]
     assert missing == []
+
+
+def test_the_configuration_source_states_the_admin_token_minimum() -> None:
+    """The markdown source holds only a marker for the table: the minimum a reader of the file
+    needs is stated in its prose, and it is the minimum the settings enforce."""
+    field = Settings.model_fields["admin_token"]
+    minimum = next(getattr(item, "min_length", None) for item in field.metadata)
+    source = (DOCS / "configuration.md").read_text()
+    assert f"- `admin_token`: at least {minimum} characters" in source

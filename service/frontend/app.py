@@ -27,6 +27,7 @@ from service.frontend.head_requests import HeadAsGet
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
 from service.frontend.openapi import model_openapi, with_model_routes
+from service.frontend.openapi_clients import for_clients
 from service.frontend.responses import (
     error_response,
     internal_error_response,
@@ -125,7 +126,7 @@ class ServingApp(FastAPI):
         """FastAPI's document with ``/predict`` stating the first model's inputs and outputs
         (``openapi.model_openapi``) and a predict route per model served, each stating its
         own (``openapi.with_model_routes``); FastAPI's own while no model is loaded."""
-        base = super().openapi()
+        base = for_clients(super().openapi())
         frontend: FrontendState = self.state.frontend
         models = frontend.engine.status().models
         if not models:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import math
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from service.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
+from service.frontend.optional_inputs import fill_defaults
 from service.frontend.per_token import padded_instances
 from service.manifest import Manifest, TensorSpec
 from service.tensors import NamedArrays
@@ -162,7 +163,13 @@ class InputLayout:
         if len(self.tensors) == 1 and not (instances and isinstance(instances[0], dict)):
             name = self.names[0]
             parsed = NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
-            return self._with_own_lengths(parsed, {name: instances})
+            spec = self.tensors[name].spec
+            own = (
+                [_length(value, spec.variable_axis) or 0 for value in instances]
+                if spec.variable_axis is not None
+                else None
+            )
+            return self._with_own_lengths(parsed, own)
         columns: dict[str, list[Any]] = {name: [] for name in self.names}
         for index, instance in enumerate(instances):
             if not isinstance(instance, dict):
@@ -170,8 +177,15 @@ class InputLayout:
                     f"instance {index} must be an object keyed by input name "
                     f"{list(self.names)}, got {json_type(instance)}"
                 )
-            if instance.keys() != columns.keys():
-                missing = sorted(columns.keys() - instance.keys())
+            if self.required <= instance.keys() <= columns.keys() and (
+                instance.keys() != instances[0].keys()
+            ):
+                raise InvalidInputError(
+                    f"every instance must give the same inputs: instance 0 gives "
+                    f"{sorted(instances[0])}, instance {index} {sorted(instance)}"
+                )
+            if not self.required <= instance.keys() <= columns.keys():
+                missing = sorted(self.required - instance.keys())
                 unknown = sorted(instance.keys() - columns.keys())
                 raise InvalidInputError(
                     f"instance {index} must have exactly the inputs {list(self.names)}; "
@@ -186,23 +200,47 @@ class InputLayout:
                 )
             for name, value in instance.items():
                 columns[name].append(value)
+        columns = {name: column for name, column in columns.items() if column}
         self._check_shared_lengths(columns)
         arrays = {
             name: self.tensors[name].parse_instances(column, body)
             for name, column in columns.items()
         }
-        return self._with_own_lengths(self._checked_lengths(NamedArrays(arrays)), columns)
+        variable = next(
+            (name for name in columns if self.tensors[name].spec.variable_axis is not None), None
+        )
+        lengths = (
+            [
+                _length(value, self.tensors[variable].spec.variable_axis or 0) or 0
+                for value in columns[variable]
+            ]
+            if variable is not None
+            else None
+        )
+        filled = NamedArrays(self.filled(arrays, lengths))
+        return self._with_own_lengths(self._checked_lengths(filled), lengths)
+
+    @property
+    def required(self) -> frozenset[str]:
+        """The inputs a request must send: those without a ``default_value``."""
+        return frozenset(spec.name for spec in self.manifest.inputs if spec.default_value is None)
+
+    def filled(
+        self, arrays: Mapping[str, Array], lengths: Sequence[int] | None = None
+    ) -> dict[str, Array]:
+        """``arrays`` with the optional inputs left out filled (``optional_inputs``)."""
+        return fill_defaults(self.manifest.inputs, arrays, lengths)
 
     def parse_npz(self, body: bytes) -> NamedArrays:
         """An ``.npz`` archive (``np.savez``, no pickles) with one array per input name."""
         members = _npz_members(body, self.tensors[self.names[0]].max_body_bytes(body))
-        if members.keys() != set(self.names):
+        if not self.required <= members.keys() <= set(self.names):
             raise InvalidInputError(
                 f"the .npz archive must hold exactly the arrays {list(self.names)}, "
                 f"got {sorted(members)}"
             )
         arrays = {}
-        for name in self.names:
+        for name in (name for name in self.names if name in members):
             try:
                 arrays[name] = self.tensors[name].parse_npy(members[name])
             except (InvalidInputError, BadRequestError) as error:
@@ -210,11 +248,13 @@ class InputLayout:
         counts = {name: len(array) for name, array in arrays.items()}
         if len(set(counts.values())) > 1:
             raise InvalidInputError(f"every input needs one row per instance, got {counts}")
-        return self._checked_lengths(NamedArrays(arrays))
+        return self._checked_lengths(NamedArrays(self.filled(arrays)))
 
     def check(self, arrays: Mapping[str, Array]) -> NamedArrays:
         """Validate named arrays a handler built against the input specs (dtype, shape,
-        length, range) and return them as the request's inputs."""
+        length, range) and return them as the request's inputs; optional inputs left out are
+        filled with their default."""
+        arrays = self.filled(arrays)
         if arrays.keys() != set(self.names):
             raise InvalidInputError(
                 f"the handler built inputs {sorted(arrays)}; the model takes {list(self.names)}"
@@ -239,7 +279,7 @@ class InputLayout:
         by instance, before they are padded."""
         variable = [
             (name, self.tensors[name].spec.variable_axis)
-            for name in self.names
+            for name in columns
             if self.tensors[name].spec.variable_axis is not None
         ]
         if len(variable) < 2:
@@ -252,15 +292,12 @@ class InputLayout:
                     f"got lengths {lengths}"
                 )
 
-    def _with_own_lengths(
-        self, arrays: NamedArrays, columns: Mapping[str, list[Any]]
-    ) -> NamedArrays:
-        """The parsed instances with each one's own length, when some are shorter than the
-        longest: per-token outputs answer each at its length (``per_token``)."""
-        spec = self.manifest.variable_input
-        if spec is None or spec.variable_axis is None:
+    def _with_own_lengths(self, arrays: NamedArrays, lengths: Sequence[int] | None) -> NamedArrays:
+        """The parsed instances with each one's own length (``lengths``: of the variable
+        inputs, when some are shorter than the longest): per-token outputs answer each at its
+        length (``per_token``)."""
+        if lengths is None:
             return arrays
-        lengths = [_length(value, spec.variable_axis) or 0 for value in columns[spec.name]]
         return padded_instances(arrays, lengths, self.manifest.inputs)
 
     def _checked_lengths(self, arrays: NamedArrays) -> NamedArrays:

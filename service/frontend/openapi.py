@@ -31,6 +31,8 @@ Schema = dict[str, Any]
 _BINARY: Schema = {"type": "string", "format": "binary"}
 #: Length of the variable axis in the request example (shorter when the model allows less).
 _EXAMPLE_LENGTH = 4
+#: Inputs with more values per instance than this get no example (the schema still says all).
+_EXAMPLE_MAX_VALUES = 64
 
 
 def model_openapi(
@@ -197,8 +199,9 @@ def _tensor_request(
             "required": ["instances"],
             "additionalProperties": False,
         },
-        "example": {"instances": [example]},
     }
+    if example is not None and (not isinstance(example, dict) or None not in example.values()):
+        content[JSON]["example"] = {"instances": [example]}
     if len(inputs) == 1:
         content[NPY_MEDIA_TYPE] = {
             "schema": {
@@ -338,9 +341,18 @@ def _json_value(value: float, spec: TensorSpec) -> float | int | bool:
 
 
 def _example(spec: TensorSpec, length_limit: int | None) -> Any:
-    """One realistic instance (values in range, never the padding), for the docs' "try it"."""
+    """One realistic instance (values in range, never the padding), for the docs' "try it";
+    ``None`` above ``_EXAMPLE_MAX_VALUES`` values (an image's 150,528 floats would be most of
+    the document, once per route). Floats are rounded to 3 decimals, kept in range."""
     length = min(_EXAMPLE_LENGTH, length_limit or _EXAMPLE_LENGTH)
-    return spec.example_instances(1, length, np.random.default_rng(0))[0].tolist()
+    instance = spec.example_instances(1, length, np.random.default_rng(0))[0]
+    if instance.size > _EXAMPLE_MAX_VALUES:
+        return None
+    if instance.dtype.kind == "f":
+        low = -math.inf if spec.min_value is None else spec.min_value
+        high = math.inf if spec.max_value is None else spec.max_value
+        instance = np.clip(np.round(instance.astype(np.float64), 3), low, high)
+    return instance.tolist()
 
 
 def _describe(spec: TensorSpec, length_limit: int | None, *, is_input: bool) -> str:

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict, Unpack
 
+from service.engine.length_check import check_max_length
 from service.engine.length_ties import tie_lengths
 from service.engine.model_store import build_module
 from service.engine.outputs import check_forward
@@ -127,6 +128,7 @@ def check_module(
     module = build_module(manifest, folder)
     manifest = tie_lengths(module, manifest)
     check_forward(module, manifest)
+    check_max_length(module, manifest)
     if check_version is not None:
         check_version(manifest, folder)
     return manifest

@@ -20,7 +20,7 @@ from service.frontend.inputs import InputLayout
 from service.manifest import Architecture, HandlerSpec, Manifest, ModelFormat, TensorSpec
 from service.repository import one_line
 
-_NUMBER_KEYS = ("min_value", "max_value", "pad_value")
+_NUMBER_KEYS = ("min_value", "max_value", "pad_value", "default_value")
 
 
 def tensor_spec(text: str) -> TensorSpec:

@@ -90,6 +90,9 @@ def _parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
+#: The metadata key ``models list`` shows as its accuracy column (docs/models.md).
+ACCURACY_KEY = "test_accuracy"
+
 _REPOSITORY_HELP = "model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)"
 
 
@@ -147,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME:DTYPE:SHAPE[:KEY=VALUE...]",
         help="an input tensor, once per input in forward()'s order, e.g. "
         "input_ids:int64:-1,-1:max_length=128:min_value=1:max_value=29999:pad_value=0 "
-        "(keys: max_length, min_value, max_value, pad_value)",
+        "(keys: max_length, min_value, max_value, pad_value, default_value: a request may "
+        "leave the input out, filled with it)",
     )
     package.add_argument(
         "--output",
@@ -176,6 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat for several",
     )
     package.add_argument("--metadata", type=_parse_json_object, action=_Once, help="JSON object")
+    package.add_argument(
+        "--hf",
+        type=Path,
+        action=_Once,
+        metavar="DIR",
+        help="a folder written by transformers' save_pretrained (config.json, model.safetensors, "
+        "tokenizer.json or preprocessor_config.json): the task, labels, inputs and handler come "
+        "from it (needs the hf extra); only --name, --metadata and --max-length go with it",
+    )
+    package.add_argument(
+        "--max-length",
+        type=int,
+        action=_Once,
+        help="with --hf: the most tokens a text may have (default: what the tokenizer and the "
+        "model's position embeddings both hold)",
+    )
 
     export = commands.add_parser(
         "export",
@@ -212,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _package(args: argparse.Namespace) -> int:
+    if args.hf is not None or args.max_length is not None:
+        from service.server.hf_cli import package_hf
+
+        return package_hf(args, _repository(args))
     spec = PackageSpec.from_file(args.spec) if args.spec else PackageSpec()
     spec = spec.overridden(
         name=args.name,
@@ -293,7 +317,7 @@ def _models(args: argparse.Namespace) -> int:
         if args.models_command == "list":
             latest = _latest_version(store, name)
             for manifest in store.versions(name):
-                accuracy = manifest.metadata.get("test_accuracy", "")
+                accuracy = manifest.metadata.get(ACCURACY_KEY, "")
                 parity = manifest.metadata.get("parity")
                 exported = (
                     f"\tfrom {manifest.metadata.get('exported_from')}, max abs diff "

@@ -80,7 +80,7 @@ def to_request(
     if repeated:
         raise BadRequestError(f"inputs {repeated} are given more than once")
     unknown = sorted(set(names) - set(specs))
-    missing = [name for name in specs if name not in names]
+    missing = [name for name in specs if name not in names and specs[name].default_value is None]
     if unknown or missing:
         raise BadRequestError(
             f"{manifest.name} takes the inputs {list(specs)}"

@@ -1,0 +1,108 @@
+"""A ``transformers`` model rebuilt from its ``config.json``, for versions packaged with ``--hf``.
+
+The version's manifest names one of these classes as its architecture, with the folder's
+config as ``kwargs``; the model store then loads the version's verified ``model.safetensors``
+into it (``load_state_dict`` goes to the wrapped model, so the keys are those
+``save_pretrained`` wrote). Nothing is read from the hub or the folder here: what is served is
+exactly what was hashed. ``transformers`` is imported only when such a version is built.
+
+The wrappers return plain tensors, so the versions batch, export and serve as any other:
+the logits (classification), or the mean of the last hidden states over the real tokens
+(feature extraction, ``sentence-transformers``' mean pooling).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def model_class(config: dict[str, Any]) -> type[torch.nn.Module]:
+    """The ``transformers`` class ``config.architectures`` names (what saved the folder)."""
+    import transformers
+
+    architectures = config.get("architectures") or [None]
+    cls = getattr(transformers, str(architectures[0]), None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(
+            f"config.json's architectures[0] must be a transformers model class, got "
+            f"{architectures[0]!r} (transformers {transformers.__version__})"
+        )
+    return cls
+
+
+def hf_config(config: dict[str, Any]) -> Any:
+    """The ``PretrainedConfig`` of a ``config.json`` read as a dict."""
+    import transformers
+
+    settings = dict(config)
+    model_type = settings.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(f"config.json needs a model_type, got {model_type!r}")
+    return transformers.AutoConfig.for_model(model_type, **settings)
+
+
+class _Wrapped(torch.nn.Module):
+    """Holds the ``transformers`` model. It is built without weights (on the meta device)
+    until ``load_state_dict`` builds it from the state dict ``save_pretrained`` wrote, through
+    ``from_pretrained``, so the checkpoint's key names are converted as ``transformers``
+    converts them (ViT's saved names differ from its modules' in transformers 5)."""
+
+    def __init__(self, task: str, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.task = task
+        self.config = hf_config(config)
+        self.cls: Any = model_class(config)
+        with torch.device("meta"):
+            self.model: torch.nn.Module = self.cls(self.config)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        model, info = self.cls.from_pretrained(
+            None, config=self.config, state_dict=dict(state_dict), output_loading_info=True
+        )
+        problems = {
+            key: sorted(info[key])
+            for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+            if info.get(key)
+        }
+        if strict and problems:
+            raise ValueError(f"the weights do not fit {self.cls.__name__}: {problems}")
+        self.model = model.eval()
+        return None
+
+
+class TransformersTextModel(_Wrapped):
+    """Token ids (and the optional mask and type ids) in; logits or pooled features out."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        inputs = {"input_ids": input_ids}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        output = self.model(**inputs, return_dict=True)
+        if self.task != "feature-extraction":
+            logits: torch.Tensor = output.logits
+            return logits
+        hidden: torch.Tensor = output.last_hidden_state
+        if attention_mask is None:
+            return hidden.mean(dim=1)
+        weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+
+class TransformersImageModel(_Wrapped):
+    """Pixel values (``(batch, channels, height, width)``, normalised) in; logits out."""
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model(pixel_values=pixel_values, return_dict=True).logits
+        return logits

@@ -1,0 +1,51 @@
+"""``batchserve package --hf DIR``: the command's half that checks its flags and packages."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from service.packaging.spec import check_handler
+from service.server.hf_package import hf_version
+
+#: Flags that describe a version by hand: --hf reads all of it from the folder.
+_BY_HAND = (
+    "spec",
+    "artifact",
+    "format",
+    "architecture",
+    "kwargs",
+    "input",
+    "output",
+    "handler",
+    "handler_options",
+    "file",
+)
+
+
+def package_hf(args: argparse.Namespace, repository: Path) -> int:
+    """Package ``args.hf`` as a version of ``args.name``; print its id."""
+    if args.hf is None:
+        raise ValueError("--max-length goes with --hf (a tokenizer's length); give --hf DIR")
+    given = [f"--{flag.replace('_', '-')}" for flag in _BY_HAND if getattr(args, flag) is not None]
+    if given:
+        raise ValueError(f"--hf reads the version from the folder; leave out {', '.join(given)}")
+    if not args.name:
+        raise ValueError("missing --name")
+    version = hf_version(args.hf, args.max_length)
+    from service.packaging.package import Packager  # imports torch: only when packaging
+
+    manifest = Packager(repository).package(
+        name=args.name,
+        artifact=version.artifact,
+        format="safetensors",
+        architecture=version.architecture,
+        inputs=version.inputs,
+        outputs=version.outputs,
+        handler=version.handler,
+        files=version.files,
+        metadata={**version.metadata, **(args.metadata or {})},
+        check_version=check_handler,
+    )
+    print(manifest.version)
+    return 0

@@ -1,0 +1,305 @@
+"""``batchserve package --hf DIR``: a ``save_pretrained`` folder as a version, with no code.
+
+The folder's ``config.json`` says the task (its ``architectures``), the labels (``id2label``)
+and what the model can hold (``max_position_embeddings``, ``image_size``); its
+``tokenizer.json`` or ``preprocessor_config.json`` becomes the handler's options. Every file
+of the folder is packaged and hashed with the version, ``model.safetensors`` as its artifact,
+loaded into the architecture ``service.engine.hf_model`` rebuilds from the config. This module
+reads JSON only; ``transformers`` is imported when the model is built (the engine, and the
+packaging check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from service.manifest import Architecture, HandlerSpec, TensorSpec
+
+ARTIFACT = "model.safetensors"
+#: The last words of ``config.architectures[0]`` -> the task served.
+_TASK_SUFFIXES = (
+    ("ForSequenceClassification", "text-classification"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForImageClassification", "image-classification"),
+    ("Model", "feature-extraction"),
+)
+#: Models whose positions start after the padding index (``padding_idx + 1``).
+_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
+#: PIL's resampling codes, as ``preprocessor_config.json`` writes them.
+_RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box"}
+#: Image processors that resize to a fixed size, rescale and normalise: what ``ImageHandler``
+#: does, so its answers equal theirs.
+_RESIZING_PROCESSORS = frozenset(
+    {"ViTImageProcessor", "ViTImageProcessorFast", "DeiTImageProcessor"}
+)
+_IMAGE_TOP_K = 5  # the image-classification pipeline's default
+
+
+@dataclass(frozen=True)
+class HFVersion:
+    """What ``ModelStore.package`` takes for the folder (besides its name)."""
+
+    task: str
+    artifact: Path
+    architecture: Architecture
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    handler: HandlerSpec
+    files: tuple[Path, ...]
+    metadata: dict[str, Any]
+
+
+def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
+    """Read a ``save_pretrained`` folder; ``ValueError`` names what it lacks or what cannot be
+    served. ``max_length`` (tokens) defaults to what the tokenizer and the model both hold."""
+    if not folder.is_dir():
+        raise ValueError(f"--hf needs a folder written by save_pretrained, got {str(folder)!r}")
+    config = _json(folder / "config.json")
+    if not (folder / ARTIFACT).is_file():
+        others = sorted(path.name for path in folder.iterdir() if "model" in path.name)
+        raise ValueError(
+            f"{folder.name} has no single {ARTIFACT} (found {others}); save it with "
+            "save_pretrained(safe_serialization=True) and a max_shard_size above its size"
+        )
+    task = _task(config)
+    files = tuple(
+        sorted(path for path in folder.iterdir() if path.is_file() and path.name != ARTIFACT)
+    )
+    labels = _labels(config) if task != "feature-extraction" else None
+    metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
+    if task == "image-classification":
+        pixel_values, options = _image_input(folder, config)
+        assert labels is not None
+        outputs = (
+            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
+        )
+        return HFVersion(
+            task=task,
+            artifact=folder / ARTIFACT,
+            architecture=Architecture(
+                import_path="service.engine.hf_model:TransformersImageModel",
+                kwargs={"task": task, "config": config},
+            ),
+            inputs=(pixel_values,),
+            outputs=outputs,
+            handler=HandlerSpec(
+                import_path="service.frontend.handlers.image:ImageHandler",
+                options={**options, "top_k": min(_IMAGE_TOP_K, len(labels))},
+            ),
+            files=files,
+            metadata=metadata,
+        )
+    inputs, handler_options = _text_inputs(folder, config, max_length)
+    if task == "feature-extraction":
+        hidden = _positive_int(config, "hidden_size")
+        outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, hidden)),)
+        handler_options["postprocess"] = "tensors"
+        import_path = "service.frontend.handlers.hf_text:HFTextHandler"
+    elif task == "token-classification":
+        assert labels is not None
+        outputs = (
+            TensorSpec(
+                name="logits",
+                dtype="float32",
+                shape=(-1, -1, len(labels)),
+                labels=labels,
+                length_of="input_ids",
+            ),
+        )
+        handler_options["aggregation_strategy"] = "simple"
+        import_path = "service.frontend.handlers.tokens:TokenClassificationHandler"
+    else:
+        assert labels is not None
+        outputs = (
+            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
+        )
+        multi = config.get("problem_type") == "multi_label_classification"
+        handler_options["scores"] = "sigmoid" if multi or len(labels) == 1 else "softmax"
+        import_path = "service.frontend.handlers.hf_text:HFTextHandler"
+    return HFVersion(
+        task=task,
+        artifact=folder / ARTIFACT,
+        architecture=Architecture(
+            import_path="service.engine.hf_model:TransformersTextModel",
+            kwargs={"task": task, "config": config},
+        ),
+        inputs=inputs,
+        outputs=outputs,
+        handler=HandlerSpec(import_path=import_path, options=handler_options),
+        files=files,
+        metadata=metadata,
+    )
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        document = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path.parent.name} has no {path.name}: is it a save_pretrained folder?"
+        ) from None
+    except orjson.JSONDecodeError as error:
+        raise ValueError(f"{path.name} is not valid JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{path.name} must hold a JSON object")
+    return document
+
+
+def _task(config: dict[str, Any]) -> str:
+    architectures = config.get("architectures") or []
+    if not (
+        isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
+    ):
+        raise ValueError(f"config.json names no architectures (got {architectures!r})")
+    name = architectures[0]
+    for suffix, task in _TASK_SUFFIXES:
+        if name.endswith(suffix):
+            return task
+    supported = ", ".join(f"*{suffix}" for suffix, _ in _TASK_SUFFIXES)
+    raise ValueError(f"architecture {name!r} is not served by --hf; it serves {supported}")
+
+
+def _labels(config: dict[str, Any]) -> tuple[str, ...]:
+    id2label = config.get("id2label") or {}
+    try:
+        indexed = {int(index): str(label) for index, label in id2label.items()}
+    except (AttributeError, ValueError):
+        raise ValueError(
+            f"config.json's id2label must map class indices to names, got {id2label!r}"
+        ) from None
+    if sorted(indexed) != list(range(len(indexed))) or not indexed:
+        raise ValueError(
+            f"config.json's id2label must name classes 0 to n-1, got {sorted(indexed)}"
+        )
+    return tuple(indexed[index] for index in range(len(indexed)))
+
+
+def _positive_int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not (isinstance(value, int) and value > 0):
+        raise ValueError(f"config.json's {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def model_positions(config: dict[str, Any]) -> int:
+    """The most tokens the model's position embeddings hold."""
+    positions = _positive_int(config, "max_position_embeddings")
+    if config.get("model_type") in _OFFSET_POSITIONS:
+        positions -= int(config.get("pad_token_id") or 0) + 1
+    return positions
+
+
+def _text_inputs(
+    folder: Path, config: dict[str, Any], max_length: int | None
+) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
+    """Token ids, attention mask and type ids (BERT-like configs), and the handler's options."""
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{folder.name} has no tokenizer.json; save the tokenizer with a fast tokenizer "
+            "(tokenizer.save_pretrained on a PreTrainedTokenizerFast)"
+        )
+    positions = model_positions(config)
+    tokenizer_config = (
+        _json(folder / "tokenizer_config.json")
+        if (folder / "tokenizer_config.json").is_file()
+        else {}
+    )
+    declared = tokenizer_config.get("model_max_length")
+    if max_length is None:
+        max_length = min(positions, declared) if isinstance(declared, int) else positions
+    elif max_length > positions:
+        raise ValueError(
+            f"max_length {max_length} is more than the model can hold: its position embeddings "
+            f"cover {positions} tokens (config.json max_position_embeddings); give at most "
+            f"{positions}"
+        )
+    vocabulary = _positive_int(config, "vocab_size")
+    pad = int(config.get("pad_token_id") or 0)
+    inputs = [
+        TensorSpec(
+            name="input_ids",
+            dtype="int64",
+            shape=(-1, -1),
+            max_length=max_length,
+            min_value=0,
+            max_value=vocabulary - 1,
+            pad_value=pad,
+        ),
+        TensorSpec(
+            name="attention_mask",
+            dtype="int64",
+            shape=(-1, -1),
+            max_length=max_length,
+            min_value=0,
+            max_value=1,
+            pad_value=0,
+            default_value=1,
+        ),
+    ]
+    type_vocabulary = config.get("type_vocab_size")
+    if isinstance(type_vocabulary, int) and type_vocabulary > 0:
+        inputs.append(
+            TensorSpec(
+                name="token_type_ids",
+                dtype="int64",
+                shape=(-1, -1),
+                max_length=max_length,
+                min_value=0,
+                max_value=type_vocabulary - 1,
+                pad_value=0,
+                default_value=0,
+            )
+        )
+    return tuple(inputs), {"tokenizer_file": "tokenizer.json"}
+
+
+def _image_input(folder: Path, config: dict[str, Any]) -> tuple[TensorSpec, dict[str, Any]]:
+    """The pixel values input and ``ImageHandler`` options equal to the image processor."""
+    processor = _json(folder / "preprocessor_config.json")
+    kind = processor.get("image_processor_type")
+    if kind not in _RESIZING_PROCESSORS:
+        raise ValueError(
+            f"image processor {kind!r} is not served by --hf; it serves "
+            f"{sorted(_RESIZING_PROCESSORS)} (resize, rescale, normalise)"
+        )
+    if processor.get("do_center_crop"):
+        raise ValueError("preprocessor_config.json asks for do_center_crop, which --hf does not do")
+    size = processor.get("size") or {}
+    if not (
+        processor.get("do_resize", True)
+        and isinstance(size, dict)
+        and set(size) == {"height", "width"}
+    ):
+        raise ValueError(
+            f"--hf serves image processors resizing to a fixed {{height, width}}, got size {size!r}"
+        )
+    rescale = processor.get("do_rescale", True), processor.get("rescale_factor", 1 / 255)
+    if not rescale[0] or abs(float(rescale[1]) - 1 / 255) > 1e-12:
+        raise ValueError(
+            "--hf serves image processors scaling pixels to [0, 1] (do_rescale with "
+            f"rescale_factor 1/255), got do_rescale={rescale[0]!r}, rescale_factor={rescale[1]!r}"
+        )
+    resample = processor.get("resample", 2)
+    if resample not in _RESAMPLE_NAMES:
+        raise ValueError(f"resample {resample!r} is not one of PIL's {sorted(_RESAMPLE_NAMES)}")
+    channels = int(config.get("num_channels", 3))
+    if channels != 3:
+        raise ValueError(f"--hf serves RGB image models (num_channels 3), got {channels}")
+    options: dict[str, Any] = {
+        "mode": "RGB",
+        "layout": "CHW",
+        "resample": _RESAMPLE_NAMES[resample],
+    }
+    if processor.get("do_normalize", True):
+        options["mean"] = [float(value) for value in processor["image_mean"]]
+        options["std"] = [float(value) for value in processor["image_std"]]
+    spec = TensorSpec(
+        name="pixel_values",
+        dtype="float32",
+        shape=(-1, channels, int(size["height"]), int(size["width"])),
+    )
+    return spec, options

@@ -1,0 +1,112 @@
+"""Tiny ``transformers`` models written by ``save_pretrained``, built offline for the tests:
+random weights from small configs, a WordPiece tokenizer trained here, a ViT image processor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "Paris is in France and Berlin is in Germany",
+    "I loved this movie, it was great fun",
+    "a terrible film with a dull story",
+    "Ada Lovelace wrote the first program in London",
+]
+TEXT_TASKS = ("text-classification", "token-classification", "feature-extraction")
+TOKEN_LABELS = {0: "O", 1: "B-LOC", 2: "I-LOC", 3: "B-PER", 4: "I-PER"}
+IMAGE_LABELS = {0: "cat", 1: "dog", 2: "bird"}
+MAX_POSITIONS = 64
+
+
+def tokenizer() -> Tokenizer:
+    """A BERT-style WordPiece tokenizer trained on ``CORPUS``."""
+    trained = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    trained.normalizer = normalizers.BertNormalizer(lowercase=True)
+    trained.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trained.decoder = decoders.WordPiece()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    trainer = trainers.WordPieceTrainer(vocab_size=120, special_tokens=special)
+    trained.train_from_iterator(CORPUS * 5, trainer)
+    cls_id, sep_id = trained.token_to_id("[CLS]"), trained.token_to_id("[SEP]")
+    trained.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return trained
+
+
+def save_text_model(folder: Path, task: str, seed: int = 0) -> Path:
+    """A two-layer BERT for ``task`` and its tokenizer, saved into ``folder``."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        BertModel,
+        PreTrainedTokenizerFast,
+    )
+
+    trained = tokenizer()
+    labels = TOKEN_LABELS if task == "token-classification" else {0: "negative", 1: "positive"}
+    config = BertConfig(
+        vocab_size=trained.get_vocab_size(),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=MAX_POSITIONS,
+        id2label=labels,
+        label2id={label: index for index, label in labels.items()},
+    )
+    classes = {
+        "text-classification": BertForSequenceClassification,
+        "token-classification": BertForTokenClassification,
+        "feature-extraction": BertModel,
+    }
+    torch.manual_seed(seed)
+    classes[task](config).eval().save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=trained,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=MAX_POSITIONS,
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+def save_image_model(folder: Path, seed: int = 0) -> Path:
+    """A two-layer ViT over 32x32 RGB images and its image processor, saved into ``folder``."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        id2label=IMAGE_LABELS,
+        label2id={label: index for index, label in IMAGE_LABELS.items()},
+    )
+    torch.manual_seed(seed)
+    ViTForImageClassification(config).eval().save_pretrained(folder)
+    processor = ViTImageProcessor(
+        size={"height": 32, "width": 32}, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.25]
+    )
+    processor.save_pretrained(folder)
+    return folder

@@ -1,0 +1,289 @@
+"""``batchserve package --hf``: a ``save_pretrained`` folder served with no code of the user's,
+answering as ``transformers``' pipeline answers on the same folder (1e-4 on scores), through
+``/predict``, V2 REST (the client tokenizes) and an ONNX export of the same version."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from asgi_lifespan import LifespanManager
+from PIL import Image
+from service.engine.export import export_version
+from tokenizers import Tokenizer
+
+from service.config import Settings
+from service.engine.model_store import ModelStore
+from service.server.cli import main
+from service.server.single import create_app
+from tests.apps import engine_of
+from tests.hf_folders import (
+    IMAGE_LABELS,
+    MAX_POSITIONS,
+    TOKEN_LABELS,
+    save_image_model,
+    save_text_model,
+)
+
+pytest.importorskip("transformers")
+
+pytestmark = [
+    # transformers 5 says, once, that it falls back from torchvision to Pillow; and Swig's
+    # types warn at import on Python 3.11 (sentencepiece).
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+SCORE_TOLERANCE = 1e-4
+TEXTS = [
+    "I loved this movie, it was great",
+    "the lazy dog in Paris",
+    "a dull story about Berlin and London",
+]
+PAIRS = [{"text": "the quick brown fox", "text_pair": "jumps over the lazy dog"}]
+NAMES = {
+    "text-classification": "sentiment",
+    "token-classification": "tagger",
+    "feature-extraction": "embedder",
+    "image-classification": "vit",
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    made = {
+        task: save_text_model(root / task, task)
+        for task in ("text-classification", "token-classification", "feature-extraction")
+    }
+    made["image-classification"] = save_image_model(root / "image-classification")
+    return made
+
+
+@pytest.fixture(scope="module")
+def repository(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repository")
+    for task, folder in folders.items():
+        code = main(
+            ["package", "--repository", str(root), "--name", NAMES[task], "--hf", str(folder)]
+        )
+        assert code == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def pipelines(folders: dict[str, Path]) -> dict[str, Callable[..., Any]]:
+    """Each task's pipeline on its folder; token classification with ``"simple"`` entities."""
+    from transformers import pipeline
+
+    return {
+        task: pipeline(
+            task,
+            model=str(folder),
+            **({"aggregation_strategy": "simple"} if task == "token-classification" else {}),
+        )
+        for task, folder in folders.items()
+    }
+
+
+def images() -> list[bytes]:
+    rng = np.random.default_rng(7)
+    encoded = []
+    for height, width in ((40, 50), (32, 32), (97, 13)):
+        pixels = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    return encoded
+
+
+@asynccontextmanager
+async def serving(repository: Path, *models: str) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(
+        Settings(model_repository=repository, models=models, device="cpu", max_wait_ms=20.0)
+    )
+    # Four models load and warm up at start; the machine may be shared.
+    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+        await app.state.loading
+        assert engine_of(app).state.load_error is None
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client
+
+
+def assert_same_labels(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> float:
+    """Equal labels in the same order and scores within the tolerance; the largest gap."""
+    assert [entry["label"] for entry in got] == [entry["label"] for entry in want]
+    gaps = [abs(a["score"] - b["score"]) for a, b in zip(got, want, strict=True)]
+    assert max(gaps) <= SCORE_TOLERANCE, (got, want)
+    return max(gaps)
+
+
+async def predict(client: httpx.AsyncClient, name: str, **body: Any) -> list[Any]:
+    response = await client.post(f"/models/{name}/predict", **body)
+    assert response.status_code == 200, response.text
+    predictions: list[Any] = response.json()["predictions"]
+    return predictions
+
+
+async def assert_answers_as_the_pipeline(
+    client: httpx.AsyncClient, name: str, task: str, pipe: Callable[..., Any]
+) -> None:
+    """``name``'s /predict answers to the task's inputs equal the pipeline's, to 1e-4."""
+    if task == "image-classification":
+        for image in images():
+            headers = {"content-type": "image/png"}
+            answer = await predict(client, name, content=image, headers=headers)
+            assert_same_labels(answer[0], pipe(Image.open(io.BytesIO(image))))
+        return
+    answers = await predict(client, name, json={"instances": TEXTS})
+    for text, answer in zip(TEXTS, answers, strict=True):
+        want = pipe(text)
+        if task == "text-classification":
+            assert_same_labels(answer, want)
+        elif task == "feature-extraction":
+            features = np.asarray(want)[0].mean(axis=0)
+            np.testing.assert_allclose(answer, features, atol=SCORE_TOLERANCE)
+        else:
+            assert want, "the random tagger finds some entity in each text"
+            places = ("entity_group", "word", "start", "end")
+            assert [[e[key] for key in places] for e in answer] == [
+                [e[key] for key in places] for e in want
+            ]
+            gaps = [abs(a["score"] - float(b["score"])) for a, b in zip(answer, want, strict=True)]
+            assert max(gaps) <= SCORE_TOLERANCE
+    if task == "text-classification":
+        pairs = await predict(client, name, json={"instances": PAIRS})
+        assert_same_labels(pairs[0], [pipe(PAIRS[0])])
+        headers = {"content-type": "text/plain"}
+        plain = await predict(client, name, content=TEXTS[0], headers=headers)
+        assert_same_labels(plain[0], answers[0])
+
+
+@pytest.mark.parametrize("task", list(NAMES))
+async def test_predict_answers_as_the_pipeline(
+    repository: Path, pipelines: dict[str, Callable[..., Any]], task: str
+) -> None:
+    """Raw texts, text pairs and PNGs in; the pipeline's labels, entities or features out."""
+    async with serving(repository, NAMES[task]) as client:
+        await assert_answers_as_the_pipeline(client, NAMES[task], task, pipelines[task])
+
+
+def scores_of(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+async def infer(client: httpx.AsyncClient, name: str, tensor: dict[str, Any]) -> np.ndarray:
+    response = await client.post(f"/v2/models/{name}/infer", json={"inputs": [tensor]})
+    assert response.status_code == 200, response.text
+    output = response.json()["outputs"][0]
+    return np.asarray(output["data"], dtype=np.float64).reshape(output["shape"])
+
+
+async def test_v2_clients_preprocess_and_may_leave_out_the_mask_and_type_ids(
+    repository: Path, folders: dict[str, Path], pipelines: dict[str, Callable[..., Any]]
+) -> None:
+    """Each task over V2 REST, the client tokenizing (ids alone: the mask and type ids are
+    optional) or running the image processor itself; the pipeline's answers to 1e-4."""
+    from transformers import ViTImageProcessor, pipeline
+
+    tokenizers = {
+        name: Tokenizer.from_file(str(folders[task] / "tokenizer.json"))
+        for task, name in NAMES.items()
+        if task != "image-classification"
+    }
+
+    def ids_of(name: str, text: str) -> dict[str, Any]:
+        ids = tokenizers[name].encode(text).ids
+        return {"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids}
+
+    processor = ViTImageProcessor.from_pretrained(str(folders["image-classification"]))
+    tagger = pipeline("token-classification", model=str(folders["token-classification"]))
+    async with serving(repository, *NAMES.values()) as client:
+        for text in TEXTS:
+            scores = scores_of(await infer(client, "sentiment", ids_of("sentiment", text)))[0]
+            want = pipelines["text-classification"](text)[0]
+            assert ("negative", "positive")[int(scores.argmax())] == want["label"]
+            assert abs(scores.max() - want["score"]) <= SCORE_TOLERANCE
+
+            embedding = (await infer(client, "embedder", ids_of("embedder", text)))[0]
+            features = np.asarray(pipelines["feature-extraction"](text))[0].mean(axis=0)
+            np.testing.assert_allclose(embedding, features, atol=SCORE_TOLERANCE)
+
+            per_token = scores_of(await infer(client, "tagger", ids_of("tagger", text)))[0]
+            for entity in tagger(text):
+                row = per_token[entity["index"]]
+                assert TOKEN_LABELS[int(row.argmax())] == entity["entity"]
+                assert abs(row.max() - float(entity["score"])) <= SCORE_TOLERANCE
+        for image in images():
+            picture = Image.open(io.BytesIO(image))
+            pixels = processor(picture, return_tensors="np")["pixel_values"]
+            tensor = {
+                "name": "pixel_values",
+                "shape": list(pixels.shape),
+                "datatype": "FP32",
+                "data": pixels.ravel().tolist(),
+            }
+            scores = scores_of(await infer(client, "vit", tensor))[0]
+            want = pipelines["image-classification"](picture)[0]
+            assert IMAGE_LABELS[int(scores.argmax())] == want["label"]
+            assert abs(scores.max() - want["score"]) <= SCORE_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", list(NAMES))
+async def test_an_onnx_export_of_the_version_answers_as_the_pipeline(
+    repository: Path, pipelines: dict[str, Callable[..., Any]], task: str
+) -> None:
+    store = ModelStore(repository)
+    source = store.resolve(NAMES[task])
+    exported = export_version(store, NAMES[task], source.version, "onnx")
+    assert exported.handler == source.handler
+    async with serving(repository, f"{NAMES[task]}@{exported.version}") as client:
+        await assert_answers_as_the_pipeline(client, NAMES[task], task, pipelines[task])
+
+
+def test_a_max_length_beyond_the_position_embeddings_is_refused_at_packaging(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = folders["text-classification"]
+    too_long = str(MAX_POSITIONS + 1)
+    args = ["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]
+    assert main([*args, "--max-length", too_long]) == 1
+    error = capsys.readouterr().err
+    assert f"max_length {too_long} is more than the model can hold" in error
+    assert f"cover {MAX_POSITIONS} tokens" in error
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_folder_without_a_served_architecture_is_refused_naming_it(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "lm"
+    folder.mkdir()
+    source = folders["text-classification"]
+    for path in source.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(
+        config.replace("BertForSequenceClassification", "BertForMaskedLM")
+    )
+    assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
+    assert "architecture 'BertForMaskedLM' is not served by --hf" in capsys.readouterr().err
+
+
+def test_every_file_of_the_folder_is_hashed_into_the_version(
+    repository: Path, folders: dict[str, Path]
+) -> None:
+    versions = ModelStore(repository).versions("sentiment")
+    manifest = next(version for version in versions if "exported_from" not in version.metadata)
+    assert set(manifest.files) == {path.name for path in folders["text-classification"].iterdir()}
+    assert manifest.version_matches_content
