@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
 from PIL import Image
-from service.engine.export import export_version
 from tokenizers import Tokenizer
 
 from service.config import Settings
 from service.engine.model_store import ModelStore
+from service.packaging.export import export_version
 from service.server.cli import main
 from service.server.single import create_app
 from tests.apps import engine_of
