@@ -4,7 +4,9 @@ It serves one device: loads the model, runs the batcher and the device thread, a
 every front end over the bridge socket the supervisor names. It exits 0 after SIGTERM once
 every queued request is answered; ``EXIT_LOAD_FAILED`` when the model cannot be loaded (a
 restart would fail the same way); ``EXIT_STALLED`` when the model hangs, so the supervisor
-replaces it. Once a second it touches its heartbeat file, which the supervisor watches.
+replaces it. Every ``engine_heartbeat_interval_s`` its event loop touches its heartbeat
+file, which the supervisor watches, and sends every front end a status frame: the device
+thread running a long forward does not delay either.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ from service.processes import (
 
 logger = logging.getLogger(__name__)
 
-#: How often the engine tells front ends (a status frame) and the supervisor (its heartbeat
-#: file) that it is alive, and refreshes its memory gauges.
+#: How often the engine refreshes its memory gauges and checks that its supervisor is there.
 HOUSEKEEPING_INTERVAL_S = 1.0
 
 
@@ -61,7 +62,8 @@ async def serve_engine(
         on_load_failure=lambda: stop_with(EXIT_LOAD_FAILED),
         on_stall=lambda: stop_with(EXIT_STALLED),
     )
-    bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=HOUSEKEEPING_INTERVAL_S)
+    heartbeat_interval_s = settings.engine_heartbeat_interval_s
+    bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=heartbeat_interval_s)
     engine.add_listener(bridge.status_changed)
     await bridge.start()
     engine.start()
@@ -70,10 +72,13 @@ async def serve_engine(
     logger.info("engine_started", extra={"device": device, "socket": str(socket_path)})
     parent = os.getppid()
 
+    async def heartbeat() -> None:
+        while heartbeat_file is not None:
+            os.utime(heartbeat_file)
+            await asyncio.sleep(heartbeat_interval_s)
+
     async def housekeeping() -> None:
         while True:
-            if heartbeat_file is not None:
-                os.utime(heartbeat_file)
             process_metrics.refresh()
             engine.state.refresh_device_memory()
             if os.getppid() != parent:
@@ -82,8 +87,10 @@ async def serve_engine(
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
 
     keeping = loop.create_task(housekeeping(), name="engine-housekeeping")
+    beating = loop.create_task(heartbeat(), name="engine-heartbeat")
     await stop.wait()
     keeping.cancel()
+    beating.cancel()
     if exit_status == EXIT_STALLED:
         # The device thread is stuck inside the model and would block the interpreter's exit:
         # leave at once. Every front end sees the connection close and answers 503.
@@ -110,6 +117,7 @@ def main() -> int:
         print(error, file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    logger.info("engine_imports_done")  # torch and the rest: a step of a restart's timeline
     heartbeat = os.environ.get(ENGINE_HEARTBEAT_FILE_ENV)
     traced = tracing.start_from_environment("engine")
     try:
