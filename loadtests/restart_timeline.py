@@ -139,8 +139,11 @@ def measure(kills: int, settle_s: float, log: Path) -> list[dict[str, float]]:
 def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dict[str, float]:
     events = [(t, name, record) for t, name, record in _events(log) if t >= killed - 0.002]
     line: dict[str, float] = {}
+    started = min((t for t, name, _ in events if name == "engine_process_started"), default=0.0)
     for step, event, count in STEPS:
-        times = [t for t, name, _ in events if name == event][:count]
+        # A front end may reach the dying engine's socket once more before it closes.
+        since = started if event == "engine_connected" else killed
+        times = [t for t, name, _ in events if name == event and t >= since][:count]
         if len(times) == count:
             line[step] = round(times[-1] - killed, 3)
     first = next(t for t, status in answers if t > killed and status == 200)

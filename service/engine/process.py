@@ -32,6 +32,7 @@ from service.processes import (
     ENGINE_SOCKET_ENV,
     EXIT_LOAD_FAILED,
     EXIT_STALLED,
+    READY_MARK,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,13 @@ async def serve_engine(
     parent = os.getppid()
 
     async def heartbeat() -> None:
+        marked_ready = False
         while heartbeat_file is not None:
+            if not marked_ready and engine.state.loaded:
+                # From now on the supervisor holds it to engine_heartbeat_timeout_s; while it
+                # loads, the loop may pause longer (full garbage collections) on a busy host.
+                _mark_ready(heartbeat_file)
+                marked_ready = True
             os.utime(heartbeat_file)
             await asyncio.sleep(heartbeat_interval_s)
 
@@ -108,6 +115,10 @@ async def serve_engine(
     await bridge.close()
     logger.info("engine_stopped", extra={"device": device, "exit_status": exit_status})
     return exit_status
+
+
+def _mark_ready(heartbeat_file: Path) -> None:
+    heartbeat_file.write_bytes(READY_MARK)
 
 
 def main() -> int:

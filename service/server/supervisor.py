@@ -6,7 +6,8 @@ watches them all without importing torch:
 - An engine that exits is started again at once (after a growing back-off if it keeps dying
   young): its exit wakes the supervisor (SIGCHLD), which does not wait for its next poll.
   The front ends reconnect on their own. One that stops touching its heartbeat file for
-  ``engine_heartbeat_timeout_s`` is killed and started again. One that cannot load its model
+  ``engine_heartbeat_timeout_s`` once it has loaded its models (``STARTING_QUIET_S`` while
+  it loads them) is killed and started again. One that cannot load its model
   (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
 - SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
@@ -47,6 +48,7 @@ from service.processes import (
     ENGINE_SOCKET_ENV,
     ENGINES_ENV,
     EXIT_LOAD_FAILED,
+    READY_MARK,
     RUN_DIR_ENV,
 )
 from service.server.devices import count_cuda_devices, engine_devices
@@ -64,6 +66,10 @@ POLL_INTERVAL_S = 0.1
 STABLE_AFTER_S = 30.0
 FIRST_BACKOFF_S = 0.5
 LONGEST_BACKOFF_S = 30.0
+#: How long an engine that is still loading its models may go without a heartbeat: loading
+#: and warming up pause its event loop (full garbage collections) far longer on a busy host
+#: than serving does.
+STARTING_QUIET_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -115,7 +121,7 @@ class EngineProcess:
     starts: int = field(default=0)
 
     def start(self, environ: Mapping[str, str]) -> None:
-        self.heartbeat_file.touch()
+        self.heartbeat_file.write_bytes(b"")  # not ready until the engine says so
         os.utime(self.heartbeat_file, (0, 0))  # not alive until the engine touches it
         self.process = subprocess.Popen(
             engine_command(),
@@ -143,6 +149,14 @@ class EngineProcess:
         except OSError:
             return None
         return None if touched_s == 0 else time.time() - touched_s
+
+    def longest_quiet_s(self, heartbeat_timeout_s: float) -> float:
+        """How long this engine may go without a heartbeat before it is declared hung."""
+        try:
+            ready = self.heartbeat_file.read_bytes() == READY_MARK
+        except OSError:
+            ready = False
+        return heartbeat_timeout_s if ready else max(heartbeat_timeout_s, STARTING_QUIET_S)
 
 
 class Supervisor:
@@ -234,7 +248,12 @@ class Supervisor:
             code = process.poll()
             if code is None:
                 quiet_s = engine.quiet_for_s()
-                if quiet_s is not None and quiet_s > self._settings.engine_heartbeat_timeout_s:
+                timeout_s = self._settings.engine_heartbeat_timeout_s
+                if (
+                    quiet_s is not None
+                    and quiet_s > timeout_s
+                    and quiet_s > engine.longest_quiet_s(timeout_s)
+                ):
                     logger.error(
                         "engine_unresponsive",
                         extra={"engine": engine.index, "pid": process.pid, "quiet_s": quiet_s},
