@@ -65,10 +65,19 @@ class Settings(BaseSettings):
     worker, one device); ``process``: a supervisor runs the front ends and one engine process
     per device; ``auto``: ``in_process`` for one worker on one device, else ``process``."""
 
-    engine_heartbeat_timeout_s: float = Field(default=10.0, ge=0.5, le=600.0)
+    engine_heartbeat_timeout_s: float = Field(default=1.5, ge=0.5, le=600.0)
     """An engine process that sends nothing for this long is treated as hung: front ends
-    answer 503 for it and the supervisor kills and restarts it. (A model that hangs inside a
-    batch is caught sooner or later by ``stall_timeout_s``.)"""
+    answer 503 for it and the supervisor kills and restarts it, so a hung engine is replaced
+    within about 2 s. The heartbeats come from the engine's event loop, never the device
+    thread, so a long forward does not delay them; the loop's longest pause (a full garbage
+    collection at a version switch) is about 0.1 s on a quiet host. Raise it on a host so
+    overloaded that the loop can pause this long. (A model that hangs inside a batch is
+    caught by ``stall_timeout_s``.)"""
+
+    engine_heartbeat_interval_s: float = Field(default=0.25, gt=0.0, le=60.0)
+    """How often an engine tells the supervisor (its heartbeat file) and every front end (a
+    status frame) that it is alive; at most a quarter of ``engine_heartbeat_timeout_s``, so
+    that one late heartbeat never looks like a hung engine."""
 
     model_repository: Path = BUNDLED_MODEL_REPOSITORY
     """Folder holding ``<name>/<version>/manifest.json``; defaults to the embedded demo models."""
@@ -246,6 +255,12 @@ class Settings(BaseSettings):
                 f"is queued as {chunks} chunks of max_batch_size {self.max_batch_size}: such a "
                 "request would be refused 429 forever; raise max_queue_size or lower "
                 "max_instances_per_request"
+            )
+        if self.engine_heartbeat_interval_s * 4 > self.engine_heartbeat_timeout_s:
+            raise ValueError(
+                f"engine_heartbeat_interval_s {self.engine_heartbeat_interval_s} must be at most "
+                f"a quarter of engine_heartbeat_timeout_s {self.engine_heartbeat_timeout_s}: "
+                "lower the interval or raise the timeout"
             )
         if any(size > self.max_batch_size for size in self.warmup_batch_sizes):
             raise ValueError(

@@ -13,6 +13,8 @@ RUN_DIR_ENV = "_BATCHSERVE_RUN_DIR"
 ENGINE_SOCKET_ENV = "_BATCHSERVE_ENGINE_SOCKET"
 ENGINE_DEVICE_ENV = "_BATCHSERVE_ENGINE_DEVICE"
 ENGINE_HEARTBEAT_FILE_ENV = "_BATCHSERVE_ENGINE_HEARTBEAT_FILE"
+#: What an engine writes into its heartbeat file once its models are loaded (empty before).
+READY_MARK = b"ready"
 #: For an engine: its place among the server's engines (0, 1, ...), the order of its device.
 ENGINE_INDEX_ENV = "_BATCHSERVE_ENGINE_INDEX"
 #: For a front end: a JSON list of ``[socket path, device]``, one per engine.

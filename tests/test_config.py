@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from service.config import Settings, SettingsError, load_settings
 from service.server.cli import main
+from service.server.supervisor import POLL_INTERVAL_S
 
 
 def test_environment_variables_configure_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,6 +77,19 @@ def test_invalid_values_fail_with_the_variable_value_and_range(
 def test_warmup_sizes_above_max_batch_size_are_refused() -> None:
     with pytest.raises(SettingsError, match="must not exceed max_batch_size 4"):
         load_settings(max_batch_size=4, warmup_batch_sizes="1,8")
+
+
+def test_a_heartbeat_interval_above_a_quarter_of_the_timeout_is_refused() -> None:
+    with pytest.raises(SettingsError, match=r"engine_heartbeat_interval_s 0\.5 must be at most"):
+        load_settings(engine_heartbeat_timeout_s=1.5, engine_heartbeat_interval_s=0.5)
+
+
+def test_the_default_heartbeat_declares_a_stopped_engine_hung_within_2_s() -> None:
+    """The supervisor looks every POLL_INTERVAL_S: a stopped engine is declared hung at most
+    that long after the timeout, counted from its last heartbeat."""
+    settings = load_settings()
+    assert settings.engine_heartbeat_timeout_s + POLL_INTERVAL_S <= 2.0
+    assert settings.engine_heartbeat_interval_s * 4 <= settings.engine_heartbeat_timeout_s
 
 
 def test_serve_with_a_bad_flag_prints_the_problem_and_exits_2(

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import memory, servers, sweep
+from loadtests import memory, restart_timeline, servers, sweep
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -493,3 +494,38 @@ def test_an_interleaved_sweep_reports_the_ratio_per_round(tmp_path: Path) -> Non
     assert "## CPU of the servers while they waited for their turn" in report
     idle = [line for line in report.splitlines() if line.startswith("| mlp-single") and "%" in line]
     assert len(idle) == 2
+
+
+def test_the_restart_timeline_reads_each_step_after_the_kill_from_the_logs(
+    tmp_path: Path,
+) -> None:
+    killed = 1_000.0
+
+    def line(at: float, event: str) -> str:
+        stamp = datetime.fromtimestamp(killed + at, UTC).isoformat(timespec="milliseconds")
+        return orjson.dumps({"ts": stamp, "event": event}).decode()
+
+    log = tmp_path / "server.log"
+    events = [
+        (-1.0, "model_ready"),  # the previous start
+        (0.001, "engine_connected"),  # a front end reaching the dying engine once more
+        (0.1, "engine_exited"),
+        (0.2, "engine_process_started"),
+        (1.5, "engine_imports_done"),
+        (1.6, "engine_connected"),
+        (1.7, "engine_connected"),
+        (1.8, "model_warmed_up"),
+        (1.9, "model_ready"),
+    ]
+    log.write_text("\n".join(["not json"] + [line(at, event) for at, event in events]) + "\n")
+    answers = [(killed - 0.5, 200), (killed + 0.5, 503), (killed + 1.0, 0), (killed + 2.0, 200)]
+    assert restart_timeline._timeline(log, answers, killed) == {
+        "noticed": 0.1,
+        "process_started": 0.2,
+        "imported": 1.5,
+        "warmed": 1.8,
+        "ready": 1.9,
+        "reconnected": 1.7,
+        "first_answer": 2.0,
+        "failed_requests": 2,
+    }

@@ -4,12 +4,15 @@ It serves one device: loads the model, runs the batcher and the device thread, a
 every front end over the bridge socket the supervisor names. It exits 0 after SIGTERM once
 every queued request is answered; ``EXIT_LOAD_FAILED`` when the model cannot be loaded (a
 restart would fail the same way); ``EXIT_STALLED`` when the model hangs, so the supervisor
-replaces it. Once a second it touches its heartbeat file, which the supervisor watches.
+replaces it. Every ``engine_heartbeat_interval_s`` its event loop touches its heartbeat
+file, which the supervisor watches, and sends every front end a status frame: the device
+thread running a long forward does not delay either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -30,12 +33,12 @@ from service.processes import (
     ENGINE_SOCKET_ENV,
     EXIT_LOAD_FAILED,
     EXIT_STALLED,
+    READY_MARK,
 )
 
 logger = logging.getLogger(__name__)
 
-#: How often the engine tells front ends (a status frame) and the supervisor (its heartbeat
-#: file) that it is alive, and refreshes its memory gauges.
+#: How often the engine refreshes its memory gauges and checks that its supervisor is there.
 HOUSEKEEPING_INTERVAL_S = 1.0
 
 
@@ -61,7 +64,8 @@ async def serve_engine(
         on_load_failure=lambda: stop_with(EXIT_LOAD_FAILED),
         on_stall=lambda: stop_with(EXIT_STALLED),
     )
-    bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=HOUSEKEEPING_INTERVAL_S)
+    heartbeat_interval_s = settings.engine_heartbeat_interval_s
+    bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=heartbeat_interval_s)
     engine.add_listener(bridge.status_changed)
     await bridge.start()
     engine.start()
@@ -70,10 +74,19 @@ async def serve_engine(
     logger.info("engine_started", extra={"device": device, "socket": str(socket_path)})
     parent = os.getppid()
 
+    async def heartbeat() -> None:
+        marked_ready = False
+        while heartbeat_file is not None:
+            if not marked_ready and engine.state.loaded:
+                # From now on the supervisor holds it to engine_heartbeat_timeout_s; while it
+                # loads, the loop may pause longer (full garbage collections) on a busy host.
+                _mark_ready(heartbeat_file)
+                marked_ready = True
+            os.utime(heartbeat_file)
+            await asyncio.sleep(heartbeat_interval_s)
+
     async def housekeeping() -> None:
         while True:
-            if heartbeat_file is not None:
-                os.utime(heartbeat_file)
             process_metrics.refresh()
             engine.state.refresh_device_memory()
             if os.getppid() != parent:
@@ -82,8 +95,10 @@ async def serve_engine(
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
 
     keeping = loop.create_task(housekeeping(), name="engine-housekeeping")
+    beating = loop.create_task(heartbeat(), name="engine-heartbeat")
     await stop.wait()
     keeping.cancel()
+    beating.cancel()
     if exit_status == EXIT_STALLED:
         # The device thread is stuck inside the model and would block the interpreter's exit:
         # leave at once. Every front end sees the connection close and answers 503.
@@ -103,6 +118,10 @@ async def serve_engine(
     return exit_status
 
 
+def _mark_ready(heartbeat_file: Path) -> None:
+    heartbeat_file.write_bytes(READY_MARK)
+
+
 def main() -> int:
     try:
         settings = load_settings()
@@ -110,6 +129,11 @@ def main() -> int:
         print(error, file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    logger.info("engine_imports_done")  # torch and the rest: a step of a restart's timeline
+    # What the imports made lives as long as the process: out of the full collections that
+    # loading runs before the first model serves (each walks it: 0.1 s quiet, 1 s on a busy
+    # host), which would otherwise delay readiness and pause the heartbeats.
+    gc.freeze()
     heartbeat = os.environ.get(ENGINE_HEARTBEAT_FILE_ENV)
     traced = tracing.start_from_environment("engine")
     try:

@@ -3,9 +3,11 @@
 It starts one engine process per device, then gunicorn with ``workers`` front ends, and
 watches them all without importing torch:
 
-- An engine that exits is started again (after a back-off if it keeps dying young); the
-  front ends reconnect on their own. One that stops touching its heartbeat file for
-  ``engine_heartbeat_timeout_s`` is killed and started again. One that cannot load its model
+- An engine that exits is started again at once (after a growing back-off if it keeps dying
+  young): its exit wakes the supervisor (SIGCHLD), which does not wait for its next poll.
+  The front ends reconnect on their own. One that stops touching its heartbeat file for
+  ``engine_heartbeat_timeout_s`` once it has loaded its models (``STARTING_QUIET_S`` while
+  it loads them) is killed and started again. One that cannot load its model
   (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
 - SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
@@ -23,6 +25,7 @@ import ctypes
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -45,6 +48,7 @@ from service.processes import (
     ENGINE_SOCKET_ENV,
     ENGINES_ENV,
     EXIT_LOAD_FAILED,
+    READY_MARK,
     RUN_DIR_ENV,
 )
 from service.server.devices import count_cuda_devices, engine_devices
@@ -54,11 +58,18 @@ from service.server.launcher import prepare_multiprocess_dir, settings_environme
 logger = logging.getLogger(__name__)
 
 GUNICORN_CONFIG = "python:service.server.gunicorn_conf"
+#: The longest the supervisor sleeps between looks at its children (heartbeats, gunicorn);
+#: a child's exit or a signal wakes it sooner.
 POLL_INTERVAL_S = 0.1
-#: An engine that dies sooner than this after its start is restarted after a growing wait.
+#: An engine that dies sooner than this after its start is restarted after a growing wait,
+#: from its second such death in a row on: the first is restarted at once.
 STABLE_AFTER_S = 30.0
 FIRST_BACKOFF_S = 0.5
 LONGEST_BACKOFF_S = 30.0
+#: How long an engine that is still loading its models may go without a heartbeat: loading
+#: and warming up pause its event loop (full garbage collections) far longer on a busy host
+#: than serving does.
+STARTING_QUIET_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -70,6 +81,20 @@ def gunicorn_command() -> list[str]:
 
 def engine_command() -> list[str]:
     return [sys.executable, "-m", "service.engine.process"]
+
+
+def restart_delay_s(young_deaths: int) -> float:
+    """How long to wait before restarting an engine that has died ``young_deaths`` times in a
+    row within ``STABLE_AFTER_S`` of its start (0 for one that had been serving longer).
+
+    The first death is restarted at once: a crash is an outage for every front end, and a
+    lone crash is the common case. From the second in a row the wait doubles from
+    ``FIRST_BACKOFF_S`` up to ``LONGEST_BACKOFF_S``, so a model that crashes every start does
+    not keep a core busy.
+    """
+    if young_deaths <= 1:
+        return 0.0
+    return min(LONGEST_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** (young_deaths - 2))
 
 
 def _die_with_parent() -> None:
@@ -91,12 +116,12 @@ class EngineProcess:
     heartbeat_file: Path
     process: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0
-    backoff_s: float = FIRST_BACKOFF_S
+    young_deaths: int = 0
     restart_at_s: float | None = None
     starts: int = field(default=0)
 
     def start(self, environ: Mapping[str, str]) -> None:
-        self.heartbeat_file.touch()
+        self.heartbeat_file.write_bytes(b"")  # not ready until the engine says so
         os.utime(self.heartbeat_file, (0, 0))  # not alive until the engine touches it
         self.process = subprocess.Popen(
             engine_command(),
@@ -125,6 +150,14 @@ class EngineProcess:
             return None
         return None if touched_s == 0 else time.time() - touched_s
 
+    def longest_quiet_s(self, heartbeat_timeout_s: float) -> float:
+        """How long this engine may go without a heartbeat before it is declared hung."""
+        try:
+            ready = self.heartbeat_file.read_bytes() == READY_MARK
+        except OSError:
+            ready = False
+        return heartbeat_timeout_s if ready else max(heartbeat_timeout_s, STARTING_QUIET_S)
+
 
 class Supervisor:
     """Runs and watches the engines and gunicorn until told to stop."""
@@ -139,6 +172,7 @@ class Supervisor:
         self._exit_status = 0
 
     def run(self) -> int:
+        woken = _wake_on_signals()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_stop_signal)
         for signum in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
@@ -157,7 +191,7 @@ class Supervisor:
             },
         )
         while True:
-            time.sleep(POLL_INTERVAL_S)
+            _sleep_until_woken(woken, POLL_INTERVAL_S)
             if self._stop_signal is not None and not self._stopping:
                 self._begin_stop(self._stop_signal)
             if self._gunicorn.poll() is not None:
@@ -214,7 +248,12 @@ class Supervisor:
             code = process.poll()
             if code is None:
                 quiet_s = engine.quiet_for_s()
-                if quiet_s is not None and quiet_s > self._settings.engine_heartbeat_timeout_s:
+                timeout_s = self._settings.engine_heartbeat_timeout_s
+                if (
+                    quiet_s is not None
+                    and quiet_s > timeout_s
+                    and quiet_s > engine.longest_quiet_s(timeout_s)
+                ):
                     logger.error(
                         "engine_unresponsive",
                         extra={"engine": engine.index, "pid": process.pid, "quiet_s": quiet_s},
@@ -223,7 +262,7 @@ class Supervisor:
                 continue
             if engine.restart_at_s is None:
                 self._engine_exited(engine, code, now_s)
-            elif now_s >= engine.restart_at_s:
+            if engine.restart_at_s is not None and now_s >= engine.restart_at_s:
                 engine.start(self._environ)
 
     def _engine_exited(self, engine: EngineProcess, code: int, now_s: float) -> None:
@@ -234,11 +273,8 @@ class Supervisor:
             self._begin_stop(signal.SIGTERM, exit_status=1)
             return
         lived_s = now_s - engine.started_s
-        engine.backoff_s = (
-            FIRST_BACKOFF_S if lived_s > STABLE_AFTER_S
-            else min(LONGEST_BACKOFF_S, engine.backoff_s * 2)
-        )  # fmt: skip
-        wait_s = 0.0 if lived_s > STABLE_AFTER_S else engine.backoff_s
+        engine.young_deaths = 0 if lived_s > STABLE_AFTER_S else engine.young_deaths + 1
+        wait_s = restart_delay_s(engine.young_deaths)
         engine.restart_at_s = now_s + wait_s
         logger.error(
             "engine_exited",
@@ -249,6 +285,27 @@ class Supervisor:
                 "restart_in_s": wait_s,
             },
         )
+
+
+def _wake_on_signals() -> int:
+    """The read end of a pipe that every signal the supervisor handles writes to, SIGCHLD
+    included: an engine's exit ends the supervisor's sleep at once, not at its next poll."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # A Python handler, so that SIGCHLD (ignored by default) reaches the wake-up pipe.
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    return read_fd
+
+
+def _sleep_until_woken(read_fd: int, longest_s: float) -> None:
+    """Sleep up to ``longest_s``; return early once a signal has arrived."""
+    readable, _, _ = select.select([read_fd], [], [], longest_s)
+    if readable:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(read_fd, 512):
+                pass
 
 
 def _forget_gauges(pid: int, environ: Mapping[str, str]) -> None:
