@@ -46,7 +46,9 @@ MUTATE_SAMPLE ?=
 MUTATE_OPTIONS := --fail-under 90 $(if $(MUTATE_SAMPLE),--sample $(MUTATE_SAMPLE) --seed 1)
 mutate: install
 	$(BIN)/python scripts/mutate.py --module service/engine/batching.py --tests tests/test_batching.py $(MUTATE_OPTIONS)
-	$(BIN)/python scripts/mutate.py --module service/frontend/inputs.py --tests tests/test_inputs.py $(MUTATE_OPTIONS)
+	for module in inputs tensor_layout bodies; do \
+		$(BIN)/python scripts/mutate.py --module service/frontend/$$module.py --tests tests/test_inputs.py $(MUTATE_OPTIONS) || exit 1; \
+	done
 
 # Builds ./Dockerfile with buildah and runs the image (deploy/container_smoke.sh says how);
 # needs root and `apt-get install buildah debootstrap`.

@@ -19,16 +19,16 @@ from service.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
-from service.frontend.inputs import (
+from service.frontend.bodies import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
     NPZ_MEDIA_TYPE,
-    InputLayout,
-    TensorLayout,
     answer_media_type,
     body_media_type,
     encode_npy,
 )
+from service.frontend.inputs import InputLayout
+from service.frontend.tensor_layout import TensorLayout
 from service.manifest import Manifest, TensorSpec
 from service.types import Array
 

@@ -24,7 +24,8 @@ from torch import nn
 from service.config import Settings
 from service.engine.length_ties import tie_lengths
 from service.engine.runner import TorchRunner
-from service.frontend.inputs import NPZ_MEDIA_TYPE, InputLayout
+from service.frontend.bodies import NPZ_MEDIA_TYPE
+from service.frontend.inputs import InputLayout
 from service.frontend.per_token import PaddedInstances
 from service.manifest import Manifest, TensorSpec
 from service.packaging.spec import tensor_spec

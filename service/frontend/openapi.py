@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from service.bridge.interface import ModelInfo
+from service.frontend.bodies import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.inference_routes import (
     MODEL_PREDICT_PATH,
     MODEL_VERSION_PREDICT_PATH,
     PREDICT_PATH,
 )
-from service.frontend.inputs import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.responses import JSON
 from service.manifest import Manifest, TensorSpec
 

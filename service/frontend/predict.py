@@ -31,8 +31,7 @@ from service.errors import (
     VersionSwitchedError,
 )
 from service.frontend import per_token, request_spans
-from service.frontend.handlers.base import Handler, HandlerRequest
-from service.frontend.inputs import (
+from service.frontend.bodies import (
     JSON_MEDIA_TYPE,
     NPY_MEDIA_TYPE,
     NPZ_MEDIA_TYPE,
@@ -41,6 +40,7 @@ from service.frontend.inputs import (
     encode_npy,
     encode_npz,
 )
+from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
 from service.frontend.receiving import received_or_pending
 from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest

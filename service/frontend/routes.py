@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError
+from service.frontend.bodies import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.inference_routes import of_protocol
-from service.frontend.inputs import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.predict import PredictHeaders, serve_prediction
 from service.frontend.responses import JSON, json_response
 from service.frontend.schemas import (

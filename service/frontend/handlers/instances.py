@@ -11,7 +11,7 @@ from typing import Any
 from python_multipart.multipart import parse_options_header
 
 from service.errors import InvalidInputError
-from service.frontend.inputs import json_type, read_instances
+from service.frontend.bodies import json_type, read_instances
 
 __all__ = ["check_count", "content_type_parameter", "json_instances", "json_type"]
 
