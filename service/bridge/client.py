@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from service.bridge import wire
+from service.bridge import contract, wire
 from service.bridge.interface import (
     EngineStatus,
     InferenceRequest,
@@ -74,6 +74,11 @@ class EngineConnection(asyncio.Protocol):
         self._on_status = on_status
         self._ids = itertools.count(1)
         self._requests: dict[int, asyncio.Future[InferenceResult]] = {}
+        self._submits: list[contract.Submit] = []
+        """Requests of this event-loop turn, sent together at its end (one frame)."""
+        self._packer = contract.DataPacker()
+        self._load = 0
+        self._cancels: list[int] = []
         self._controls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader = wire.FrameReader()
         self._writer: wire.FrameWriter | None = None
@@ -141,6 +146,8 @@ class EngineConnection(asyncio.Protocol):
         self.status = EngineStatus(phase=phase, device=self.status.device, detail=detail)
         requests, self._requests = self._requests, {}
         controls, self._controls = self._controls, {}
+        self._submits, self._cancels = [], []
+        self._packer = contract.DataPacker()
         for future in requests.values():
             if not future.done():
                 future.set_exception(EngineUnavailableError(f"{detail}; retry shortly"))
@@ -164,59 +171,89 @@ class EngineConnection(asyncio.Protocol):
             self.close()
             return
         for frame in frames:
-            header = frame.header
-            if frame.kind == wire.Kind.RESULT:
-                future = self._requests.pop(int(header["id"]), None)
-                if future is not None and not future.done():
-                    outputs = wire.arrays_from(header, frame.data)
-                    batches = tuple(
-                        (str(span), int(rows)) for span, rows in header.get("batches", ())
-                    )
-                    future.set_result(
-                        InferenceResult(outputs=outputs, version=header["version"], batches=batches)
-                    )
-            elif frame.kind == wire.Kind.ERROR:
-                future = self._requests.pop(int(header["id"]), None)
-                if future is not None and not future.done():
-                    future.set_exception(error_from_wire(header["error"]))
+            if frame.kind == wire.Kind.ANSWERS:
+                try:
+                    self._answered(frame)
+                except wire.ProtocolError as error:
+                    logger.error("bridge_protocol_error", extra={"error": str(error)})
+                    self.close()
+                    return
             elif frame.kind == wire.Kind.REPLY:
-                reply = self._controls.pop(int(header["id"]), None)
+                reply = self._controls.pop(int(frame.header["id"]), None)
                 if reply is not None and not reply.done():
-                    reply.set_result(header)
+                    reply.set_result(frame.header)
             elif frame.kind == wire.Kind.STATUS:
-                self.status = EngineStatus.from_wire(header)
+                self.status = EngineStatus.from_wire(frame.header)
                 self._on_status()
+
+    def _answered(self, frame: wire.Frame) -> None:
+        """An engine's batch answered these requests of ours (or refused them)."""
+        requests = self._requests
+        for answer in contract.decode_answers(frame.typed_header).answers:
+            future = requests.pop(answer.id, None)
+            if future is None or future.done():
+                continue  # cancelled or expired here meanwhile
+            if answer.error is not None:
+                future.set_exception(answer.error.rebuilt())
+            else:
+                future.set_result(
+                    InferenceResult(
+                        outputs=contract.unpack(answer.arrays, frame.data),
+                        version=answer.version,
+                        batches=tuple(answer.batches),
+                    )
+                )
 
     # ----------------------------------------------------------------- frames out
 
     def submit(self, request: InferenceRequest) -> tuple[int, asyncio.Future[InferenceResult]]:
-        """Send ``request``; its future gets the engine's answer."""
+        """Queue ``request`` for this turn's SUBMITS frame; its future gets the answer."""
         if self._writer is None:
             raise EngineUnavailableError("the engine is not connected; retry shortly")
         call_id = next(self._ids)
         future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
         self._requests[call_id] = future
-        header, data = wire.arrays_frame(request.instances)
-        header.update(
-            id=call_id,
-            model=request.model,
-            version=request.version,
-            group=request.group,
-            cost=request.cost_per_row,
-            priority=request.priority,
-            deadline=request.deadline_s,
-            request_id=request.request_id,
-            load=request.frontend_load,
+        if not self._submits:
+            asyncio.get_running_loop().call_soon(self._send_submits)
+        self._submits.append(
+            contract.Submit(
+                id=call_id,
+                model=request.model,
+                version=request.version,
+                priority=request.priority,
+                deadline_s=request.deadline_s,
+                request_id=request.request_id,
+                arrays=self._packer.pack(request.instances),
+                trace=request.traceparent,
+            )
         )
-        if request.traceparent is not None:
-            header["trace"] = request.traceparent
-        self._writer.send(wire.Kind.SUBMIT, header, data)
+        self._load = request.frontend_load
         return call_id, future
 
+    def _send_submits(self) -> None:
+        submits, self._submits = self._submits, []
+        packer, self._packer = self._packer, contract.DataPacker()
+        if self._writer is not None and submits:
+            header = contract.encode(contract.Submits(load=self._load, requests=submits))
+            self._writer.send_typed(wire.Kind.SUBMITS, header, packer.buffers)
+
     def cancel(self, call_id: int) -> None:
-        """Stop waiting for ``call_id``; the engine drops it if it has not run yet."""
-        if self._requests.pop(call_id, None) is not None and self._writer is not None:
-            self._writer.send(wire.Kind.CANCEL, {"id": call_id})
+        """Stop waiting for ``call_id``; the engine drops it if it has not run yet (one not
+        sent yet is never sent)."""
+        if self._requests.pop(call_id, None) is None or self._writer is None:
+            return
+        if any(submit.id == call_id for submit in self._submits):
+            self._submits = [submit for submit in self._submits if submit.id != call_id]
+            return  # its arrays still go in the frame, unreferenced: cheaper than repacking
+        if not self._cancels:
+            asyncio.get_running_loop().call_soon(self._send_cancels)
+        self._cancels.append(call_id)
+
+    def _send_cancels(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        if self._writer is not None and cancels:
+            header = contract.encode(contract.Cancels(ids=cancels))
+            self._writer.send_typed(wire.Kind.CANCELS, header)
 
     async def control(self, op: str, **args: object) -> Any:
         """One step of a version switch on this engine; its result, or its ``ServiceError``."""

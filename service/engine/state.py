@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from service.bridge.interface import ModelInfo
+from service.buckets import batch_group
 from service.config import Settings
 from service.engine.batching import DynamicBatcher
 from service.engine.device_turns import DeviceTurns
 from service.engine.model_store import ModelStore
+from service.errors import InvalidInputError
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
@@ -37,6 +39,17 @@ class ServedModel:
     batcher: DynamicBatcher[NamedArrays, NamedArrays]
     memory_bytes: int
     """What loading and warming it up took on the device (see ``memory.py``)."""
+
+    def group_of(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
+        """The batch group and token cost per row of ``instances``, computed here from their
+        shapes: which requests may share a batch is the engine's to decide, not a front
+        end's to claim (a wrong group would put unequal shapes in one batch)."""
+        try:
+            return batch_group(self.manifest, instances, self.length_edges)
+        except (KeyError, ValueError, IndexError) as error:
+            raise InvalidInputError(
+                f"the instances do not fit {self.manifest.label}'s inputs: {error}"
+            ) from error
 
     def info(self) -> ModelInfo:
         return ModelInfo(
