@@ -23,7 +23,7 @@ from service.tensors import NamedArrays
 from service.types import Priority
 
 
-class ArraySpec(msgspec.Struct, array_like=True, frozen=True):
+class ArraySpec(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     name: str
     dtype: str
     """numpy's ``dtype.str`` (e.g. ``<f4``); object arrays never cross."""
@@ -32,7 +32,7 @@ class ArraySpec(msgspec.Struct, array_like=True, frozen=True):
     """Where its bytes start within the frame's data."""
 
 
-class Submit(msgspec.Struct, array_like=True, omit_defaults=True):
+class Submit(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
     """One request (``interface.InferenceRequest``) as a front end sends it. The batch
     group and token cost are not sent: the engine computes them from the arrays."""
 
@@ -47,17 +47,17 @@ class Submit(msgspec.Struct, array_like=True, omit_defaults=True):
     trace: str | None = None
 
 
-class Submits(msgspec.Struct, array_like=True):
+class Submits(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     load: int
     """Requests the front end holds now (``InferenceRequest.frontend_load``)."""
     requests: list[Submit]
 
 
-class Cancels(msgspec.Struct, array_like=True):
+class Cancels(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     ids: list[int]
 
 
-class WireError(msgspec.Struct, array_like=True):
+class WireError(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     status: int
     code: str
     message: str
@@ -78,7 +78,7 @@ class WireError(msgspec.Struct, array_like=True):
         )
 
 
-class Answer(msgspec.Struct, array_like=True, omit_defaults=True):
+class Answer(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
     """One request's outputs (``interface.InferenceResult``), or its error."""
 
     id: int
@@ -88,7 +88,7 @@ class Answer(msgspec.Struct, array_like=True, omit_defaults=True):
     error: WireError | None = None
 
 
-class Answers(msgspec.Struct, array_like=True):
+class Answers(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     answers: list[Answer]
 
 
@@ -166,6 +166,6 @@ def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
             arrays[spec.name] = np.frombuffer(
                 buffer, dtype=dtype, count=count, offset=spec.offset
             ).reshape(spec.shape)
+        return NamedArrays(arrays)
     except (ValueError, TypeError) as error:
         raise ProtocolError(f"arrays of {len(buffer)} bytes are not {list(specs)}") from error
-    return NamedArrays(arrays)
