@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TypeVar
 
 from service.engine.batch_queue import Group
+from service.engine.batch_run import Rows
 from service.engine.batch_selection import Estimate
 from service.errors import DeadlineUnreachableError, OverloadedError, ServiceError
 from service.types import Priority
 
+RowsT = TypeVar("RowsT", bound=Rows)
 
-def chunk_rows(total_rows: int, max_batch_size: int, max_batch_cost: int, cost_per_row: int) -> int:
+
+def chunk_rows(max_batch_size: int, max_batch_cost: int, cost_per_row: int) -> int:
     """Rows per chunk of a request: what fits in one batch by rows and token budget (at
     least one row whatever its cost)."""
     rows = max_batch_size
     if max_batch_cost and cost_per_row:
         rows = max(1, min(rows, max_batch_cost // cost_per_row))
-    return min(rows, total_rows)
+    return rows
+
+
+def chunks_of(
+    payload: RowsT, max_batch_size: int, max_batch_cost: int, cost_per_row: int
+) -> list[RowsT]:
+    """``payload`` in chunks of ``chunk_rows`` rows (itself when it fits in one)."""
+    total_rows = len(payload)
+    rows = chunk_rows(max_batch_size, max_batch_cost, cost_per_row)
+    if rows >= total_rows:
+        return [payload]
+    return [payload[start : start + rows] for start in range(0, total_rows, rows)]
 
 
 def estimated_wait_s(

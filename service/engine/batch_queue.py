@@ -8,13 +8,19 @@ a group whose rows reach 0 is empty and removed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from service.engine.batch_clock import Clock, Timer
 from service.types import PRIORITIES, Priority
 
 if TYPE_CHECKING:
     from service.engine.batch_ticket import Ticket
+
+#: The queue-depth gauge follows the queue at most this late. Written on every enqueue and
+#: dequeue it cost two metric writes per request (file writes with several processes); a
+#: gauge scraped every few seconds loses nothing at this delay.
+QUEUE_DEPTH_REFRESH_S = 0.05
 
 
 class Entry:
@@ -176,3 +182,23 @@ class BatchQueue:
         if group.rows == 0:  # every entry holds a row at least
             del self.groups[entry.group]
         self.entries -= 1
+
+
+class DepthGauge:
+    """Sets the queue-depth gauge at most ``QUEUE_DEPTH_REFRESH_S`` after each change."""
+
+    def __init__(self, clock: Clock, queue: BatchQueue, set_depth: Callable[[int], None]) -> None:
+        self._clock = clock
+        self._queue = queue
+        self._set_depth = set_depth
+        self._refresh: Timer | None = None
+
+    def changed(self) -> None:
+        if self._refresh is None:
+            self._refresh = self._clock.call_at(
+                self._clock.now() + QUEUE_DEPTH_REFRESH_S, self._set_now
+            )
+
+    def _set_now(self) -> None:
+        self._refresh = None
+        self._set_depth(self._queue.entries)

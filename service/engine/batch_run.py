@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from service import tracing
 from service.engine.batch_clock import Clock
@@ -28,7 +28,16 @@ from service.metrics import ModelMetrics
 
 logger = logging.getLogger("service.engine.batching")
 
-PayloadT = TypeVar("PayloadT")
+
+class Rows(Protocol):
+    """A payload of one or more rows that can be sliced along its first axis (e.g. an array)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice, /) -> Self: ...
+
+
+PayloadT = TypeVar("PayloadT", bound=Rows)
 OutputT = TypeVar("OutputT")
 
 #: Runs one batch in the executor thread: one output per payload, in order; raises if the

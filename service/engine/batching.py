@@ -24,20 +24,21 @@ import asyncio
 import logging
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
-from typing import Generic, Protocol, Self, TypeVar
+from typing import Generic
 
 from service.config import BatchPolicy
 from service.engine import batch_admission
 from service.engine.batch_clock import Clock, MonotonicClock, Timer
 from service.engine.batch_deadlines import Deadlines
 from service.engine.batch_dispatch import Dispatch
+from service.engine.batch_fill import BatchFiller
 from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
-from service.engine.batch_queue import BatchQueue, Entry, Group
-from service.engine.batch_run import BatchFunction, BatchRun, Deliveries
-from service.engine.batch_selection import Limits, lead_priority, pick_group, plan_batch
+from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
+from service.engine.batch_run import BatchFunction, BatchRun, Deliveries, OutputT, PayloadT
+from service.engine.batch_selection import Limits
 from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
-from service.engine.device_turns import ModelTurns
+from service.engine.device_turns import HeldTurn, ModelTurns
 from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
@@ -52,23 +53,6 @@ from service.types import Priority
 __all__ = ["OOM_BACKOFF_S", "QUEUE_DEPTH_REFRESH_S", "BatchFunction", "DynamicBatcher", "Ticket"]
 
 logger = logging.getLogger(__name__)
-
-#: The queue-depth gauge follows the queue at most this late. Written on every enqueue and
-#: dequeue it cost two metric writes per request (file writes with several processes); a
-#: gauge scraped every few seconds loses nothing at this delay.
-QUEUE_DEPTH_REFRESH_S = 0.05
-
-
-class Rows(Protocol):
-    """A payload of one or more rows that can be sliced along its first axis (e.g. an array)."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: slice, /) -> Self: ...
-
-
-PayloadT = TypeVar("PayloadT", bound=Rows)
-OutputT = TypeVar("OutputT")
 
 
 class DynamicBatcher(Generic[PayloadT, OutputT]):
@@ -110,8 +94,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._max_queue_size = max_queue_size
         self._request_timeout_s = request_timeout_ms / 1000.0
         self._expected_requests = expected_requests
-        self._turns = turns
-        self._holding_turn = False
+        self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
         self._queue = BatchQueue()
@@ -130,12 +113,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             tracer=tracer,
             deliveries=self._deliveries,
         )
-        self._queue_depth_refresh: Timer | None = None
-        self._last_batch_rows = 1
+        self._depth = DepthGauge(self._clock, self._queue, metrics.queue_depth.set)
+        self._filler = BatchFiller()
         self._answered_s = -float("inf")
         self._target_rows = max_batch_size
-        self._high_streak = 0
-        self._last_group: Hashable | None = None
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
         self._closing = False
@@ -202,11 +183,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         Requests share a batch only within the same ``group``. ``cost_per_row`` (e.g. padded
         tokens) counts against ``max_batch_cost`` when that is set; a chunk holds at least one
         row whatever its cost. ``high`` priority requests are taken before ``normal`` ones.
-        ``deadline_s`` (``time.monotonic()``, system-wide, so a front end in another process
-        can set it) defaults to ``request_timeout_ms`` from now. ``source`` names where the
-        request came from (a front end), to count how many share each batch; ``trace`` is its
-        W3C ``traceparent`` when traced. Once answered the ticket goes to ``sink`` with the
-        others of the same batch; ``tag`` is the caller's name for it.
+        ``deadline_s`` (``time.monotonic()``) defaults to ``request_timeout_ms`` from now.
+        ``source`` names the front end (batch sources are counted); ``trace``: its W3C
+        ``traceparent``. Once answered the ticket goes to ``sink`` with the others of its
+        batch; ``tag`` is the caller's name for it.
 
         Raises at once ``QueueFullError`` when the queue is full, ``OverloadedError`` when the
         work queued ahead would not let it finish by its deadline, ``InvalidInputError`` when
@@ -218,16 +198,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         if not self.accepting or self._collector is None:
             self._metrics.dropped(DropReason.DRAINING).inc()
             raise NotReadyError("the server is not accepting requests (starting or draining)")
-        total_rows = len(payload)
-        if total_rows < 1:
+        if len(payload) < 1:
             raise InvalidInputError("a request needs at least one instance")
-        per_chunk = batch_admission.chunk_rows(
-            total_rows, self.max_batch_size, self.max_batch_cost, cost_per_row
-        )
-        chunks = (
-            [payload]
-            if per_chunk == total_rows
-            else [payload[start : start + per_chunk] for start in range(0, total_rows, per_chunk)]
+        chunks = batch_admission.chunks_of(
+            payload, self.max_batch_size, self.max_batch_cost, cost_per_row
         )
         if self._queue.entries + len(chunks) > self._max_queue_size:
             self._metrics.dropped(DropReason.QUEUE_FULL).inc()
@@ -287,7 +261,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     def _add(self, entry: Entry) -> None:
         group = self._queue.add(entry)
-        self._queue_depth_changed()
+        self._depth.changed()
         # Wake the collector only when its decision can change: the queue was empty (it sleeps
         # without a timer), or this group just reached a full batch or the adaptive target.
         if self._queue.entries == 1 or self._dispatch.is_ready(
@@ -295,23 +269,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         ):
             self._wakeup.set()
 
-    def _queue_depth_changed(self) -> None:
-        if self._queue_depth_refresh is None:
-            self._queue_depth_refresh = self._clock.call_at(
-                self._clock.now() + QUEUE_DEPTH_REFRESH_S, self._refresh_queue_depth
-            )
-
-    def _refresh_queue_depth(self) -> None:
-        self._queue_depth_refresh = None
-        self._metrics.queue_depth.set(self._queue.entries)
-
     def _expire(self, entries: list[Entry]) -> None:
         """Deadline: answer 504 now, even while another batch is running."""
         for entry in entries:
             if entry.queued:
                 self._queue.remove(entry)
             self._metrics.dropped(DropReason.EXPIRED).inc()
-        self._queue_depth_changed()
+        self._depth.changed()
         for entry in entries:
             entry.reject(
                 DeadlineExceededError(
@@ -325,7 +289,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         for entry in entries:
             if entry.queued:
                 self._queue.remove(entry)
-                self._queue_depth_changed()
+                self._depth.changed()
                 self._metrics.dropped(DropReason.CANCELLED).inc()
             entry.reject(asyncio.CancelledError())
 
@@ -346,26 +310,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                             entry.reject(InferenceError("internal error while running the batch"))
                 finally:
                     self._answered_s = self._clock.now()
-                    self._release_turn()
+                    self._turn.release()
         finally:
-            self._release_turn()
+            self._turn.release()
             self._deadlines.close()
             self._cancel_wakeup_timer()
-
-    async def _take_turn(self) -> bool:
-        """Wait for this model's turn on the device; whether it had to wait (requests may
-        have arrived meanwhile: look again)."""
-        if self._turns is None or self._holding_turn:
-            return False
-        await self._turns.acquire()
-        self._holding_turn = True
-        return True
-
-    def _release_turn(self) -> None:
-        if self._holding_turn:
-            assert self._turns is not None
-            self._holding_turn = False
-            self._turns.release()
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
@@ -373,14 +322,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         limits = self._limits()
         expected = self._expected_requests() if self._dispatch.adaptive else 0
         self._target_rows = self._dispatch.target_rows(
-            self._last_batch_rows, expected, limits.row_limit
+            self._filler.last_batch_rows, expected, limits.row_limit
         )
         yielded = not self._dispatch.adaptive
         while True:
             if not self._queue:
                 if self._closing:
                     return None
-                self._release_turn()  # what it waited for is gone (expired, cancelled)
+                self._turn.release()  # what it waited for is gone (expired, cancelled)
                 await self._sleep_until(None)
                 continue
             limits = self._limits()
@@ -401,11 +350,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 g.key: self._dispatch.due_at_s(g, self._answered_s, refill) for g in self._queue
             }
             due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
-            if (due or self._closing) and await self._take_turn():
+            if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
                 return self._take(due or list(self._queue))
-            self._release_turn()  # nothing due any more (expired, cancelled): let others run
+            self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
 
     async def _sleep_until(self, when_s: float | None) -> None:
@@ -424,33 +373,17 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._wakeup_timer = None
 
     def _take(self, candidates: list[Group]) -> list[Entry]:
-        """Fill one batch from the best candidate group (``batch_selection``)."""
-        queue = self._queue
-        normal_waiting = queue.normal_waiting()
-        lead = lead_priority(self._high_streak, normal_waiting)
-        if lead == "normal":
-            candidates = list(queue)
-        group = pick_group(candidates, lead, self._last_group)
-        order: tuple[Priority, ...] = ("high", "normal") if lead == "high" else ("normal", "high")
-        plan = plan_batch(
-            group, order, self._limits(), self.times.estimate, self._clock.now(), _caller_gone
+        """Fill one batch from the best candidate group (``batch_fill``)."""
+        taken = self._filler.take(
+            self._queue, candidates, self._limits(), self.times.estimate, self._clock.now()
         )
-        for priority, taken in plan.taken.items():
-            for _ in range(taken):
-                queue.pop(group, priority)
-        if plan.taken:
-            self._queue_depth_changed()
-        for entry in plan.gone:
+        self._depth.changed()
+        for entry in taken.gone:
             self._metrics.dropped(DropReason.CANCELLED).inc()
             entry.reject(asyncio.CancelledError())
-        for entry in plan.late:
+        for entry in taken.late:
             self._answer_late(entry)
-        rows = sum(entry.rows for entry in plan.batch)
-        self._last_batch_rows = max(1, rows)
-        self._last_group = group.key
-        led_by_high = bool(plan.batch) and plan.batch[0].priority == "high"
-        self._high_streak = self._high_streak + 1 if led_by_high and normal_waiting else 0
-        return plan.batch
+        return taken.batch
 
     def _answer_late(self, entry: Entry) -> None:
         """504 now, uncomputed, for an entry that cannot finish by its deadline even alone:
@@ -463,7 +396,3 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 f" ms: its rows would take about {seconds * 1000:.0f} ms"
             )
         )
-
-
-def _caller_gone(entry: Entry) -> bool:
-    return entry.ticket is not None and entry.ticket.abandoned
