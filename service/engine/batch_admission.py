@@ -32,10 +32,10 @@ def chunk_rows(max_batch_size: int, max_batch_cost: int, cost_per_row: int) -> i
 
 
 def chunks_of(
-    payload: RowsT, max_batch_size: int, max_batch_cost: int, cost_per_row: int
+    payload: RowsT, total_rows: int, max_batch_size: int, max_batch_cost: int, cost_per_row: int
 ) -> list[RowsT]:
-    """``payload`` in chunks of ``chunk_rows`` rows (itself when it fits in one)."""
-    total_rows = len(payload)
+    """``payload`` (of ``total_rows`` rows) in chunks of ``chunk_rows`` rows (itself when it
+    fits in one)."""
     rows = chunk_rows(max_batch_size, max_batch_cost, cost_per_row)
     if rows >= total_rows:
         return [payload]

@@ -198,11 +198,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         if not self.accepting or self._collector is None:
             self._metrics.dropped(DropReason.DRAINING).inc()
             raise NotReadyError("the server is not accepting requests (starting or draining)")
-        if len(payload) < 1:
+        total_rows = len(payload)
+        if total_rows < 1:
             raise InvalidInputError("a request needs at least one instance")
         chunks = batch_admission.chunks_of(
-            payload, self.max_batch_size, self.max_batch_cost, cost_per_row
+            payload, total_rows, self.max_batch_size, self.max_batch_cost, cost_per_row
         )
+        rows = [total_rows] if len(chunks) == 1 else [len(chunk) for chunk in chunks]
         if self._queue.entries + len(chunks) > self._max_queue_size:
             self._metrics.dropped(DropReason.QUEUE_FULL).inc()
             raise QueueFullError(
@@ -211,15 +213,15 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         arrival_s = self._clock.now()
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
-        self._admit([len(chunk) for chunk in chunks], group, priority, deadline_s - arrival_s)
+        self._admit(rows, group, priority, deadline_s - arrival_s)
         ticket: Ticket[OutputT] = Ticket(
             tag=tag, sink=sink, withdraw=self._withdraw, finished=self._deliveries.finished
         )
         entries = [
             Entry(
                 chunk,
-                rows=len(chunk),
-                cost=len(chunk) * cost_per_row,
+                rows=rows[index],
+                cost=rows[index] * cost_per_row,
                 group=group,
                 priority=priority,
                 arrival_s=arrival_s,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from service.engine.batching import DynamicBatcher
 from service.engine.device_turns import DeviceTurns
 from service.engine.model_store import ModelStore
 from service.errors import InvalidInputError
-from service.manifest import Manifest
+from service.manifest import Manifest, TensorSpec
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
@@ -44,12 +45,20 @@ class ServedModel:
         """The batch group and token cost per row of ``instances``, computed here from their
         shapes: which requests may share a batch is the engine's to decide, not a front
         end's to claim (a wrong group would put unequal shapes in one batch)."""
+        spec = self._grouping_input
         try:
+            if spec.variable_axis is None:  # fixed shapes: the shape is the group
+                return instances[spec.name].shape[1:], 0
             return batch_group(self.manifest, instances, self.length_edges)
         except (KeyError, ValueError, IndexError) as error:
             raise InvalidInputError(
                 f"the instances do not fit {self.manifest.label}'s inputs: {error}"
             ) from error
+
+    @functools.cached_property
+    def _grouping_input(self) -> TensorSpec:
+        """The input whose shape decides the group (``buckets.batch_group``)."""
+        return self.manifest.variable_input or self.manifest.input
 
     def info(self) -> ModelInfo:
         return ModelInfo(
