@@ -161,8 +161,14 @@ def encoded_frame(protocol: str, version: str, first_id: int, count: int) -> byt
 
 
 def front_end(
-    path: str, protocol: str, version: str, window: int, per_frame: int, duration_s: float,
-    cpus: list[int], results: multiprocessing.Queue,  # type: ignore[type-arg]
+    path: str,
+    protocol: str,
+    version: str,
+    window: int,
+    per_frame: int,
+    duration_s: float,
+    cpus: list[int],
+    results: multiprocessing.Queue,  # type: ignore[type-arg]
 ) -> None:
     os.sched_setaffinity(0, cpus)
     frames = [encoded_frame(protocol, version, j * per_frame + 1, per_frame) for j in range(window)]
