@@ -1583,3 +1583,54 @@ async def test_a_waiting_collector_sleeps_instead_of_polling(
     async with asyncio.timeout(PROMPTLY_S):
         await batcher.drain()
     assert await waiting == [[2]]
+
+
+# ----------------------------------------------------------------- batch fill after an answer
+
+
+async def test_after_a_batch_the_adaptive_policy_waits_for_the_clients_it_answered(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """At 64 closed-loop clients in one process the requests back first had waited
+    max_wait while the device ran, so the next batch was cut at once at about 40 of 64 rows
+    (batches of 40 and 63, alternately). Now the collector also waits, up to max_wait from
+    the answer, for the clients the last batch answered."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: device.pending == 1)  # full: runs, and sets the target to 4
+    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)  # they have waited past max_wait while the device ran
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    assert device.pending == 0, "the clients just answered are not back yet: wait for them"
+    rest = [asyncio.create_task(batcher.submit([row], group="g")) for row in (7, 8)]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, *back, *rest)
+    assert model.batch_rows == [4, 4]
+
+
+async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: device.pending == 1)
+    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    assert device.pending == 0
+    await settle_after(clock, 0.06)  # max_wait since the answer: the others are not coming
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, *back)
+    assert model.batch_rows == [4, 2]

@@ -466,3 +466,24 @@ async def test_a_corrupt_frame_closes_only_its_own_connection(
         writer.close()
         result = await client.infer(request(client, value_rows(3.0)))
         np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(3.0) + 1)
+
+
+async def test_the_engine_groups_requests_by_their_arrays_not_by_the_group_claimed(
+    socket_path: Path, repository: Path
+) -> None:
+    """A front end's group is not taken on trust: two requests of the same shape share a
+    batch whatever groups their front end claimed (a wrong claim could have put unequal
+    shapes in one batch, or kept equal ones apart)."""
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_batch_size=4) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        claimed = [
+            dataclasses.replace(request(client, value_rows(value)), group=group)
+            for value, group in ((1.0, (FEATURES,)), (2.0, (999,)))
+        ]
+        results = await asyncio.gather(*(client.infer(each) for each in claimed))
+        for value, result in zip((1.0, 2.0), results, strict=True):
+            np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(value) + 1)
+        batches = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_count")
+        assert batches == 1
