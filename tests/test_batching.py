@@ -1634,3 +1634,17 @@ async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
     async with asyncio.timeout(PROMPTLY_S):
         await asyncio.gather(*first, *back)
     assert model.batch_rows == [4, 2]
+
+
+async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
+    """Instances per device: the batcher feeds two device threads, so a second batch is
+    collected while the first runs (one instance waits for the device to be free)."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=2, instances=2)
+    tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4, 5)]
+    await wait_until(lambda: device.pending == 2)  # [1, 2] and [3, 4] running together
+    assert batcher.queue_depth == 1
+    await device.finish_until(lambda: all(task.done() for task in tasks))
+    assert [task.result() for task in tasks] == [[[2 * row]] for row in (1, 2, 3, 4, 5)]
+    assert model.batch_rows[:2] == [2, 2]

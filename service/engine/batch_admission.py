@@ -10,7 +10,7 @@ someone gets.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TypeVar
 
 from service.engine.batch_queue import Group
@@ -69,11 +69,17 @@ def estimated_wait_s(
 
 
 def refusal(
-    chunks: list[int], own: list[float | None], wait_s: float, left_s: float
+    chunks: list[int],
+    group: Hashable,
+    left_s: float,
+    estimate: Estimate,
+    wait_s: Callable[[Priority], float],
+    priority: Priority,
 ) -> ServiceError | None:
-    """Why a request of ``chunks`` rows each, whose chunks take ``own`` seconds each, behind
-    ``wait_s`` of queued work, cannot be answered within ``left_s``; None when it can (or
-    when any chunk's duration is unknown)."""
+    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, its
+    chunks' own estimates and the ``wait_s`` of the work ahead of it at ``priority``; None
+    when it can (or when any chunk's duration is unknown: nothing to refuse it on)."""
+    own = [estimate(group, rows) for rows in chunks]
     if any(seconds is None for seconds in own):
         return None
     own_s = sum(seconds for seconds in own if seconds is not None)
@@ -83,11 +89,12 @@ def refusal(
             f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
             "deadline; send fewer instances per request"
         )
-    if wait_s + own_s > left_s:
+    ahead_s = wait_s(priority)
+    if ahead_s + own_s > left_s:
         return OverloadedError(
-            f"the queue holds about {wait_s * 1000:.0f} ms of work, and this request "
+            f"the queue holds about {ahead_s * 1000:.0f} ms of work, and this request "
             f"needs {own_s * 1000:.0f} ms more: it could not be answered within the "
             f"{left_s * 1000:.0f} ms left before its deadline; retry shortly",
-            retry_after_s=max(1, math.ceil(wait_s)),
+            retry_after_s=max(1, math.ceil(ahead_s)),
         )
     return None

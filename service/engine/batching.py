@@ -6,12 +6,8 @@ group (requests whose instances have the same shape or length bucket) and fills 
 it, up to the row limit and the token budget, as the dispatch policy says when; the batch runs
 in the runner's executor thread, so the event loop never runs model code.
 
-The pieces, each testable alone: ``batch_queue`` (the queue), ``batch_admission`` (chunking,
-refusals), ``batch_selection`` (fairness, priority, token budget, deadlines),
-``batch_dispatch`` (fixed and adaptive policies), ``batch_guards`` (row limit after OOM, stall
-watch, failures), ``batch_run`` (the forward, halving, per-batch delivery),
-``batch_deadlines`` (one heap and one timer), ``batch_ticket`` (what a caller holds) and
-``batch_clock`` (the one clock every piece reads).
+Its pieces (``batch_*.py``, each tested alone): the queue, admission, selection, fill,
+dispatch policies, guards, the run, deadlines (one heap, one timer), tickets, the clock.
 
 Each request is answered exactly once, by whichever comes first: its result, its error, its
 deadline, or its caller going away. A request whose caller has gone, or whose deadline has
@@ -76,16 +72,19 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         tracer: BatchTracer | None = None,
         turns: ModelTurns | None = None,
         clock: Clock | None = None,
+        instances: int = 1,
     ) -> None:
         """``turns``: this model's turns on a device shared with other models; a batch is
         taken once its turn has come, and runs within it. ``expected_requests``: how many
-        requests the front ends hold now (the adaptive policy's hint)."""
+        requests the front ends hold now (the adaptive policy's hint). ``instances``: batches that
+        may run at once (``instances.py``: the executor's threads)."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
                 f"got {max_batch_size} and {max_queue_size}"
             )
         self._clock = clock or MonotonicClock()
+        self._instances = instances
         self._metrics = metrics
         self.max_batch_size = max_batch_size
         self.max_batch_cost = max_batch_cost
@@ -123,8 +122,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._collector: asyncio.Task[None] | None = None
         metrics.effective_max_batch_size.set(max_batch_size)
 
-    # ----------------------------------------------------------------- lifecycle
-
     def start(self) -> None:
         """Start the collector task; call from inside the running event loop."""
         if self._collector is None:
@@ -155,14 +152,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     @property
     def row_limit(self) -> int:
-        """Rows per batch now: ``max_batch_size``, or less for a while after running out of
-        device memory."""
+        """Rows per batch now: ``max_batch_size``, or less for a while after an OOM."""
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
         return Limits(self._row_limit.rows, self.max_batch_cost)
-
-    # ----------------------------------------------------------------- submitting
 
     def enqueue(
         self,
@@ -188,12 +182,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         ``traceparent``. Once answered the ticket goes to ``sink`` with the others of its
         batch; ``tag`` is the caller's name for it.
 
-        Raises at once ``QueueFullError`` when the queue is full, ``OverloadedError`` when the
-        work queued ahead would not let it finish by its deadline, ``InvalidInputError`` when
-        it has no rows, ``DeadlineUnreachableError`` when it alone needs longer than its
-        deadline, and ``NotReadyError`` while draining or stalled; the ticket fails with
-        ``DeadlineExceededError`` past the deadline (or at once when it could not finish by
-        then even alone) and ``InferenceError`` when the model fails on this request's input.
+        Raises at once ``QueueFullError``, ``OverloadedError`` (the work ahead would make it
+        late), ``DeadlineUnreachableError`` (too long even alone), ``InvalidInputError`` (no
+        rows), ``NotReadyError`` (draining, stalled); the ticket fails with
+        ``DeadlineExceededError`` or ``InferenceError`` (the model failed on its input).
         """
         if not self.accepting or self._collector is None:
             self._metrics.dropped(DropReason.DRAINING).inc()
@@ -213,7 +205,17 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         arrival_s = self._clock.now()
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
-        self._admit(rows, group, priority, deadline_s - arrival_s)
+        refused = batch_admission.refusal(
+            rows,
+            group,
+            deadline_s - arrival_s,
+            self.times.estimate,
+            self.estimated_wait_s,
+            priority,
+        )
+        if refused is not None:
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+            raise refused
         ticket: Ticket[OutputT] = Ticket(
             tag=tag, sink=sink, withdraw=self._withdraw, finished=self._deliveries.finished
         )
@@ -239,16 +241,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._deadlines.add(entry)
             self._add(entry)
         return ticket
-
-    def _admit(self, chunks: list[int], group: Hashable, priority: Priority, left_s: float) -> None:
-        """Refuse now what the estimates say cannot be answered within ``left_s``."""
-        own = [self.times.estimate(group, rows) for rows in chunks]
-        if any(seconds is None for seconds in own):
-            return  # never measured: nothing to refuse it on
-        refused = batch_admission.refusal(chunks, own, self.estimated_wait_s(priority), left_s)
-        if refused is not None:
-            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
-            raise refused
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
         """How long a request queued now would wait for the device (``batch_admission``)."""
@@ -295,28 +287,39 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 self._metrics.dropped(DropReason.CANCELLED).inc()
             entry.reject(asyncio.CancelledError())
 
-    # ----------------------------------------------------------------- collecting
-
     async def _collect_forever(self) -> None:
+        running: set[asyncio.Task[None]] = set()
         try:
             while True:
+                while len(running) >= self._instances:  # collect once an instance is free
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 batch = await self._next_batch()
                 if batch is None:
-                    return
-                try:
-                    await self._runner.run(batch)
-                except Exception:  # never let one batch stop the collector
-                    logger.exception("batch_failed_unexpectedly")
-                    with self._deliveries.per_batch():
-                        for entry in batch:
-                            entry.reject(InferenceError("internal error while running the batch"))
-                finally:
-                    self._answered_s = self._clock.now()
-                    self._turn.release()
+                    break
+                if self._instances == 1:
+                    await self._run(batch)
+                else:
+                    task = asyncio.get_running_loop().create_task(self._run(batch))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            if running:
+                await asyncio.wait(running)
         finally:
             self._turn.release()
             self._deadlines.close()
             self._cancel_wakeup_timer()
+
+    async def _run(self, batch: list[Entry]) -> None:
+        try:
+            await self._runner.run(batch)
+        except Exception:  # never let one batch stop the collector
+            logger.exception("batch_failed_unexpectedly")
+            with self._deliveries.per_batch():
+                for entry in batch:
+                    entry.reject(InferenceError("internal error while running the batch"))
+        finally:
+            self._answered_s = self._clock.now()
+            self._turn.release()
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
@@ -383,18 +386,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         for entry in taken.gone:
             self._metrics.dropped(DropReason.CANCELLED).inc()
             entry.reject(asyncio.CancelledError())
-        for entry in taken.late:
-            self._answer_late(entry)
-        return taken.batch
-
-    def _answer_late(self, entry: Entry) -> None:
-        """504 now, uncomputed, for an entry that cannot finish by its deadline even alone:
-        computing it would only spend the device on an answer nobody gets."""
-        seconds = self.times.estimate(entry.group, entry.rows) or 0.0
-        self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
-        entry.reject(
-            DeadlineExceededError(
-                f"the request could not be answered within {self._request_timeout_s * 1000:.0f}"
-                f" ms: its rows would take about {seconds * 1000:.0f} ms"
+        for entry in taken.late:  # cannot finish by its deadline even alone: 504, uncomputed
+            seconds = self.times.estimate(entry.group, entry.rows) or 0.0
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+            entry.reject(
+                DeadlineExceededError(
+                    f"the request could not be answered within {self._request_timeout_s * 1e3:.0f}"
+                    f" ms: its rows would take about {seconds * 1000:.0f} ms"
+                )
             )
-        )
+        return taken.batch

@@ -80,11 +80,10 @@ class EngineState:
     store: ModelStore
     device: str
     """This engine's ``device`` setting: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    device_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
-    )
-    """The one thread that runs every model's batches and warm-ups on this device, one at a
-    time, as ``device_turns`` hands it out."""
+    device_thread: ThreadPoolExecutor | None = None
+    """The device's threads (``instances.py``: one per model instance, one by default) that
+    run every model's batches and warm-ups, as ``device_turns`` hands the device out; made
+    at the first load, once torch's thread count is set."""
     device_turns: DeviceTurns = field(default_factory=DeviceTurns)
     """Which model runs next on the device: the one that has used it least."""
     models: dict[str, ServedModel] = field(default_factory=dict)
