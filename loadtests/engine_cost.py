@@ -183,6 +183,8 @@ def measure(args: argparse.Namespace) -> list[Run]:
                 configuration = configs.CONFIGURATIONS[name]
                 sweep.log(f"start {name}")
                 contenders.append(harness.start_contender(pool, configuration, None))
+                if args.ours_only:
+                    continue
                 sweep.log(f"start {name}{BASELINE_SUFFIX}")
                 contenders.append(
                     start_baseline(harness, pool, configuration, baseline, mlp_repository, mlp_path)
@@ -274,19 +276,18 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
                  *(round(run.cpu_us[role], 1) for role in ROLES)]
             )  # fmt: skip
     lines = ["# Engine cost: this checkout against the baseline, interleaved", "", notes, ""]
-    labels = sorted({run.configuration for run in runs})
+    labels = list(dict.fromkeys(run.configuration for run in runs))
     for concurrency in sorted({run.concurrency for run in runs}, reverse=True):
         lines += [f"## c={concurrency}", "",
-                  "| configuration | req/s ours (rounds) | req/s baseline | ratio per round | "
+                  "| configuration | req/s ours (rounds) | req/s reference | ratio per round | "
                   "median ratio | p50 ms ours / base | rows/batch ours (rounds) |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for name in labels:
             ours = [r for r in runs if r.label == name and r.concurrency == concurrency]
-            base = [
-                r
-                for r in runs
-                if r.label == name + BASELINE_SUFFIX and r.concurrency == concurrency
-            ]
+            reference = name + BASELINE_SUFFIX
+            if not any(r.label == reference for r in runs):  # --ours-only: against the first
+                reference = labels[0]
+            base = [r for r in runs if r.label == reference and r.concurrency == concurrency]
             ratios = [o.requests_per_s / b.requests_per_s for o, b in zip(ours, base, strict=False)
                       if b.requests_per_s]  # fmt: skip
             lines.append(
@@ -327,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=5.0)
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/engine-cost"))
+    parser.add_argument(
+        "--ours-only", action="store_true", help="no baseline servers: compare --configs"
+    )
     args = parser.parse_args(argv)
     runs = measure(args)
     forward_us = {
