@@ -48,7 +48,7 @@ mutate: install
 	for piece in batching batch_queue batch_admission batch_selection batch_dispatch batch_fill \
 		batch_guards batch_run batch_deadlines batch_ticket; do \
 		$(BIN)/python scripts/mutate.py --module service/engine/$$piece.py \
-			--tests tests/test_batching.py $(MUTATE_OPTIONS) || exit 1; \
+			--tests tests/test_batch_selection.py tests/test_batching.py $(MUTATE_OPTIONS) || exit 1; \
 	done
 	$(BIN)/python scripts/mutate.py --module service/frontend/inputs.py --tests tests/test_inputs.py $(MUTATE_OPTIONS)
 
