@@ -3,11 +3,13 @@ priority, token budget, deadlines), dispatch and admission as functions of their
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable
 
 import pytest
 
 from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
+from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
 from service.engine.batch_queue import BatchQueue, Entry
 from service.engine.batch_selection import (
@@ -20,6 +22,7 @@ from service.engine.batch_selection import (
 )
 from service.errors import DeadlineUnreachableError, OverloadedError
 from service.types import Priority
+from tests.fixtures import SteppedClock
 
 
 def entry(
@@ -178,3 +181,22 @@ def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
     assert isinstance(behind, OverloadedError)
     assert behind.headers["Retry-After"] == "1"
     assert refusal([1], "g", 2.0, second_per_row, waits(1.0), "normal") is None  # type: ignore[arg-type]
+
+
+async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:
+    """Answered entries leave the heap when it is compacted, not only at their deadline:
+    at thousands of requests per second and a 5 s timeout the heap would hold them all."""
+    clock = SteppedClock()
+    expired: list[Entry] = []
+    deadlines = Deadlines(clock, expired.extend)
+    for _ in range(3 * COMPACT_AT_LEAST):
+        answered = entry(deadline_s=clock.now() + 60.0)
+        deadlines.add(answered)
+        answered.done = True
+    assert len(deadlines) <= COMPACT_AT_LEAST
+    late = entry(deadline_s=clock.now() + 1.0)
+    deadlines.add(late)
+    clock.advance(2.0)
+    await asyncio.sleep(0)
+    assert expired == [late]
+    deadlines.close()

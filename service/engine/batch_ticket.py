@@ -67,10 +67,6 @@ class Ticket(Generic[OutputT]):
         self._pending = len(entries)
 
     @property
-    def done(self) -> bool:
-        return self._pending == 0
-
-    @property
     def abandoned(self) -> bool:
         """Its in-process caller was cancelled and has not withdrawn it yet (it will as soon
         as it runs again): the collector drops it rather than compute it for nobody."""
