@@ -11,6 +11,7 @@ import pytest
 from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
 from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
+from service.engine.batch_fill import BatchFiller
 from service.engine.batch_queue import BatchQueue, Entry
 from service.engine.batch_selection import (
     HIGH_PRIORITY_STREAK_LIMIT,
@@ -200,3 +201,16 @@ async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:
     await asyncio.sleep(0)
     assert expired == [late]
     deadlines.close()
+
+
+def test_after_a_streak_of_high_batches_the_oldest_normal_requests_lead_from_any_group() -> None:
+    """Anti-starvation looks at every group, not only the groups due."""
+    normal, high = entry(group="n", arrival_s=0.0), entry(group="h", priority="high")
+    queue = queue_of(normal, high)
+    filler = BatchFiller()
+    filler.high_streak = HIGH_PRIORITY_STREAK_LIMIT
+    due = [group for group in queue if group.key == "h"]
+    plan = filler.take(queue, due, Limits(4, 0), never_measured, 0.0)
+    assert plan.batch == [normal]
+    assert filler.high_streak == 0
+    assert filler.last_group == "n"
