@@ -45,7 +45,11 @@ docs: install
 MUTATE_SAMPLE ?=
 MUTATE_OPTIONS := --fail-under 90 $(if $(MUTATE_SAMPLE),--sample $(MUTATE_SAMPLE) --seed 1)
 mutate: install
-	$(BIN)/python scripts/mutate.py --module service/engine/batching.py --tests tests/test_batching.py $(MUTATE_OPTIONS)
+	for piece in batching batch_queue batch_admission batch_selection batch_dispatch batch_fill \
+		batch_guards batch_run batch_deadlines batch_ticket; do \
+		$(BIN)/python scripts/mutate.py --module service/engine/$$piece.py \
+			--tests tests/test_batch_selection.py tests/test_batching.py $(MUTATE_OPTIONS) || exit 1; \
+	done
 	for module in inputs tensor_layout bodies; do \
 		$(BIN)/python scripts/mutate.py --module service/frontend/$$module.py --tests tests/test_inputs.py $(MUTATE_OPTIONS) || exit 1; \
 	done

@@ -317,6 +317,13 @@ CONFIGURATIONS: dict[str, Configuration] = {
             _MLP | _TWO_WORKERS | {"BATCHSERVE_BATCH_POLICY": "fixed"},
         ),
         Configuration("digits-w2", DIGITS, "digits, workers=2", _TWO_WORKERS),
+        Configuration(
+            "mlp-w2-instances2",
+            MLP,
+            "PeerMLP, workers=2, two model instances in the engine (torch threads split)",
+            _MLP | _TWO_WORKERS | {"BATCHSERVE_DEVICE_INSTANCES": "2"},
+            requires_settings=("device_instances",),
+        ),
     )
 }
 
@@ -327,6 +334,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("mlp-w2", "mlp-single"),
     ("digits-w2", "digits-batched"),
     ("mlp-w1-process", "mlp-single"),
+    ("mlp-w2-instances2", "mlp-w2"),
 )
 
 

@@ -66,9 +66,10 @@ class Settings(BaseSettings):
     per device; ``auto``: ``in_process`` for one worker on one device, else ``process``."""
 
     engine_heartbeat_timeout_s: float = Field(default=1.5, ge=0.5, le=600.0)
-    """An engine process that sends nothing for this long is treated as hung: front ends
-    answer 503 for it and the supervisor kills and restarts it, so a hung engine is replaced
-    within about 2 s. The heartbeats come from the engine's event loop, never the device
+    """An engine process that sends nothing for this long is treated as hung: the supervisor
+    kills and restarts it, so a hung engine is replaced within about 2 s, and the front ends
+    answer its requests 503 as its socket closes (on their own they give up on an engine
+    quiet for twice this long). The heartbeats come from the engine's event loop, never the device
     thread, so a long forward does not delay them; the loop's longest pause (a full garbage
     collection at a version switch) is about 0.1 s on a quiet host. Raise it on a host so
     overloaded that the loop can pause this long. (A model that hangs inside a batch is
@@ -112,6 +113,11 @@ class Settings(BaseSettings):
     torch_threads: int = Field(default=0, ge=0, le=1024)
     """Threads torch uses inside one operator; 0 means one per CPU core minus one (at least
     one), leaving a core to the event loop that parses requests."""
+
+    device_instances: int = Field(default=1, ge=1, le=64)
+    """Model instances per device (Triton's instance groups): device threads fed by the one
+    batcher, each running a batch at a time on ``torch_threads`` divided between them. 1 for a
+    GPU; on a CPU host, 2 or more let one engine use every core (see Benchmarks)."""
 
     max_batch_size: int = Field(default=64, ge=1, le=4096)
     """Most rows (instances) run in one forward pass."""

@@ -18,12 +18,20 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from service.engine.batching import BatchFunction, DynamicBatcher
+from service.engine.batching import BatchFunction, DynamicBatcher, Ticket
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.metrics import EngineMetrics
 
 Payload = list[int]
-Batcher = DynamicBatcher[Payload, Payload]
+
+
+class Batcher(DynamicBatcher[Payload, Payload]):
+    """A batcher with ``submit``: queue one request and wait for its outputs, as an
+    in-process caller does (``Engine.infer``: ``enqueue``, then ``Ticket.wait``)."""
+
+    async def submit(self, payload: Payload, **request: Any) -> list[Payload]:
+        return await self.enqueue(payload, **request).wait()
+
 
 #: A fake's blocking wait gives up after this long, so a broken test fails instead of hanging.
 GATE_TIMEOUT_S = 10.0
@@ -196,20 +204,24 @@ class ManualExecutor(Executor):
 
 
 class SteppedClock:
-    """Stands in for the batcher's ``time`` module: real time plus an offset the test moves
-    on with ``advance``, so a test can say how long requests have waited (or how long ago
-    the device ran out of memory) without sleeping. Counts how often the batcher reads it.
-    ``freeze`` stops it, for tests of what happens exactly at a limit."""
+    """The batcher's clock (``batch_clock.Clock``) for tests: real time plus an offset the
+    test moves on with ``advance``, which also fires at once the timers that came due, so a
+    test can say how long requests have waited (or how long ago the device ran out of
+    memory) without sleeping. Counts how often the batcher reads it. ``freeze`` stops it, for
+    tests of what happens exactly at a limit."""
 
     def __init__(self) -> None:
         self.offset_s = 0.0
         self.reads = 0
         self._frozen_at_s: float | None = None
+        self._timers: list[_SteppedTimer] = []
 
-    def monotonic(self) -> float:
+    def now(self) -> float:
         self.reads += 1
         now_s = time.monotonic() if self._frozen_at_s is None else self._frozen_at_s
         return now_s + self.offset_s
+
+    monotonic = now
 
     def freeze(self, at_s: float = 1000.0) -> None:
         """Read ``at_s`` from now on (plus what ``advance`` adds): a round number, so that the
@@ -217,16 +229,69 @@ class SteppedClock:
         self._frozen_at_s = at_s
         self.offset_s = 0.0
 
-    def perf_counter(self) -> float:
-        return time.perf_counter()
-
     def advance(self, seconds: float) -> None:
+        """Move on ``seconds``; the timers due by then run on the loop's next turn."""
         self.offset_s += seconds
+        now_s = self.now()
+        due = [timer for timer in self._timers if timer.when_s <= now_s]
+        for timer in due:
+            timer.fire_soon()
+
+    def call_at(self, when_s: float, callback: Callable[[], None]) -> _SteppedTimer:
+        timer = _SteppedTimer(self, when_s, callback)
+        self._timers.append(timer)
+        return timer
+
+
+class _SteppedTimer:
+    """A timer of ``SteppedClock``: fires in real time (unless frozen), or when the test
+    advances the clock past it, whichever comes first; once."""
+
+    def __init__(self, clock: SteppedClock, when_s: float, callback: Callable[[], None]) -> None:
+        self._clock = clock
+        self.when_s = when_s
+        self._callback = callback
+        self._done = False
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._real: asyncio.TimerHandle | None = None
+        if clock._frozen_at_s is None:
+            self._real = loop.call_later(max(0.0, when_s - clock.now()), self._fire)
+
+    def fire_soon(self) -> None:
+        self._loop.call_soon(self._fire)
+
+    def _fire(self) -> None:
+        if not self._done:
+            self.cancel()
+            self._callback()
+
+    def cancel(self) -> None:
+        self._done = True
+        if self._real is not None:
+            self._real.cancel()
+        if self in self._clock._timers:
+            self._clock._timers.remove(self)
 
 
 #: What a fake's forward takes as the warm-up would have measured it: the fakes answer at
 #: once, unless a test holds them (which the batcher must not take for their usual speed).
 MEASURED_FORWARD_S = 0.001
+
+
+class RecordingSink:
+    """A front end as the batcher sees it: records each delivery (the tickets one batch, a
+    deadline or a cancel finished for it)."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[list[Ticket[Any]]] = []
+
+    def deliver(self, tickets: Sequence[Ticket[Any]]) -> None:
+        self.deliveries.append(list(tickets))
+
+    @property
+    def tickets(self) -> list[Ticket[Any]]:
+        return [ticket for delivery in self.deliveries for ticket in delivery]
 
 
 class BatcherFactory:
@@ -237,7 +302,8 @@ class BatcherFactory:
     Unless ``measured=False``, each batcher knows (as a model's warm-up tells it) that batches
     of group ``"g"`` take ``MEASURED_FORWARD_S`` at every size up to ``max_batch_size``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: SteppedClock | None = None) -> None:
+        self.clock = clock
         self._built: list[tuple[Batcher, Executor, Callable[..., object]]] = []
 
     def __call__(
@@ -263,7 +329,7 @@ class BatcherFactory:
             max_wait_ms=max_wait_ms,
             max_queue_size=max_queue_size,
             request_timeout_ms=request_timeout_ms,
-            **options,
+            **({"clock": self.clock} | options),
         )
         if measured:
             for rows in range(1, max_batch_size + 1):

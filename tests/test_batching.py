@@ -1,7 +1,8 @@
 """DynamicBatcher: batch forming, isolation of failures, cancellation, deadlines, draining.
 
-Timing: every wait a test relies on is at least 50 ms, and anything that must *not* wait for
-a long ``max_wait_ms`` runs under an ``asyncio.timeout`` far shorter than that wait.
+Time: the batchers read a ``SteppedClock`` that a test moves on (``settle_after``) instead of
+sleeping; anything that must *not* wait for a long ``max_wait_ms`` runs under an
+``asyncio.timeout`` far shorter than that wait.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.engine import batching
-from service.engine.batching import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, DynamicBatcher, Ticket
+from service.engine.batching import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, Ticket
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -42,6 +42,7 @@ from tests.fixtures import (
     PoisonAnsweringModel,
     PoisonModel,
     RecordingDoubler,
+    RecordingSink,
     SteppedClock,
     doubled,
     dropped,
@@ -67,7 +68,13 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture
-async def make_batcher() -> AsyncIterator[BatcherFactory]:
+def clock() -> SteppedClock:
+    """The batchers' clock, moved on by the test (``clock.advance``) instead of sleeping."""
+    return SteppedClock()
+
+
+@pytest.fixture
+async def make_batcher(clock: SteppedClock) -> AsyncIterator[BatcherFactory]:
     """Builds started batchers; afterwards drains them, and fails the test if the event loop
     reported an error (e.g. a future's exception never retrieved) or the collector caught an
     unexpected one (e.g. a future set twice)."""
@@ -78,7 +85,7 @@ async def make_batcher() -> AsyncIterator[BatcherFactory]:
     batching_log = logging.getLogger("service.engine.batching")
     records = _Records()
     batching_log.addHandler(records)
-    factory = BatcherFactory()
+    factory = BatcherFactory(clock)
     try:
         yield factory
         await factory.aclose()
@@ -90,12 +97,12 @@ async def make_batcher() -> AsyncIterator[BatcherFactory]:
     assert "batch_failed_unexpectedly" not in records.messages
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> SteppedClock:
-    """The batcher's clock, moved on by the test (``clock.advance``)."""
-    stepped = SteppedClock()
-    monkeypatch.setattr(batching, "time", stepped)
-    return stepped
+async def settle_after(clock: SteppedClock, seconds: float) -> None:
+    """Move the batchers' clock on ``seconds`` (firing the timers due) and let the event loop
+    run what that set off: no real time passes."""
+    clock.advance(seconds)
+    for _ in range(20):
+        await asyncio.sleep(0)
 
 
 async def submit_all(batcher: Any, payloads: list[Payload], group: object = "g") -> list[Any]:
@@ -136,6 +143,7 @@ async def test_fixed_policy_runs_a_partial_batch_after_max_wait(
 
 async def test_batch_is_collected_only_once_the_device_is_free(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     model = GatedModel()
     batcher = make_batcher(model, max_batch_size=8, max_wait_ms=50)
@@ -145,7 +153,7 @@ async def test_batch_is_collected_only_once_the_device_is_free(
     early = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
     # Past max_wait: a batcher that closed its next batch before the device was free would
     # have closed it on [1, 2] by now, and run [3, 4, 5] as a third batch.
-    await asyncio.sleep(0.12)
+    await settle_after(clock, 0.12)
     late = [asyncio.create_task(batcher.submit([row], group="g")) for row in (3, 4, 5)]
     await wait_until(lambda: batcher.queue_depth == 5)
     model.release()
@@ -498,7 +506,7 @@ async def test_submit_before_start_is_refused() -> None:
     metrics = EngineMetrics()
     model = RecordingDoubler()
     with ThreadPoolExecutor(max_workers=1) as executor:
-        batcher = DynamicBatcher[Payload, Payload](
+        batcher = Batcher(
             model,
             executor=executor,
             metrics=metrics.for_model("test"),
@@ -535,7 +543,7 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
         ThreadPoolExecutor(max_workers=1) as executor,
         pytest.raises(ValueError, match=f"got {max_batch_size} and {max_queue_size}"),
     ):
-        DynamicBatcher[Payload, Payload](
+        Batcher(
             RecordingDoubler(),
             executor=executor,
             metrics=EngineMetrics().for_model("test"),
@@ -551,14 +559,15 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
 
 async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwards(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     metrics = EngineMetrics()
     model = GatedModel()
     batcher = make_batcher(model, metrics=metrics, max_batch_size=4, max_wait_ms=50)
-    started_s = time.monotonic()
+    started_s = clock.now()
     running = asyncio.create_task(batcher.submit([0], group="g"))
     await model.wait_started()
-    await asyncio.sleep(2 * QUEUE_DEPTH_REFRESH_S)  # the gauge has followed the first one out
+    await settle_after(clock, 2 * QUEUE_DEPTH_REFRESH_S)  # the gauge has followed the first one out
     queued = [asyncio.create_task(batcher.submit([row, row], group="g")) for row in (1, 2, 3)]
     await wait_until(lambda: batcher.queue_depth == 3)
     # The gauge follows within QUEUE_DEPTH_REFRESH_S, not at every change.
@@ -579,7 +588,7 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     assert sample_total(metrics.registry, "batchserve_batch_size_rows_bucket", {"le": "1.0"}) == 1
     assert sample(metrics, "batchserve_queue_wait_seconds_count") == 3
     assert sample(metrics, "batchserve_inference_duration_seconds_count") == 2
-    elapsed_s = time.monotonic() - started_s
+    elapsed_s = clock.now() - started_s
     assert 0 < sample(metrics, "batchserve_queue_wait_seconds_sum") < elapsed_s
     assert 0 < sample(metrics, "batchserve_inference_duration_seconds_sum") < elapsed_s
 
@@ -613,6 +622,7 @@ async def queue_behind_a_busy_device(
 
 async def test_adaptive_policy_fills_batches_up_to_the_last_batch(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     model = GatedModel()
     batcher = make_batcher(model, max_batch_size=4, max_wait_ms=10_000)
@@ -621,7 +631,7 @@ async def test_adaptive_policy_fills_batches_up_to_the_last_batch(
 
     # Two clients came back last time: a lone request waits for the second one.
     first = asyncio.create_task(batcher.submit([3], group="g"))
-    await asyncio.sleep(0.1)
+    await settle_after(clock, 0.1)
     assert model.batch_rows == [1, 2], "must wait for a batch as full as the last one"
     second = asyncio.create_task(batcher.submit([4], group="g"))
     async with asyncio.timeout(PROMPTLY_S):
@@ -741,7 +751,7 @@ async def test_every_batch_runs_in_the_executor_even_one_known_to_be_quick(
 
 @pytest.mark.parametrize("short_first", [True, False], ids=["short-first", "refills-first"])
 async def test_a_full_group_does_not_starve_a_request_that_has_waited_max_wait(
-    make_batcher: BatcherFactory, short_first: bool
+    make_batcher: BatcherFactory, clock: SteppedClock, short_first: bool
 ) -> None:
     """The collector took a full group whenever there was one: kept full by new arrivals,
     a long bucket held a short request back until its deadline. Now the short request runs
@@ -756,8 +766,8 @@ async def test_a_full_group_does_not_starve_a_request_that_has_waited_max_wait(
     arrivals: list[asyncio.Task[list[Payload]]] = []
     for group, rows in sorted([("short", [100]), ("long", [3, 4, 5, 6])], reverse=short_first):
         arrivals += [asyncio.create_task(batcher.submit([row], group=group)) for row in rows]
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.1)  # both groups due
+        await settle_after(clock, 0.01)
+    await settle_after(clock, 0.1)  # both groups due
     for _ in range(4):
         await wait_until(lambda: device.pending == 1)
         device.finish_next()
@@ -768,6 +778,7 @@ async def test_a_full_group_does_not_starve_a_request_that_has_waited_max_wait(
 
 async def test_requests_already_received_join_a_batch_whose_oldest_waited_max_wait(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     """The oldest request waited past max_wait while the device was busy; as the device
     frees, two more requests have been read and are queued on the event loop ahead of the
@@ -793,7 +804,7 @@ async def test_requests_already_received_join_a_batch_whose_oldest_waited_max_wa
     first = asyncio.create_task(batcher.submit([1, 5, 6], group="g"))  # a batch of 3 rows
     await wait_until(lambda: device.pending == 1)
     waiting = asyncio.create_task(batcher.submit([2], group="g"))
-    await asyncio.sleep(0.05)  # it has waited past max_wait
+    await settle_after(clock, 0.05)  # it has waited past max_wait
     armed[0] = True
     device.finish_next()
     await wait_until(lambda: device.pending == 1)
@@ -805,6 +816,7 @@ async def test_requests_already_received_join_a_batch_whose_oldest_waited_max_wa
 
 async def test_among_due_groups_the_oldest_request_runs_first(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     model = RecordingDoubler()
     device = ManualExecutor()
@@ -812,9 +824,9 @@ async def test_among_due_groups_the_oldest_request_runs_first(
     blocker = asyncio.create_task(batcher.submit([0], group="x"))
     await wait_until(lambda: device.pending == 1)
     older = asyncio.create_task(batcher.submit([1], group="a"))
-    await asyncio.sleep(0.01)
+    await settle_after(clock, 0.01)
     newer = asyncio.create_task(batcher.submit([2], group="b"))
-    await asyncio.sleep(0.1)  # both due now
+    await settle_after(clock, 0.1)  # both due now
     for _ in range(3):
         await wait_until(lambda: device.pending == 1)
         device.finish_next()
@@ -923,6 +935,7 @@ async def test_a_batch_takes_only_the_requests_it_can_finish_before_their_deadli
 
 async def test_adaptive_policy_waits_for_the_requests_the_front_ends_hold(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     """Two requests are held by the front ends (bodies read, not answered): the first
     waits for the second, though the last batch had one row."""
@@ -932,7 +945,7 @@ async def test_adaptive_policy_waits_for_the_requests_the_front_ends_hold(
         model, max_batch_size=4, max_wait_ms=10_000, expected_requests=lambda: held[0]
     )
     first = asyncio.create_task(batcher.submit([1], group="g"))
-    await asyncio.sleep(0.1)
+    await settle_after(clock, 0.1)
     assert model.batches == [], "must wait for the second request the front ends hold"
     second = asyncio.create_task(batcher.submit([2], group="g"))
     async with asyncio.timeout(PROMPTLY_S):
@@ -944,31 +957,45 @@ async def test_adaptive_policy_waits_for_the_requests_the_front_ends_hold(
 # ----------------------------------------------------------------- tickets
 
 
-async def test_a_tickets_callbacks_run_once_when_its_last_chunk_is_answered(
+async def test_a_ticket_goes_to_its_sink_once_when_its_last_chunk_is_answered(
     make_batcher: BatcherFactory,
 ) -> None:
     device = ManualExecutor()
     batcher = make_batcher(RecordingDoubler(), executor=device, max_batch_size=2)
-    ticket = batcher.enqueue([1, 2, 3, 4, 5], group="g")
-    calls: list[Ticket[Payload]] = []
-    ticket.add_done_callback(calls.append)
+    sink = RecordingSink()
+    ticket = batcher.enqueue([1, 2, 3, 4, 5], group="g", sink=sink, tag=7)
 
     for _ in range(2):
         await wait_until(lambda: device.pending == 1)
         device.finish_next()
     await wait_until(lambda: device.pending == 1)
-    await asyncio.sleep(0)  # the answered chunks' callbacks have run
-    assert calls == [], "two chunks of three answered"
+    await asyncio.sleep(0)  # the answered chunks have been handed out
+    assert sink.deliveries == [], "two chunks of three answered"
     device.finish_next()
-    await wait_until(lambda: calls == [ticket])
+    await wait_until(lambda: sink.deliveries == [[ticket]])
     assert ticket.outputs() == [[2, 4], [6, 8], [10]]
+    assert ticket.tag == 7
+    assert ticket.batches() == ()  # not traced: no batch spans to name
 
-    late: list[Ticket[Payload]] = []
-    ticket.add_done_callback(late.append)
-    assert late == [], "called from the event loop, never from inside add_done_callback"
-    await wait_until(lambda: late == [ticket])
-    await asyncio.sleep(0)
-    assert calls == [ticket]
+
+async def test_a_batch_hands_each_sink_its_tickets_in_one_delivery(
+    make_batcher: BatcherFactory,
+) -> None:
+    """The bridge answers a front end once per batch: one delivery, one frame."""
+    device = ManualExecutor()
+    batcher = make_batcher(RecordingDoubler(), executor=device, max_batch_size=4)
+    blocker = asyncio.create_task(batcher.submit([0, 0, 0, 0], group="x"))
+    await wait_until(lambda: device.pending == 1)
+    one, two = RecordingSink(), RecordingSink()
+    tickets = [
+        batcher.enqueue([row], group="g", sink=sink, source=sink)
+        for row, sink in zip((1, 2, 3, 4), (one, two, one, one), strict=True)
+    ]
+    await device.finish_until(lambda: len(one.deliveries) == 1 and len(two.deliveries) == 1)
+    assert one.deliveries == [[tickets[0], tickets[2], tickets[3]]]
+    assert two.deliveries == [[tickets[1]]]
+    assert [ticket.outputs() for ticket in tickets] == [[[2]], [[4]], [[6]], [[8]]]
+    assert await blocker == [[0, 0, 0, 0]]
 
 
 async def test_a_cancelled_ticket_finishes_and_its_queued_chunks_are_dropped(
@@ -980,15 +1007,14 @@ async def test_a_cancelled_ticket_finishes_and_its_queued_chunks_are_dropped(
     batcher = make_batcher(
         model, metrics=metrics, executor=device, max_batch_size=2, request_timeout_ms=LONG_WAIT_MS
     )
-    ticket = batcher.enqueue([1, 2, 3, 4, 5, 6], group="g")
-    calls: list[Ticket[Payload]] = []
-    ticket.add_done_callback(calls.append)
+    sink = RecordingSink()
+    ticket = batcher.enqueue([1, 2, 3, 4, 5, 6], group="g", sink=sink)
     await wait_until(lambda: device.pending == 1)  # the first chunk runs
 
     ticket.cancel()
     assert batcher.queue_depth == 0
     assert dropped(metrics, "cancelled") == 2
-    await wait_until(lambda: calls == [ticket])  # every chunk answered: cancelled
+    assert sink.deliveries == [[ticket]]  # every chunk answered: cancelled
     with pytest.raises(asyncio.CancelledError):
         ticket.outputs()
     device.finish_next()  # the running chunk comes back to a cancelled future
@@ -1002,25 +1028,24 @@ async def test_once_a_chunk_fails_the_requests_queued_chunks_are_dropped(
     make_batcher: BatcherFactory,
 ) -> None:
     """The bridge waits on the ticket, not on each chunk: a failed chunk fails the request,
-    and what is still queued of it is never computed."""
+    and what is still queued of it is never computed (withdrawn as the failed batch is
+    answered, before the collector takes the next)."""
     metrics = EngineMetrics()
     model = PoisonModel(poison=-1)
     device = ManualExecutor()
     batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=2)
-    ticket = batcher.enqueue([-1, 2, 3, 4, 5, 6], group="g")
-    calls: list[Ticket[Payload]] = []
-    ticket.add_done_callback(calls.append)
+    sink = RecordingSink()
+    ticket = batcher.enqueue([-1, 2, 3, 4, 5, 6], group="g", sink=sink)
 
     await wait_until(lambda: device.pending == 1)
     device.finish_next()  # [-1, 2] fails
-    await wait_until(lambda: calls == [ticket])
+    await wait_until(lambda: sink.tickets == [ticket])
     with pytest.raises(InferenceError):
         ticket.outputs()
     assert batcher.queue_depth == 0
-    assert dropped(metrics, "cancelled") == 1  # [5, 6]; [3, 4] had left the queue already
-    assert device.pending == 1
-    device.finish_next()
-    assert model.computed_rows == [-1, 2, 3, 4]
+    assert dropped(metrics, "cancelled") == 2  # [3, 4] and [5, 6]
+    assert device.pending == 0
+    assert model.computed_rows == [-1, 2]
 
 
 # ----------------------------------------------------------------- memory
@@ -1055,20 +1080,19 @@ async def test_a_finished_request_is_let_go_before_its_deadline(
     await wait_until(lambda: device.pending == 1)
     payload = np.array([-1 if outcome == "failed" else 1])  # chunks are views: they hold it
     payload_alive = weakref.ref(payload)
-    ticket = batcher.enqueue(payload, group="g")  # type: ignore[arg-type]
+    finished = RecordingSink()
+    ticket = batcher.enqueue(payload, group="g", sink=finished)  # type: ignore[arg-type]
     del payload
-    finished: list[Ticket[Payload]] = []
-    ticket.add_done_callback(finished.append)
     if outcome == "cancelled":
         ticket.cancel()
     # A last request, so that the collector lets go of the batch before it.
     last = asyncio.create_task(batcher.submit([2], group="g"))
     await device.finish_until(last.done)
     assert await asyncio.gather(first, last) == [[[0]], [[4]]]
-    await wait_until(lambda: len(finished) == 1)
+    await wait_until(lambda: len(finished.tickets) == 1)
 
     assert outcome_of(ticket) == expected
-    finished.clear()
+    finished.deliveries.clear()
     del ticket
     await asyncio.sleep(0)
     gc.collect()
@@ -1080,6 +1104,7 @@ async def test_a_finished_request_is_let_go_before_its_deadline(
 
 async def test_fixed_policy_runs_a_batch_once_full_by_rows_or_by_cost(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     model = RecordingDoubler()
     batcher = make_batcher(
@@ -1089,7 +1114,7 @@ async def test_fixed_policy_runs_a_batch_once_full_by_rows_or_by_cost(
         assert await submit_all(batcher, [[1], [2], [3], [4]]) == [[[2]], [[4]], [[6]], [[8]]]
 
     half = asyncio.create_task(batcher.submit([5], group="g", cost_per_row=5))
-    await asyncio.sleep(0.1)
+    await settle_after(clock, 0.1)
     assert model.calls == 1, "half the budget: the batch waits for max_wait_ms"
     async with asyncio.timeout(PROMPTLY_S):  # exactly the budget: full
         assert await batcher.submit([6], group="g", cost_per_row=5) == [[12]]
@@ -1120,13 +1145,14 @@ async def test_drain_runs_the_partial_batches_left_in_every_group(
 
 async def test_a_request_taking_a_group_past_the_adaptive_target_is_dispatched_at_once(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     model = GatedModel()
     batcher = make_batcher(model, max_batch_size=8, max_wait_ms=LONG_WAIT_MS)
     await queue_behind_a_busy_device(batcher, model, [1, 2])  # the target is two rows
 
     first = asyncio.create_task(batcher.submit([3], group="g"))
-    await asyncio.sleep(0.1)
+    await settle_after(clock, 0.1)
     assert model.batch_rows == [1, 2], "one row of two: waits"
     async with asyncio.timeout(PROMPTLY_S):
         assert await batcher.submit([4, 5], group="g") == [[8, 10]]
@@ -1256,6 +1282,7 @@ async def test_an_unexpected_error_running_a_batch_fails_that_batch_only(
 
 async def test_a_batch_back_in_time_does_not_mark_the_batcher_stalled(
     make_batcher: BatcherFactory,
+    clock: SteppedClock,
 ) -> None:
     stalls: list[str] = []
     batcher = make_batcher(
@@ -1263,7 +1290,7 @@ async def test_a_batch_back_in_time_does_not_mark_the_batcher_stalled(
     )
     async with asyncio.timeout(PROMPTLY_S):
         assert await batcher.submit([1], group="g") == [[2]]
-    await asyncio.sleep(0.2)  # past the stall timeout of the batch that came back
+    await settle_after(clock, 0.2)  # past the stall timeout of the batch that came back
     assert stalls == []
     assert batcher.accepting
 
@@ -1552,8 +1579,73 @@ async def test_a_waiting_collector_sleeps_instead_of_polling(
     waiting = asyncio.create_task(batcher.submit([1], group="g"))
     await wait_until(lambda: batcher.queue_depth == 1)
     reads = clock.reads
-    await asyncio.sleep(0.1)
+    await settle_after(clock, 0)
     assert clock.reads - reads < 10, "the collector polls the clock while it waits"
     async with asyncio.timeout(PROMPTLY_S):
         await batcher.drain()
     assert await waiting == [[2]]
+
+
+# ----------------------------------------------------------------- batch fill after an answer
+
+
+async def test_after_a_batch_the_adaptive_policy_waits_for_the_clients_it_answered(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """At 64 closed-loop clients in one process the requests back first had waited
+    max_wait while the device ran, so the next batch was cut at once at about 40 of 64 rows
+    (batches of 40 and 63, alternately). Now the collector also waits, up to max_wait from
+    the answer, for the clients the last batch answered."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: device.pending == 1)  # full: runs, and sets the target to 4
+    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)  # they have waited past max_wait while the device ran
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    assert device.pending == 0, "the clients just answered are not back yet: wait for them"
+    rest = [asyncio.create_task(batcher.submit([row], group="g")) for row in (7, 8)]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, *back, *rest)
+    assert model.batch_rows == [4, 4]
+
+
+async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: device.pending == 1)
+    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    assert device.pending == 0
+    await settle_after(clock, 0.06)  # max_wait since the answer: the others are not coming
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, *back)
+    assert model.batch_rows == [4, 2]
+
+
+async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
+    """Instances per device: the batcher feeds two device threads, so a second batch is
+    collected while the first runs (one instance waits for the device to be free)."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=2, instances=2)
+    tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4, 5)]
+    await wait_until(lambda: device.pending == 2)  # [1, 2] and [3, 4] running together
+    assert batcher.queue_depth == 1
+    await device.finish_until(lambda: all(task.done() for task in tasks))
+    assert [task.result() for task in tasks] == [[[2 * row]] for row in (1, 2, 3, 4, 5)]
+    assert model.batch_rows[:2] == [2, 2]

@@ -12,11 +12,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from service.bridge import contract, wire
 from service.bridge.client import BridgeClient
 from service.bridge.interface import InferenceRequest
 from service.bridge.server import BridgeServer
@@ -394,3 +396,94 @@ def test_a_front_ends_load_counts_only_while_fresh(monkeypatch: pytest.MonkeyPat
     assert held.expected_requests() == 35
     now[0] = 100.0 + engine_state.LOAD_FRESH_S + 0.001  # a has gone quiet too
     assert held.expected_requests() == 0
+
+
+async def test_requests_of_one_loop_turn_cross_in_one_frame_and_a_batch_answers_in_one(
+    socket_path: Path, repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Coalesced frames: 16 requests submitted together cost the engine one SUBMITS frame,
+    and their batch comes back as one ANSWERS frame."""
+    frames: list[str] = []
+    for name in ("decode_submits", "decode_answers"):
+        decode = getattr(contract, name)
+        monkeypatch.setattr(
+            contract,
+            name,
+            lambda header, decode=decode, name=name: frames.append(name) or decode(header),
+        )
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_batch_size=16) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        rows = [value_rows(value / 4) for value in range(16)]  # never HANG_VALUE
+        async with asyncio.timeout(PROMPTLY_S):
+            results = await asyncio.gather(*(client.infer(request(client, r)) for r in rows))
+        for row, result in zip(rows, results, strict=True):
+            np.testing.assert_array_equal(result.outputs["y"], 2 * row + 1)
+        assert frames == ["decode_submits", "decode_answers"]
+        batches = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_count")
+        assert batches == 1
+
+
+async def test_a_request_refused_in_a_coalesced_frame_fails_alone(
+    socket_path: Path, repository: Path
+) -> None:
+    """One SUBMITS frame, three requests: the one for a model not served is refused (503)
+    and the others are answered."""
+    async with engine_behind_a_socket(socket_path, repository), client_of(socket_path) as client:
+        stray = dataclasses.replace(request(client, value_rows(1.0)), model="elsewhere")
+        outcomes = await asyncio.gather(
+            client.infer(request(client, value_rows(1.0))),
+            client.infer(stray),
+            client.infer(request(client, value_rows(2.0))),
+            return_exceptions=True,
+        )
+    assert isinstance(outcomes[1], NotReadyError)
+    for outcome, value in ((outcomes[0], 1.0), (outcomes[2], 2.0)):
+        assert not isinstance(outcome, BaseException)
+        np.testing.assert_array_equal(outcome.outputs["y"], 2 * value_rows(value) + 1)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\xff" * 64,  # no frame at all: a header length past the limit
+        bytes(wire.encode_typed(wire.Kind.SUBMITS, b"\xc1")[0]),  # not msgpack
+        bytes(wire.encode_typed(wire.Kind.SUBMITS, b"\x93\x01\x02\x03")[0]),  # wrong shape
+        bytes(wire.encode_typed(wire.Kind.ANSWERS, msgspec.msgpack.encode([[]]))[0]),
+    ],
+    ids=["not-a-frame", "not-msgpack", "not-a-submits", "a-kind-front-ends-never-send"],
+)
+async def test_a_corrupt_frame_closes_only_its_own_connection(
+    socket_path: Path, repository: Path, garbage: bytes
+) -> None:
+    async with engine_behind_a_socket(socket_path, repository), client_of(socket_path) as client:
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        writer.write(garbage)
+        async with asyncio.timeout(PROMPTLY_S):
+            while await reader.read(65536):  # its status frames, then the engine closes it
+                pass
+        writer.close()
+        result = await client.infer(request(client, value_rows(3.0)))
+        np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(3.0) + 1)
+
+
+async def test_the_engine_groups_requests_by_their_arrays_not_by_the_group_claimed(
+    socket_path: Path, repository: Path
+) -> None:
+    """A front end's group is not taken on trust: two requests of the same shape share a
+    batch whatever groups their front end claimed (a wrong claim could have put unequal
+    shapes in one batch, or kept equal ones apart)."""
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_batch_size=4) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        claimed = [
+            dataclasses.replace(request(client, value_rows(value)), group=group)
+            for value, group in ((1.0, (FEATURES,)), (2.0, (999,)))
+        ]
+        results = await asyncio.gather(*(client.infer(each) for each in claimed))
+        for value, result in zip((1.0, 2.0), results, strict=True):
+            np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(value) + 1)
+        batches = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_count")
+        assert batches == 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from service.engine import estimates
 from service.engine.estimates import BatchTimes, size_class
 
@@ -37,11 +35,10 @@ def test_a_size_not_measured_is_scaled_from_the_nearest_one() -> None:
     assert times.estimate("g", 8) == 0.100  # class 4: below 5 (nearer than 1), as long at most
 
 
-def test_durations_are_forgotten_after_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_durations_are_forgotten_after_a_while() -> None:
     """Refusals stop new measurements: a stale estimate must not go on refusing forever."""
     now = [1000.0]
-    monkeypatch.setattr(estimates.time, "monotonic", lambda: now[0])
-    times = BatchTimes()
+    times = BatchTimes(lambda: now[0])
     times.record("g", 1, 5.0)
     assert times.estimate("g", 1) == 5.0
     now[0] += estimates.FORGET_AFTER_S + 1

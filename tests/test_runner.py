@@ -179,9 +179,8 @@ def test_compiled_runner_warms_each_padded_size_and_pads_odd_batches(
     eager = make_runner(AffineModel(), max_batch_size=4)
     runner = make_runner(AffineModel(), compile_mode="default", max_batch_size=4)
 
-    runner.warm_up(
-        [named(np.zeros((size, FEATURES), dtype=np.float32)) for size in runner.padded_batch_sizes]
-    )
+    for size in runner.padded_batch_sizes:  # as lifecycle's warm-up runs them
+        runner.warm_up_batch(named(np.zeros((size, FEATURES), dtype=np.float32)))
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     payloads = [rows(1, 0), rows(2, 50)]
     outputs = runner.run_batch([named(payload) for payload in payloads])

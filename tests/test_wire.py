@@ -1,15 +1,16 @@
-"""The bridge's frames: split and joined however the socket delivers them, arrays rebuilt
-exactly, corrupt streams refused."""
+"""The bridge's frames and its typed contract: frames split and joined however the socket
+delivers them, arrays rebuilt exactly, corrupt streams and headers refused."""
 
 from __future__ import annotations
 
 import asyncio
 import struct
 
+import msgspec
 import numpy as np
 import pytest
 
-from service.bridge import wire
+from service.bridge import contract, wire
 from service.tensors import NamedArrays
 
 
@@ -22,14 +23,22 @@ def encoded(kind: wire.Kind, header: dict[str, object], data: wire.Data = ()) ->
     return b"".join(bytes(part) for part in wire.encode(kind, header, data))
 
 
-def encoded_arrays(kind: wire.Kind, named: NamedArrays, **fields: object) -> bytes:
-    header, data = wire.arrays_frame(named)
-    return encoded(kind, header | fields, data)
+def encoded_answer(named: NamedArrays, call_id: int = 1) -> bytes:
+    """One ANSWERS frame holding ``named`` as the outputs of ``call_id``."""
+    packer = contract.DataPacker()
+    answers = contract.Answers([contract.Answer(call_id, "v1", packer.pack(named))])
+    parts = wire.encode_typed(wire.Kind.ANSWERS, contract.encode(answers), packer.buffers)
+    return b"".join(bytes(part) for part in parts)
+
+
+def rebuilt_of(frame: wire.Frame) -> NamedArrays:
+    [answer] = contract.decode_answers(frame.typed_header).answers
+    return contract.unpack(answer.arrays, frame.data)
 
 
 def crossed(named: NamedArrays) -> NamedArrays:
-    [frame] = frames_of([encoded_arrays(wire.Kind.RESULT, named)])
-    return wire.arrays_from(frame.header, frame.data)
+    [frame] = frames_of([encoded_answer(named)])
+    return rebuilt_of(frame)
 
 
 @pytest.mark.parametrize(
@@ -37,10 +46,10 @@ def crossed(named: NamedArrays) -> NamedArrays:
 )
 def test_an_array_crosses_with_its_dtype_and_shape(dtype: str) -> None:
     array = (np.arange(24).reshape(2, 3, 4) * 3 % 7).astype(dtype)
-    [frame] = frames_of([encoded_arrays(wire.Kind.RESULT, NamedArrays({"y": array}), id=7)])
-    rebuilt = wire.arrays_from(frame.header, frame.data)
-    assert frame.kind == wire.Kind.RESULT
-    assert frame.header["id"] == 7
+    [frame] = frames_of([encoded_answer(NamedArrays({"y": array}), call_id=7)])
+    rebuilt = rebuilt_of(frame)
+    assert frame.kind == wire.Kind.ANSWERS
+    assert contract.decode_answers(frame.typed_header).answers[0].id == 7
     assert rebuilt.names == ("y",)
     assert rebuilt["y"].dtype == array.dtype
     assert rebuilt["y"].shape == array.shape
@@ -61,15 +70,16 @@ def test_several_named_arrays_of_different_dtypes_cross_in_one_frame_each_aligne
             "score": np.array([1e-300, 2.5, -7.0], dtype=np.float64),
         }
     )
-    header, data = wire.arrays_frame(named)
+    packer = contract.DataPacker()
+    specs = packer.pack(named)
 
-    offsets = [entry[3] for entry in header["arrays"]]
-    assert [entry[0] for entry in header["arrays"]] == list(named.names)
+    offsets = [spec.offset for spec in specs]
+    assert [spec.name for spec in specs] == list(named.names)
     assert all(offset % wire.ALIGNMENT == 0 for offset in offsets)
     assert offsets == sorted(set(offsets)), "each array has a place of its own"
-    assert sum(len(part) for part in data) % wire.ALIGNMENT == 0
-    [frame] = frames_of([encoded(wire.Kind.SUBMIT, header | {"id": 3}, data)])
-    rebuilt = wire.arrays_from(frame.header, frame.data)
+    assert sum(len(part) for part in packer.buffers) % wire.ALIGNMENT == 0
+    [frame] = frames_of([encoded_answer(named, call_id=3)])
+    rebuilt = rebuilt_of(frame)
 
     assert rebuilt.names == named.names
     assert len(rebuilt) == 3
@@ -138,10 +148,11 @@ def test_frames_split_at_every_byte_and_joined_in_one_read_come_out_whole() -> N
     big = np.random.default_rng(0).random((300, 256)).astype(np.float32)  # 300 KiB of data
     mask = np.random.default_rng(1).random((300, 5)) < 0.5
     named = NamedArrays({"x": big, "mask": mask})
+    cancels = contract.encode(contract.Cancels([1]))
     stream = (
         encoded(wire.Kind.STATUS, {"phase": "ready"})
-        + encoded_arrays(wire.Kind.SUBMIT, named, id=1)
-        + encoded(wire.Kind.CANCEL, {"id": 1})
+        + encoded_answer(named, call_id=1)
+        + b"".join(bytes(part) for part in wire.encode_typed(wire.Kind.CANCELS, cancels))
     )
     whole = frames_of([stream])
     byte_by_byte = frames_of([stream[i : i + 1] for i in range(len(stream))])
@@ -149,10 +160,11 @@ def test_frames_split_at_every_byte_and_joined_in_one_read_come_out_whole() -> N
     for frames in (whole, byte_by_byte, in_odd_pieces):
         assert [frame.kind for frame in frames] == [
             wire.Kind.STATUS,
-            wire.Kind.SUBMIT,
-            wire.Kind.CANCEL,
+            wire.Kind.ANSWERS,
+            wire.Kind.CANCELS,
         ]
-        rebuilt = wire.arrays_from(frames[1].header, frames[1].data)
+        assert contract.decode_cancels(frames[2].typed_header).ids == [1]
+        rebuilt = rebuilt_of(frames[1])
         np.testing.assert_array_equal(rebuilt["x"], big)
         np.testing.assert_array_equal(rebuilt["mask"], mask)
 
@@ -187,13 +199,54 @@ def test_a_corrupt_stream_is_refused(stream: bytes) -> None:
 def test_data_that_does_not_fit_its_shapes_or_objects_are_refused(
     entries: list[list[object]], size: int
 ) -> None:
+    def read() -> NamedArrays:
+        [answer] = contract.decode_answers(msgspec.msgpack.encode([[[1, "v1", entries]]])).answers
+        return contract.unpack(answer.arrays, bytearray(size))
+
     with pytest.raises(wire.ProtocolError):
-        wire.arrays_from({"arrays": entries}, bytearray(size))
+        read()
 
 
-def test_a_header_without_arrays_is_refused() -> None:
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"dtype": "<f4", "shape": [2, 3]},  # not an Answers struct
+        [[[1, "v1", [["x", "<f4", [2], 0]], [], {"status": 500}]]],  # an error missing fields
+        [[["one", "v1"]]],  # an id that is no integer
+        b"\xc1",  # not msgpack
+    ],
+)
+def test_an_unreadable_answers_header_is_refused(header: object) -> None:
+    encoded_header = header if isinstance(header, bytes) else msgspec.msgpack.encode(header)
     with pytest.raises(wire.ProtocolError):
-        wire.arrays_from({"dtype": "<f4", "shape": [2, 3]}, bytearray(24))
+        contract.decode_answers(encoded_header)
+
+
+def test_a_submit_names_every_field_of_the_request_once() -> None:
+    """The contract's round trip: what a front end sends is what the engine reads."""
+    packer = contract.DataPacker()
+    named = NamedArrays({"x": np.ones((2, 3), dtype=np.float32)})
+    submits = contract.Submits(
+        load=5,
+        requests=[
+            contract.Submit(
+                id=9,
+                model="m",
+                version="v",
+                priority="high",
+                deadline_s=12.5,
+                request_id="r",
+                arrays=packer.pack(named),
+                trace="00-abc-def-01",
+            )
+        ],
+    )
+    decoded = contract.decode_submits(contract.encode(submits))
+    assert decoded == submits
+    with pytest.raises(wire.ProtocolError):  # a priority that does not exist
+        contract.decode_submits(
+            msgspec.msgpack.encode([5, [[9, "m", "v", "urgent", 1.0, "r", []]]])
+        )
 
 
 class RecordingTransport(asyncio.WriteTransport):
@@ -212,7 +265,7 @@ async def test_frames_sent_in_one_turn_of_the_loop_are_written_at_once() -> None
     transport = RecordingTransport()
     writer = wire.FrameWriter(transport, asyncio.get_running_loop())
     for call_id in range(64):
-        writer.send(wire.Kind.ERROR, {"id": call_id})
+        writer.send(wire.Kind.REPLY, {"id": call_id})
     assert transport.writes == []
     await asyncio.sleep(0)
     assert len(transport.writes) == 1

@@ -4,8 +4,8 @@ Each request goes to the ready engine with the fewest requests outstanding from 
 end. A connection that is lost, or an engine that has gone quiet for longer than the
 heartbeat timeout, fails every request waiting on it at once with 503 and ``Retry-After``
 (nothing waits out its deadline on a dead engine); the connection is then retried until the
-engine is back. A request is answered 504 at its deadline here too, and a request whose client
-left is cancelled in the engine, so it is never computed.
+engine is back (``connection.py``). A request is answered 504 at its deadline here too, and a
+request whose client left is cancelled in the engine, so it is never computed.
 
 A version switch reaches every engine or none: each engine first loads and warms up the
 version beside the one it serves (``prepare``); only when all have it does each switch
@@ -15,15 +15,12 @@ version beside the one it serves (``prepare``); only when all have it does each 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
 
-from service.bridge import changes, wire
+from service.bridge import changes
+from service.bridge.connection import EngineConnection
 from service.bridge.interface import (
     EngineStatus,
     InferenceRequest,
@@ -31,21 +28,9 @@ from service.bridge.interface import (
     Phase,
     SwitchResult,
 )
-from service.errors import (
-    DeadlineExceededError,
-    EngineUnavailableError,
-    error_from_wire,
-)
 
 logger = logging.getLogger(__name__)
 
-#: First and longest wait between attempts to reach an engine that is not there. A refused
-#: connection to a Unix socket costs microseconds, so the front end keeps trying every 0.1 s
-#: and reaches a restarted engine as soon as its socket is up.
-RECONNECT_FIRST_S = 0.05
-RECONNECT_LONGEST_S = 0.1
-#: A switch step (loading and warming up a version) may take this long on each engine.
-CONTROL_TIMEOUT_S = 900.0
 #: When no engine is ready, the phase the front end reports: the first of these that some
 #: engine is in (an engine loading will serve soon; one that failed will not).
 _PHASE_ORDER: tuple[Phase, ...] = (
@@ -56,183 +41,6 @@ _PHASE_ORDER: tuple[Phase, ...] = (
     "down",
     "failed",
 )
-
-
-class EngineConnection(asyncio.Protocol):
-    """One front end's connection to one engine process, re-established whenever lost."""
-
-    def __init__(
-        self,
-        path: Path,
-        device: str,
-        heartbeat_timeout_s: float,
-        on_status: Callable[[], None],
-    ) -> None:
-        self.path = path
-        self.status = EngineStatus(phase="connecting", device=device)
-        self._heartbeat_timeout_s = heartbeat_timeout_s
-        self._on_status = on_status
-        self._ids = itertools.count(1)
-        self._requests: dict[int, asyncio.Future[InferenceResult]] = {}
-        self._controls: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._reader = wire.FrameReader()
-        self._writer: wire.FrameWriter | None = None
-        self._transport: asyncio.Transport | None = None
-        self._lost: asyncio.Event = asyncio.Event()
-        self._last_heard_s = 0.0
-
-    @property
-    def outstanding(self) -> int:
-        return len(self._requests)
-
-    # ----------------------------------------------------------------- connecting
-
-    async def run(self) -> None:
-        """Connect, serve until the connection is lost, and connect again; until cancelled."""
-        loop = asyncio.get_running_loop()
-        wait_s = RECONNECT_FIRST_S
-        while True:
-            try:
-                await loop.create_unix_connection(lambda: self, str(self.path))
-            except OSError:
-                await asyncio.sleep(wait_s)
-                wait_s = min(RECONNECT_LONGEST_S, wait_s * 2)
-                continue
-            wait_s = RECONNECT_FIRST_S
-            await self._watch_heartbeat()
-
-    async def _watch_heartbeat(self) -> None:
-        """Return once the connection is lost; close it when the engine goes quiet too long."""
-        while not self._lost.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lost.wait(), timeout=self._heartbeat_timeout_s / 4)
-            quiet_s = time.monotonic() - self._last_heard_s
-            if not self._lost.is_set() and quiet_s > self._heartbeat_timeout_s:
-                logger.error(
-                    "engine_unresponsive",
-                    extra={"engine": str(self.path), "quiet_s": round(quiet_s, 1)},
-                )
-                self._fail_everything(
-                    "down", f"the engine sent nothing for {quiet_s:.1f} s (heartbeat timeout)"
-                )
-                if self._transport is not None:
-                    self._transport.abort()
-                await self._lost.wait()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self._transport = cast(asyncio.Transport, transport)
-        self._writer = wire.FrameWriter(self._transport, asyncio.get_running_loop())
-        self._reader = wire.FrameReader()
-        self._last_heard_s = time.monotonic()
-        self._lost.clear()
-        logger.info("engine_connected", extra={"engine": str(self.path)})
-
-    def connection_lost(self, error: Exception | None) -> None:
-        self._writer = None
-        self._transport = None
-        if self.status.phase != "down":  # given up already (heartbeat): keep that reason
-            self._fail_everything("down", "the connection to the engine was lost")
-        self._lost.set()
-        logger.warning("engine_connection_lost", extra={"engine": str(self.path)})
-
-    def _fail_everything(self, phase: Phase, detail: str) -> None:
-        """The engine is gone: answer every request waiting on it now (503, Retry-After)."""
-        self.status = EngineStatus(phase=phase, device=self.status.device, detail=detail)
-        requests, self._requests = self._requests, {}
-        controls, self._controls = self._controls, {}
-        for future in requests.values():
-            if not future.done():
-                future.set_exception(EngineUnavailableError(f"{detail}; retry shortly"))
-        for reply in controls.values():
-            if not reply.done():
-                reply.set_exception(EngineUnavailableError(f"{detail}; retry shortly"))
-        self._on_status()
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    # ----------------------------------------------------------------- frames in
-
-    def data_received(self, data: bytes) -> None:
-        self._last_heard_s = time.monotonic()
-        try:
-            frames = self._reader.feed(data)
-        except wire.ProtocolError as error:
-            logger.error("bridge_protocol_error", extra={"error": str(error)})
-            self.close()
-            return
-        for frame in frames:
-            header = frame.header
-            if frame.kind == wire.Kind.RESULT:
-                future = self._requests.pop(int(header["id"]), None)
-                if future is not None and not future.done():
-                    outputs = wire.arrays_from(header, frame.data)
-                    batches = tuple(
-                        (str(span), int(rows)) for span, rows in header.get("batches", ())
-                    )
-                    future.set_result(
-                        InferenceResult(outputs=outputs, version=header["version"], batches=batches)
-                    )
-            elif frame.kind == wire.Kind.ERROR:
-                future = self._requests.pop(int(header["id"]), None)
-                if future is not None and not future.done():
-                    future.set_exception(error_from_wire(header["error"]))
-            elif frame.kind == wire.Kind.REPLY:
-                reply = self._controls.pop(int(header["id"]), None)
-                if reply is not None and not reply.done():
-                    reply.set_result(header)
-            elif frame.kind == wire.Kind.STATUS:
-                self.status = EngineStatus.from_wire(header)
-                self._on_status()
-
-    # ----------------------------------------------------------------- frames out
-
-    def submit(self, request: InferenceRequest) -> tuple[int, asyncio.Future[InferenceResult]]:
-        """Send ``request``; its future gets the engine's answer."""
-        if self._writer is None:
-            raise EngineUnavailableError("the engine is not connected; retry shortly")
-        call_id = next(self._ids)
-        future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
-        self._requests[call_id] = future
-        header, data = wire.arrays_frame(request.instances)
-        header.update(
-            id=call_id,
-            model=request.model,
-            version=request.version,
-            group=request.group,
-            cost=request.cost_per_row,
-            priority=request.priority,
-            deadline=request.deadline_s,
-            request_id=request.request_id,
-            load=request.frontend_load,
-        )
-        if request.traceparent is not None:
-            header["trace"] = request.traceparent
-        self._writer.send(wire.Kind.SUBMIT, header, data)
-        return call_id, future
-
-    def cancel(self, call_id: int) -> None:
-        """Stop waiting for ``call_id``; the engine drops it if it has not run yet."""
-        if self._requests.pop(call_id, None) is not None and self._writer is not None:
-            self._writer.send(wire.Kind.CANCEL, {"id": call_id})
-
-    async def control(self, op: str, **args: object) -> Any:
-        """One step of a version switch on this engine; its result, or its ``ServiceError``."""
-        if self._writer is None:
-            raise EngineUnavailableError(f"the engine at {self.path.name} is not connected")
-        call_id = next(self._ids)
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._controls[call_id] = reply
-        self._writer.send(wire.Kind.CONTROL, {"id": call_id, "op": op, "args": args})
-        try:
-            header = await asyncio.wait_for(reply, timeout=CONTROL_TIMEOUT_S)
-        finally:
-            self._controls.pop(call_id, None)
-        if "error" in header:
-            raise error_from_wire(header["error"])
-        return header.get("result")
 
 
 class BridgeClient:
@@ -249,7 +57,9 @@ class BridgeClient:
         """``engines``: the socket path and device of each engine."""
         self._request_timeout_ms = request_timeout_ms
         self._connections = [
-            EngineConnection(path, device, heartbeat_timeout_s, self._status_changed)
+            EngineConnection(
+                path, device, heartbeat_timeout_s, self._status_changed, request_timeout_ms
+            )
             for path, device in engines
         ]
         self._on_status = on_status
@@ -303,22 +113,14 @@ class BridgeClient:
         return [connection.status for connection in self._connections]
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Submit ``request`` to an engine; its connection answers 504 at its deadline."""
         connection = self._pick()
         call_id, future = connection.submit(request)
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + (request.deadline_s - time.monotonic()),
-            _expire,
-            future,
-            self._request_timeout_ms,
-        )
         try:
             return await future
-        except (asyncio.CancelledError, DeadlineExceededError):
+        except asyncio.CancelledError:
             connection.cancel(call_id)  # the engine drops it unless it is running already
             raise
-        finally:
-            timer.cancel()
 
     def _pick(self) -> EngineConnection:
         """The ready engine with the fewest of this front end's requests outstanding."""
@@ -340,10 +142,3 @@ class BridgeClient:
         """Unload on every engine; any refusal is the answer (each engine refuses alike)."""
         served = self.status().find(name)
         return await changes.unload_everywhere(self._connections, name, served)
-
-
-def _expire(future: asyncio.Future[InferenceResult], timeout_ms: float) -> None:
-    if not future.done():
-        future.set_exception(
-            DeadlineExceededError(f"the request was not answered within {timeout_ms:.0f} ms")
-        )

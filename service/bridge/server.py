@@ -1,8 +1,10 @@
 """The engine's end of the bridge: a local socket that front ends connect to.
 
-Each front end keeps one connection to each engine. A SUBMIT frame is queued in the engine at
-once (no task per request) and answered by a RESULT or an ERROR frame when its batch has run;
-a CANCEL frame withdraws it, which drops it from the queue if it has not run yet. A CONTROL
+Each front end keeps one connection to each engine. The requests of a SUBMITS frame (all a
+front end submitted in one event-loop turn) are queued in the engine at once (no task, future
+or timer per request); each batch's answers for one front end go back in one ANSWERS frame
+(``contract.py`` types both), as do the refusals of one SUBMITS frame. A CANCELS frame
+withdraws requests, which drops them from the queue if they have not run yet. A CONTROL
 frame runs one step of a version switch (``prepare``, ``commit``, ``abort``), or unloads a
 model (``unload``), and is answered by a REPLY. The engine's status goes to every front end
 when it connects, whenever it changes, and once a ``heartbeat_interval_s``, so that a front
@@ -18,12 +20,11 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Hashable
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Self, cast
+from typing import Any, Protocol, cast
 
-from service.bridge import wire
+from service.bridge import contract, wire
 from service.bridge.interface import EngineStatus, InferenceRequest, SwitchResult
 from service.errors import ConflictError, InvalidInputError, ServiceError
 from service.manifest import Manifest, manifest_summary
@@ -37,9 +38,9 @@ PREPARED_TIMEOUT_S = 120.0
 
 
 class QueuedRequest(Protocol):
-    """A request queued in an engine (``engine.batching.Ticket``)."""
+    """A request queued in an engine (``engine.batch_ticket.Ticket``)."""
 
-    def add_done_callback(self, callback: Callable[[Self], None]) -> None: ...
+    tag: object
 
     def outputs(self) -> list[NamedArrays]: ...
 
@@ -48,13 +49,21 @@ class QueuedRequest(Protocol):
     def batches(self) -> tuple[tuple[str, int], ...]: ...
 
 
+class FrontEnd(Protocol):
+    """A front end's connection, as an engine hands it finished requests: once per batch."""
+
+    def deliver(self, tickets: Sequence[Any]) -> None: ...
+
+
 class EngineBackend(Protocol):
     """What the bridge needs of an engine (``engine.Engine`` provides it)."""
 
     def status(self) -> EngineStatus: ...
 
-    def enqueue(self, request: InferenceRequest, source: Hashable) -> tuple[QueuedRequest, str]:
-        """Queue ``request`` from the front end ``source``."""
+    def enqueue(
+        self, request: InferenceRequest, sink: Any, tag: object
+    ) -> tuple[QueuedRequest, str]:
+        """Queue ``request`` from the front end ``sink``, which gets it back when answered."""
         ...
 
     async def prepare(self, name: str, version: str) -> Manifest: ...
@@ -221,27 +230,15 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def _handle(self, frame: wire.Frame) -> None:
-        header = frame.header
-        if frame.kind == wire.Kind.SUBMIT:
-            call_id = int(header["id"])
-            request = InferenceRequest(
-                model=header["model"],
-                version=header["version"],
-                instances=wire.arrays_from(header, frame.data),
-                group=tuple(header["group"]),
-                cost_per_row=int(header["cost"]),
-                priority=header["priority"],
-                deadline_s=float(header["deadline"]),
-                request_id=header["request_id"],
-                frontend_load=int(header.get("load", 1)),
-                traceparent=header.get("trace"),
-            )
-            self._enqueue(call_id, request)
-        elif frame.kind == wire.Kind.CANCEL:
-            queued = self._queued.get(int(header["id"]))
-            if queued is not None:
-                queued.cancel()
+        if frame.kind == wire.Kind.SUBMITS:
+            self._submitted(frame)
+        elif frame.kind == wire.Kind.CANCELS:
+            for call_id in contract.decode_cancels(frame.typed_header).ids:
+                queued = self._queued.get(call_id)
+                if queued is not None:
+                    queued.cancel()
         elif frame.kind == wire.Kind.CONTROL:
+            header = frame.header
             call_id = int(header["id"])
             self._start(call_id, self._control(call_id, header["op"], header.get("args") or {}))
         else:
@@ -252,41 +249,71 @@ class _Connection(asyncio.Protocol):
         self._calls[call_id] = call
         call.add_done_callback(lambda _: self._calls.pop(call_id, None))
 
-    def _enqueue(self, call_id: int, request: InferenceRequest) -> None:
-        assert self._writer is not None
-        try:
-            queued, version = self._server.backend.enqueue(request, id(self))
-        except ServiceError as error:
-            self._writer.send(wire.Kind.ERROR, {"id": call_id, "error": error.to_wire()})
-            return
-        self._queued[call_id] = queued
-        queued.add_done_callback(partial(self._answer, call_id, version, request.request_id))
+    def _submitted(self, frame: wire.Frame) -> None:
+        """Queue every request of a SUBMITS frame; refusals go back in one ANSWERS frame."""
+        submits = contract.decode_submits(frame.typed_header)
+        enqueue = self._server.backend.enqueue
+        refused: list[contract.Answer] = []
+        for submit in submits.requests:
+            request = InferenceRequest(
+                model=submit.model,
+                version=submit.version,
+                instances=contract.unpack(submit.arrays, frame.data),
+                group=(),  # the engine computes it from the instances
+                cost_per_row=0,
+                priority=submit.priority,
+                deadline_s=submit.deadline_s,
+                request_id=submit.request_id,
+                frontend_load=submits.load,
+                traceparent=submit.trace,
+            )
+            try:
+                queued, version = enqueue(request, self, None)
+            except ServiceError as error:
+                refused.append(contract.Answer(submit.id, error=contract.WireError.of(error)))
+                continue
+            queued.tag = (submit.id, version)
+            self._queued[submit.id] = queued
+        if refused:
+            self._send_answers(refused, ())
 
-    def _answer(self, call_id: int, version: str, request_id: str, queued: QueuedRequest) -> None:
-        """The request's batch has run (or it failed, expired or was cancelled): answer it."""
-        self._queued.pop(call_id, None)
-        writer = self._writer
-        if writer is None:
-            return
+    def deliver(self, tickets: Sequence[QueuedRequest]) -> None:
+        """The requests one batch finished for this front end (or one a deadline or a cancel
+        did): their answers in one frame."""
+        answers: list[contract.Answer] = []
+        packer = contract.DataPacker()
+        queued = self._queued
+        for ticket in tickets:
+            call_id, version = cast(tuple[int, str], ticket.tag)
+            queued.pop(call_id, None)
+            answer = self._answer(call_id, version, ticket, packer)
+            if answer is not None:
+                answers.append(answer)
+        if answers:
+            self._send_answers(answers, packer.buffers)
+
+    def _answer(
+        self, call_id: int, version: str, ticket: QueuedRequest, packer: contract.DataPacker
+    ) -> contract.Answer | None:
         try:
-            chunks = queued.outputs()
+            chunks = ticket.outputs()
         except asyncio.CancelledError:
-            return  # withdrawn by its front end, which expects no answer
+            return None  # withdrawn by its front end, which expects no answer
         except ServiceError as error:
-            writer.send(wire.Kind.ERROR, {"id": call_id, "error": error.to_wire()})
-            return
+            return contract.Answer(call_id, error=contract.WireError.of(error))
         except Exception:
-            logger.exception("bridge_request_failed", extra={"request_id": request_id})
+            logger.exception("bridge_request_failed", extra={"call_id": call_id})
             failure = ServiceError("internal error in the engine")
-            writer.send(wire.Kind.ERROR, {"id": call_id, "error": failure.to_wire()})
-            return
-        header, data = wire.arrays_frame(NamedArrays.concatenate(chunks))
-        header["id"] = call_id
-        header["version"] = version
-        batches = queued.batches()
-        if batches:
-            header["batches"] = batches
-        writer.send(wire.Kind.RESULT, header, data)
+            return contract.Answer(call_id, error=contract.WireError.of(failure))
+        outputs = chunks[0] if len(chunks) == 1 else NamedArrays.concatenate(chunks)
+        return contract.Answer(call_id, version, packer.pack(outputs), list(ticket.batches()))
+
+    def _send_answers(
+        self, answers: list[contract.Answer], data: Sequence[bytes | memoryview]
+    ) -> None:
+        if self._writer is not None:
+            header = contract.encode(contract.Answers(answers))
+            self._writer.send_typed(wire.Kind.ANSWERS, header, data)
 
     async def _control(self, call_id: int, op: str, args: dict[str, Any]) -> None:
         assert self._writer is not None

@@ -1,9 +1,11 @@
 """The bridge's frames: how front ends and engines talk over a local stream socket.
 
-A frame is a 9-byte prefix (header length, data length, kind), a small orjson header, and raw
-data bytes: the rows of a request's or an answer's named arrays, each in C order at an offset
+A frame is a 9-byte prefix (header length, data length, kind), a small header, and raw data
+bytes: the rows of the requests' or the answers' named arrays, each in C order at an offset
 aligned to 16 bytes, whose names, dtypes, shapes and offsets the header gives. Arrays cross
-the socket as their bytes, never pickled, and are rebuilt with one copy on arrival.
+the socket as their bytes, never pickled, and are rebuilt with one copy on arrival. The
+headers of requests and answers are typed msgpack (``contract.py``); those of status and
+control frames are JSON documents.
 
 ``FrameReader`` takes bytes as they come off the socket and returns whole frames; it never
 copies a frame's data twice. ``FrameWriter`` gathers the frames written during one turn of the
@@ -14,17 +16,13 @@ system call rather than 64.
 from __future__ import annotations
 
 import asyncio
-import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-import numpy as np
 import orjson
-
-from service.tensors import NamedArrays
 
 _PREFIX = struct.Struct("<IIB")
 PREFIX_BYTES = _PREFIX.size
@@ -36,17 +34,25 @@ MAX_DATA_BYTES = 4 << 30
 
 
 class Kind(IntEnum):
-    """What a frame carries. Front end to engine: SUBMIT, CANCEL, CONTROL. Engine to front
-    end: RESULT, ERROR (of one submitted request), STATUS (on connect, on every change, and
-    as a heartbeat), REPLY (to a CONTROL)."""
+    """What a frame carries. Front end to engine: SUBMITS (the requests of one event-loop
+    turn), CANCELS, CONTROL. Engine to front end: ANSWERS (a batch's results and errors for
+    this front end), STATUS (on connect, on every change, and as a heartbeat), REPLY (to a
+    CONTROL)."""
 
-    SUBMIT = 1
-    CANCEL = 2
     CONTROL = 3
-    RESULT = 11
-    ERROR = 12
+    SUBMITS = 4
+    CANCELS = 5
     STATUS = 13
     REPLY = 14
+    ANSWERS = 15
+
+    @property
+    def typed(self) -> bool:
+        """Its header is a ``contract`` struct (msgpack), not a JSON document."""
+        return self in _TYPED
+
+
+_TYPED = frozenset((Kind.SUBMITS, Kind.CANCELS, Kind.ANSWERS))
 
 
 class ProtocolError(Exception):
@@ -57,63 +63,27 @@ class ProtocolError(Exception):
 class Frame:
     kind: Kind
     header: dict[str, Any]
+    """A JSON kind's header; empty for a typed kind."""
     data: bytearray | None = None
+    typed_header: bytes = b""
+    """A typed kind's header, for ``contract`` to decode."""
 
 
 Data = Sequence[bytes | memoryview]
 #: Each array starts at a multiple of this many bytes within a frame's data, so the arrays
 #: rebuilt in place are aligned for every dtype.
 ALIGNMENT = 16
-_PADDING = bytes(ALIGNMENT)
 
 
 def encode(kind: Kind, header: dict[str, Any], data: Data = ()) -> list[bytes | memoryview]:
-    """One frame as the buffers to write (the data is not copied)."""
-    header_bytes = orjson.dumps(header)
-    prefix = _PREFIX.pack(len(header_bytes), sum(len(part) for part in data), kind)
-    return [prefix + header_bytes, *data]
+    """One frame with a JSON header as the buffers to write (the data is not copied)."""
+    return encode_typed(kind, orjson.dumps(header), data)
 
 
-def arrays_frame(named: NamedArrays) -> tuple[dict[str, Any], list[memoryview]]:
-    """The header entries ``arrays_from`` needs to rebuild ``named``, and its data buffers
-    (the arrays' bytes in C order, without a copy when contiguous, padded to alignment)."""
-    entries = []
-    data: list[memoryview] = []
-    offset = 0
-    for name, array in named.arrays.items():
-        # As flat bytes: memoryview.cast refuses arrays with no elements (0 rows, or 0 long).
-        buffer = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-        entries.append([name, array.dtype.str, array.shape, offset])
-        data.append(buffer)
-        offset += len(buffer)
-        if offset % ALIGNMENT:
-            pad = ALIGNMENT - offset % ALIGNMENT
-            data.append(memoryview(_PADDING)[:pad])
-            offset += pad
-    return {"arrays": entries}, data
-
-
-def arrays_from(header: dict[str, Any], data: bytearray | None) -> NamedArrays:
-    """The named arrays a frame carries; writable, sharing the frame's data buffer."""
-    buffer = data if data is not None else bytearray()
-    arrays = {}
-    try:
-        for name, dtype_text, shape_list, offset in header["arrays"]:
-            dtype = np.dtype(dtype_text)
-            if dtype.hasobject:
-                raise ProtocolError("object arrays never cross the bridge")
-            shape = tuple(int(size) for size in shape_list)
-            if any(size < 0 for size in shape):  # numpy would infer a -1 from the data
-                raise ProtocolError(f"array {name!r} has a negative size in {shape}")
-            count = math.prod(shape)
-            arrays[str(name)] = np.frombuffer(
-                buffer, dtype=dtype, count=count, offset=int(offset)
-            ).reshape(shape)
-        return NamedArrays(arrays)
-    except (ValueError, TypeError, KeyError) as error:
-        raise ProtocolError(
-            f"arrays of {len(buffer)} bytes are not {header.get('arrays')}"
-        ) from error
+def encode_typed(kind: Kind, header: bytes, data: Data = ()) -> list[bytes | memoryview]:
+    """One frame whose header is encoded already, as the buffers to write."""
+    prefix = _PREFIX.pack(len(header), sum(len(part) for part in data), kind)
+    return [prefix + header, *data]
 
 
 class FrameReader:
@@ -122,7 +92,7 @@ class FrameReader:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._data: bytearray | None = None
-        self._pending: tuple[Kind, dict[str, Any], int] | None = None
+        self._pending: tuple[Kind, dict[str, Any], bytes, int] | None = None
 
     def feed(self, chunk: bytes) -> list[Frame]:
         """The frames completed by ``chunk``; raises ``ProtocolError`` on a corrupt stream."""
@@ -147,20 +117,22 @@ class FrameReader:
             header_end = offset + PREFIX_BYTES + header_length
             if len(buffer) < header_end:
                 break
+            raw = bytes(buffer[offset + PREFIX_BYTES : header_end])
             try:
-                header = orjson.loads(buffer[offset + PREFIX_BYTES : header_end])
                 frame_kind = Kind(kind)
+                header = {} if frame_kind.typed else orjson.loads(raw)
             except (orjson.JSONDecodeError, ValueError) as error:
                 raise ProtocolError(f"unreadable frame header: {error}") from error
+            typed = raw if frame_kind.typed else b""
             available = len(buffer) - header_end
             if data_length <= available:
                 data = buffer[header_end : header_end + data_length] if data_length else None
-                frames.append(Frame(frame_kind, header, data))
+                frames.append(Frame(frame_kind, header, data, typed))
                 offset = header_end + data_length
                 continue
             # A large frame: keep its data in a buffer of its own, filled as chunks arrive.
             self._data = bytearray(buffer[header_end:])
-            self._pending = (frame_kind, header, data_length)
+            self._pending = (frame_kind, header, typed, data_length)
             offset = len(buffer)
             break
         del buffer[:offset]
@@ -168,11 +140,11 @@ class FrameReader:
     def _fill_data(self, view: memoryview, frames: list[Frame]) -> memoryview:
         assert self._pending is not None
         assert self._data is not None
-        kind, header, data_length = self._pending
+        kind, header, typed, data_length = self._pending
         missing = data_length - len(self._data)
         self._data += view[:missing]
         if len(self._data) == data_length:
-            frames.append(Frame(kind, header, self._data))
+            frames.append(Frame(kind, header, self._data, typed))
             self._pending = None
             self._data = None
         return view[missing:]
@@ -187,11 +159,14 @@ class FrameWriter:
         self._queued: list[bytes | memoryview] = []
 
     def send(self, kind: Kind, header: dict[str, Any], data: Data = ()) -> None:
+        self.send_typed(kind, orjson.dumps(header), data)
+
+    def send_typed(self, kind: Kind, header: bytes, data: Data = ()) -> None:
         if self._transport.is_closing():
             return
         if not self._queued:
             self._loop.call_soon(self._flush)
-        self._queued.extend(encode(kind, header, data))
+        self._queued.extend(encode_typed(kind, header, data))
 
     def _flush(self) -> None:
         queued, self._queued = self._queued, []

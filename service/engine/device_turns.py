@@ -144,3 +144,27 @@ class ModelTurns:
             yield
         finally:
             self.release()
+
+
+class HeldTurn:
+    """A batcher's hold on its model's turn: taken before a batch is taken, released after
+    it ran (or when what it waited for is gone). No turns (a device with one model): free."""
+
+    def __init__(self, turns: ModelTurns | None) -> None:
+        self._turns = turns
+        self._holding = False
+
+    async def take(self) -> bool:
+        """Wait for the turn; whether it had to wait (requests may have arrived meanwhile:
+        look again)."""
+        if self._turns is None or self._holding:
+            return False
+        await self._turns.acquire()
+        self._holding = True
+        return True
+
+    def release(self) -> None:
+        if self._holding:
+            assert self._turns is not None
+            self._holding = False
+            self._turns.release()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, SwitchResult
 from service.config import Settings
 from service.engine import lifecycle
-from service.engine.batching import Ticket
+from service.engine.batch_ticket import Sink, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
@@ -123,11 +123,13 @@ class Engine:
         )
 
     def enqueue(
-        self, request: InferenceRequest, source: Hashable = None
+        self, request: InferenceRequest, sink: Sink | None = None, tag: object = None
     ) -> tuple[Ticket[NamedArrays], str]:
         """Queue ``request`` now: its ticket, and the version that will compute it.
 
-        ``source`` names the front end it came from (None: this process).
+        ``sink`` is the front end it came from (None: this process, which waits on the
+        ticket): the finished ticket goes to it with the others of its batch. ``tag``: the
+        front end's name for the request.
 
         Raises ``NotReadyError`` when its model is not served (yet, or any more), and
         ``VersionSwitchedError`` when the request was prepared for a version no longer served
@@ -148,16 +150,20 @@ class Engine:
                 f"{request.model}@{request.version} is no longer served (now {manifest.label}), "
                 "whose files (tokenizer, code), inputs, outputs or handler differ; retry"
             )
+        source = None if sink is None else id(sink)
         self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
+        group, cost_per_row = served.group_of(request.instances)
         ticket = served.batcher.enqueue(
             request.instances,
-            group=request.group,
-            cost_per_row=request.cost_per_row,
+            group=group,
+            cost_per_row=cost_per_row,
             priority=request.priority,
             request_id=request.request_id,
             deadline_s=request.deadline_s,
             source=source,
             trace=request.traceparent,
+            sink=sink,
+            tag=tag,
         )
         return ticket, manifest.version
 

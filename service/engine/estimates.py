@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 #: Durations kept per group and size class.
@@ -45,7 +45,9 @@ class _Durations:
 class BatchTimes:
     """Recent forward durations, in seconds, by group and size class."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        """``now``: the batcher's clock (``batch_clock``)."""
+        self._now = now
         self._durations: dict[Hashable, dict[int, _Durations]] = {}
 
     def record(self, group: Hashable, rows: int, seconds: float) -> None:
@@ -54,14 +56,14 @@ class BatchTimes:
         durations.samples.append(seconds)
         ordered = sorted(durations.samples)
         durations.typical_s = ordered[(len(ordered) - 1) // 2]
-        durations.newest_at_s = time.monotonic()
+        durations.newest_at_s = self._now()
 
     def estimate(self, group: Hashable, rows: int) -> float | None:
         """Seconds a batch of ``rows`` rows of ``group`` should take; None if unknown."""
         by_size = self._durations.get(group)
         if not by_size:
             return None
-        forgotten_before_s = time.monotonic() - FORGET_AFTER_S
+        forgotten_before_s = self._now() - FORGET_AFTER_S
         size = size_class(rows)
         durations = by_size.get(size)
         if durations is not None and durations.newest_at_s >= forgotten_before_s:

@@ -25,6 +25,7 @@ from service.engine import memory
 from service.engine.batch_spans import batch_tracer
 from service.engine.batching import DynamicBatcher
 from service.engine.device_turns import ModelTurns
+from service.engine.instances import device_threads
 from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.engine.state import EngineState, ServedModel
@@ -50,7 +51,9 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         "measured at its last load" if measured is not None else "the size of its artifact",
     )
     device = resolve_device(state.device)
-    configure_torch_threads(settings.torch_threads)
+    threads = configure_torch_threads(settings.torch_threads)
+    if state.device_thread is None:
+        state.device_thread = device_threads(settings.device_instances, threads)
     memory.release_freed_memory(device)  # so that what others freed is not counted as ours
     before_bytes = memory.memory_in_use(device)
     loaded = await asyncio.to_thread(state.store.load, name, manifest.version)
@@ -100,6 +103,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         on_stall=state.report_stall,
         expected_requests=state.expected_requests,
         tracer=batch_tracer(manifest, runner),
+        instances=settings.device_instances,
         turns=state.device_turns.for_model(manifest.name),
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):
@@ -289,7 +293,8 @@ async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:
         return
     await asyncio.gather(*(retire(served) for served in state.models.values()))
     await asyncio.gather(*state.retiring, return_exceptions=True)
-    state.device_thread.shutdown(wait=True)
+    if state.device_thread is not None:
+        state.device_thread.shutdown(wait=True)
     logger.info("shutdown_complete")
 
 

@@ -190,27 +190,6 @@ class TorchRunner:
         """The batch sizes a compiled model meets (powers of two and ``max_batch_size``)."""
         return list(self._padded_sizes)
 
-    def warm_up(self, batches: Sequence[NamedArrays]) -> list[float]:
-        """Check the outputs of the first batch against the manifest, then run each batch
-        twice: once to compile its shape and warm the allocators, once to time it as requests
-        will find it. Returns the second run's seconds, per batch."""
-        started_s = time.perf_counter()
-        if batches:
-            self.check_outputs(batches[0])
-        steady_s = [self.warm_up_batch(batch) for batch in batches]
-        elapsed_s = time.perf_counter() - started_s
-        logger.info(
-            "model_warmed_up",
-            extra={
-                "shapes": [
-                    {name: list(batch[name].shape) for name in batch.names} for batch in batches
-                ],
-                "seconds": round(elapsed_s, 3),
-                "device": str(self.device),
-            },
-        )
-        return steady_s
-
     def warm_up_batch(self, batch: NamedArrays) -> float:
         """Run ``batch`` twice (compile its shape, warm the allocators; then time it as
         requests will find it) and return the second run's seconds."""

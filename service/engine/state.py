@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -10,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from service.bridge.interface import ModelInfo
+from service.buckets import batch_group
 from service.config import Settings
 from service.engine.batching import DynamicBatcher
 from service.engine.device_turns import DeviceTurns
 from service.engine.model_store import ModelStore
-from service.manifest import Manifest
+from service.errors import InvalidInputError
+from service.manifest import Manifest, TensorSpec
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
@@ -38,6 +41,25 @@ class ServedModel:
     memory_bytes: int
     """What loading and warming it up took on the device (see ``memory.py``)."""
 
+    def group_of(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
+        """The batch group and token cost per row of ``instances``, computed here from their
+        shapes: which requests may share a batch is the engine's to decide, not a front
+        end's to claim (a wrong group would put unequal shapes in one batch)."""
+        spec = self._grouping_input
+        try:
+            if spec.variable_axis is None:  # fixed shapes: the shape is the group
+                return instances[spec.name].shape[1:], 0
+            return batch_group(self.manifest, instances, self.length_edges)
+        except (KeyError, ValueError, IndexError) as error:
+            raise InvalidInputError(
+                f"the instances do not fit {self.manifest.label}'s inputs: {error}"
+            ) from error
+
+    @functools.cached_property
+    def _grouping_input(self) -> TensorSpec:
+        """The input whose shape decides the group (``buckets.batch_group``)."""
+        return self.manifest.variable_input or self.manifest.input
+
     def info(self) -> ModelInfo:
         return ModelInfo(
             manifest=self.manifest,
@@ -58,11 +80,10 @@ class EngineState:
     store: ModelStore
     device: str
     """This engine's ``device`` setting: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    device_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
-    )
-    """The one thread that runs every model's batches and warm-ups on this device, one at a
-    time, as ``device_turns`` hands it out."""
+    device_thread: ThreadPoolExecutor | None = None
+    """The device's threads (``instances.py``: one per model instance, one by default) that
+    run every model's batches and warm-ups, as ``device_turns`` hands the device out; made
+    at the first load, once torch's thread count is set."""
     device_turns: DeviceTurns = field(default_factory=DeviceTurns)
     """Which model runs next on the device: the one that has used it least."""
     models: dict[str, ServedModel] = field(default_factory=dict)

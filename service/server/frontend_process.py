@@ -41,7 +41,10 @@ def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, st
 
     client = BridgeClient(
         engines,
-        heartbeat_timeout_s=settings.engine_heartbeat_timeout_s,
+        # The supervisor kills an engine quiet for engine_heartbeat_timeout_s, which closes
+        # its socket and fails its requests here at once; a front end's own limit is a
+        # fallback, kept longer so that a loop paused by a busy host costs no 503s.
+        heartbeat_timeout_s=2 * settings.engine_heartbeat_timeout_s,
         request_timeout_ms=settings.request_timeout_ms,
         on_status=refresh,
     )

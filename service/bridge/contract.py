@@ -1,0 +1,171 @@
+"""The request contract: what crosses the bridge for each request and answer, in one codec.
+
+One typed definition, used by both ends (``client.py`` and ``server.py``): a new request
+field is added here and where the front end sets it and the engine reads it, nowhere else.
+Frames are batched: everything a front end submits in one event-loop turn travels as one
+``Submits`` frame, and the answers an engine's batch produced for one front end as one
+``Answers`` frame. Headers are msgpack (``msgspec``, validated against these types as they
+are decoded); the arrays are raw bytes after the header, each at an offset aligned to 16
+bytes, rebuilt in place without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+from service.bridge.wire import ALIGNMENT, ProtocolError
+from service.errors import ServiceError, error_from_wire
+from service.tensors import NamedArrays
+from service.types import Priority
+
+
+class ArraySpec(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    name: str
+    dtype: str
+    """numpy's ``dtype.str`` (e.g. ``<f4``); object arrays never cross."""
+    shape: tuple[int, ...]
+    offset: int
+    """Where its bytes start within the frame's data."""
+
+
+class Submit(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One request (``interface.InferenceRequest``) as a front end sends it. The batch
+    group and token cost are not sent: the engine computes them from the arrays."""
+
+    id: int
+    model: str
+    version: str
+    priority: Priority
+    deadline_s: float
+    """``time.monotonic()`` at which the request is answered 504 (system-wide clock)."""
+    request_id: str
+    arrays: list[ArraySpec]
+    trace: str | None = None
+
+
+class Submits(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    load: int
+    """Requests the front end holds now (``InferenceRequest.frontend_load``)."""
+    requests: list[Submit]
+
+
+class Cancels(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ids: list[int]
+
+
+class WireError(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    status: int
+    code: str
+    message: str
+    headers: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, error: ServiceError) -> WireError:
+        return cls(error.status_code, error.code, error.message, dict(error.headers))
+
+    def rebuilt(self) -> ServiceError:
+        return error_from_wire(
+            {
+                "status": self.status,
+                "code": self.code,
+                "message": self.message,
+                "headers": self.headers,
+            }
+        )
+
+
+class Answer(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One request's outputs (``interface.InferenceResult``), or its error."""
+
+    id: int
+    version: str = ""
+    arrays: list[ArraySpec] = []
+    batches: list[tuple[str, int]] = []
+    error: WireError | None = None
+
+
+class Answers(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    answers: list[Answer]
+
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+_submits = msgspec.msgpack.Decoder(Submits)
+_cancels = msgspec.msgpack.Decoder(Cancels)
+_answers = msgspec.msgpack.Decoder(Answers)
+
+
+def encode(message: Submits | Cancels | Answers) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_submits(header: bytes) -> Submits:
+    return _decode(_submits, header)
+
+
+def decode_cancels(header: bytes) -> Cancels:
+    return _decode(_cancels, header)
+
+
+def decode_answers(header: bytes) -> Answers:
+    return _decode(_answers, header)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], header: bytes) -> T:
+    try:
+        return decoder.decode(header)
+    except msgspec.DecodeError as error:  # ValidationError is a DecodeError
+        raise ProtocolError(f"unreadable frame header: {error}") from error
+
+
+_PADDING = bytes(ALIGNMENT)
+
+
+class DataPacker:
+    """Gathers the arrays of many requests or answers into one frame's data buffers (not
+    copied when C-contiguous), each at an aligned offset."""
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+        self._offset = 0
+
+    def pack(self, named: NamedArrays) -> list[ArraySpec]:
+        specs = []
+        for name, array in named.arrays.items():
+            # As flat bytes: memoryview.cast refuses arrays with no elements (0 rows, or 0 long).
+            buffer = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+            specs.append(ArraySpec(name, array.dtype.str, array.shape, self._offset))
+            self.buffers.append(buffer)
+            self._offset += len(buffer)
+            if self._offset % ALIGNMENT:
+                pad = ALIGNMENT - self._offset % ALIGNMENT
+                self.buffers.append(memoryview(_PADDING)[:pad])
+                self._offset += pad
+        return specs
+
+
+def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
+    """The named arrays ``specs`` describe; writable, sharing the frame's data buffer."""
+    buffer = data if data is not None else bytearray()
+    arrays = {}
+    try:
+        for spec in specs:
+            dtype = np.dtype(spec.dtype)
+            if dtype.hasobject:
+                raise ProtocolError("object arrays never cross the bridge")
+            if any(size < 0 for size in spec.shape):  # numpy would infer a -1 from the data
+                raise ProtocolError(f"array {spec.name!r} has a negative size in {spec.shape}")
+            count = 1
+            for size in spec.shape:
+                count *= size
+            arrays[spec.name] = np.frombuffer(
+                buffer, dtype=dtype, count=count, offset=spec.offset
+            ).reshape(spec.shape)
+        return NamedArrays(arrays)
+    except (ValueError, TypeError) as error:
+        raise ProtocolError(f"arrays of {len(buffer)} bytes are not {list(specs)}") from error

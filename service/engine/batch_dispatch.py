@@ -1,0 +1,53 @@
+"""Dispatch policies: when a group, once the device is free, is worth running as a batch.
+
+- ``fixed``: when full (rows or token budget), or when its oldest request has waited
+  ``max_wait_ms``.
+- ``adaptive``: as soon as it holds as many rows as the last batch had, or as the front ends
+  hold requests (bodies read, not yet answered: ``expected``), never more than the row limit;
+  otherwise as ``fixed``, except that right after a batch is answered it also waits, at most
+  ``max_wait_ms``, for the clients that batch answered to come back: at 64 closed-loop
+  clients the oldest request has usually waited ``max_wait_ms`` while the device ran, and
+  dispatching at once cut the batch at the 40 clients back so far (batches of 40 and 63,
+  alternately). A lone client never waits for batch-mates that are not coming (the last batch
+  had one row), nor for uploads still arriving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.config import BatchPolicy
+from service.engine.batch_queue import Group
+from service.engine.batch_selection import Limits, is_full
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    policy: BatchPolicy
+    max_wait_s: float
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy == "adaptive"
+
+    def target_rows(self, last_batch_rows: int, expected: int, row_limit: int) -> int:
+        """Rows a batch should have before it is dispatched without waiting."""
+        if not self.adaptive:
+            return row_limit
+        return max(1, min(row_limit, max(last_batch_rows, expected)))
+
+    def is_ready(self, group: Group, target_rows: int, limits: Limits) -> bool:
+        """Full, or (adaptive) holding as many rows as the batch should have."""
+        return is_full(group, limits) or (self.adaptive and group.rows >= target_rows)
+
+    def due_at_s(self, group: Group, answered_s: float, refill: bool) -> float:
+        """When ``group``, not ready, becomes due anyway: its oldest request has waited
+        ``max_wait_s``, and (adaptive, ``refill``: no other group is ready to run instead)
+        ``max_wait_s`` has passed since the last batch was answered at ``answered_s``."""
+        oldest = group.oldest()
+        if oldest is None:
+            return float("inf")
+        due_s = oldest.arrival_s + self.max_wait_s
+        if refill and self.adaptive:
+            due_s = max(due_s, answered_s + self.max_wait_s)
+        return due_s

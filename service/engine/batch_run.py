@@ -1,0 +1,187 @@
+"""Running one batch: the forward on the device thread, timed and watched, failures isolated
+by halving, and the answers handed out once per batch per front end.
+
+``run_batch`` runs in the executor (never on the event loop, however quick: a model that
+hangs must not stop the event loop). If it raises, each half of the batch is retried, so only
+the request that causes the error fails; an out-of-memory error also caps the row limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from concurrent.futures import Executor
+from typing import Any, Generic, Protocol, Self, TypeVar
+
+from service import tracing
+from service.engine.batch_clock import Clock
+from service.engine.batch_guards import RowLimit, StallWatch, failure_for
+from service.engine.batch_queue import Entry
+from service.engine.batch_spans import BatchTracer
+from service.engine.batch_ticket import Sink, Ticket
+from service.engine.estimates import BatchTimes
+from service.errors import DeviceOutOfMemoryError
+from service.metrics import ModelMetrics
+
+logger = logging.getLogger("service.engine.batching")
+
+
+class Rows(Protocol):
+    """A payload of one or more rows that can be sliced along its first axis (e.g. an array)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice, /) -> Self: ...
+
+
+PayloadT = TypeVar("PayloadT", bound=Rows)
+OutputT = TypeVar("OutputT")
+
+#: Runs one batch in the executor thread: one output per payload, in order; raises if the
+#: whole batch fails, or gives an exception as the output of a payload that fails alone.
+BatchFunction = Callable[[list[PayloadT]], Sequence[OutputT | Exception]]
+
+
+class Deliveries:
+    """Hands finished tickets to their sinks: those a batch finishes, once per sink after the
+    batch; any other (a deadline, a cancel) at once."""
+
+    def __init__(self) -> None:
+        self._gathering: dict[Sink, list[Ticket[Any]]] | None = None
+
+    def finished(self, ticket: Ticket[Any]) -> None:
+        sink = ticket.sink
+        if sink is None:
+            return
+        if self._gathering is None:
+            _deliver(sink, [ticket])
+        else:
+            self._gathering.setdefault(sink, []).append(ticket)
+
+    @contextlib.contextmanager
+    def per_batch(self) -> Iterator[None]:
+        outer, self._gathering = self._gathering, {}
+        try:
+            yield
+        finally:
+            gathered, self._gathering = self._gathering, outer
+            for sink, tickets in gathered.items():
+                _deliver(sink, tickets)
+
+
+def _deliver(sink: Sink, tickets: list[Ticket[Any]]) -> None:
+    try:
+        sink.deliver(tickets)
+    except Exception:  # a front end's bad luck must not stop the collector
+        logger.exception("delivery_failed")
+
+
+class BatchRun(Generic[PayloadT, OutputT]):
+    """Runs batches of entries through ``run_batch`` on ``executor``."""
+
+    def __init__(
+        self,
+        run_batch: BatchFunction[PayloadT, OutputT],
+        *,
+        executor: Executor,
+        metrics: ModelMetrics,
+        clock: Clock,
+        times: BatchTimes,
+        row_limit: RowLimit,
+        stall: StallWatch,
+        tracer: BatchTracer | None,
+        deliveries: Deliveries,
+    ) -> None:
+        self._run_batch = run_batch
+        self._executor = executor
+        self._metrics = metrics
+        self._clock = clock
+        self.times = times
+        self._row_limit = row_limit
+        self._stall = stall
+        self._tracer = tracer
+        self._deliveries = deliveries
+        self.running_until_s = 0.0
+        """When the batch running now should end, by its estimate (0: none running)."""
+
+    async def run(self, batch: list[Entry]) -> None:
+        if not batch:
+            return
+        started_s = self._clock.now()
+        queue_wait = self._metrics.queue_wait
+        for entry in batch:
+            exemplar = None if entry.trace is None else tracing.exemplar_of(entry.trace)
+            queue_wait.observe(started_s - entry.arrival_s, exemplar)
+        if self._tracer is not None:
+            self._tracer.queue_waits(batch, started_s)
+        self._metrics.batch_sources.observe(len({entry.source for entry in batch}))
+        await self._isolating_failures(batch)
+
+    async def _isolating_failures(self, batch: list[Entry]) -> None:
+        """Run ``batch``; if the forward raises, retry each half so only the culprit fails."""
+        batch = [entry for entry in batch if not entry.done]
+        if not batch:
+            return
+        rows = sum(entry.rows for entry in batch)
+        self._metrics.batch_size.observe(rows)
+        traced = self._tracer.batch(batch, rows) if self._tracer else contextlib.nullcontext()
+        started_s = time.perf_counter()
+        try:
+            with traced:
+                outputs = await self._forward(
+                    [entry.payload for entry in batch], rows, batch[0].group
+                )
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)}")
+        except Exception as error:
+            self._metrics.inference_latency.observe(time.perf_counter() - started_s)
+            if isinstance(error, DeviceOutOfMemoryError):
+                self._metrics.out_of_memory.inc()
+                self._row_limit.shrink(rows, self._clock.now())
+            if len(batch) == 1:
+                entry = batch[0]
+                with self._deliveries.per_batch():
+                    entry.reject(failure_for(entry.rows, entry.request_id, error))
+                return
+            self._metrics.batch_failures.inc()
+            middle = len(batch) // 2
+            await self._isolating_failures(batch[:middle])
+            await self._isolating_failures(batch[middle:])
+            return
+        self._metrics.inference_latency.observe(time.perf_counter() - started_s)
+        with self._deliveries.per_batch():
+            for entry, output in zip(batch, outputs, strict=True):
+                if isinstance(output, Exception):
+                    entry.reject(output)
+                else:
+                    entry.resolve(output)
+
+    async def _forward(
+        self, payloads: list[PayloadT], rows: int, group: Hashable
+    ) -> Sequence[OutputT | Exception]:
+        """``run_batch`` in the executor, watched for a batch that never comes back."""
+        estimate_s = self.times.estimate(group, rows)
+        self.running_until_s = self._clock.now() + (estimate_s or 0.0)
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._timed_run_batch, payloads)
+        watchdog = self._stall.watch()
+        try:
+            outputs, seconds = await running
+        finally:
+            self.running_until_s = 0.0
+            if watchdog is not None:
+                watchdog.cancel()
+        self.times.record(group, rows, seconds)
+        return outputs
+
+    def _timed_run_batch(
+        self, payloads: list[PayloadT]
+    ) -> tuple[Sequence[OutputT | Exception], float]:
+        """``run_batch`` and its duration, timed on the device thread: several models share
+        that thread, so the time a batch waited there for another model's is not its own."""
+        started_s = self._clock.now()
+        outputs = self._run_batch(payloads)
+        return outputs, self._clock.now() - started_s

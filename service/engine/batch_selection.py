@@ -1,0 +1,147 @@
+"""Which requests the next batch holds: pure functions of the queue, the limits and ``now``.
+
+Fairness: a group whose oldest request is due (full, as full as the dispatch policy wants, or
+waited long enough) competes for the next batch by the age of its oldest request, except the
+group of the last batch, which goes after the others (round robin); so a request waits at most
+``max_wait_ms``, the batch running, and one batch of each other group due, however full
+another group keeps.
+
+Priority: high-priority requests lead a batch, unless they have led
+``HIGH_PRIORITY_STREAK_LIMIT`` batches in a row while normal ones waited: then the
+longest-waiting normal requests do, so normal traffic is never starved.
+
+Deadlines and the token budget: a batch takes only the requests it can finish before every
+deadline in it (the others wait for the next batch), within the row limit and the token
+budget; the first request of a batch is not asked (a chunk larger than the limits runs
+alone), but one that cannot finish by its deadline even alone is answered 504 at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+from service.engine.batch_queue import Entry, Group
+from service.types import Priority
+
+#: After this many batches led by high-priority requests while normal ones wait, the next
+#: batch is filled with normal requests first.
+HIGH_PRIORITY_STREAK_LIMIT = 3
+
+#: Seconds a batch of ``rows`` rows of a group takes, or None when never measured.
+Estimate = Callable[[Hashable, int], "float | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    row_limit: int
+    max_batch_cost: int
+    """Padded tokens per batch (0: no budget)."""
+
+
+def is_full(group: Group, limits: Limits) -> bool:
+    return group.rows >= limits.row_limit or (
+        limits.max_batch_cost > 0 and group.cost >= limits.max_batch_cost
+    )
+
+
+def lead_priority(high_streak: int, normal_waiting: bool) -> Priority:
+    """Who leads the next batch: high, unless it has led too long while normal waited."""
+    if high_streak >= HIGH_PRIORITY_STREAK_LIMIT and normal_waiting:
+        return "normal"
+    return "high"
+
+
+def pick_group(candidates: list[Group], lead: Priority, last_group: Hashable | None) -> Group:
+    """The group the next batch comes from: the one whose oldest request of the ``lead``
+    priority came first (or oldest of any priority when none has one), the group of the last
+    batch going after the others."""
+    others = [group for group in candidates if group.key != last_group] or candidates
+    with_lead = [group for group in others if group.head(lead) is not None]
+    if with_lead:
+        return min(with_lead, key=lambda group: _arrival(group.head(lead)))
+    return min(others, key=lambda group: _arrival(group.oldest()))
+
+
+def _arrival(entry: Entry | None) -> float:
+    return math.inf if entry is None else entry.arrival_s
+
+
+def finishes_late(
+    entry: Entry, rows: int, finish_by_s: float, estimate: Estimate, now_s: float
+) -> bool:
+    """Whether a batch of ``rows`` rows holding ``entry``, started at ``now_s``, is estimated
+    to end after ``entry``'s deadline or ``finish_by_s``. Unmeasured: not late."""
+    seconds = estimate(entry.group, rows)
+    if seconds is None:
+        return False
+    return now_s + seconds > min(finish_by_s, entry.deadline_s)
+
+
+@dataclass(slots=True)
+class Plan:
+    """How many heads of each priority lane to take, and what becomes of each."""
+
+    batch: list[Entry] = field(default_factory=list)
+    gone: list[Entry] = field(default_factory=list)
+    """Their caller has left: dropped uncomputed."""
+    late: list[Entry] = field(default_factory=list)
+    """Cannot finish by their deadline even alone: answered 504 uncomputed."""
+    taken: dict[Priority, int] = field(default_factory=dict)
+    """Entries popped from the head of each lane (the batch's and the late ones)."""
+
+
+def plan_batch(
+    group: Group,
+    order: Iterable[Priority],
+    limits: Limits,
+    estimate: Estimate,
+    now_s: float,
+    gone: Callable[[Entry], bool] = lambda entry: False,
+) -> Plan:
+    """Fill one batch from ``group``'s lanes in ``order``, each in arrival order, stopping a
+    lane at its first entry that does not fit; skip the entries whose caller is ``gone``.
+    Reads the queue; changes nothing."""
+    plan = Plan()
+    rows = cost = 0
+    finish_by_s = math.inf  # the earliest deadline in the batch
+    for priority in order:
+        taken = 0
+        for entry in group.lanes[priority]:
+            if gone(entry):
+                plan.gone.append(entry)
+                taken += 1
+                continue
+            if not plan.batch and finishes_late(entry, entry.rows, math.inf, estimate, now_s):
+                plan.late.append(entry)
+                taken += 1
+                continue
+            if plan.batch and not fits(rows, cost, entry, limits, finish_by_s, estimate, now_s):
+                break
+            plan.batch.append(entry)
+            taken += 1
+            rows += entry.rows
+            cost += entry.cost
+            finish_by_s = min(finish_by_s, entry.deadline_s)
+        plan.taken[priority] = taken
+    return plan
+
+
+def fits(
+    rows: int,
+    cost: int,
+    entry: Entry,
+    limits: Limits,
+    finish_by_s: float,
+    estimate: Estimate,
+    now_s: float,
+) -> bool:
+    """Whether ``entry`` may join a batch of ``rows`` rows and ``cost``: within the row limit
+    and the token budget, and the larger batch still estimated to end before every deadline
+    in it."""
+    if rows + entry.rows > limits.row_limit:
+        return False
+    if limits.max_batch_cost and cost + entry.cost > limits.max_batch_cost:
+        return False
+    return not finishes_late(entry, rows + entry.rows, finish_by_s, estimate, now_s)

@@ -1,0 +1,216 @@
+"""The batcher's pure pieces, without a collector, a loop or a clock: selection (fairness,
+priority, token budget, deadlines), dispatch and admission as functions of their inputs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+
+import pytest
+
+from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
+from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
+from service.engine.batch_dispatch import Dispatch
+from service.engine.batch_fill import BatchFiller
+from service.engine.batch_queue import BatchQueue, Entry
+from service.engine.batch_selection import (
+    HIGH_PRIORITY_STREAK_LIMIT,
+    Limits,
+    is_full,
+    lead_priority,
+    pick_group,
+    plan_batch,
+)
+from service.errors import DeadlineUnreachableError, OverloadedError
+from service.types import Priority
+from tests.fixtures import SteppedClock
+
+
+def entry(
+    rows: int = 1,
+    *,
+    group: Hashable = "g",
+    priority: Priority = "normal",
+    arrival_s: float = 0.0,
+    deadline_s: float = 100.0,
+    cost: int = 0,
+) -> Entry:
+    return Entry(
+        None,
+        rows=rows,
+        cost=cost,
+        group=group,
+        priority=priority,
+        arrival_s=arrival_s,
+        deadline_s=deadline_s,
+        request_id="-",
+        source=None,
+        trace=None,
+        ticket=None,
+        index=0,
+    )
+
+
+def queue_of(*entries: Entry) -> BatchQueue:
+    queue = BatchQueue()
+    for each in entries:
+        queue.add(each)
+    return queue
+
+
+def never_measured(group: Hashable, rows: int) -> float | None:
+    return None
+
+
+def test_a_group_is_full_by_rows_or_by_a_budget_of_even_one_token() -> None:
+    [group] = queue_of(entry(2, cost=1))
+    assert is_full(group, Limits(row_limit=2, max_batch_cost=0))
+    assert not is_full(group, Limits(row_limit=3, max_batch_cost=0))
+    assert is_full(group, Limits(row_limit=3, max_batch_cost=1))
+    assert not is_full(group, Limits(row_limit=3, max_batch_cost=2))
+
+
+def test_high_priority_leads_until_its_streak_while_normal_waits() -> None:
+    assert lead_priority(HIGH_PRIORITY_STREAK_LIMIT - 1, normal_waiting=True) == "high"
+    assert lead_priority(HIGH_PRIORITY_STREAK_LIMIT, normal_waiting=True) == "normal"
+    assert lead_priority(HIGH_PRIORITY_STREAK_LIMIT, normal_waiting=False) == "high"
+
+
+def test_the_group_of_the_last_batch_goes_after_the_others() -> None:
+    queue = queue_of(entry(group="a", arrival_s=1.0), entry(group="b", arrival_s=2.0))
+    groups = list(queue)
+    assert pick_group(groups, "normal", last_group=None).key == "a"
+    assert pick_group(groups, "normal", last_group="a").key == "b"
+    assert pick_group(groups[:1], "normal", last_group="a").key == "a"  # alone: still runs
+
+
+def test_the_lead_priority_picks_the_group_whose_such_request_came_first() -> None:
+    queue = queue_of(
+        entry(group="a", arrival_s=1.0),
+        entry(group="b", arrival_s=2.0, priority="high"),
+    )
+    assert pick_group(list(queue), "high", last_group=None).key == "b"
+    assert pick_group(list(queue), "normal", last_group=None).key == "a"
+
+
+def test_a_batch_stops_a_lane_at_the_first_request_that_does_not_fit() -> None:
+    [group] = queue_of(entry(2), entry(2), entry(1), entry(1, priority="high"))
+    plan = plan_batch(group, ("high", "normal"), Limits(4, 0), never_measured, now_s=0.0)
+    assert [e.rows for e in plan.batch] == [1, 2]
+    assert plan.taken == {"high": 1, "normal": 1}
+
+
+def test_the_token_budget_limits_a_batch_but_not_its_first_request() -> None:
+    [group] = queue_of(entry(1, cost=8), entry(1, cost=3))
+    plan = plan_batch(group, ("normal",), Limits(8, 10), never_measured, now_s=0.0)
+    assert [e.cost for e in plan.batch] == [8]
+    [alone] = queue_of(entry(1, cost=50))
+    assert len(plan_batch(alone, ("normal",), Limits(8, 10), never_measured, 0.0).batch) == 1
+
+
+def test_a_request_too_late_even_alone_is_set_aside_and_one_that_would_be_late_waits() -> None:
+    def half_a_second(group: Hashable, rows: int) -> float:
+        return 0.5 * rows
+
+    [group] = queue_of(
+        entry(deadline_s=0.4, arrival_s=0.0),  # even alone: late
+        entry(deadline_s=10.0, arrival_s=1.0),
+        entry(deadline_s=0.9, arrival_s=2.0),  # two rows take 1 s: it would be late
+    )
+    plan = plan_batch(group, ("normal",), Limits(4, 0), half_a_second, now_s=0.0)
+    assert [e.deadline_s for e in plan.late] == [0.4]
+    assert [e.deadline_s for e in plan.batch] == [10.0]
+    assert plan.taken == {"normal": 2}
+
+
+def test_entries_whose_caller_left_are_taken_out_uncomputed() -> None:
+    gone, kept = entry(arrival_s=0.0), entry(arrival_s=1.0)
+    [group] = queue_of(gone, kept)
+    plan = plan_batch(group, ("normal",), Limits(4, 0), never_measured, 0.0, lambda e: e is gone)
+    assert plan.gone == [gone]
+    assert plan.batch == [kept]
+
+
+def test_the_adaptive_target_is_the_last_batch_or_the_load_held_within_the_row_limit() -> None:
+    adaptive, fixed = Dispatch("adaptive", 0.005), Dispatch("fixed", 0.005)
+    assert adaptive.target_rows(last_batch_rows=3, expected=0, row_limit=8) == 3
+    assert adaptive.target_rows(last_batch_rows=3, expected=6, row_limit=8) == 6
+    assert adaptive.target_rows(last_batch_rows=3, expected=60, row_limit=8) == 8
+    assert adaptive.target_rows(last_batch_rows=0, expected=0, row_limit=8) == 1
+    assert fixed.target_rows(last_batch_rows=3, expected=6, row_limit=8) == 8
+
+
+def test_a_group_is_due_at_max_wait_and_after_a_refill_wait_only_when_none_is_ready() -> None:
+    [group] = queue_of(entry(arrival_s=10.0))
+    adaptive, fixed = Dispatch("adaptive", 0.5), Dispatch("fixed", 0.5)
+    assert adaptive.due_at_s(group, answered_s=0.0, refill=True) == 10.5
+    assert adaptive.due_at_s(group, answered_s=10.2, refill=True) == pytest.approx(10.7)
+    assert adaptive.due_at_s(group, answered_s=10.2, refill=False) == 10.5
+    assert fixed.due_at_s(group, answered_s=10.2, refill=True) == 10.5
+    assert adaptive.is_ready(group, target_rows=1, limits=Limits(4, 0))
+    assert not fixed.is_ready(group, target_rows=1, limits=Limits(4, 0))
+
+
+def test_chunks_fit_a_batch_by_rows_and_by_token_budget() -> None:
+    assert chunk_rows(max_batch_size=8, max_batch_cost=0, cost_per_row=5) == 8
+    assert chunk_rows(max_batch_size=8, max_batch_cost=20, cost_per_row=5) == 4
+    assert chunk_rows(max_batch_size=8, max_batch_cost=20, cost_per_row=50) == 1
+
+
+def test_the_estimated_wait_counts_full_and_partial_batches_of_each_group() -> None:
+    queue = queue_of(*(entry() for _ in range(5)), entry(priority="high"))
+
+    def tenth_per_row(group: Hashable, rows: int) -> float:
+        return 0.1 * rows
+
+    wait = estimated_wait_s(queue, "normal", 0.25, 4, 0, tenth_per_row)
+    assert wait == pytest.approx(0.25 + 0.4 + 0.2)
+    assert estimated_wait_s(queue, "high", -1.0, 4, 0, tenth_per_row) == pytest.approx(0.1)
+
+
+def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
+    def second_per_row(group: Hashable, rows: int) -> float:
+        return float(rows)
+
+    def waits(seconds: float) -> object:
+        return lambda priority: seconds
+
+    assert refusal([2], "g", 1.0, never_measured, waits(0.0), "normal") is None  # type: ignore[arg-type]
+    alone = refusal([2], "g", 1.5, second_per_row, waits(0.0), "normal")  # type: ignore[arg-type]
+    assert isinstance(alone, DeadlineUnreachableError)
+    behind = refusal([1], "g", 1.5, second_per_row, waits(1.0), "normal")  # type: ignore[arg-type]
+    assert isinstance(behind, OverloadedError)
+    assert behind.headers["Retry-After"] == "1"
+    assert refusal([1], "g", 2.0, second_per_row, waits(1.0), "normal") is None  # type: ignore[arg-type]
+
+
+async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:
+    """Answered entries leave the heap when it is compacted, not only at their deadline:
+    at thousands of requests per second and a 5 s timeout the heap would hold them all."""
+    clock = SteppedClock()
+    expired: list[Entry] = []
+    deadlines = Deadlines(clock, expired.extend)
+    for _ in range(3 * COMPACT_AT_LEAST):
+        answered = entry(deadline_s=clock.now() + 60.0)
+        deadlines.add(answered)
+        answered.done = True
+    assert len(deadlines) <= COMPACT_AT_LEAST
+    late = entry(deadline_s=clock.now() + 1.0)
+    deadlines.add(late)
+    clock.advance(2.0)
+    await asyncio.sleep(0)
+    assert expired == [late]
+    deadlines.close()
+
+
+def test_after_a_streak_of_high_batches_the_oldest_normal_requests_lead_from_any_group() -> None:
+    """Anti-starvation looks at every group, not only the groups due."""
+    normal, high = entry(group="n", arrival_s=0.0), entry(group="h", priority="high")
+    queue = queue_of(normal, high)
+    filler = BatchFiller()
+    filler.high_streak = HIGH_PRIORITY_STREAK_LIMIT
+    due = [group for group in queue if group.key == "h"]
+    plan = filler.take(queue, due, Limits(4, 0), never_measured, 0.0)
+    assert plan.batch == [normal]
+    assert filler.high_streak == 0
+    assert filler.last_group == "n"
