@@ -2,8 +2,9 @@
 
 ``EngineClient`` is the one interface the front end's routes use. ``engine.Engine`` implements
 it in-process (one process, no hop); ``bridge.client.BridgeClient`` implements it over local
-sockets to one engine process per device. The value types here cross the bridge as JSON
-(``to_wire``/``from_wire``) next to the raw bytes of the arrays.
+sockets to one engine process per device. A request and its answer cross the bridge in the
+typed contract of ``contract.py``; the engine's status (``EngineStatus``, ``ModelInfo``)
+crosses as JSON (``to_wire``/``from_wire``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Runs a model on its device: precision, compilation, warm-up, collation and splitting.
+"""Runs a model on its device: precision, compilation, warm-up batches, collation and
+splitting.
 
-Everything here runs in ``TorchRunner.executor``, one dedicated thread per device, so autocast
-(thread-local state) is entered in the thread that runs the model and the event loop never
-runs model code. No asyncio here.
+Everything here runs on a device thread of the engine (``TorchRunner.executor``, shared by
+every model of the engine; ``device_instances`` of them when a model runs as several
+instances), so autocast (thread-local state) is entered in the thread that runs the model and
+the event loop never runs model code. No asyncio here.
 """
 
 from __future__ import annotations
