@@ -273,15 +273,15 @@ async def test_v2_and_predict_requests_share_batches(
     digits: FastAPI, client: httpx.AsyncClient
 ) -> None:
     """Rows sent by V2 hold 0.25, rows sent to /predict 0.75: some batch holds both."""
-    batcher = engine_of(digits).served.batcher  # type: ignore[union-attr]
+    run = engine_of(digits).served.batcher._runner  # type: ignore[union-attr]
     batches: list[set[float]] = []
-    original = batcher._run_batch
+    original = run._run_batch
 
     def recording(payloads: list[NamedArrays]) -> object:
         batches.append({float(payload["image"].flat[0]) for payload in payloads})
         return original(payloads)
 
-    batcher._run_batch = recording  # type: ignore[assignment]
+    run._run_batch = recording  # type: ignore[assignment]
     v2_body = {"inputs": [image_input([0.25] * 64, [1, 8, 8])]}
     predict_body = {"instances": [[[0.75] * 8] * 8]}
     answers_ = await asyncio.gather(
