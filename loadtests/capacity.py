@@ -60,12 +60,12 @@ def package(repository: Path) -> None:
     sys.path.insert(0, str(repository.parent))
     from safetensors.torch import save_file
 
-    from service.engine.model_store import ModelStore
     from service.manifest import Architecture, TensorSpec
+    from service.packaging.package import Packager
 
     weights = repository.parent / "empty.safetensors"
     save_file({}, str(weights))
-    ModelStore(repository).package(
+    Packager(repository).package(
         name="zero",
         artifact=weights,
         format="safetensors",
