@@ -4,11 +4,10 @@ rather than at start-up's warm-up as "index out of range in self"."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from service.buckets import DEFAULT_MAX_LENGTH
-from service.engine.outputs import TORCH_DTYPES, call_model, example_inputs
+from service.engine.outputs import run_on_examples
 from service.errors import ModelLoadError
 from service.manifest import Manifest
 
@@ -20,14 +19,8 @@ def check_max_length(module: torch.nn.Module, manifest: Manifest) -> None:
     if variable is None:
         return
     length = variable.max_length or DEFAULT_MAX_LENGTH
-    arrays = example_inputs(manifest, 1, length, np.random.default_rng(0))
-    tensors = {
-        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
-        for spec in manifest.inputs
-    }
     try:
-        with torch.inference_mode():
-            call_model(module, tensors, [spec.name for spec in manifest.inputs])
+        run_on_examples(module, manifest, 1, length, 0)
     except Exception as error:
         declared = (
             f"max_length {length}"

@@ -9,10 +9,9 @@ length tried (a summary of fixed size, a sequence of its own length) gets none.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from service.engine.outputs import TORCH_DTYPES, call_model, example_inputs, named_outputs
+from service.engine.outputs import named_outputs, run_on_examples
 from service.manifest import Manifest
 
 #: Lengths of the variable axis the model is run at (capped at the input's ``max_length``).
@@ -60,15 +59,10 @@ def _output_shapes(
     module: torch.nn.Module, manifest: Manifest, length: int
 ) -> dict[str, tuple[int, ...]] | None:
     """Each output's shape for 2 example rows ``length`` long; None when the model fails."""
-    arrays = example_inputs(manifest, 2, length, np.random.default_rng(length))
-    tensors = {
-        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
-        for spec in manifest.inputs
-    }
     try:
-        with torch.inference_mode():
-            raw = call_model(module, tensors, [spec.name for spec in manifest.inputs])
-        outputs = named_outputs(raw, manifest.outputs)
+        outputs = named_outputs(
+            run_on_examples(module, manifest, 2, length, length), manifest.outputs
+        )
     except Exception:  # check_forward, run next, reports the failure
         return None
     return {name: tuple(tensor.shape) for name, tensor in outputs.items()}

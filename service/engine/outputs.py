@@ -137,24 +137,34 @@ def example_inputs(
     return {spec.name: spec.example_instances(rows, length, rng) for spec in manifest.inputs}
 
 
+def run_on_examples(
+    module: torch.nn.Module, manifest: Manifest, rows: int, length: int, seed: int
+) -> object:
+    """What ``module`` returns for ``rows`` example rows ``length`` long (seeded), as packaging
+    checks a version: the outputs, the lengths they follow, the longest input."""
+    arrays = example_inputs(manifest, rows, length, np.random.default_rng(seed))
+    tensors = {
+        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
+        for spec in manifest.inputs
+    }
+    with torch.inference_mode():
+        return call_model(module, tensors, [spec.name for spec in manifest.inputs])
+
+
 def check_forward(module: torch.nn.Module, manifest: Manifest) -> None:
     """Run ``module`` on 2 example rows (8 long, or ``max_length`` if shorter) and refuse it,
     naming each mismatch, unless it returns the manifest's outputs."""
     variable = manifest.variable_input
     length = min(8, variable.max_length or 8) if variable is not None else 1
-    arrays = example_inputs(manifest, 2, length, np.random.default_rng(0))
-    tensors = {
-        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
-        for spec in manifest.inputs
-    }
     try:
-        with torch.inference_mode():
-            raw = call_model(module, tensors, [spec.name for spec in manifest.inputs])
-        outputs = named_outputs(raw, manifest.outputs)
+        outputs = named_outputs(run_on_examples(module, manifest, 2, length, 0), manifest.outputs)
     except Exception as error:
+        shapes = {
+            spec.name: (2, *(length if size == -1 else size for size in spec.instance_shape))
+            for spec in manifest.inputs
+        }
         raise ModelLoadError(
-            f"{manifest.label}: the model fails on example inputs "
-            f"{ {name: array.shape for name, array in arrays.items()} }: "
+            f"{manifest.label}: the model fails on example inputs {shapes}: "
             f"{type(error).__name__}: {error}"
         ) from error
     problems = mismatches(outputs, manifest.outputs, 2, autocast=False)
