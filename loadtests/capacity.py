@@ -15,7 +15,7 @@ SUBMIT frame per request, one RESULT frame per answer), so the same bench measur
 started from another checkout (``--checkout``).
 
     python -m loadtests.capacity --out docs/bench/engine-cost
-    python -m loadtests.capacity --checkout /work/main --protocol old
+    python -m loadtests.capacity --checkout /path/to/an/older/checkout --protocol old
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the server used per answered request, from ``/proc`` (utime + stime of each thre
 Ratios (ours / baseline) are given per round and as their median. Writes ``runs.csv`` and
 ``report.md`` to ``--out``.
 
-    python -m loadtests.engine_cost --baseline-checkout /work/baseline --rounds 3
+    python -m loadtests.engine_cost --baseline-checkout /path/to/12e05c8 --rounds 3
 """
 
 from __future__ import annotations
