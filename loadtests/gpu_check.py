@@ -33,7 +33,6 @@ import torch
 from asgi_lifespan import LifespanManager
 
 from service.bridge.interface import InferenceRequest
-from service.buckets import batch_group
 from service.config import Settings
 from service.engine.engine import Engine
 from service.frontend.inputs import InputLayout
@@ -166,13 +165,10 @@ async def drive(
             index = next_index
             next_index += 1
             instances = layout.check({input_name: inputs[index]})  # as the front end does
-            group, cost = batch_group(layout.manifest, instances, layout.length_edges)
             request = InferenceRequest(
                 model=served.manifest.name,
                 version=served.manifest.version,
                 instances=instances,
-                group=group,
-                cost_per_row=cost,
                 priority="normal",
                 deadline_s=time.monotonic() + REQUEST_TIMEOUT_S,
                 request_id=f"gpu-check-{index}",

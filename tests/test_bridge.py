@@ -22,7 +22,6 @@ from service.bridge import contract, wire
 from service.bridge.client import BridgeClient
 from service.bridge.interface import InferenceRequest
 from service.bridge.server import BridgeServer
-from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine.engine import Engine
 from service.errors import (
@@ -121,8 +120,6 @@ def request(client: BridgeClient, rows: np.ndarray, deadline_s: float = 5.0) -> 
         model=model.manifest.name,
         version=model.manifest.version,
         instances=NamedArrays({"x": rows.astype(np.float32)}),
-        group=(FEATURES,),
-        cost_per_row=0,
         priority="normal",
         deadline_s=time.monotonic() + deadline_s,
         request_id="test",
@@ -175,16 +172,11 @@ async def test_several_named_inputs_and_outputs_of_different_dtypes_cross_the_br
         model = client.status().model
         assert model is not None
         instances = NamedArrays({"input_ids": ids, "attention_mask": mask})
-        group, cost = batch_group(
-            model.manifest, instances, manifest_length_edges(model.manifest, ())
-        )
         result = await client.infer(
             InferenceRequest(
                 model="pairs",
                 version=model.manifest.version,
                 instances=instances,
-                group=group,
-                cost_per_row=cost,
                 priority="normal",
                 deadline_s=time.monotonic() + 5.0,
                 request_id="pairs",
@@ -468,20 +460,17 @@ async def test_a_corrupt_frame_closes_only_its_own_connection(
         np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(3.0) + 1)
 
 
-async def test_the_engine_groups_requests_by_their_arrays_not_by_the_group_claimed(
+async def test_the_engine_groups_requests_by_their_arrays(
     socket_path: Path, repository: Path
 ) -> None:
-    """A front end's group is not taken on trust: two requests of the same shape share a
-    batch whatever groups their front end claimed (a wrong claim could have put unequal
-    shapes in one batch, or kept equal ones apart)."""
+    """No group crosses the bridge (a front end's claim could have put unequal shapes in one
+    batch, or kept equal ones apart): the engine groups by the arrays, so two requests of
+    one shape share a batch."""
     async with (
         engine_behind_a_socket(socket_path, repository, max_batch_size=4) as (engine, _),
         client_of(socket_path) as client,
     ):
-        claimed = [
-            dataclasses.replace(request(client, value_rows(value)), group=group)
-            for value, group in ((1.0, (FEATURES,)), (2.0, (999,)))
-        ]
+        claimed = [request(client, value_rows(value)) for value in (1.0, 2.0)]
         results = await asyncio.gather(*(client.infer(each) for each in claimed))
         for value, result in zip((1.0, 2.0), results, strict=True):
             np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(value) + 1)

@@ -141,10 +141,6 @@ class InferenceRequest:
     """The version whose input spec validated ``instances``."""
     instances: NamedArrays
     """One array per input name, one row per instance."""
-    group: tuple[int, ...]
-    """Requests share a batch only within a group (shape, or length bucket)."""
-    cost_per_row: int
-    """Padded positions per row, counted against the token budget (0: no budget)."""
     priority: Priority
     deadline_s: float
     """``time.monotonic()`` at which the request is answered 504 (the clock is system-wide)."""

@@ -259,8 +259,6 @@ class _Connection(asyncio.Protocol):
                 model=submit.model,
                 version=submit.version,
                 instances=contract.unpack(submit.arrays, frame.data),
-                group=(),  # the engine computes it from the instances
-                cost_per_row=0,
                 priority=submit.priority,
                 deadline_s=submit.deadline_s,
                 request_id=submit.request_id,

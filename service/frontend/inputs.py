@@ -40,8 +40,8 @@ from service.types import Array
 
 @dataclass(frozen=True)
 class InputLayout:
-    """How requests for one model are parsed into its named inputs and validated (their batch
-    group and cost: ``buckets.batch_group``)."""
+    """How requests for one model are parsed into its named inputs and validated (the engine
+    groups them for batches: ``buckets.batch_group``)."""
 
     manifest: Manifest
     length_edges: tuple[int, ...] = ()

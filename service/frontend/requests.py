@@ -4,10 +4,10 @@
 each parse their own bodies into the model's named tensors; from there they share this module:
 the request's ``Deadline`` (computed once, from ``request_timeout_ms`` or the shorter limit
 the client set), and a ``HeldRequest`` that counts the request in ``frontend.holding`` while
-it is held, builds the engine's ``InferenceRequest`` (batch group and cost, priority, the
-front end's load) and waits for the engine inside the request's spans, cancelling the wait
-when an HTTP client leaves. A new entry point parses its request and calls these; a new
-request field is set here.
+it is held, builds the engine's ``InferenceRequest`` (priority, the front end's load; the
+engine computes the batch group and token cost from the arrays) and waits for the engine
+inside the request's spans, cancelling the wait when an HTTP client leaves. A new entry point
+parses its request and calls these; a new request field is set here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import NamedTuple
 from starlette.types import Message, Receive
 
 from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
-from service.buckets import batch_group
 from service.config import Settings
 from service.errors import DeadlineExceededError
 from service.frontend import request_spans
@@ -114,13 +113,10 @@ class HeldRequest:
         """``instances``, validated against ``model``, computed by an engine. ``receive``: an
         HTTP request's, to stop waiting (``ClientDisconnectedError``) if its client leaves."""
         manifest = model.manifest
-        group, cost_per_row = batch_group(manifest, instances, model.length_edges)
         request = InferenceRequest(
             model=manifest.name,
             version=manifest.version,
             instances=instances,
-            group=group,
-            cost_per_row=cost_per_row,
             priority=priority,
             deadline_s=self.deadline.at_s,
             request_id=self.request_id,
