@@ -26,10 +26,8 @@ import numpy as np
 import torch
 
 from service.config import load_settings
-from service.engine.engine import Engine
 from service.engine.runner import batch_sizes_to_warm
-from service.server.single import create_app
-from service.server.tuning.model_limit import example_batch, time_batch
+from service.server.tuning.model_limit import example_batch, served_in_process, time_batch
 
 WARMUP_ITERATIONS = 3
 MIN_ITERATIONS = 3
@@ -39,13 +37,7 @@ async def measure(
     *, length: int | None, max_seconds_per_size: float, max_iterations: int
 ) -> dict[str, object]:
     settings = load_settings()
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        await app.state.loading
-        engine: Engine = app.state.engine
-        served = engine.served
-        if served is None:
-            raise RuntimeError(f"the model did not load: {engine.state.load_error}")
+    async with served_in_process(settings) as served:
         runner, manifest = served.runner, served.manifest
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ import torch
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.outputs import example_inputs
+from service.engine.state import ServedModel
 from service.manifest import Manifest
 from service.server.single import create_app
 from service.server.tuning.search import ModelLimit
@@ -61,6 +63,20 @@ def time_batch(
     return len(batch) * iterations / elapsed_s
 
 
+@asynccontextmanager
+async def served_in_process(settings: Settings) -> AsyncIterator[ServedModel]:
+    """The model ``settings`` serve, loaded and warmed up in this process as a server would
+    (for timing its forward without HTTP); released on exit."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await app.state.loading
+        engine: Engine = app.state.engine
+        served = engine.served
+        if served is None:
+            raise RuntimeError(f"the model did not load: {engine.state.load_error}")
+        yield served
+
+
 def powers_of_two_up_to(largest: int) -> list[int]:
     return [1 << exponent for exponent in range(largest.bit_length()) if 1 << exponent <= largest]
 
@@ -79,14 +95,8 @@ async def measure_limit(
     engine measured it at load."""
     sizes = powers_of_two_up_to(largest_batch)
     per_cell_s = max(0.05, budget_s / max(1, len(sizes) * len(lengths)) * 0.7)
-    app = create_app(settings)
     deadline_s = time.monotonic() + budget_s
-    async with app.router.lifespan_context(app):
-        await app.state.loading
-        engine: Engine = app.state.engine
-        served = engine.served
-        if served is None:
-            raise RuntimeError(f"the model did not load: {engine.state.load_error}")
+    async with served_in_process(settings) as served:
         runner, manifest = served.runner, served.manifest
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(0)
