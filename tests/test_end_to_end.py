@@ -39,7 +39,9 @@ def server(tmp_path: Path) -> Iterator[Server]:
         "BATCHSERVE_PORT": str(port),
         "BATCHSERVE_DEVICE": "cpu",
         "BATCHSERVE_MAX_WAIT_MS": "5",
-        "BATCHSERVE_DRAIN_DELAY_S": "1.0",
+        # Long enough that the load below stops sending (0.3 s after it sees readiness off)
+        # before the listener closes, even when a busy machine delays that probe.
+        "BATCHSERVE_DRAIN_DELAY_S": "3.0",
     }
     with log.open("wb") as output:
         process = subprocess.Popen(
