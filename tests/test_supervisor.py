@@ -10,13 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.server.supervisor import (
-    FIRST_BACKOFF_S,
-    LONGEST_BACKOFF_S,
-    _sleep_until_woken,
-    _wake_on_signals,
-    restart_delay_s,
-)
+from service.server.child_processes import sleep_until_woken, wake_on_signals
+from service.server.supervisor import FIRST_BACKOFF_S, LONGEST_BACKOFF_S, restart_delay_s
 
 
 def test_an_engine_that_had_been_serving_is_restarted_at_once() -> None:
@@ -40,7 +35,7 @@ def test_repeated_young_deaths_wait_longer_each_time_up_to_the_longest() -> None
 @pytest.fixture
 def woken() -> Iterator[int]:
     previous = signal.getsignal(signal.SIGCHLD)
-    read_fd = _wake_on_signals()
+    read_fd = wake_on_signals()
     try:
         yield read_fd
     finally:
@@ -52,12 +47,12 @@ def test_a_child_exit_ends_the_sleep_long_before_its_limit(woken: int) -> None:
     longest_s = 30.0
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     started_s = time.monotonic()
-    _sleep_until_woken(woken, longest_s)
+    sleep_until_woken(woken, longest_s)
     assert time.monotonic() - started_s < longest_s / 2
     assert child.wait() == 0
 
 
 def test_without_a_signal_the_sleep_lasts_its_limit(woken: int) -> None:
     started_s = time.monotonic()
-    _sleep_until_woken(woken, 0.2)
+    sleep_until_woken(woken, 0.2)
     assert time.monotonic() - started_s >= 0.2
