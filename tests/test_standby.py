@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
-from service.config import load_settings
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 from tests.processes import Running, alive, scraped, serve_with_engines, wait_for
 
@@ -44,6 +44,10 @@ REPLACEMENT_TIMEOUT_S = 180.0
 #: engine: the goal is 0.5 s on a quiet host; a busy one pauses processes for longer. A
 #: restart instead would take the replacement's whole start-up (import torch: seconds).
 TAKEOVER_GAP_S = 2.5
+#: Twice the default: this module runs three engines and two front ends on a machine that may
+#: be busy, where a loop paused past the default 1.5 s would be declared hung (and replaced by
+#: a standby, which these tests would then see as a fault they did not cause).
+HEARTBEAT_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         BATCHSERVE_MODEL_VERSION=DIGITS.version,
         BATCHSERVE_ADMIN_TOKEN=TOKEN,
         BATCHSERVE_STANDBY_ENGINES=str(STANDBYS),
+        BATCHSERVE_ENGINE_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
     ) as running:
         serving = Server(running, root, (DIGITS.version, shifted), {})
         wait_for(
@@ -153,10 +158,12 @@ async def _closed_loop(url: str, stop: asyncio.Event) -> list[Answer]:
     return answers
 
 
-def under_load(server: Server, faults: list[tuple[float, int]], after_s: float) -> list[Answer]:
+def under_load(
+    server: Server, faults: list[tuple[float, int]], after_s: float, victims: list[int]
+) -> list[Answer]:
     """Closed-loop load from ``CALLERS`` callers; each fault ``(at_s, signal)`` is sent to the
-    engine active at that moment, ``at_s`` after the load started; the load stops
-    ``after_s`` after the last fault."""
+    engine active at that moment (added to ``victims``), ``at_s`` after the load started; the
+    load stops ``after_s`` after the last fault."""
 
     async def run() -> list[Answer]:
         stop = asyncio.Event()
@@ -164,12 +171,33 @@ def under_load(server: Server, faults: list[tuple[float, int]], after_s: float) 
         started_s = time.monotonic()
         for at_s, signum in faults:
             await asyncio.sleep(max(0.0, started_s + at_s - time.monotonic()))
-            os.kill(await asyncio.to_thread(active_pid, server), signum)
+            victims.append(await asyncio.to_thread(active_pid, server))
+            os.kill(victims[-1], signum)
         await asyncio.sleep(after_s)
         stop.set()
         return await load
 
     return asyncio.run(run())
+
+
+def failovers(server: Server) -> list[tuple[int, int]]:
+    """Each front end's switch to a standby, as (from pid, to pid), from the logs."""
+    return [
+        (int(record["from_pid"]), int(record["to_pid"]))
+        for line in server.running.output().splitlines()
+        if '"event":"engine_failover"' in line
+        for record in [orjson.loads(line)]
+    ]
+
+
+def taken_over_by_standbys(server: Server, victims: list[int], standbys: set[int]) -> None:
+    """Every front end switched from each victim to an engine that was a standby before the
+    faults (not to a restarted one)."""
+    switched = failovers(server)
+    for victim in victims:
+        to = {to for source, to in switched if source == victim}
+        assert to, f"no failover from {victim}: {switched}"
+        assert to <= standbys, (victim, to, standbys)
 
 
 def check_answers(server: Server, answers: list[Answer], faults: int) -> float:
@@ -192,17 +220,17 @@ def check_answers(server: Server, answers: list[Answer], faults: int) -> float:
 def test_kill_9_of_the_active_engine_twice_costs_only_its_requests_in_flight(
     server: Server,
 ) -> None:
-    first = active_pid(server)
     standbys = standby_pids(server)
-    answers = under_load(server, [(1.0, signal.SIGKILL), (4.0, signal.SIGKILL)], after_s=1.5)
+    victims: list[int] = []
+    faults = [(1.0, signal.SIGKILL), (4.0, signal.SIGKILL)]
+    answers = under_load(server, faults, after_s=1.5, victims=victims)
     gap_s = check_answers(server, answers, faults=2)
     refused = sum(answer.status == 503 for answer in answers)
     print(f"\nkill -9 twice: {len(answers)} requests, {refused} 503, longest gap {gap_s:.3f} s")
     assert gap_s < TAKEOVER_GAP_S
-    now = active_pid(server)
-    assert now in standbys  # a standby took over, twice: not a restart
-    assert now != first
-    assert not alive(first)
+    assert victims[1] in standbys  # the first standby took over, then the second
+    taken_over_by_standbys(server, victims, standbys)
+    assert not any(alive(victim) for victim in victims)
     assert scraped(server.url, "batchserve_engine_failovers_total") >= 2 * WORKERS
 
 
@@ -210,18 +238,21 @@ def test_a_hung_active_engine_is_replaced_by_a_standby_within_its_heartbeat_time
     server: Server,
 ) -> None:
     wait_for_standbys(server, 1)
-    hung = active_pid(server)
     standbys = standby_pids(server)
+    victims: list[int] = []
     try:
-        answers = under_load(server, [(1.0, signal.SIGSTOP)], after_s=4.0)
+        answers = under_load(
+            server, [(1.0, signal.SIGSTOP)], after_s=HEARTBEAT_TIMEOUT_S + 3.0, victims=victims
+        )
     finally:
-        if alive(hung):
-            os.kill(hung, signal.SIGKILL)
+        for victim in victims:
+            if alive(victim):
+                os.kill(victim, signal.SIGKILL)
     gap_s = check_answers(server, answers, faults=1)
     print(f"\nSIGSTOP: {len(answers)} requests, longest gap {gap_s:.3f} s")
-    # Declared hung at the heartbeat timeout (1.5 s), by the supervisor looking every 0.1 s.
-    assert gap_s < load_settings().engine_heartbeat_timeout_s + TAKEOVER_GAP_S
-    assert active_pid(server) in standbys
+    # Declared hung at the heartbeat timeout, by the supervisor looking every 0.1 s.
+    assert gap_s < HEARTBEAT_TIMEOUT_S + TAKEOVER_GAP_S
+    taken_over_by_standbys(server, victims, standbys)
     assert '"event":"engine_unresponsive"' in server.running.output()
 
 
@@ -278,7 +309,10 @@ def test_a_standby_that_cannot_load_is_reported_and_never_takes_over(server: Ser
     assert failed[0]["role"] is None
     assert failed[0]["detail"], failed
     assert scraped(server.url, "batchserve_standby_engines_ready") == STANDBYS - 1
-    answers = under_load(server, [(1.0, signal.SIGKILL)], after_s=1.5)
+    healthy = standby_pids(server)
+    victims: list[int] = []
+    answers = under_load(server, [(1.0, signal.SIGKILL)], after_s=1.5, victims=victims)
     check_answers(server, answers, faults=1)
+    taken_over_by_standbys(server, victims, healthy)
     roles = {engine["role"] for engine in engines(server) if engine["status"] == "failed"}
     assert roles == {None}  # the healthy standby took over, never the failed one
