@@ -102,6 +102,27 @@ def _active_engine(url: str) -> tuple[int, int]:
     return int(active), sum(role == "standby" for role, _ in roles)
 
 
+def engine_memory_mib(url: str) -> list[dict[str, object]]:
+    """Each engine's role and memory (resident, and proportional: shared pages split among the
+    processes that map them), from /proc."""
+    found: list[dict[str, object]] = []
+    for engine in httpx.get(url + "/models", timeout=10.0).json()["engines"]:
+        if engine["pid"] is None:
+            continue
+        fields = {}
+        for line in Path(f"/proc/{engine['pid']}/smaps_rollup").read_text().splitlines()[1:]:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) / 1024
+        found.append(
+            {
+                "role": engine["role"],
+                "rss_mib": round(fields["Rss"]),
+                "pss_mib": round(fields["Pss"]),
+            }
+        )
+    return found
+
+
 def _wait_for_standby(url: str, timeout_s: float) -> float:
     """Wait until a standby is ready; the seconds waited."""
     started_s = time.monotonic()
@@ -144,7 +165,10 @@ def measure(
     standby: int = 0,
     clients: int = 1,
     fault: str = "kill",
+    memory: list[dict[str, object]] | None = None,
 ) -> list[dict[str, float]]:
+    """The timeline of each fault; each engine's memory before the first into ``memory``."""
+    memory = [] if memory is None else memory
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = server_env(
@@ -185,6 +209,9 @@ def measure(
         ]
         for thread in threads:
             thread.start()
+        if standby:
+            _wait_for_standby(url, 300.0)
+        memory.extend(engine_memory_mib(url))
         for _ in range(kills):
             waited_s = _wait_for_standby(url, 300.0) if standby else 0.0
             time.sleep(settle_s)
@@ -241,6 +268,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1, help="more than 1: a closed loop")
     parser.add_argument("--signal", choices=sorted(SIGNALS), default="kill")
     arguments = parser.parse_args()
+    memory: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as folder:
         log = arguments.log or Path(folder) / "server.log"
         timelines = measure(
@@ -250,6 +278,7 @@ def main() -> None:
             standby=arguments.standby,
             clients=arguments.clients,
             fault=arguments.signal,
+            memory=memory,
         )
     steps = [step for step, _, _ in STEPS] + [
         "first_answer",
@@ -267,6 +296,7 @@ def main() -> None:
         if (values := [line[step] for line in timelines if step in line])
     }
     print("median:", json.dumps(medians))
+    print("engine memory (MiB):", json.dumps(memory))
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
     if arguments.out is not None:
@@ -280,6 +310,7 @@ def main() -> None:
             },
             "timelines": timelines,
             "median": medians,
+            "engine_memory_mib": memory,
             "load_average": load,
         }
         arguments.out.write_text(json.dumps(record, indent=2) + "\n")
