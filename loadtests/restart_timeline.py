@@ -225,6 +225,8 @@ def measure(
             time.sleep(2.0 if standby else 0.5)  # the last log lines; answers after the gap
             line = _timeline(log, answers, killed)
             line["mismatches"] = len(mismatches)  # since the start
+            line["requests_so_far"] = len(answers)
+            line["refused_so_far"] = sum(status != 200 for _, status in answers)
             line["waited_for_standby_s"] = round(waited_s, 3)
             timelines.append(line)
     finally:
