@@ -118,7 +118,6 @@ class EngineProcess:
     slot: int = 0
     process: subprocess.Popen[bytes] | None = None
     generation: int = -1
-    standby: bool = False
     started_s: float = 0.0
     young_deaths: int = 0
     restart_at_s: float | None = None
@@ -146,7 +145,6 @@ class EngineProcess:
         self.restart_at_s = None
         self.starts += 1
         self.generation = generation
-        self.standby = standby
         logger.info(
             "engine_process_started",
             extra={
