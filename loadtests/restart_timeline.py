@@ -252,11 +252,12 @@ def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dic
     line["first_answer"] = round(first - killed, 3)
     failed = [t for t, status in answers if killed < t < first]
     line["failed_requests"] = len(failed)
-    around = [(t, status) for t, status in answers if killed - 1.0 < t < killed + 2.0]
+    around = [(t, status) for t, status in answers if killed - 1.0 < t <= killed + 2.0]
     line["refused"] = sum(status != 200 for _, status in around)
     line["answered"] = sum(status == 200 for _, status in around)
     served = [t for t, status in around if status == 200]
-    line["longest_gap_s"] = round(max(b - a for a, b in itertools.pairwise(served)), 3)
+    gaps_s = [b - a for a, b in itertools.pairwise(served)]
+    line["longest_gap_s"] = round(max(gaps_s, default=0.0), 3)
     return line
 
 
