@@ -208,7 +208,7 @@ def check_answers(server: Server, answers: list[Answer], faults: int) -> float:
     refused = [answer for answer in answers if answer.status == 503]
     assert len(refused) <= CALLERS * faults, f"{len(refused)} answered 503"
     served = sorted((a for a in answers if a.status == 200), key=lambda a: a.answered_s)
-    assert len(served) > 50 * faults
+    assert len(served) > 20 * faults  # answers on either side of each fault
     for answer in served:
         assert answer.version in server.reference, answer.version
         np.testing.assert_allclose(
