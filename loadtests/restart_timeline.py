@@ -2,6 +2,15 @@
 under light traffic and read, from the JSON logs, when each step of the way back happened.
 
     python -m loadtests.restart_timeline --kills 5 --out docs/bench/restart/after.json
+    python -m loadtests.restart_timeline --standby 1 --clients 8 --kills 2 --settle-s 10
+    python -m loadtests.restart_timeline --standby 1 --clients 8 --kills 2 --signal stop
+
+With ``--standby N`` the server keeps N warm standby engines and the fault goes to the active
+engine (``--signal kill``: kill -9; ``stop``: SIGSTOP, a hung engine); before each fault the
+harness waits until a standby is ready again, then ``--settle-s`` more. Every answer is
+checked against the model's answer alone (a lone request before the load), and for each
+fault it reports the answers other than 200, the longest gap between two answers 200, and
+when the front ends switched (``engine_failover``).
 
 One client sends a digits request every 20 ms (closed loop) to a server with two front ends
 and one CPU engine. For each kill the steps, in seconds after the kill: the supervisor notices
@@ -15,6 +24,7 @@ figures: run it on a quiet machine, or say how loaded yours was.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -40,7 +50,9 @@ STEPS = (
     ("warmed", "model_warmed_up", 1),
     ("ready", "model_ready", 1),
     ("reconnected", "engine_connected", 2),
+    ("failover", "engine_failover", 2),
 )
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 def _events(log: Path) -> list[tuple[float, str, dict[str, object]]]:
@@ -57,15 +69,71 @@ def _events(log: Path) -> list[tuple[float, str, dict[str, object]]]:
     return found
 
 
-def _client(url: str, stop: threading.Event, answers: list[tuple[float, int]]) -> None:
-    with httpx.Client(base_url=url, timeout=5.0) as client:
+def _client(
+    url: str,
+    stop: threading.Event,
+    answers: list[tuple[float, int]],
+    period_s: float,
+    reference: list[float],
+    mismatches: list[float],
+) -> None:
+    with httpx.Client(base_url=url, timeout=30.0) as client:
         while not stop.is_set():
             try:
-                status = client.post("/predict", json=DIGIT).status_code
+                response = client.post("/predict", json=DIGIT)
+                status = response.status_code
             except httpx.TransportError:
                 status = 0
             answers.append((time.time(), status))
-            time.sleep(PERIOD_S)
+            if status == 200 and not _equal(response.json()["predictions"][0], reference):
+                mismatches.append(time.time())
+            time.sleep(period_s if status == 200 else max(period_s, 0.05))
+
+
+def _equal(got: list[float], expected: list[float]) -> bool:
+    return all(abs(a - b) <= 1e-5 + 1e-5 * abs(b) for a, b in zip(got, expected, strict=True))
+
+
+def _active_engine(url: str) -> tuple[int, int]:
+    """The active engine's pid, and how many standbys are ready."""
+    engines = httpx.get(url + "/models", timeout=10.0).json()["engines"]
+    roles = [(engine["role"], engine["pid"]) for engine in engines]
+    (active,) = [pid for role, pid in roles if role == "active"]
+    return int(active), sum(role == "standby" for role, _ in roles)
+
+
+def engine_memory_mib(url: str) -> list[dict[str, object]]:
+    """Each engine's role and memory (resident, and proportional: shared pages split among the
+    processes that map them), from /proc."""
+    found: list[dict[str, object]] = []
+    for engine in httpx.get(url + "/models", timeout=10.0).json()["engines"]:
+        if engine["pid"] is None:
+            continue
+        fields = {}
+        for line in Path(f"/proc/{engine['pid']}/smaps_rollup").read_text().splitlines()[1:]:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) / 1024
+        found.append(
+            {
+                "role": engine["role"],
+                "rss_mib": round(fields["Rss"]),
+                "pss_mib": round(fields["Pss"]),
+            }
+        )
+    return found
+
+
+def _wait_for_standby(url: str, timeout_s: float) -> float:
+    """Wait until a standby is ready; the seconds waited."""
+    started_s = time.monotonic()
+    while time.monotonic() - started_s < timeout_s:
+        try:
+            if _active_engine(url)[1] > 0:
+                return time.monotonic() - started_s
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("no standby engine was ready in time")
 
 
 def _engine_pids(supervisor: int) -> list[int]:
@@ -90,7 +158,17 @@ def _wait_serving(answers: list[tuple[float, int]], since: float, timeout_s: flo
     raise RuntimeError("the server did not answer 200 in time")
 
 
-def measure(kills: int, settle_s: float, log: Path) -> list[dict[str, float]]:
+def measure(
+    kills: int,
+    settle_s: float,
+    log: Path,
+    standby: int = 0,
+    clients: int = 1,
+    fault: str = "kill",
+    memory: list[dict[str, object]] | None = None,
+) -> list[dict[str, float]]:
+    """The timeline of each fault; each engine's memory before the first into ``memory``."""
+    memory = [] if memory is None else memory
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = server_env(
@@ -101,6 +179,7 @@ def measure(kills: int, settle_s: float, log: Path) -> list[dict[str, float]]:
             "BATCHSERVE_TORCH_THREADS": "1",
             "BATCHSERVE_WORKERS": "2",
             "BATCHSERVE_ENGINE_MODE": "process",
+            "BATCHSERVE_STANDBY_ENGINES": str(standby),
         }
     )
     answers: list[tuple[float, int]] = []
@@ -108,29 +187,52 @@ def measure(kills: int, settle_s: float, log: Path) -> list[dict[str, float]]:
     timelines = []
     with log.open("wb") as output:
         server = subprocess.Popen([str(BATCHSERVE), "serve"], env=env, stdout=output, stderr=output)
-    client = threading.Thread(target=_client, args=(url, stop, answers))
+    mismatches: list[float] = []
+    period_s = PERIOD_S if clients == 1 else 0.0  # several clients: a closed loop
+    threads: list[threading.Thread] = []
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        deadline = time.time() + 120
+        reference: list[float] = []
+        while time.time() < deadline and not reference:
             try:
-                if httpx.post(url + "/predict", json=DIGIT, timeout=2.0).status_code == 200:
-                    break
+                response = httpx.post(url + "/predict", json=DIGIT, timeout=2.0)
+                if response.status_code == 200:
+                    reference = response.json()["predictions"][0]
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        client.start()
+        threads = [
+            threading.Thread(
+                target=_client, args=(url, stop, answers, period_s, reference, mismatches)
+            )
+            for _ in range(clients)
+        ]
+        for thread in threads:
+            thread.start()
+        if standby:
+            _wait_for_standby(url, 300.0)
+        memory.extend(engine_memory_mib(url))
         for _ in range(kills):
+            waited_s = _wait_for_standby(url, 300.0) if standby else 0.0
             time.sleep(settle_s)
-            (victim,) = _engine_pids(server.pid)
+            if standby:
+                victim = _active_engine(url)[0]
+            else:
+                (victim,) = _engine_pids(server.pid)
             killed = time.time()
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, SIGNALS[fault])
             _wait_serving(answers, killed, 30.0)
-            time.sleep(0.5)  # the last log lines
-            timelines.append(_timeline(log, answers, killed))
+            time.sleep(2.0 if standby else 0.5)  # the last log lines; answers after the gap
+            line = _timeline(log, answers, killed)
+            line["mismatches"] = len(mismatches)  # since the start
+            line["requests_so_far"] = len(answers)
+            line["refused_so_far"] = sum(status != 200 for _, status in answers)
+            line["waited_for_standby_s"] = round(waited_s, 3)
+            timelines.append(line)
     finally:
         stop.set()
-        if client.is_alive():
-            client.join()
+        for thread in threads:
+            thread.join()
         server.terminate()
         server.wait(timeout=30)
     return timelines
@@ -150,6 +252,12 @@ def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dic
     line["first_answer"] = round(first - killed, 3)
     failed = [t for t, status in answers if killed < t < first]
     line["failed_requests"] = len(failed)
+    around = [(t, status) for t, status in answers if killed - 1.0 < t <= killed + 2.0]
+    line["refused"] = sum(status != 200 for _, status in around)
+    line["answered"] = sum(status == 200 for _, status in around)
+    served = [t for t, status in around if status == 200]
+    gaps_s = [b - a for a, b in itertools.pairwise(served)]
+    line["longest_gap_s"] = round(max(gaps_s, default=0.0), 3)
     return line
 
 
@@ -159,11 +267,30 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=4.0, help="serving time before each kill")
     parser.add_argument("--out", type=Path, default=None, help="write the timelines as JSON")
     parser.add_argument("--log", type=Path, default=None, help="keep the server's log here")
+    parser.add_argument("--standby", type=int, default=0, help="BATCHSERVE_STANDBY_ENGINES")
+    parser.add_argument("--clients", type=int, default=1, help="more than 1: a closed loop")
+    parser.add_argument("--signal", choices=sorted(SIGNALS), default="kill")
     arguments = parser.parse_args()
+    memory: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as folder:
         log = arguments.log or Path(folder) / "server.log"
-        timelines = measure(arguments.kills, arguments.settle_s, log)
-    steps = [step for step, _, _ in STEPS] + ["first_answer", "failed_requests"]
+        timelines = measure(
+            arguments.kills,
+            arguments.settle_s,
+            log,
+            standby=arguments.standby,
+            clients=arguments.clients,
+            fault=arguments.signal,
+            memory=memory,
+        )
+    steps = [step for step, _, _ in STEPS] + [
+        "first_answer",
+        "failed_requests",
+        "refused",
+        "answered",
+        "longest_gap_s",
+        "mismatches",
+    ]
     for line in timelines:
         print(json.dumps(line))
     medians = {
@@ -172,11 +299,23 @@ def main() -> None:
         if (values := [line[step] for line in timelines if step in line])
     }
     print("median:", json.dumps(medians))
+    print("engine memory (MiB):", json.dumps(memory))
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
     if arguments.out is not None:
         arguments.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"timelines": timelines, "median": medians, "load_average": load}
+        record = {
+            "settings": {
+                "standby": arguments.standby,
+                "clients": arguments.clients,
+                "signal": arguments.signal,
+                "settle_s": arguments.settle_s,
+            },
+            "timelines": timelines,
+            "median": medians,
+            "engine_memory_mib": memory,
+            "load_average": load,
+        }
         arguments.out.write_text(json.dumps(record, indent=2) + "\n")
 
 

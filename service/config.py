@@ -63,7 +63,18 @@ class Settings(BaseSettings):
     engine_mode: EngineMode = "auto"
     """``in_process``: one process serves alone, front end and engine in one event loop (one
     worker, one device); ``process``: a supervisor runs the front ends and one engine process
-    per device; ``auto``: ``in_process`` for one worker on one device, else ``process``."""
+    per device; ``auto``: ``in_process`` for one worker on one device without
+    ``standby_engines``, else ``process``."""
+
+    standby_engines: int = Field(default=0, ge=0, le=4)
+    """Warm standby engine processes per device, besides the active one (engine processes
+    only). A standby has imported torch, loaded and warmed up every served model and
+    connected to every front end, but takes no batches; when the active engine dies or is
+    declared hung, the front ends switch to it at once (its requests in flight are answered
+    503) and the supervisor starts a new standby. Each standby holds a full copy of every
+    model: 0 by default, as a CPU engine restarts in about its ``import torch`` time and
+    memory is often the limit there; 1 is recommended on GPU hosts, where a new engine must
+    also start CUDA, load the weights and compile before it serves."""
 
     engine_heartbeat_timeout_s: float = Field(default=1.5, ge=0.5, le=600.0)
     """An engine process that sends nothing for this long is treated as hung: the supervisor
@@ -252,6 +263,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "engine_mode in_process serves with one worker on one device; "
                 f"got workers={self.workers}, device={self.device!r}: use engine_mode=process"
+            )
+        if self.engine_mode == "in_process" and self.standby_engines > 0:
+            raise ValueError(
+                f"standby_engines {self.standby_engines} needs engine processes: use "
+                "engine_mode=process (or auto with workers > 1), or standby_engines=0"
             )
         chunks = math.ceil(self.max_instances_per_request / self.max_batch_size)
         if chunks > self.max_queue_size:

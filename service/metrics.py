@@ -35,6 +35,8 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 BATCH_SIZE_BUCKETS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 FRONTEND_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+#: A standby takes over in a heartbeat or two (0.25 s each); a restart takes seconds.
+TAKEOVER_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -93,6 +95,38 @@ class FrontendMetrics:
             "Engines this front end reaches that are ready (the least over front ends).",
             registry=r,
             multiprocess_mode="livemin",
+        )
+        self.engine_role = Gauge(
+            "batchserve_engine_role",
+            "1 for each engine's role as the front ends see it (active: takes the requests of "
+            "its device; standby: ready to take over), by device and engine socket.",
+            ["device", "engine", "role"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.standby_engines_ready = Gauge(
+            "batchserve_standby_engines_ready",
+            "Standby engines ready to take over, by device (the least over front ends); "
+            "exported only with standby_engines set.",
+            ["device"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.engine_failovers = Counter(
+            "batchserve_engine_failovers",
+            "Times a front end switched to a standby engine when the active one was lost, by "
+            "device: each front end counts its own, so one engine lost counts once per worker.",
+            ["device"],
+            registry=r,
+        )
+        self.engine_takeover = Histogram(
+            "batchserve_engine_takeover_seconds",
+            "From the last status a lost active engine sent to a front end (its heartbeats "
+            "come every engine_heartbeat_interval_s) until that front end had an active "
+            "engine again: a standby, or else the restarted engine. One per front end.",
+            ["device"],
+            buckets=TAKEOVER_BUCKETS_S,
+            registry=r,
         )
 
 

@@ -15,6 +15,15 @@ ENGINE_DEVICE_ENV = "_BATCHSERVE_ENGINE_DEVICE"
 ENGINE_HEARTBEAT_FILE_ENV = "_BATCHSERVE_ENGINE_HEARTBEAT_FILE"
 #: What an engine writes into its heartbeat file once its models are loaded (empty before).
 READY_MARK = b"ready"
+#: What a standby engine that could not load its models writes there instead: it stays up,
+#: reporting its failure to every front end, until the supervisor starts it again.
+FAILED_MARK = b"failed"
+#: For an engine: the order in which the supervisor started it (0, 1, ...); of the ready
+#: engines of a device, the front ends send requests to the one started first.
+ENGINE_GENERATION_ENV = "_BATCHSERVE_ENGINE_GENERATION"
+#: For an engine: "1" when another engine of its device serves already, so that this one
+#: starts as a standby; one that cannot load then stays up, failed, and stops nothing.
+ENGINE_STANDBY_ENV = "_BATCHSERVE_ENGINE_STANDBY"
 #: For an engine: its place among the server's engines (0, 1, ...), the order of its device.
 ENGINE_INDEX_ENV = "_BATCHSERVE_ENGINE_INDEX"
 #: For a front end: a JSON list of ``[socket path, device]``, one per engine.

@@ -255,6 +255,7 @@ async def test_health_readiness_and_models(client: httpx.AsyncClient, app: FastA
         "model": "digits",
         "version": DIGITS.version,
         "models": [f"digits@{DIGITS.version}"],
+        "engines": [{"device": "cpu", "status": "ready", "role": None, "detail": None}],
     }
     models = (await client.get("/models")).json()
     assert models["models"] == [models["loaded"]]

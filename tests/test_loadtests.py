@@ -528,4 +528,7 @@ def test_the_restart_timeline_reads_each_step_after_the_kill_from_the_logs(
         "reconnected": 1.7,
         "first_answer": 2.0,
         "failed_requests": 2,
+        "refused": 2,  # within 1 s before to 2 s after the kill
+        "answered": 2,
+        "longest_gap_s": 2.5,
     }

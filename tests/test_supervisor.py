@@ -1,20 +1,33 @@
-"""The supervisor's restart policy, and its wake-up on a child's exit, without servers."""
+"""The supervisor's restart policy, its wake-up on a child's exit and its standbys, without
+servers (fake engine processes)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from service.config import Settings
+from service.metrics import MULTIPROCESS_DIR_ENV
+from service.processes import (
+    ENGINE_HEARTBEAT_FILE_ENV,
+    ENGINE_STANDBY_ENV,
+    FAILED_MARK,
+    READY_MARK,
+)
+from service.server import supervisor
+from service.server.child_processes import sleep_until_woken, wake_on_signals
 from service.server.supervisor import (
     FIRST_BACKOFF_S,
     LONGEST_BACKOFF_S,
-    _sleep_until_woken,
-    _wake_on_signals,
+    EngineProcess,
+    Supervisor,
     restart_delay_s,
 )
 
@@ -40,7 +53,7 @@ def test_repeated_young_deaths_wait_longer_each_time_up_to_the_longest() -> None
 @pytest.fixture
 def woken() -> Iterator[int]:
     previous = signal.getsignal(signal.SIGCHLD)
-    read_fd = _wake_on_signals()
+    read_fd = wake_on_signals()
     try:
         yield read_fd
     finally:
@@ -52,12 +65,59 @@ def test_a_child_exit_ends_the_sleep_long_before_its_limit(woken: int) -> None:
     longest_s = 30.0
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     started_s = time.monotonic()
-    _sleep_until_woken(woken, longest_s)
+    sleep_until_woken(woken, longest_s)
     assert time.monotonic() - started_s < longest_s / 2
     assert child.wait() == 0
 
 
 def test_without_a_signal_the_sleep_lasts_its_limit(woken: int) -> None:
     started_s = time.monotonic()
-    _sleep_until_woken(woken, 0.2)
+    sleep_until_woken(woken, 0.2)
     assert time.monotonic() - started_s >= 0.2
+
+
+#: An engine that loads nothing: a standby marks its heartbeat file failed, any other ready.
+ENGINE_MARKING_ITS_LOAD = f"""
+import os, time
+standby = os.environ["{ENGINE_STANDBY_ENV}"] == "1"
+path = os.environ["{ENGINE_HEARTBEAT_FILE_ENV}"]
+with open(path, "wb") as marked:
+    marked.write({FAILED_MARK!r} if standby else {READY_MARK!r})
+time.sleep(60)
+"""
+
+
+def test_a_standby_that_cannot_load_stays_up_and_is_started_again_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        supervisor, "engine_command", lambda: [sys.executable, "-c", ENGINE_MARKING_ITS_LOAD]
+    )
+    monkeypatch.setattr(supervisor, "STANDBY_RETRY_S", 0.0)
+    engines = [
+        EngineProcess(0, "cpu", tmp_path / f"{slot}.sock", tmp_path / f"{slot}.alive", slot=slot)
+        for slot in (0, 1)
+    ]
+    watcher = Supervisor(Settings(), {**os.environ, MULTIPROCESS_DIR_ENV: str(tmp_path)}, engines)
+    active, standby = engines
+    try:
+        for engine in engines:
+            watcher._start(engine, standby=engine.slot > 0)
+        deadline_s = time.monotonic() + 30.0
+        while standby.mark() != FAILED_MARK or active.mark() != READY_MARK:
+            assert time.monotonic() < deadline_s, "the fake engines never marked their load"
+            time.sleep(0.05)
+        first = standby.process
+        assert first is not None
+        watcher._watch_engines()  # failed since its start: killed, to be started again
+        first.wait(timeout=30.0)
+        watcher._watch_engines()  # its exit noticed: started again at once, as a standby
+        assert standby.process is not first
+        assert standby.generation == 2
+        assert active.alive  # the active engine serves on: nothing stops the server
+        assert not watcher._stopping
+    finally:
+        for engine in engines:
+            if engine.process is not None and engine.alive:
+                engine.process.kill()
+                engine.process.wait()

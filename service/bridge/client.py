@@ -1,11 +1,13 @@
 """The front end's end of the bridge: one connection to each engine, as one ``EngineClient``.
 
 Each request goes to the ready engine with the fewest requests outstanding from this front
-end. A connection that is lost, or an engine that has gone quiet for longer than the
-heartbeat timeout, fails every request waiting on it at once with 503 and ``Retry-After``
-(nothing waits out its deadline on a dead engine); the connection is then retried until the
-engine is back (``connection.py``). A request is answered 504 at its deadline here too, and a
-request whose client left is cancelled in the engine, so it is never computed.
+end, among the active engine of each device: a device's other engines are warm standbys that
+take over when the active one is lost (``engines.py``). A connection that is lost, or an
+engine that has gone quiet for longer than the heartbeat timeout, fails every request
+waiting on it at once with 503 and ``Retry-After`` (nothing waits out its deadline on a dead
+engine); the connection is then retried until the engine is back (``connection.py``). A
+request is answered 504 at its deadline here too, and a request whose client left is
+cancelled in the engine, so it is never computed.
 
 A version switch reaches every engine or none: each engine first loads and warms up the
 version beside the one it serves (``prepare``); only when all have it does each switch
@@ -15,12 +17,14 @@ version beside the one it serves (``prepare``); only when all have it does each 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from service.bridge import changes
 from service.bridge.connection import EngineConnection
+from service.bridge.engines import ActiveEngines, change_targets, roles
 from service.bridge.interface import (
     EngineStatus,
     InferenceRequest,
@@ -53,15 +57,23 @@ class BridgeClient:
         heartbeat_timeout_s: float,
         request_timeout_ms: float,
         on_status: Callable[[], None] = lambda: None,
+        on_takeover: Callable[[str, float, bool], None] = lambda device, s, failover: None,
     ) -> None:
-        """``engines``: the socket path and device of each engine."""
+        """``engines``: the socket path and device of each engine (standbys included);
+        ``on_takeover``: see ``engines.Takeovers``."""
         self._request_timeout_ms = request_timeout_ms
         self._connections = [
             EngineConnection(
-                path, device, heartbeat_timeout_s, self._status_changed, request_timeout_ms
+                path,
+                device,
+                heartbeat_timeout_s,
+                functools.partial(self._engine_changed, index),
+                request_timeout_ms,
             )
-            for path, device in engines
+            for index, (path, device) in enumerate(engines)
         ]
+        self._choice = ActiveEngines([device for _, device in engines], on_takeover)
+        self._active: list[EngineConnection] = []
         self._on_status = on_status
         self._runs: list[asyncio.Task[None]] = []
         self._status: EngineStatus | None = None
@@ -90,6 +102,11 @@ class BridgeClient:
             self._ready_changed.clear()
             await self._ready_changed.wait()
 
+    def _engine_changed(self, index: int) -> None:
+        active = self._choice.changed(index, [c.status for c in self._connections])
+        self._active = [self._connections[i] for i in active]
+        self._status_changed()
+
     def _status_changed(self) -> None:
         self._status = None
         self._ready_changed.set()
@@ -110,7 +127,8 @@ class BridgeClient:
         return self._status
 
     def engines(self) -> list[EngineStatus]:
-        return [connection.status for connection in self._connections]
+        statuses = [connection.status for connection in self._connections]
+        return roles(statuses, self._choice.active)
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Submit ``request`` to an engine; its connection answers 504 at its deadline."""
@@ -123,8 +141,8 @@ class BridgeClient:
             raise
 
     def _pick(self) -> EngineConnection:
-        """The ready engine with the fewest of this front end's requests outstanding."""
-        ready = [c for c in self._connections if c.status.ready]
+        """The active engine with the fewest of this front end's requests outstanding."""
+        ready = self._active
         if not ready:
             raise self.status().refusal()
         return min(ready, key=lambda connection: connection.outstanding)
@@ -133,7 +151,7 @@ class BridgeClient:
         """Prepare on every engine, then commit on all of them, or abort on all (see
         ``bridge/changes.py``)."""
         before = self.status().find(name)
-        return await changes.switch_everywhere(self._connections, name, version, before)
+        return await changes.switch_everywhere(self._change_targets(), name, version, before)
 
     async def rollback(self, name: str | None = None) -> SwitchResult:
         return await self.switch(*self.status().rollback_target(name))
@@ -141,4 +159,9 @@ class BridgeClient:
     async def unload(self, name: str) -> str:
         """Unload on every engine; any refusal is the answer (each engine refuses alike)."""
         served = self.status().find(name)
-        return await changes.unload_everywhere(self._connections, name, served)
+        return await changes.unload_everywhere(self._change_targets(), name, served)
+
+    def _change_targets(self) -> list[EngineConnection]:
+        """Every engine, standbys included, but one that failed to load (``engines.py``)."""
+        statuses = [connection.status for connection in self._connections]
+        return [self._connections[i] for i in change_targets(statuses)]

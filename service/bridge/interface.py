@@ -19,6 +19,9 @@ from service.types import Priority
 
 Phase = Literal["connecting", "loading", "ready", "draining", "stalled", "failed", "down"]
 """``connecting``: a front end has not reached the engine yet; ``down``: it lost it."""
+Role = Literal["active", "standby"]
+"""``active``: the engine of its device that takes a front end's requests; ``standby``: one
+that is ready to take over (``bridge/engines.py``)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,11 @@ class EngineStatus:
     """Why the engine failed or is down, for logs and ``/readyz``."""
     device: str = ""
     pid: int | None = None
+    generation: int = 0
+    """The order in which the supervisor started this engine process: of the ready engines of
+    a device, the one started first is the active one."""
+    role: Role | None = None
+    """As one front end sees it (``bridge/engines.py``); not sent by the engine."""
 
     @property
     def model(self) -> ModelInfo | None:
@@ -118,6 +126,7 @@ class EngineStatus:
             "detail": self.detail,
             "device": self.device,
             "pid": self.pid,
+            "generation": self.generation,
         }
 
     @classmethod
@@ -129,6 +138,7 @@ class EngineStatus:
             detail=document.get("detail"),
             device=str(document.get("device", "")),
             pid=document.get("pid"),
+            generation=int(document.get("generation", 0)),
         )
 
 

@@ -7,6 +7,11 @@ restart would fail the same way); ``EXIT_STALLED`` when the model hangs, so the 
 replaces it. Every ``engine_heartbeat_interval_s`` its event loop touches its heartbeat
 file, which the supervisor watches, and sends every front end a status frame: the device
 thread running a long forward does not delay either.
+
+A standby engine (``ENGINE_STANDBY_ENV``, see ``standby_engines``) serves like any other once
+the front ends send it requests; one that cannot load its models stays up in phase
+``failed``, so that every front end reports why, and marks its heartbeat file for the
+supervisor to start it again later: the active engine serves on.
 """
 
 from __future__ import annotations
@@ -17,22 +22,29 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
 from service import tracing
-from service.bridge.server import BridgeServer
+from service.bridge.interface import EngineStatus, InferenceRequest, SwitchResult
+from service.bridge.server import BridgeServer, QueuedRequest
 from service.config import Settings, SettingsError, load_settings
 from service.engine.engine import Engine
 from service.logs import configure_logging
+from service.manifest import Manifest
 from service.metrics import EngineMetrics, ProcessMetrics
 from service.processes import (
     ENGINE_DEVICE_ENV,
+    ENGINE_GENERATION_ENV,
     ENGINE_HEARTBEAT_FILE_ENV,
     ENGINE_SOCKET_ENV,
+    ENGINE_STANDBY_ENV,
     EXIT_LOAD_FAILED,
     EXIT_STALLED,
+    FAILED_MARK,
     READY_MARK,
 )
 
@@ -42,10 +54,49 @@ logger = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 1.0
 
 
+class _StartedEngine:
+    """The engine as the bridge serves it: its status says when the supervisor started it
+    (``generation``), which the front ends choose the active engine of a device by."""
+
+    def __init__(self, engine: Engine, generation: int) -> None:
+        self._engine = engine
+        self._generation = generation
+        self._status: tuple[EngineStatus, EngineStatus] | None = None
+
+    def status(self) -> EngineStatus:
+        status = self._engine.status()
+        if self._status is None or self._status[0] is not status:
+            self._status = (status, replace(status, generation=self._generation))
+        return self._status[1]
+
+    def enqueue(
+        self, request: InferenceRequest, sink: Any, tag: object
+    ) -> tuple[QueuedRequest, str]:
+        return self._engine.enqueue(request, sink, tag)
+
+    async def prepare(self, name: str, version: str) -> Manifest:
+        return await self._engine.prepare(name, version)
+
+    async def commit(self) -> SwitchResult:
+        return await self._engine.commit()
+
+    async def abort(self) -> None:
+        await self._engine.abort()
+
+    async def unload(self, name: str) -> str:
+        return await self._engine.unload(name)
+
+
 async def serve_engine(
-    settings: Settings, socket_path: Path, device: str, heartbeat_file: Path | None
+    settings: Settings,
+    socket_path: Path,
+    device: str,
+    heartbeat_file: Path | None,
+    generation: int = 0,
+    standby: bool = False,
 ) -> int:
-    """Serve one device until SIGTERM, a failed load or a hung model; the exit status."""
+    """Serve one device until SIGTERM, a failed load or a hung model; the exit status.
+    ``standby``: a failed load leaves it up, failed, rather than exit (see above)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     exit_status = 0
@@ -55,23 +106,39 @@ async def serve_engine(
         exit_status = exit_status or status
         stop.set()
 
+    def load_failed() -> None:
+        if not standby:
+            stop_with(EXIT_LOAD_FAILED)
+        elif heartbeat_file is not None:
+            heartbeat_file.write_bytes(FAILED_MARK)
+
     metrics = EngineMetrics()
     process_metrics = ProcessMetrics("engine")
     engine = Engine(
         settings,
         metrics,
         device=device,
-        on_load_failure=lambda: stop_with(EXIT_LOAD_FAILED),
+        on_load_failure=load_failed,
         on_stall=lambda: stop_with(EXIT_STALLED),
     )
     heartbeat_interval_s = settings.engine_heartbeat_interval_s
-    bridge = BridgeServer(engine, socket_path, heartbeat_interval_s=heartbeat_interval_s)
+    bridge = BridgeServer(
+        _StartedEngine(engine, generation), socket_path, heartbeat_interval_s=heartbeat_interval_s
+    )
     engine.add_listener(bridge.status_changed)
     await bridge.start()
     engine.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    logger.info("engine_started", extra={"device": device, "socket": str(socket_path)})
+    logger.info(
+        "engine_started",
+        extra={
+            "device": device,
+            "socket": str(socket_path),
+            "generation": generation,
+            "standby": standby,
+        },
+    )
     parent = os.getppid()
 
     async def heartbeat() -> None:
@@ -143,6 +210,8 @@ def main() -> int:
                 Path(os.environ[ENGINE_SOCKET_ENV]),
                 os.environ[ENGINE_DEVICE_ENV],
                 Path(heartbeat) if heartbeat else None,
+                generation=int(os.environ.get(ENGINE_GENERATION_ENV, "0")),
+                standby=os.environ.get(ENGINE_STANDBY_ENV) == "1",
             )
         )
     finally:

@@ -147,6 +147,10 @@ async def readyz(request: Request) -> Response:
         "model": model.manifest.name if model else None,
         "version": model.manifest.version if model else None,
         "models": [served.manifest.label for served in status.models],
+        "engines": [
+            {"device": e.device, "status": e.phase, "role": e.role, "detail": e.detail}
+            for e in frontend.engine.engines()
+        ],
     }
     return json_response(content, status_code=200 if frontend.ready else 503)
 
@@ -176,6 +180,7 @@ async def models(request: Request) -> Response:
             "version": engine.model.manifest.version if engine.model else None,
             "models": [model.manifest.label for model in engine.models],
             "pid": engine.pid,
+            "role": engine.role,
         }
         for engine in frontend.engine.engines()
     ]

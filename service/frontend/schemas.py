@@ -43,12 +43,26 @@ class HealthResponse(BaseModel):
     engine: str = Field(description="The engines' state: ready, loading, stalled, down...")
 
 
+class EngineReadiness(BaseModel):
+    device: str
+    status: str = Field(description="The engine's phase, as for the server's status.")
+    role: str | None = Field(
+        description="active (takes the requests), standby (ready to take over) or null."
+    )
+    detail: str | None = Field(description="Why the engine failed or is down.")
+
+
 class ReadinessResponse(BaseModel):
     status: str = Field(description="ready, loading, draining, down, stalled or failed.")
     model: str | None = Field(default=None, description="The model /predict answers with.")
     version: str | None = None
     models: list[str] = Field(
         default_factory=list, description="Every model served, as name@version."
+    )
+    engines: list[EngineReadiness] = Field(
+        default_factory=list,
+        description="Each engine process, standbys included: a standby that failed to load "
+        "says why here (status failed), and never takes over.",
     )
 
 
@@ -71,12 +85,17 @@ class EngineInfo(BaseModel):
     version: str | None = Field(description="The version of the first model.")
     models: list[str] = Field(description="Every model the engine serves, as name@version.")
     pid: int | None
+    role: str | None = Field(
+        default=None, description="active, standby (ready to take over) or null (not ready)."
+    )
 
 
 class ModelsResponse(BaseModel):
     loaded: LoadedModelInfo | None = Field(description="The model /predict answers with.")
     models: list[LoadedModelInfo] = Field(description="Every model served, in load order.")
-    engines: list[EngineInfo] = Field(description="Each engine (one per device), in order.")
+    engines: list[EngineInfo] = Field(
+        description="Each engine (one per device, and its standbys), in order."
+    )
     versions: list[dict[str, Any]] = Field(
         description="Every version in the repository of each model served (the first when "
         "none is), oldest first."

@@ -24,10 +24,13 @@ from service.server.tune_command import add_tune_parser, run_tune
 
 
 def serves_in_one_process(settings: Settings) -> bool:
-    """``engine_mode`` as decided: ``auto`` means one process for one worker on one device."""
+    """``engine_mode`` as decided: ``auto`` means one process for one worker on one device
+    with no standby engine."""
     if settings.engine_mode != "auto":
         return settings.engine_mode == "in_process"
-    return settings.workers == 1 and len(engine_devices(settings.device, count_cuda_devices)) == 1
+    if settings.workers > 1 or settings.standby_engines > 0:
+        return False
+    return len(engine_devices(settings.device, count_cuda_devices)) == 1
 
 
 def serve(settings: Settings, overrides: dict[str, object]) -> int:

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from service.bridge.client import BridgeClient
+from service.bridge.interface import EngineStatus
 from service.config import Settings, load_settings
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
@@ -33,11 +34,18 @@ def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, st
     """A front end reaching ``engines`` through the bridge. ``app.state.loading`` finishes
     once an engine is ready (or every engine failed), for the worker to start accepting."""
     registry = CollectorRegistry()
+    metrics = FrontendMetrics(registry)
     frontend: FrontendState | None = None
 
     def refresh() -> None:
         if frontend is not None:
             frontend.refresh_gauges()
+            export_roles(metrics, engines, client.engines(), settings.standby_engines > 0)
+
+    def taken_over(device: str, seconds: float, failover: bool) -> None:
+        metrics.engine_takeover.labels(device).observe(seconds)
+        if failover:
+            metrics.engine_failovers.labels(device).inc()
 
     client = BridgeClient(
         engines,
@@ -47,10 +55,11 @@ def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, st
         heartbeat_timeout_s=2 * settings.engine_heartbeat_timeout_s,
         request_timeout_ms=settings.request_timeout_ms,
         on_status=refresh,
+        on_takeover=taken_over,
     )
     frontend = FrontendState(
         settings=settings,
-        metrics=FrontendMetrics(registry),
+        metrics=metrics,
         process_metrics=ProcessMetrics("frontend", registry),
         registry=registry,
         engine=client,
@@ -71,6 +80,23 @@ def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, st
     app = create_frontend_app(frontend, lifespan)
     app.state.client = client
     return app
+
+
+def export_roles(
+    metrics: FrontendMetrics,
+    engines: list[tuple[Path, str]],
+    statuses: list[EngineStatus],
+    with_standby: bool,
+) -> None:
+    """Each engine's role, and each device's standbys ready (with standbys configured)."""
+    standbys: dict[str, int] = dict.fromkeys((device for _, device in engines), 0)
+    for (path, device), status in zip(engines, statuses, strict=True):
+        for role in ("active", "standby"):
+            metrics.engine_role.labels(device, path.stem, role).set(status.role == role)
+        standbys[device] += status.role == "standby"
+    if with_standby:
+        for device, ready in standbys.items():
+            metrics.standby_engines_ready.labels(device).set(ready)
 
 
 def create_app_from_environment() -> FastAPI:

@@ -1,14 +1,18 @@
 """The supervisor: ``batchserve serve`` with front ends and engine processes.
 
-It starts one engine process per device, then gunicorn with ``workers`` front ends, and
-watches them all without importing torch:
+It starts one engine process per device (and ``standby_engines`` warm standbys beside each,
+which the front ends switch to when the active one is lost: ``bridge/engines.py``), then
+gunicorn with ``workers`` front ends, and watches them all without importing torch:
 
 - An engine that exits is started again at once (after a growing back-off if it keeps dying
   young): its exit wakes the supervisor (SIGCHLD), which does not wait for its next poll.
   The front ends reconnect on their own. One that stops touching its heartbeat file for
   ``engine_heartbeat_timeout_s`` once it has loaded its models (``STARTING_QUIET_S`` while
   it loads them) is killed and started again. One that cannot load its model
-  (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way.
+  (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way. An engine
+  started while another of its device is up starts as a standby: if it cannot load, it
+  stays up and failed (every front end reports it) and is started again
+  ``STANDBY_RETRY_S`` later, while the active engine serves on.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
 - SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
   the engines (every queued request answered); the exit status is 0. SIGINT stops the front
@@ -21,11 +25,10 @@ Every child gets SIGTERM if the supervisor dies, so none is left serving as an o
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import itertools
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -43,14 +46,18 @@ from service.config import Settings
 from service.metrics import MULTIPROCESS_DIR_ENV
 from service.processes import (
     ENGINE_DEVICE_ENV,
+    ENGINE_GENERATION_ENV,
     ENGINE_HEARTBEAT_FILE_ENV,
     ENGINE_INDEX_ENV,
     ENGINE_SOCKET_ENV,
+    ENGINE_STANDBY_ENV,
     ENGINES_ENV,
     EXIT_LOAD_FAILED,
+    FAILED_MARK,
     READY_MARK,
     RUN_DIR_ENV,
 )
+from service.server.child_processes import die_with_parent, sleep_until_woken, wake_on_signals
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.gunicorn_setup import graceful_timeout_s
 from service.server.launcher import prepare_multiprocess_dir, settings_environment
@@ -70,7 +77,8 @@ LONGEST_BACKOFF_S = 30.0
 #: and warming up pause its event loop (full garbage collections) far longer on a busy host
 #: than serving does.
 STARTING_QUIET_S = 30.0
-_PR_SET_PDEATHSIG = 1
+#: How long a standby that could not load its models stays failed before it is started again.
+STANDBY_RETRY_S = 30.0
 
 
 def gunicorn_command() -> list[str]:
@@ -97,30 +105,27 @@ def restart_delay_s(young_deaths: int) -> float:
     return min(LONGEST_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** (young_deaths - 2))
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the supervisor dies (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the children notice a new parent within a second instead
-
-
 @dataclass
 class EngineProcess:
-    """One engine: its device, its socket and heartbeat file, and its current process."""
+    """One engine: its device, its socket and heartbeat file, and its current process.
+    ``slot`` 0 is the engine a device starts with, the others its standbys; after a failover
+    any slot may hold the active engine."""
 
     index: int
     device: str
     socket: Path
     heartbeat_file: Path
+    slot: int = 0
     process: subprocess.Popen[bytes] | None = None
+    generation: int = -1
     started_s: float = 0.0
     young_deaths: int = 0
     restart_at_s: float | None = None
     starts: int = field(default=0)
 
-    def start(self, environ: Mapping[str, str]) -> None:
+    def start(self, environ: Mapping[str, str], generation: int, standby: bool) -> None:
+        """Start a process; ``generation`` orders it among every engine started (the front
+        ends prefer the oldest ready one), ``standby`` when another of its device is up."""
         self.heartbeat_file.write_bytes(b"")  # not ready until the engine says so
         os.utime(self.heartbeat_file, (0, 0))  # not alive until the engine touches it
         self.process = subprocess.Popen(
@@ -131,16 +136,38 @@ class EngineProcess:
                 ENGINE_DEVICE_ENV: self.device,
                 ENGINE_HEARTBEAT_FILE_ENV: str(self.heartbeat_file),
                 ENGINE_INDEX_ENV: str(self.index),
+                ENGINE_GENERATION_ENV: str(generation),
+                ENGINE_STANDBY_ENV: "1" if standby else "0",
             },
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.started_s = time.monotonic()
         self.restart_at_s = None
         self.starts += 1
+        self.generation = generation
         logger.info(
             "engine_process_started",
-            extra={"engine": self.index, "device": self.device, "pid": self.process.pid},
+            extra={
+                "engine": self.index,
+                "slot": self.slot,
+                "device": self.device,
+                "pid": self.process.pid,
+                "generation": generation,
+                "standby": standby,
+            },
         )
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def mark(self) -> bytes:
+        """What the engine wrote in its heartbeat file: ``READY_MARK``, ``FAILED_MARK`` or
+        nothing yet."""
+        try:
+            return self.heartbeat_file.read_bytes()
+        except OSError:
+            return b""
 
     def quiet_for_s(self) -> float | None:
         """Seconds since the engine last touched its heartbeat file; None before it ever has."""
@@ -152,10 +179,7 @@ class EngineProcess:
 
     def longest_quiet_s(self, heartbeat_timeout_s: float) -> float:
         """How long this engine may go without a heartbeat before it is declared hung."""
-        try:
-            ready = self.heartbeat_file.read_bytes() == READY_MARK
-        except OSError:
-            ready = False
+        ready = self.mark() == READY_MARK
         return heartbeat_timeout_s if ready else max(heartbeat_timeout_s, STARTING_QUIET_S)
 
 
@@ -170,17 +194,18 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._stopping = False
         self._exit_status = 0
+        self._generations = itertools.count()
 
     def run(self) -> int:
-        woken = _wake_on_signals()
+        woken = wake_on_signals()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_stop_signal)
         for signum in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signum, self._forward_to_gunicorn)
         for engine in self._engines:
-            engine.start(self._environ)
+            self._start(engine, standby=engine.slot > 0)
         self._gunicorn = subprocess.Popen(
-            gunicorn_command(), env=self._environ, preexec_fn=_die_with_parent
+            gunicorn_command(), env=self._environ, preexec_fn=die_with_parent
         )
         logger.info(
             "supervisor_started",
@@ -191,13 +216,32 @@ class Supervisor:
             },
         )
         while True:
-            _sleep_until_woken(woken, POLL_INTERVAL_S)
+            sleep_until_woken(woken, POLL_INTERVAL_S)
             if self._stop_signal is not None and not self._stopping:
                 self._begin_stop(self._stop_signal)
             if self._gunicorn.poll() is not None:
                 return self._finish()
             if not self._stopping:
                 self._watch_engines()
+
+    def _start(self, engine: EngineProcess, standby: bool) -> None:
+        engine.start(self._environ, next(self._generations), standby)
+
+    def _siblings(self, engine: EngineProcess) -> list[EngineProcess]:
+        """The other engines of ``engine``'s device."""
+        return [e for e in self._engines if e.index == engine.index and e is not engine]
+
+    def _role(self, engine: EngineProcess) -> str:
+        """As the front ends choose (``bridge/engines.py``): the ready engine of its device
+        started first is active; the other ready ones are standbys."""
+        if engine.mark() != READY_MARK:
+            return "starting" if engine.mark() == b"" else "failed"
+        older = [
+            e
+            for e in self._siblings(engine)
+            if e.alive and e.mark() == READY_MARK and e.generation < engine.generation
+        ]
+        return "standby" if older else "active"
 
     def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only an attribute: the loop above does the work, outside the signal handler.
@@ -256,18 +300,31 @@ class Supervisor:
                 ):
                     logger.error(
                         "engine_unresponsive",
-                        extra={"engine": engine.index, "pid": process.pid, "quiet_s": quiet_s},
+                        extra={
+                            "engine": engine.index,
+                            "slot": engine.slot,
+                            "pid": process.pid,
+                            "quiet_s": quiet_s,
+                            "role": self._role(engine),
+                        },
+                    )
+                    process.kill()
+                elif now_s - engine.started_s > STANDBY_RETRY_S and engine.mark() == FAILED_MARK:
+                    logger.warning(
+                        "standby_restarted_after_failed_load",
+                        extra={"engine": engine.index, "slot": engine.slot, "pid": process.pid},
                     )
                     process.kill()
                 continue
             if engine.restart_at_s is None:
                 self._engine_exited(engine, code, now_s)
             if engine.restart_at_s is not None and now_s >= engine.restart_at_s:
-                engine.start(self._environ)
+                self._start(engine, standby=any(e.alive for e in self._siblings(engine)))
 
     def _engine_exited(self, engine: EngineProcess, code: int, now_s: float) -> None:
         assert engine.process is not None
         _forget_gauges(engine.process.pid, self._environ)
+        role = self._role(engine)
         if code == EXIT_LOAD_FAILED:
             logger.error("engine_cannot_load_model", extra={"engine": engine.index})
             self._begin_stop(signal.SIGTERM, exit_status=1)
@@ -280,32 +337,22 @@ class Supervisor:
             "engine_exited",
             extra={
                 "engine": engine.index,
+                "slot": engine.slot,
                 "pid": engine.process.pid,
                 "exit_status": code,
                 "restart_in_s": wait_s,
+                "role": role,
+                "standby_ready": [
+                    e.process.pid
+                    for e in self._siblings(engine)
+                    if e.process is not None and e.alive and e.mark() == READY_MARK
+                ],
             },
         )
 
 
-def _wake_on_signals() -> int:
-    """The read end of a pipe that every signal the supervisor handles writes to, SIGCHLD
-    included: an engine's exit ends the supervisor's sleep at once, not at its next poll."""
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(read_fd, False)
-    os.set_blocking(write_fd, False)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    # A Python handler, so that SIGCHLD (ignored by default) reaches the wake-up pipe.
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    return read_fd
-
-
-def _sleep_until_woken(read_fd: int, longest_s: float) -> None:
-    """Sleep up to ``longest_s``; return early once a signal has arrived."""
-    readable, _, _ = select.select([read_fd], [], [], longest_s)
-    if readable:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(read_fd, 512):
-                pass
+def _slot_suffix(slot: int) -> str:
+    return f"-standby{slot}" if slot else ""
 
 
 def _forget_gauges(pid: int, environ: Mapping[str, str]) -> None:
@@ -326,10 +373,12 @@ def run_server(settings: Settings, overrides: Mapping[str, object]) -> int:
             EngineProcess(
                 index=index,
                 device=device,
-                socket=run_dir / f"engine-{index}.sock",
-                heartbeat_file=run_dir / f"engine-{index}.alive",
+                socket=run_dir / f"engine-{index}{_slot_suffix(slot)}.sock",
+                heartbeat_file=run_dir / f"engine-{index}{_slot_suffix(slot)}.alive",
+                slot=slot,
             )
             for index, device in enumerate(devices)
+            for slot in range(1 + settings.standby_engines)
         ]
         environ[ENGINES_ENV] = json.dumps([[str(e.socket), e.device] for e in engines])
         sys.stdout.flush()
