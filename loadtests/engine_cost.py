@@ -176,9 +176,13 @@ def measure(args: argparse.Namespace) -> list[Run]:
         baseline = sweep.Baseline(args.baseline_checkout)
         with servers.ServerPool() as pool:
             contenders = []
-            mlp_repository, mlp_path = baseline_mlp_repository(
-                args.baseline_checkout, Path(scratch) / "baseline-mlp"
-            )
+            if (args.baseline_checkout / "service" / "model_store.py").exists():
+                mlp_repository, mlp_path = baseline_mlp_repository(
+                    args.baseline_checkout, Path(scratch) / "baseline-mlp"
+                )
+            else:  # a checkout of today's layout (a later main): it reads our repository
+                mlp_repository = harness.ensure_repository(configs.MLP_MODEL)
+                mlp_path = Path(scratch)
             for name in args.configs:
                 configuration = configs.CONFIGURATIONS[name]
                 sweep.log(f"start {name}")

@@ -69,6 +69,8 @@ class EngineConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._lost: asyncio.Event = asyncio.Event()
         self._last_heard_s = 0.0
+        self._status_document: dict[str, Any] | None = None
+        """The engine's last STATUS header, as sent: ``status`` was built from it."""
 
     @property
     def outstanding(self) -> int:
@@ -128,6 +130,7 @@ class EngineConnection(asyncio.Protocol):
     def _fail_everything(self, phase: Phase, detail: str) -> None:
         """The engine is gone: answer every request waiting on it now (503, Retry-After)."""
         self.status = EngineStatus(phase=phase, device=self.status.device, detail=detail)
+        self._status_document = None
         requests, self._requests = self._requests, {}
         controls, self._controls = self._controls, {}
         self._submits, self._cancels, self._deadlines = [], [], []
@@ -167,8 +170,16 @@ class EngineConnection(asyncio.Protocol):
                 if reply is not None and not reply.done():
                     reply.set_result(frame.header)
             elif frame.kind == wire.Kind.STATUS:
-                self.status = EngineStatus.from_wire(frame.header)
-                self._on_status()
+                self._status_received(frame.header)
+
+    def _status_received(self, document: dict[str, Any]) -> None:
+        """A heartbeat repeats the status the engine sent last: rebuilding it (its manifests
+        validated by pydantic) and telling every listener four times a second is skipped."""
+        if document == self._status_document:
+            return
+        self.status = EngineStatus.from_wire(document)
+        self._status_document = document
+        self._on_status()
 
     def _answered(self, frame: wire.Frame) -> None:
         """An engine's batch answered these requests of ours (or refused them)."""
@@ -248,9 +259,16 @@ class EngineConnection(asyncio.Protocol):
     def _send_submits(self) -> None:
         submits, self._submits = self._submits, []
         packer, self._packer = self._packer, contract.DataPacker()
-        if self._writer is not None and submits:
+        if submits:
             header = contract.encode(contract.Submits(load=self._load, requests=submits))
-            self._writer.send_typed(wire.Kind.SUBMITS, header, packer.buffers)
+            self._write_now(wire.encode_typed(wire.Kind.SUBMITS, header, packer.buffers))
+
+    def _write_now(self, frame: list[bytes | memoryview]) -> None:
+        """Write ``frame`` now: called at the end of the turn that gathered it already, so
+        the writer's own end-of-turn queue would only hold it one more loop turn."""
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.writelines(frame)
 
     def cancel(self, call_id: int) -> None:
         """Stop waiting for ``call_id``; the engine drops it if it has not run yet (one not
@@ -266,9 +284,10 @@ class EngineConnection(asyncio.Protocol):
 
     def _send_cancels(self) -> None:
         cancels, self._cancels = self._cancels, []
-        if self._writer is not None and cancels:
-            header = contract.encode(contract.Cancels(ids=cancels))
-            self._writer.send_typed(wire.Kind.CANCELS, header)
+        if cancels:
+            self._write_now(
+                wire.encode_typed(wire.Kind.CANCELS, contract.encode(contract.Cancels(ids=cancels)))
+            )
 
     async def control(self, op: str, **args: object) -> Any:
         """One step of a version switch on this engine; its result, or its ``ServiceError``."""

@@ -44,7 +44,7 @@ from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
 from service.frontend.receiving import received_or_pending
 from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
-from service.frontend.responses import json_response
+from service.frontend.responses import json_answer
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import PRIORITIES, Priority
@@ -241,9 +241,9 @@ async def _serve_body(
         )
     result = per_token.at_own_lengths(result, instances, model.manifest)
     predictions = _postprocess(handler, result, handler_request)
-    return json_response(
+    return json_answer(
         {"model": name, "version": version, "predictions": predictions},
-        headers=response_headers,
+        (b"x-model-version", response_headers["X-Model-Version"].encode("latin-1")),
     )
 
 

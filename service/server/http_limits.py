@@ -10,6 +10,12 @@ second, stayed open for as long as the client liked. Here, per connection:
   byte (later requests on a kept-alive connection); else 408 and the connection is closed
   (closed silently if not a byte came). Idle keep-alive connections close after uvicorn's
   ``timeout_keep_alive``. Slow bodies are cut by the request's deadline (``read_body``).
+
+It also writes a response's head and body in one system call: uvicorn writes the head when
+the app sends ``http.response.start`` and the body on ``http.response.body``, two writes and,
+over TCP, two segments for the client to wake up to (py-spy: uvicorn's ``send`` was the
+largest frame of a front end under load). The head is held until the body's first write,
+or the end of the loop turn if no body follows in it (a streamed answer).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ LINGER_S = 2.0
 LINGER_MAX_BYTES = 4 * 1024 * 1024
 #: The bytes each header adds to the head besides its name and value (": " and CRLF).
 _HEADER_OVERHEAD_BYTES = 4
+#: A body up to this size is copied behind its head to go out in one write; a larger one is
+#: written after it (the copy would cost more than the second system call).
+JOINED_BODY_BYTES = 256 * 1024
 
 
 class _HeadTooLargeError(Exception):
@@ -112,6 +121,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head = False
         self._stop_head_timer()
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = HeadHeldTransport(self.transport, self.loop)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -187,3 +198,46 @@ def limited_protocol(settings: Settings) -> type[LimitedHttpToolsProtocol]:
             "head_timeout_s": settings.header_timeout_s,
         },
     )
+
+
+class HeadHeldTransport(asyncio.Transport):
+    """The transport one response is written to: a response head (the first write ending in
+    a blank line) is held until the next write and goes out with it, or at the end of the
+    loop turn; everything else goes through at once. uvicorn's response cycle calls only
+    ``write``, ``close`` and ``is_closing``."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if len(data) <= JOINED_BODY_BYTES:
+                self._transport.write(held + data)
+                return
+            self._transport.write(held)
+        elif bytes(data[-4:]) == b"\r\n\r\n" and data[:5] == b"HTTP/":
+            self._held = bytes(data)
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        """Write a head still held (no body followed it in its loop turn)."""
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._transport.get_extra_info(name, default)
