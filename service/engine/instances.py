@@ -15,17 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 def device_threads(instances: int, torch_threads: int) -> ThreadPoolExecutor:
     """The executor of the device's ``instances`` threads; each uses ``torch_threads //
-    instances`` intra-op threads (at least one) when there are several."""
+    instances`` intra-op threads (at least one). Set in every device thread, one instance
+    too: OpenMP's count is per calling thread, and a thread never given one runs BLAS on
+    OpenMP's default (a worker per CPU, spinning between batches)."""
     return ThreadPoolExecutor(
         instances,
         thread_name_prefix="batchserve-device",
         initializer=_share_threads,
-        initargs=(max(1, torch_threads // instances) if instances > 1 else 0,),
+        initargs=(max(1, torch_threads // instances),),
     )
 
 
 def _share_threads(threads: int) -> None:
-    if threads:
-        import torch  # in the device thread only: the module stays importable without torch
+    import torch  # in the device thread only: the module stays importable without torch
 
-        torch.set_num_threads(threads)  # OpenMP's thread count is per calling thread
+    torch.set_num_threads(threads)  # OpenMP's thread count is per calling thread
