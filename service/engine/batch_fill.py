@@ -54,4 +54,4 @@ class BatchFiller:
 
 
 def _caller_gone(entry: Entry) -> bool:
-    return entry.ticket is not None and entry.ticket.abandoned
+    return entry.abandoned
