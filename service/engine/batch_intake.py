@@ -143,65 +143,104 @@ class Intake:
         if planned is None:
             return [self._one_of_frame(submission, source, sink) for submission in submissions]
         arrival_s, split = planned
+        default_deadline_s = arrival_s + self._request_timeout_s
         admitted: list[Admitted] = []
         by_group: dict[Hashable, list[Entry]] = {}
-        for submission, (chunks, rows) in zip(submissions, split, strict=True):
-            deadline_s = submission.deadline_s
+        withdraw, finished = self._withdraw, self._finished
+        for submission, pieces in zip(submissions, split, strict=True):
+            payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
             if deadline_s is None:
-                deadline_s = arrival_s + self._request_timeout_s
-            ticket, entries = self._entries(
-                submission, chunks, rows, arrival_s, deadline_s, source, sink
-            )
-            admitted.append(ticket)
-            by_group.setdefault(submission.group, []).extend(entries)
+                deadline_s = default_deadline_s
+            if isinstance(pieces, int):  # one chunk: one object (the common case)
+                solo: SoloTicket[Any] = SoloTicket(
+                    payload,
+                    pieces,
+                    pieces * cost_per_row,
+                    group,
+                    priority,
+                    arrival_s,
+                    deadline_s,
+                    request_id,
+                    source,
+                    trace,
+                    tag,
+                    sink,
+                    withdraw,
+                    finished,
+                )
+                admitted.append(solo)
+                entries: list[Entry] = [solo]
+            else:
+                ticket, entries = self._entries(
+                    submission, *pieces, arrival_s, deadline_s, source, sink
+                )
+                admitted.append(ticket)
+            queued = by_group.get(group)
+            if queued is None:
+                by_group[group] = entries
+            else:
+                queued.extend(entries)
         was_empty = not self._queue
         groups = []
-        for entries in by_group.values():
-            self._deadlines.add_all(entries)
-            add = self._queue.add
-            for entry in entries:
-                group = add(entry)
-            groups.append(group)
+        add = self._queue.add
+        for queued in by_group.values():
+            self._deadlines.add_all(queued)
+            for entry in queued:
+                grown = add(entry)
+            groups.append(grown)
         self._added(groups, was_empty)
         return admitted
 
     def _plan(
         self, submissions: Sequence[Submission]
-    ) -> tuple[float, list[tuple[list[Any], list[int]]]] | None:
-        """Every request's chunks, when the whole frame is admitted (see the module's
-        docstring); None when some request might be refused."""
-        split = []
+    ) -> tuple[float, list[int | tuple[list[Any], list[int]]]] | None:
+        """Every request's rows (one chunk) or chunks and their rows, when the whole frame is
+        admitted (see the module's docstring); None when some request might be refused."""
+        split: list[int | tuple[list[Any], list[int]]] = []
         chunk_count = 0
         growth: dict[Hashable, list[int]] = {}  # group: [rows, high rows, cost]
-        tightest: dict[tuple[Hashable, Priority, tuple[int, ...]], float] = {}
+        tightest: dict[tuple[Hashable, Priority, int | tuple[int, ...]], float] = {}
         arrival_s = self._clock.now()
-        default_deadline_s = arrival_s + self._request_timeout_s
+        default_left_s = self._request_timeout_s
+        per_chunk: dict[int, int] = {}  # cost per row: rows per chunk
+        max_batch_size, max_batch_cost = self._row_limit.max_batch_size, self._max_batch_cost
         for submission in submissions:
-            try:
+            payload, group, cost_per_row, priority, deadline_s = submission[:5]
+            total_rows = len(payload)
+            if total_rows < 1:
+                return None  # refused alone: one by one says why
+            chunk_rows = per_chunk.get(cost_per_row)
+            if chunk_rows is None:
+                chunk_rows = per_chunk[cost_per_row] = batch_admission.chunk_rows(
+                    max_batch_size, max_batch_cost, cost_per_row
+                )
+            kind: tuple[Hashable, Priority, int | tuple[int, ...]]
+            if total_rows <= chunk_rows:
+                split.append(total_rows)
+                chunk_count += 1
+                kind = (group, priority, total_rows)
+            else:
                 chunks, rows = self._chunks(submission)
-            except ServiceError:
-                return None  # refused alone: one by one says which
-            split.append((chunks, rows))
-            chunk_count += len(chunks)
-            total_rows = sum(rows)
-            grown = growth.get(submission.group)
+                split.append((chunks, rows))
+                chunk_count += len(chunks)
+                kind = (group, priority, tuple(rows))
+            grown = growth.get(group)
             if grown is None:
-                grown = growth[submission.group] = [0, 0, 0]
+                grown = growth[group] = [0, 0, 0]
             grown[0] += total_rows
-            grown[2] += total_rows * submission.cost_per_row
-            if submission.priority == "high":
+            grown[2] += total_rows * cost_per_row
+            if priority == "high":
                 grown[1] += total_rows
-            kind = (submission.group, submission.priority, tuple(rows))
-            deadline_s = submission.deadline_s
-            left_s = (default_deadline_s if deadline_s is None else deadline_s) - arrival_s
+            left_s = default_left_s if deadline_s is None else deadline_s - arrival_s
             if left_s < tightest.get(kind, float("inf")):
                 tightest[kind] = left_s
         if self._queue.entries + chunk_count > self._max_queue_size:
             return None
         waits = self._pessimistic_waits_s(growth, arrival_s)
         for (group, priority, kind_rows), left_s in tightest.items():
+            chunk_list = [kind_rows] if isinstance(kind_rows, int) else list(kind_rows)
             refused = batch_admission.refusal(
-                list(kind_rows), group, left_s, self._estimate, waits.__getitem__, priority
+                chunk_list, group, left_s, self._estimate, waits.__getitem__, priority
             )
             if refused is not None:
                 return None
