@@ -170,6 +170,23 @@ class BatchQueue:
         self._forget(entry, group)
         return entry
 
+    def pop_heads(self, group: Group, priority: Priority, count: int) -> None:
+        """Take the first ``count`` entries of ``group``'s ``priority`` lane (a batch's)."""
+        lane = group.lanes[priority]
+        rows = cost = 0
+        for _ in range(count):
+            entry = lane.popleft()
+            entry.queued = False
+            rows += entry.rows
+            cost += entry.cost
+        group.rows -= rows
+        group.cost -= cost
+        if priority == "high":
+            group.high_rows -= rows
+        if group.rows == 0:  # every entry holds a row at least
+            del self.groups[group.key]
+        self.entries -= count
+
     def oldest(self) -> Entry | None:
         heads = [group.oldest() for group in self.groups.values()]
         return min(
