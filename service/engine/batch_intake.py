@@ -169,17 +169,17 @@ class Intake:
                     finished,
                 )
                 admitted.append(solo)
-                entries: list[Entry] = [solo]
+                queued = by_group.get(group)
+                if queued is None:
+                    by_group[group] = [solo]
+                else:
+                    queued.append(solo)
             else:
                 ticket, entries = self._entries(
                     submission, *pieces, arrival_s, deadline_s, source, sink
                 )
                 admitted.append(ticket)
-            queued = by_group.get(group)
-            if queued is None:
-                by_group[group] = entries
-            else:
-                queued.extend(entries)
+                by_group.setdefault(group, []).extend(entries)  # not the ticket's own list
         was_empty = not self._queue
         groups = []
         add = self._queue.add
