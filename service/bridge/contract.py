@@ -179,14 +179,14 @@ def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
         for spec in specs:
             dtype = _dtype(spec.dtype)
             shape = spec.shape
-            count = 1
+            if spec.offset < 0:
+                raise ProtocolError(f"array {spec.name!r} starts before the data: {spec.offset}")
             for size in shape:
-                if size < 0:  # numpy would infer a -1 from the data
+                if size < 0:
                     raise ProtocolError(f"array {spec.name!r} has a negative size in {shape}")
-                count *= size
-            arrays[spec.name] = np.frombuffer(
-                buffer, dtype=dtype, count=count, offset=spec.offset
-            ).reshape(shape)
+            # One C call (numpy checks that the buffer holds it); as frombuffer then reshape
+            # did, but a request's arrays cost this once each.
+            arrays[spec.name] = np.ndarray(shape, dtype, buffer, spec.offset)
         return NamedArrays(arrays)
     except (ValueError, TypeError) as error:
         raise ProtocolError(f"arrays of {len(buffer)} bytes are not {list(specs)}") from error
