@@ -187,3 +187,29 @@ async def test_cancelling_a_chunked_request_of_a_frame_leaves_its_frame_mates_qu
     assert described(after) == ("answered", [[8]])
     assert described(other) == ("answered", [[10]])
     assert [1, 2] not in [payload for batch in model.batches for payload in batch]
+
+
+async def test_the_requests_of_a_frame_expire_each_at_its_own_deadline(
+    make_batcher: BatcherFactory,
+) -> None:
+    batcher, model, device = await busy_twin(make_batcher)
+    clock = make_batcher.clock
+    assert clock is not None
+    soon, later, default = batcher.enqueue_frame(
+        [
+            Submission([1], "unmeasured", deadline_s=NOW_S + 1),
+            Submission([2], "unmeasured", deadline_s=NOW_S + 3),
+            Submission([3], "unmeasured"),  # request_timeout_ms: 5 s
+        ],
+        source="fe",
+        sink=None,
+    )
+    clock.advance(1.5)
+    await wait_until(lambda: batcher.queue_depth == 2)
+    assert described(soon) == ("failed", "DeadlineExceededError")
+    clock.advance(2)
+    await wait_until(lambda: batcher.queue_depth == 1)
+    assert described(later) == ("failed", "DeadlineExceededError")
+    await answered(batcher, device)
+    assert described(default) == ("answered", [[6]])
+    assert [1] not in [payload for batch in model.batches for payload in batch]
