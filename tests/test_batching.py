@@ -975,7 +975,7 @@ async def test_a_ticket_goes_to_its_sink_once_when_its_last_chunk_is_answered(
     await wait_until(lambda: sink.deliveries == [[ticket]])
     assert ticket.outputs() == [[2, 4], [6, 8], [10]]
     assert ticket.tag == 7
-    assert ticket.batches() == ()  # not traced: no batch spans to name
+    assert ticket.traced_batches() == ()  # not traced: no batch spans to name
 
 
 async def test_a_batch_hands_each_sink_its_tickets_in_one_delivery(

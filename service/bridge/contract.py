@@ -12,7 +12,7 @@ bytes, rebuilt in place without a copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -124,6 +124,8 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], header: bytes) -> T:
 
 
 _PADDING = bytes(ALIGNMENT)
+#: The padding that follows data ending ``misaligned`` bytes past an aligned offset.
+_PADDINGS = [memoryview(_PADDING)[: ALIGNMENT - misaligned] for misaligned in range(ALIGNMENT)]
 
 
 class DataPacker:
@@ -136,17 +138,37 @@ class DataPacker:
 
     def pack(self, named: NamedArrays) -> list[ArraySpec]:
         specs = []
+        buffers = self.buffers
         for name, array in named.arrays.items():
+            if not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array)
             # As flat bytes: memoryview.cast refuses arrays with no elements (0 rows, or 0 long).
-            buffer = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-            specs.append(ArraySpec(name, array.dtype.str, array.shape, self._offset))
-            self.buffers.append(buffer)
-            self._offset += len(buffer)
-            if self._offset % ALIGNMENT:
-                pad = ALIGNMENT - self._offset % ALIGNMENT
-                self.buffers.append(memoryview(_PADDING)[:pad])
-                self._offset += pad
+            buffer = array.reshape(-1).view(np.uint8).data
+            offset = self._offset
+            specs.append(ArraySpec(name, array.dtype.str, array.shape, offset))
+            buffers.append(buffer)
+            offset += array.nbytes
+            misaligned = offset % ALIGNMENT
+            if misaligned:
+                buffers.append(_PADDINGS[misaligned])
+                offset += ALIGNMENT - misaligned
+            self._offset = offset
         return specs
+
+
+#: numpy dtypes by ``dtype.str``, as the arrays of every request name them (a few kinds).
+_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = np.dtype(name)
+        if dtype.hasobject:
+            raise ProtocolError("object arrays never cross the bridge")
+        if len(_DTYPES) < 64:
+            _DTYPES[name] = dtype
+    return dtype
 
 
 def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
@@ -155,17 +177,16 @@ def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
     arrays = {}
     try:
         for spec in specs:
-            dtype = np.dtype(spec.dtype)
-            if dtype.hasobject:
-                raise ProtocolError("object arrays never cross the bridge")
-            if any(size < 0 for size in spec.shape):  # numpy would infer a -1 from the data
-                raise ProtocolError(f"array {spec.name!r} has a negative size in {spec.shape}")
-            count = 1
-            for size in spec.shape:
-                count *= size
-            arrays[spec.name] = np.frombuffer(
-                buffer, dtype=dtype, count=count, offset=spec.offset
-            ).reshape(spec.shape)
+            dtype = _dtype(spec.dtype)
+            shape = spec.shape
+            if spec.offset < 0:
+                raise ProtocolError(f"array {spec.name!r} starts before the data: {spec.offset}")
+            for size in shape:
+                if size < 0:
+                    raise ProtocolError(f"array {spec.name!r} has a negative size in {shape}")
+            # One C call (numpy checks that the buffer holds it); as frombuffer then reshape
+            # did, but a request's arrays cost this once each.
+            arrays[spec.name] = np.ndarray(shape, dtype, buffer, spec.offset)
         return NamedArrays(arrays)
     except (ValueError, TypeError) as error:
         raise ProtocolError(f"arrays of {len(buffer)} bytes are not {list(specs)}") from error

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from service.bridge import contract, wire
-from service.bridge.interface import EngineStatus, InferenceRequest, SwitchResult
+from service.bridge.interface import EngineStatus, SwitchResult
 from service.errors import ConflictError, InvalidInputError, ServiceError
 from service.manifest import Manifest, manifest_summary
 from service.tensors import NamedArrays
@@ -46,7 +46,7 @@ class QueuedRequest(Protocol):
 
     def cancel(self) -> None: ...
 
-    def batches(self) -> tuple[tuple[str, int], ...]: ...
+    def traced_batches(self) -> tuple[tuple[str, int], ...]: ...
 
 
 class FrontEnd(Protocol):
@@ -60,10 +60,11 @@ class EngineBackend(Protocol):
 
     def status(self) -> EngineStatus: ...
 
-    def enqueue(
-        self, request: InferenceRequest, sink: Any, tag: object
-    ) -> tuple[QueuedRequest, str]:
-        """Queue ``request`` from the front end ``sink``, which gets it back when answered."""
+    def enqueue_frame(
+        self, requests: Sequence[tuple[contract.Submit, NamedArrays]], frontend_load: int, sink: Any
+    ) -> Sequence[tuple[QueuedRequest, str] | ServiceError]:
+        """Queue the requests of one frame from the front end ``sink``, which gets each back
+        when answered: for each, in order, its queued request and version, or its refusal."""
         ...
 
     async def prepare(self, name: str, version: str) -> Manifest: ...
@@ -252,26 +253,18 @@ class _Connection(asyncio.Protocol):
     def _submitted(self, frame: wire.Frame) -> None:
         """Queue every request of a SUBMITS frame; refusals go back in one ANSWERS frame."""
         submits = contract.decode_submits(frame.typed_header)
-        enqueue = self._server.backend.enqueue
+        data = frame.data
+        requests = [(submit, contract.unpack(submit.arrays, data)) for submit in submits.requests]
+        outcomes = self._server.backend.enqueue_frame(requests, submits.load, self)
         refused: list[contract.Answer] = []
-        for submit in submits.requests:
-            request = InferenceRequest(
-                model=submit.model,
-                version=submit.version,
-                instances=contract.unpack(submit.arrays, frame.data),
-                priority=submit.priority,
-                deadline_s=submit.deadline_s,
-                request_id=submit.request_id,
-                frontend_load=submits.load,
-                traceparent=submit.trace,
-            )
-            try:
-                queued, version = enqueue(request, self, None)
-            except ServiceError as error:
-                refused.append(contract.Answer(submit.id, error=contract.WireError.of(error)))
+        queued = self._queued
+        for submit, outcome in zip(submits.requests, outcomes, strict=True):
+            if isinstance(outcome, ServiceError):
+                refused.append(contract.Answer(submit.id, error=contract.WireError.of(outcome)))
                 continue
-            queued.tag = (submit.id, version)
-            self._queued[submit.id] = queued
+            ticket, version = outcome
+            ticket.tag = (submit.id, version)
+            queued[submit.id] = ticket
         if refused:
             self._send_answers(refused, ())
 
@@ -304,7 +297,9 @@ class _Connection(asyncio.Protocol):
             failure = ServiceError("internal error in the engine")
             return contract.Answer(call_id, error=contract.WireError.of(failure))
         outputs = chunks[0] if len(chunks) == 1 else NamedArrays.concatenate(chunks)
-        return contract.Answer(call_id, version, packer.pack(outputs), list(ticket.batches()))
+        return contract.Answer(
+            call_id, version, packer.pack(outputs), list(ticket.traced_batches())
+        )
 
     def _send_answers(
         self, answers: list[contract.Answer], data: Sequence[bytes | memoryview]

@@ -1,9 +1,12 @@
 """Deadlines of every entry queued or running: one heap and one timer per batcher.
 
 A timer per request cost a timer handle, a heap push into the event loop and a cancel on every
-answer; here an entry costs one ``heappush``, and the one timer is armed for the earliest
-deadline. Entries answered before their deadline stay in the heap, let go of their payload
-(``Entry.done``), until their deadline comes up or the heap is compacted.
+answer; here the entries queued together (a front end's frame, one group) cost one
+``heappush`` between them, under their earliest deadline, and the one timer is armed for the
+earliest deadline of all. When an item's deadline comes, its entries whose own deadline has
+come expire and the others go back in the heap under theirs. Entries answered before their
+deadline stay in the heap, let go of their payload (``Entry.done``), until their deadline comes
+up or the heap is compacted.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class Deadlines:
     def __init__(self, clock: Clock, expire: Callable[[list[Entry]], None]) -> None:
         self._clock = clock
         self._expire = expire
-        self._heap: list[tuple[float, int, Entry]] = []
+        self._heap: list[tuple[float, int, list[Entry]]] = []
         self._order = itertools.count()
         self._timer: Timer | None = None
         self._armed_s = float("inf")
@@ -37,12 +40,23 @@ class Deadlines:
         return len(self._heap)
 
     def add(self, entry: Entry) -> None:
+        self.add_all([entry])
+
+    def add_all(self, entries: list[Entry]) -> None:
+        """Watch ``entries`` (one heap item for them all; ``entries`` is kept, not copied)."""
+        if not entries:
+            return
         heap = self._heap
+        # The oldest items are usually answered: let go of them (and of the outputs a
+        # ``SoloTicket`` holds) now rather than at their deadline.
+        while heap and _all_done(heap[0][2]):
+            heapq.heappop(heap)
         if len(heap) >= self._compact_at:
             self._compact()
-        heapq.heappush(heap, (entry.deadline_s, next(self._order), entry))
-        if entry.deadline_s < self._armed_s:
-            self._arm(entry.deadline_s)
+        earliest_s = min(entry.deadline_s for entry in entries)
+        heapq.heappush(heap, (earliest_s, next(self._order), entries))
+        if earliest_s < self._armed_s:
+            self._arm(earliest_s)
 
     def _arm(self, when_s: float) -> None:
         if self._timer is not None:
@@ -55,18 +69,22 @@ class Deadlines:
         self._armed_s = float("inf")
         heap = self._heap
         now_s = self._clock.now()
-        expired = []
-        while heap and (heap[0][2].done or heap[0][0] <= now_s):
-            _, _, entry = heapq.heappop(heap)
-            if not entry.done:
-                expired.append(entry)
+        expired: list[Entry] = []
+        later: list[Entry] = []
+        while heap and (heap[0][0] <= now_s or _all_done(heap[0][2])):
+            _, _, entries = heapq.heappop(heap)
+            for entry in entries:
+                if not entry.done:
+                    (expired if entry.deadline_s <= now_s else later).append(entry)
+        if later:
+            heapq.heappush(heap, (min(e.deadline_s for e in later), next(self._order), later))
         if expired:
             self._expire(expired)
         if heap:
             self._arm(heap[0][0])
 
     def _compact(self) -> None:
-        self._heap = [item for item in self._heap if not item[2].done]
+        self._heap = [item for item in self._heap if not _all_done(item[2])]
         heapq.heapify(self._heap)
         self._compact_at = max(COMPACT_AT_LEAST, 2 * len(self._heap))
 
@@ -75,3 +93,7 @@ class Deadlines:
             self._timer.cancel()
             self._timer = None
             self._armed_s = float("inf")
+
+
+def _all_done(entries: list[Entry]) -> bool:
+    return all(entry.done for entry in entries)

@@ -44,8 +44,8 @@ class BatchFiller:
         order: tuple[Priority, ...] = ("high", "normal") if lead == "high" else ("normal", "high")
         plan = plan_batch(group, order, limits, estimate, now_s, _caller_gone)
         for priority, taken in plan.taken.items():
-            for _ in range(taken):
-                queue.pop(group, priority)
+            if taken:
+                queue.pop_heads(group, priority, taken)
         self.last_batch_rows = max(1, sum(entry.rows for entry in plan.batch))
         self.last_group = group.key
         led_by_high = bool(plan.batch) and plan.batch[0].priority == "high"
@@ -54,4 +54,4 @@ class BatchFiller:
 
 
 def _caller_gone(entry: Entry) -> bool:
-    return entry.ticket is not None and entry.ticket.abandoned
+    return entry.abandoned

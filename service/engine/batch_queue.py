@@ -15,7 +15,7 @@ from service.engine.batch_clock import Clock, Timer
 from service.types import PRIORITIES, Priority
 
 if TYPE_CHECKING:
-    from service.engine.batch_ticket import Ticket
+    from service.engine.batch_ticket import ChunkedTicket as Ticket
 
 #: The queue-depth gauge follows the queue at most this late. Written on every enqueue and
 #: dequeue it cost two metric writes per request (file writes with several processes); a
@@ -80,6 +80,11 @@ class Entry:
         """Which chunk of its request this is."""
         self.queued = False
         self.done = False
+
+    @property
+    def abandoned(self) -> bool:
+        """Its in-process caller was cancelled (``Ticket``): drop it rather than compute it."""
+        return self.ticket is not None and self.ticket.abandoned
 
     def resolve(self, output: object) -> None:
         """Answer with ``output``, unless answered already (deadline, cancel)."""
@@ -164,6 +169,23 @@ class BatchQueue:
         entry = group.lanes[priority].popleft()
         self._forget(entry, group)
         return entry
+
+    def pop_heads(self, group: Group, priority: Priority, count: int) -> None:
+        """Take the first ``count`` entries of ``group``'s ``priority`` lane (a batch's)."""
+        lane = group.lanes[priority]
+        rows = cost = 0
+        for _ in range(count):
+            entry = lane.popleft()
+            entry.queued = False
+            rows += entry.rows
+            cost += entry.cost
+        group.rows -= rows
+        group.cost -= cost
+        if priority == "high":
+            group.high_rows -= rows
+        if group.rows == 0:  # every entry holds a row at least
+            del self.groups[group.key]
+        self.entries -= count
 
     def oldest(self) -> Entry | None:
         heads = [group.oldest() for group in self.groups.values()]

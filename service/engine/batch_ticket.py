@@ -5,6 +5,9 @@ is answered the ticket goes to its ``Sink`` with the other tickets of the same f
 the same batch finished (one call per batch per front end: the bridge answers them in one
 frame). An in-process caller awaits ``wait()`` instead, which makes the one future it needs.
 
+A request that fits in one batch (the common case) is one object: its queue entry is its
+ticket (``SoloTicket``). A larger one has a ``ChunkedTicket`` over the entries of its chunks.
+
 It always finishes: each chunk is answered by its batch, its deadline or a cancel, and once
 one chunk has failed the request's other chunks are withdrawn (those still queued are never
 computed).
@@ -13,10 +16,11 @@ computed).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from service.engine.batch_queue import Entry
+from service.types import Priority
 
 OutputT = TypeVar("OutputT")
 
@@ -27,7 +31,36 @@ class Sink(Protocol):
     def deliver(self, tickets: Sequence[Ticket[Any]]) -> None: ...
 
 
-class Ticket(Generic[OutputT]):
+class Ticket(Protocol[OutputT]):
+    """A queued request as its caller holds it."""
+
+    tag: object
+    """What the caller knows the request by (the bridge: its call id and version)."""
+
+    @property
+    def sink(self) -> Sink | None: ...
+
+    def outputs(self) -> list[OutputT]:
+        """Every chunk's output once done; raises the first chunk's error, or
+        ``CancelledError`` when it was withdrawn."""
+        ...
+
+    async def wait(self) -> list[OutputT]:
+        """The outputs; if the caller is cancelled meanwhile, the request is withdrawn."""
+        ...
+
+    def traced_batches(self) -> tuple[tuple[str, int], ...]:
+        """The traced batches that ran the request's chunks, and the rows each held."""
+        ...
+
+    def cancel(self) -> None:
+        """Withdraw the request: its chunks still queued are dropped and never computed."""
+        ...
+
+
+class ChunkedTicket(Generic[OutputT]):
+    """The ticket of a request in several chunks (or of any request, one at a time)."""
+
     __slots__ = (
         "_entries",
         "_errors",
@@ -49,7 +82,6 @@ class Ticket(Generic[OutputT]):
         finished: Callable[[Ticket[Any]], None],
     ) -> None:
         self.tag = tag
-        """What the caller knows the request by (the bridge: its call id and version)."""
         self.sink = sink
         self._entries: list[Entry] = []
         self._outputs: list[Any] = []
@@ -73,8 +105,6 @@ class Ticket(Generic[OutputT]):
         return self._waiter is not None and self._waiter.cancelled()
 
     def outputs(self) -> list[OutputT]:
-        """Every chunk's output once done; raises the first chunk's error, or
-        ``CancelledError`` when it was withdrawn."""
         errors = [error for error in self._errors if error is not None]
         for error in errors:
             if not isinstance(error, asyncio.CancelledError):
@@ -84,7 +114,6 @@ class Ticket(Generic[OutputT]):
         return list(self._outputs)
 
     async def wait(self) -> list[OutputT]:
-        """The outputs; if the caller is cancelled meanwhile, the request is withdrawn."""
         if self._pending:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -94,12 +123,10 @@ class Ticket(Generic[OutputT]):
                 raise
         return self.outputs()
 
-    def batches(self) -> tuple[tuple[str, int], ...]:
-        """The traced batches that ran the request's chunks, and the rows each held."""
+    def traced_batches(self) -> tuple[tuple[str, int], ...]:
         return tuple(batch for entry in self._entries for batch in entry.batches)
 
     def cancel(self) -> None:
-        """Withdraw the request: its chunks still queued are dropped and never computed."""
         if self._pending:
             self._withdraw(self._entries)
 
@@ -121,6 +148,100 @@ class Ticket(Generic[OutputT]):
             self._finish()
 
     def _finish(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._finished(self)
+
+
+class SoloTicket(Entry, Generic[OutputT]):
+    """A request that fits in one batch: its one queue entry and its ticket in one object."""
+
+    __slots__ = ("_error", "_finished", "_output", "_waiter", "_withdraw", "sink", "tag")
+
+    def __init__(
+        self,
+        payload: Any,
+        rows: int,
+        cost: int,
+        group: Hashable,
+        priority: Priority,
+        arrival_s: float,
+        deadline_s: float,
+        request_id: str,
+        source: Hashable,
+        trace: str | None,
+        tag: object,
+        sink: Sink | None,
+        withdraw: Callable[[list[Entry]], None],
+        finished: Callable[[Ticket[Any]], None],
+    ) -> None:
+        # Every slot set here rather than through Entry.__init__: this runs once a request.
+        self.payload = payload
+        self.rows = rows
+        self.cost = cost
+        self.group = group
+        self.priority = priority
+        self.arrival_s = arrival_s
+        self.deadline_s = deadline_s
+        self.request_id = request_id
+        self.source = source
+        self.trace = trace
+        self.batches = ()
+        self.ticket = None
+        self.index = 0
+        self.queued = False
+        self.done = False
+        self.tag = tag
+        self.sink = sink
+        self._withdraw = withdraw
+        self._finished = finished
+        self._output: OutputT | None = None
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        return self._waiter is not None and self._waiter.cancelled()
+
+    def resolve(self, output: object) -> None:
+        if not self.done:
+            self.done = True
+            self.payload = None
+            self._output = output  # type: ignore[assignment]
+            self._settle()
+
+    def reject(self, error: BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self.payload = None
+            self._error = error
+            self._settle()
+
+    def outputs(self) -> list[OutputT]:
+        error = self._error
+        if error is not None:
+            raise asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error
+        return [self._output]  # type: ignore[list-item]
+
+    async def wait(self) -> list[OutputT]:
+        if not self.done:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except BaseException:
+                self.cancel()
+                raise
+        return self.outputs()
+
+    def traced_batches(self) -> tuple[tuple[str, int], ...]:
+        return self.batches
+
+    def cancel(self) -> None:
+        if not self.done:
+            self._withdraw([self])
+
+    def _settle(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from typing import Generic
 
 from service.config import BatchPolicy
-from service.engine import batch_admission
 from service.engine.batch_clock import Clock, MonotonicClock, Timer
 from service.engine.batch_deadlines import Deadlines
 from service.engine.batch_dispatch import Dispatch
 from service.engine.batch_fill import BatchFiller
 from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
+from service.engine.batch_intake import Admitted, Intake, Submission
 from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
 from service.engine.batch_run import BatchFunction, BatchRun, Deliveries, OutputT, PayloadT
 from service.engine.batch_selection import Limits
@@ -39,14 +39,19 @@ from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
-    InvalidInputError,
-    NotReadyError,
-    QueueFullError,
 )
 from service.metrics import DropReason, ModelMetrics
 from service.types import Priority
 
-__all__ = ["OOM_BACKOFF_S", "QUEUE_DEPTH_REFRESH_S", "BatchFunction", "DynamicBatcher", "Ticket"]
+__all__ = [
+    "OOM_BACKOFF_S",
+    "QUEUE_DEPTH_REFRESH_S",
+    "Admitted",
+    "BatchFunction",
+    "DynamicBatcher",
+    "Submission",
+    "Ticket",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,6 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self.max_batch_cost = max_batch_cost
         self.policy = policy
         self._dispatch = Dispatch(policy, max_wait_ms / 1000.0)
-        self._max_queue_size = max_queue_size
         self._request_timeout_s = request_timeout_ms / 1000.0
         self._expected_requests = expected_requests
         self._turn = HeldTurn(turns)
@@ -114,6 +118,22 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         )
         self._depth = DepthGauge(self._clock, self._queue, metrics.queue_depth.set)
         self._filler = BatchFiller()
+        self._intake = Intake(
+            clock=self._clock,
+            queue=self._queue,
+            deadlines=self._deadlines,
+            metrics=metrics,
+            estimate=self.times.estimate,
+            row_limit=self._row_limit,
+            max_batch_cost=max_batch_cost,
+            max_queue_size=max_queue_size,
+            request_timeout_s=self._request_timeout_s,
+            running_until_s=lambda: self._runner.running_until_s,
+            accepting=lambda: self.accepting and self._collector is not None,
+            withdraw=self._withdraw,
+            finished=self._deliveries.finished,
+            added=self._added,
+        )
         self._answered_s = -float("inf")
         self._target_rows = max_batch_size
         self._wakeup = asyncio.Event()
@@ -187,79 +207,35 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         rows), ``NotReadyError`` (draining, stalled); the ticket fails with
         ``DeadlineExceededError`` or ``InferenceError`` (the model failed on its input).
         """
-        if not self.accepting or self._collector is None:
-            self._metrics.dropped(DropReason.DRAINING).inc()
-            raise NotReadyError("the server is not accepting requests (starting or draining)")
-        total_rows = len(payload)
-        if total_rows < 1:
-            raise InvalidInputError("a request needs at least one instance")
-        chunks = batch_admission.chunks_of(
-            payload, total_rows, self.max_batch_size, self.max_batch_cost, cost_per_row
+        return self._intake.enqueue(
+            Submission(payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag),
+            source,
+            sink,
         )
-        rows = [total_rows] if len(chunks) == 1 else [len(chunk) for chunk in chunks]
-        if self._queue.entries + len(chunks) > self._max_queue_size:
-            self._metrics.dropped(DropReason.QUEUE_FULL).inc()
-            raise QueueFullError(
-                f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
-            )
-        arrival_s = self._clock.now()
-        if deadline_s is None:
-            deadline_s = arrival_s + self._request_timeout_s
-        refused = batch_admission.refusal(
-            rows,
-            group,
-            deadline_s - arrival_s,
-            self.times.estimate,
-            self.estimated_wait_s,
-            priority,
-        )
-        if refused is not None:
-            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
-            raise refused
-        ticket: Ticket[OutputT] = Ticket(
-            tag=tag, sink=sink, withdraw=self._withdraw, finished=self._deliveries.finished
-        )
-        entries = [
-            Entry(
-                chunk,
-                rows=rows[index],
-                cost=rows[index] * cost_per_row,
-                group=group,
-                priority=priority,
-                arrival_s=arrival_s,
-                deadline_s=deadline_s,
-                request_id=request_id,
-                source=source,
-                trace=trace,
-                ticket=ticket,
-                index=index,
-            )
-            for index, chunk in enumerate(chunks)
-        ]
-        ticket.attach(entries)
-        for entry in entries:
-            self._deadlines.add(entry)
-            self._add(entry)
-        return ticket
+
+    def enqueue_frame(
+        self,
+        submissions: Sequence[Submission],
+        *,
+        source: Hashable = None,
+        sink: Sink | None = None,
+    ) -> list[Admitted]:
+        """Queue the requests of one frame from one front end at once (``batch_intake``): for
+        each, in order, its ticket or the error ``enqueue`` would have raised for it had the
+        requests been queued one by one."""
+        return self._intake.enqueue_frame(submissions, source, sink)
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
         """How long a request queued now would wait for the device (``batch_admission``)."""
-        return batch_admission.estimated_wait_s(
-            self._queue,
-            priority,
-            self._runner.running_until_s - self._clock.now(),
-            self._row_limit.rows,
-            self.max_batch_cost,
-            self.times.estimate,
-        )
+        return self._intake.estimated_wait_s(priority)
 
-    def _add(self, entry: Entry) -> None:
-        group = self._queue.add(entry)
+    def _added(self, groups: list[Group], was_empty: bool) -> None:
         self._depth.changed()
         # Wake the collector only when its decision can change: the queue was empty (it sleeps
-        # without a timer), or this group just reached a full batch or the adaptive target.
-        if self._queue.entries == 1 or self._dispatch.is_ready(
-            group, self._target_rows, self._limits()
+        # without a timer), or a group just reached a full batch or the adaptive target.
+        limits = self._limits()
+        if was_empty or any(
+            self._dispatch.is_ready(group, self._target_rows, limits) for group in groups
         ):
             self._wakeup.set()
 

@@ -13,24 +13,50 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, SwitchResult
 from service.config import Settings
 from service.engine import lifecycle
+from service.engine.batch_intake import Submission
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher
-from service.errors import NotReadyError, VersionSwitchedError
+from service.errors import NotReadyError, ServiceError, VersionSwitchedError
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
+from service.types import Priority
 
 #: Versions whose contracts an engine remembers, to accept requests prepared for a version
 #: it has just switched away from when the one served would prepare and answer them alike.
 REMEMBERED_VERSIONS = 16
+
+
+class FrameHeader(Protocol):
+    """A request of a frame as its front end described it (``bridge.contract.Submit``)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def priority(self) -> Priority: ...
+    @property
+    def deadline_s(self) -> float: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def trace(self) -> str | None: ...
+
+
+#: A request of a frame: what its front end said of it, and its instances.
+FrameRequest = tuple[FrameHeader, NamedArrays]
+#: A queued request and the version that will compute it, or why it was refused.
+Queued = tuple[Ticket[NamedArrays], str] | ServiceError
 
 
 class Engine:
@@ -119,7 +145,9 @@ class Engine:
         ticket, version = self.enqueue(request)
         chunks = await ticket.wait()
         return InferenceResult(
-            outputs=NamedArrays.concatenate(chunks), version=version, batches=ticket.batches()
+            outputs=NamedArrays.concatenate(chunks),
+            version=version,
+            batches=ticket.traced_batches(),
         )
 
     def enqueue(
@@ -136,20 +164,10 @@ class Engine:
         that is not ``interchangeable`` with the one served now (its front end preprocessed
         it, and will postprocess the answer, for that version: see ``compatibility.py``).
         """
-        served = self.state.models.get(request.model)
-        if served is None:
-            raise NotReadyError(
-                f"{request.model} is not served by this engine now; retry when /readyz "
-                "answers 200 and /models lists it"
-            )
+        served = self._serving(request.model, request.version)
+        if isinstance(served, ServiceError):
+            raise served
         manifest = served.manifest
-        if request.version != manifest.version and not interchangeable(
-            self._contracts.get(request.version), request_contract(manifest)
-        ):
-            raise VersionSwitchedError(
-                f"{request.model}@{request.version} is no longer served (now {manifest.label}), "
-                "whose files (tokenizer, code), inputs, outputs or handler differ; retry"
-            )
         source = None if sink is None else id(sink)
         self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
         group, cost_per_row = served.group_of(request.instances)
@@ -166,6 +184,72 @@ class Engine:
             tag=tag,
         )
         return ticket, manifest.version
+
+    def enqueue_frame(
+        self, requests: Sequence[FrameRequest], frontend_load: int, sink: Sink
+    ) -> list[Queued]:
+        """Queue the requests of one front end's frame at once (``batch_intake``): for each,
+        in order, its ticket and version, or the error ``enqueue`` would have raised for it
+        had they been queued one by one."""
+        self.state.frontend_loads[id(sink)] = (frontend_load, time.monotonic())
+        results: list[Queued | None] = []
+        models: dict[tuple[str, str], ServedModel | ServiceError] = {}
+        frames: dict[int, tuple[ServedModel, list[int], list[Submission]]] = {}
+        for index, (request, instances) in enumerate(requests):
+            key = (request.model, request.version)
+            served = models.get(key)
+            if served is None:
+                served = models[key] = self._serving(request.model, request.version)
+            if isinstance(served, ServiceError):
+                results.append(served)
+                continue
+            try:
+                group, cost_per_row = served.group_of(instances)
+            except ServiceError as error:
+                results.append(error)
+                continue
+            results.append(None)  # once its batcher has admitted it
+            frame = frames.get(id(served))
+            if frame is None:
+                frame = frames[id(served)] = (served, [], [])
+            frame[1].append(index)
+            frame[2].append(
+                Submission(
+                    instances,
+                    group,
+                    cost_per_row,
+                    request.priority,
+                    request.deadline_s,
+                    request.request_id,
+                    request.trace,
+                )
+            )
+        for served, indexes, submissions in frames.values():
+            version = served.manifest.version
+            admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=sink)
+            for index, outcome in zip(indexes, admitted, strict=True):
+                results[index] = (
+                    outcome if isinstance(outcome, ServiceError) else (outcome, version)
+                )
+        return [outcome for outcome in results if outcome is not None]
+
+    def _serving(self, model: str, version: str) -> ServedModel | ServiceError:
+        """The model serving requests prepared for ``model@version``, or why none does."""
+        served = self.state.models.get(model)
+        if served is None:
+            return NotReadyError(
+                f"{model} is not served by this engine now; retry when /readyz "
+                "answers 200 and /models lists it"
+            )
+        manifest = served.manifest
+        if version != manifest.version and not interchangeable(
+            self._contracts.get(version), request_contract(manifest)
+        ):
+            return VersionSwitchedError(
+                f"{model}@{version} is no longer served (now {manifest.label}), "
+                "whose files (tokenizer, code), inputs, outputs or handler differ; retry"
+            )
+        return served
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         return await self._switcher.switch(name, version)

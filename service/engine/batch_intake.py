@@ -1,0 +1,358 @@
+"""Taking requests into the queue: one at a time, or a front end's whole SUBMITS frame at once.
+
+One at a time (``enqueue``), a request is split into chunks, checked against the queue's
+bound and the refusal policy (``batch_admission``), and queued. A frame (``enqueue_frame``)
+is admitted in bulk: one admission check per kind of request in it (group, priority, chunk
+rows), against a pessimistic picture of the queue (every request of the frame already queued
+ahead of every other, each group's batches at their slowest measured size), instead of two or
+three estimate look-ups per request. When that check admits every kind, submitting the frame
+one request at a time would have admitted every request too, since the refusal policy is
+monotone (less work ahead, or more time left, never turns an admission into a refusal); the
+frame is then queued in bulk, and its entries of one group share one deadline heap item.
+Otherwise the frame is admitted one request at a time, in order, exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+from service.engine import batch_admission
+from service.engine.batch_clock import Clock
+from service.engine.batch_deadlines import Deadlines
+from service.engine.batch_guards import RowLimit
+from service.engine.batch_queue import BatchQueue, Entry, Group
+from service.engine.batch_selection import Estimate
+from service.engine.batch_ticket import ChunkedTicket, Sink, SoloTicket, Ticket
+from service.errors import InvalidInputError, NotReadyError, QueueFullError, ServiceError
+from service.metrics import DropReason, ModelMetrics
+from service.types import Priority
+
+
+class Submission(NamedTuple):
+    """One request of a frame, as ``DynamicBatcher.enqueue`` takes it (same meanings)."""
+
+    payload: Any
+    group: Hashable
+    cost_per_row: int = 0
+    priority: Priority = "normal"
+    deadline_s: float | None = None
+    request_id: str = "-"
+    trace: str | None = None
+    tag: object = None
+
+
+#: A queued request as its caller holds it (a ``Ticket``), or why it was refused.
+Admitted = Ticket[Any] | ServiceError
+
+
+class Intake:
+    """Admits requests into ``queue``; ``added`` is told which groups grew, and whether the
+    queue was empty before, once per request or frame."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        queue: BatchQueue,
+        deadlines: Deadlines,
+        metrics: ModelMetrics,
+        estimate: Estimate,
+        row_limit: RowLimit,
+        max_batch_cost: int,
+        max_queue_size: int,
+        request_timeout_s: float,
+        running_until_s: Callable[[], float],
+        accepting: Callable[[], bool],
+        withdraw: Callable[[list[Entry]], None],
+        finished: Callable[[Ticket[Any]], None],
+        added: Callable[[list[Group], bool], None],
+    ) -> None:
+        self._clock = clock
+        self._queue = queue
+        self._deadlines = deadlines
+        self._metrics = metrics
+        self._estimate = estimate
+        self._row_limit = row_limit
+        self._max_batch_cost = max_batch_cost
+        self._max_queue_size = max_queue_size
+        self._request_timeout_s = request_timeout_s
+        self._running_until_s = running_until_s
+        self._accepting = accepting
+        self._withdraw = withdraw
+        self._finished = finished
+        self._added = added
+
+    # ----------------------------------------------------------------- one request
+
+    def enqueue(self, submission: Submission, source: Hashable, sink: Sink | None) -> Ticket[Any]:
+        """Queue one request now, or raise why not (``DynamicBatcher.enqueue``)."""
+        self._check_accepting()
+        chunks, rows = self._chunks(submission)
+        if self._queue.entries + len(chunks) > self._max_queue_size:
+            self._metrics.dropped(DropReason.QUEUE_FULL).inc()
+            raise QueueFullError(
+                f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
+            )
+        arrival_s = self._clock.now()
+        deadline_s = submission.deadline_s
+        if deadline_s is None:
+            deadline_s = arrival_s + self._request_timeout_s
+        refused = batch_admission.refusal(
+            rows,
+            submission.group,
+            deadline_s - arrival_s,
+            self._estimate,
+            self.estimated_wait_s,
+            submission.priority,
+        )
+        if refused is not None:
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+            raise refused
+        ticket, entries = self._entries(
+            submission, chunks, rows, arrival_s, deadline_s, source, sink
+        )
+        was_empty = not self._queue
+        self._deadlines.add_all(entries)
+        self._added([self._queue.add(entry) for entry in entries], was_empty)
+        return ticket
+
+    def estimated_wait_s(self, priority: Priority = "normal") -> float:
+        """How long a request queued now would wait for the device (``batch_admission``)."""
+        return batch_admission.estimated_wait_s(
+            self._queue,
+            priority,
+            self._running_until_s() - self._clock.now(),
+            self._row_limit.rows,
+            self._max_batch_cost,
+            self._estimate,
+        )
+
+    # ----------------------------------------------------------------- a frame
+
+    def enqueue_frame(
+        self, submissions: Sequence[Submission], source: Hashable, sink: Sink | None
+    ) -> list[Admitted]:
+        """Queue every request of a frame that one-by-one ``enqueue`` would queue, in order:
+        for each, its ticket or the error ``enqueue`` would have raised."""
+        if not submissions:
+            return []
+        if not self._accepting():
+            return [self._refuse_not_ready() for _ in submissions]
+        planned = self._plan(submissions)
+        if planned is None:
+            return [self._one_of_frame(submission, source, sink) for submission in submissions]
+        arrival_s, split = planned
+        default_deadline_s = arrival_s + self._request_timeout_s
+        admitted: list[Admitted] = []
+        by_group: dict[Hashable, list[Entry]] = {}
+        withdraw, finished = self._withdraw, self._finished
+        for submission, pieces in zip(submissions, split, strict=True):
+            payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
+            if deadline_s is None:
+                deadline_s = default_deadline_s
+            if isinstance(pieces, int):  # one chunk: one object (the common case)
+                solo: SoloTicket[Any] = SoloTicket(
+                    payload,
+                    pieces,
+                    pieces * cost_per_row,
+                    group,
+                    priority,
+                    arrival_s,
+                    deadline_s,
+                    request_id,
+                    source,
+                    trace,
+                    tag,
+                    sink,
+                    withdraw,
+                    finished,
+                )
+                admitted.append(solo)
+                queued = by_group.get(group)
+                if queued is None:
+                    by_group[group] = [solo]
+                else:
+                    queued.append(solo)
+            else:
+                ticket, entries = self._entries(
+                    submission, *pieces, arrival_s, deadline_s, source, sink
+                )
+                admitted.append(ticket)
+                by_group.setdefault(group, []).extend(entries)  # not the ticket's own list
+        was_empty = not self._queue
+        groups = []
+        add = self._queue.add
+        for queued in by_group.values():
+            self._deadlines.add_all(queued)
+            for entry in queued:
+                grown = add(entry)
+            groups.append(grown)
+        self._added(groups, was_empty)
+        return admitted
+
+    def _plan(
+        self, submissions: Sequence[Submission]
+    ) -> tuple[float, list[int | tuple[list[Any], list[int]]]] | None:
+        """Every request's rows (one chunk) or chunks and their rows, when the whole frame is
+        admitted (see the module's docstring); None when some request might be refused."""
+        split: list[int | tuple[list[Any], list[int]]] = []
+        chunk_count = 0
+        growth: dict[Hashable, list[int]] = {}  # group: [rows, high rows, cost]
+        tightest: dict[tuple[Hashable, Priority, int | tuple[int, ...]], float] = {}
+        arrival_s = self._clock.now()
+        default_left_s = self._request_timeout_s
+        per_chunk: dict[int, int] = {}  # cost per row: rows per chunk
+        max_batch_size, max_batch_cost = self._row_limit.max_batch_size, self._max_batch_cost
+        for submission in submissions:
+            payload, group, cost_per_row, priority, deadline_s = submission[:5]
+            total_rows = len(payload)
+            if total_rows < 1:
+                return None  # refused alone: one by one says why
+            chunk_rows = per_chunk.get(cost_per_row)
+            if chunk_rows is None:
+                chunk_rows = per_chunk[cost_per_row] = batch_admission.chunk_rows(
+                    max_batch_size, max_batch_cost, cost_per_row
+                )
+            kind: tuple[Hashable, Priority, int | tuple[int, ...]]
+            if total_rows <= chunk_rows:
+                split.append(total_rows)
+                chunk_count += 1
+                kind = (group, priority, total_rows)
+            else:
+                chunks, rows = self._chunks(submission)
+                split.append((chunks, rows))
+                chunk_count += len(chunks)
+                kind = (group, priority, tuple(rows))
+            grown = growth.get(group)
+            if grown is None:
+                grown = growth[group] = [0, 0, 0]
+            grown[0] += total_rows
+            grown[2] += total_rows * cost_per_row
+            if priority == "high":
+                grown[1] += total_rows
+            left_s = default_left_s if deadline_s is None else deadline_s - arrival_s
+            if left_s < tightest.get(kind, float("inf")):
+                tightest[kind] = left_s
+        if self._queue.entries + chunk_count > self._max_queue_size:
+            return None
+        waits = self._pessimistic_waits_s(growth, arrival_s)
+        for (group, priority, kind_rows), left_s in tightest.items():
+            chunk_list = [kind_rows] if isinstance(kind_rows, int) else list(kind_rows)
+            refused = batch_admission.refusal(
+                chunk_list, group, left_s, self._estimate, waits.__getitem__, priority
+            )
+            if refused is not None:
+                return None
+        return arrival_s, split
+
+    def _pessimistic_waits_s(
+        self, growth: dict[Hashable, list[int]], now_s: float
+    ) -> dict[Priority, float]:
+        """At least the ``estimated_wait_s`` each request of the frame could see one by one,
+        at either priority: each group with every request of the frame queued, its batches
+        each as slow as its slowest measured size; with a token budget, one row a batch."""
+        row_limit = self._row_limit.rows
+        sizes = {row_limit}
+        for exponent in range(1, row_limit.bit_length()):
+            sizes |= {1 << exponent, (1 << exponent) - 1}
+        waits: dict[Priority, float] = {}
+        for priority in ("normal", "high"):
+            waits[priority] = max(0.0, self._running_until_s() - now_s)
+        keys = {group.key for group in self._queue} | set(growth)
+        for key in keys:
+            queued = self._queue.groups.get(key)
+            grown = growth.get(key, [0, 0, 0])
+            rows = grown[0] + (queued.rows if queued is not None else 0)
+            high_rows = grown[1] + (queued.high_rows if queued is not None else 0)
+            cost = grown[2] + (queued.cost if queued is not None else 0)
+            known = [self._estimate(key, size) for size in sizes]
+            slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
+            per_batch = 1 if self._max_batch_cost and cost else row_limit
+            waits["normal"] += -(-rows // per_batch) * slowest_s
+            waits["high"] += -(-high_rows // per_batch) * slowest_s
+        return waits
+
+    def _one_of_frame(
+        self, submission: Submission, source: Hashable, sink: Sink | None
+    ) -> Admitted:
+        try:
+            return self.enqueue(submission, source, sink)
+        except ServiceError as error:
+            return error
+
+    # ----------------------------------------------------------------- pieces
+
+    def _check_accepting(self) -> None:
+        if not self._accepting():
+            raise self._refuse_not_ready()
+
+    def _refuse_not_ready(self) -> NotReadyError:
+        self._metrics.dropped(DropReason.DRAINING).inc()
+        return NotReadyError("the server is not accepting requests (starting or draining)")
+
+    def _chunks(self, submission: Submission) -> tuple[list[Any], list[int]]:
+        payload = submission.payload
+        total_rows = len(payload)
+        if total_rows < 1:
+            raise InvalidInputError("a request needs at least one instance")
+        chunks = batch_admission.chunks_of(
+            payload,
+            total_rows,
+            self._row_limit.max_batch_size,
+            self._max_batch_cost,
+            submission.cost_per_row,
+        )
+        rows = [total_rows] if len(chunks) == 1 else [len(chunk) for chunk in chunks]
+        return chunks, rows
+
+    def _entries(
+        self,
+        submission: Submission,
+        chunks: list[Any],
+        rows: list[int],
+        arrival_s: float,
+        deadline_s: float,
+        source: Hashable,
+        sink: Sink | None,
+    ) -> tuple[Ticket[Any], list[Entry]]:
+        if len(chunks) == 1:
+            solo: SoloTicket[Any] = SoloTicket(
+                chunks[0],
+                rows[0],
+                rows[0] * submission.cost_per_row,
+                submission.group,
+                submission.priority,
+                arrival_s,
+                deadline_s,
+                submission.request_id,
+                source,
+                submission.trace,
+                submission.tag,
+                sink,
+                self._withdraw,
+                self._finished,
+            )
+            return solo, [solo]
+        ticket: ChunkedTicket[Any] = ChunkedTicket(
+            tag=submission.tag, sink=sink, withdraw=self._withdraw, finished=self._finished
+        )
+        entries = [
+            Entry(
+                chunk,
+                rows=rows[index],
+                cost=rows[index] * submission.cost_per_row,
+                group=submission.group,
+                priority=submission.priority,
+                arrival_s=arrival_s,
+                deadline_s=deadline_s,
+                request_id=submission.request_id,
+                source=source,
+                trace=submission.trace,
+                ticket=ticket,
+                index=index,
+            )
+            for index, chunk in enumerate(chunks)
+        ]
+        ticket.attach(entries)
+        return ticket, entries
