@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,10 @@ from typing import Any
 import uvloop
 
 from service import tracing
-from service.bridge.interface import EngineStatus, InferenceRequest, SwitchResult
-from service.bridge.server import BridgeServer, QueuedRequest
+from service.bridge.interface import EngineStatus, SwitchResult
+from service.bridge.server import BridgeServer
 from service.config import Settings, SettingsError, load_settings
-from service.engine.engine import Engine
+from service.engine.engine import Engine, FrameRequest, Queued
 from service.logs import configure_logging
 from service.manifest import Manifest
 from service.metrics import EngineMetrics, ProcessMetrics
@@ -69,10 +70,10 @@ class _StartedEngine:
             self._status = (status, replace(status, generation=self._generation))
         return self._status[1]
 
-    def enqueue(
-        self, request: InferenceRequest, sink: Any, tag: object
-    ) -> tuple[QueuedRequest, str]:
-        return self._engine.enqueue(request, sink, tag)
+    def enqueue_frame(
+        self, requests: Sequence[FrameRequest], frontend_load: int, sink: Any
+    ) -> list[Queued]:
+        return self._engine.enqueue_frame(requests, frontend_load, sink)
 
     async def prepare(self, name: str, version: str) -> Manifest:
         return await self._engine.prepare(name, version)
