@@ -8,6 +8,7 @@ from collections.abc import Hashable
 
 import pytest
 
+from service.engine import estimates
 from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
 from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
@@ -21,6 +22,7 @@ from service.engine.batch_selection import (
     pick_group,
     plan_batch,
 )
+from service.engine.estimates import BatchTimes
 from service.errors import DeadlineUnreachableError, OverloadedError
 from service.types import Priority
 from tests.fixtures import SteppedClock
@@ -182,6 +184,28 @@ def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
     assert isinstance(behind, OverloadedError)
     assert behind.headers["Retry-After"] == "1"
     assert refusal([1], "g", 2.0, second_per_row, waits(1.0), "normal") is None  # type: ignore[arg-type]
+
+
+def test_a_shape_slowed_by_load_is_refused_429_with_retry_after_not_422() -> None:
+    """Issue 23, finding 5: after an overload the estimate of a shape exceeded its deadline
+    and every request of it was refused 422 ``deadline_unreachable`` without ``Retry-After``,
+    though the model answers it alone in 55-120 ms. 422 is for a forward too long even at its
+    fastest; the rest is load, and recovers once the slow durations are stale."""
+    clock = SteppedClock()
+    clock.freeze()
+    times = BatchTimes(clock.now)
+    times.record("g", 1, 0.06)  # alone
+    for _ in range(3):
+        times.record("g", 1, 0.4)  # overloaded
+    refused = refusal([1], "g", 0.3, times.estimate, lambda _: 0.0, "normal", times.fastest)
+    assert isinstance(refused, OverloadedError)
+    assert refused.headers["Retry-After"] == "1"
+    clock.advance(estimates.FRESH_FOR_S + 0.1)  # the load ended a few seconds ago
+    assert refusal([1], "g", 0.3, times.estimate, lambda _: 0.0, "normal", times.fastest) is None
+    times.record("g", 1, 0.4)  # too long even at its fastest: the forward itself
+    times.record("g", 4, 0.5)
+    too_long = refusal([4], "g", 0.3, times.estimate, lambda _: 0.0, "normal", times.fastest)
+    assert isinstance(too_long, DeadlineUnreachableError)
 
 
 async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:

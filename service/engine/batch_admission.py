@@ -1,10 +1,10 @@
 """Admission: what a request is split into, and what is refused at once (pure functions).
 
 From recent forward durations (``estimates.BatchTimes``) a request that cannot be served in
-time is refused before it is queued: 422 when it alone needs longer than its deadline, 429
-with ``Retry-After`` when the work queued ahead of it would make it late. Unmeasured groups
-are never refused on an estimate. Under overload the device thus keeps computing answers
-someone gets.
+time is refused before it is queued: 422 when it alone needs longer than its deadline even at
+its fastest, 429 with ``Retry-After`` when the work queued ahead of it, or a device slowed by
+load, would make it late. Groups not measured lately are never refused on an estimate. Under
+overload the device thus keeps computing answers someone gets.
 """
 
 from __future__ import annotations
@@ -75,17 +75,25 @@ def refusal(
     estimate: Estimate,
     wait_s: Callable[[Priority], float],
     priority: Priority,
+    fastest: Estimate | None = None,
 ) -> ServiceError | None:
     """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, its
-    chunks' own estimates and the ``wait_s`` of the work ahead of it at ``priority``; None
-    when it can (or when any chunk's duration is unknown: nothing to refuse it on)."""
+    chunks' recent ``estimate`` and the ``wait_s`` of the work ahead of it at ``priority``;
+    None when it can (or when any chunk has no recent estimate: admitted, it is measured).
+
+    422 only when the chunks need longer than ``left_s`` even at the ``fastest`` they were
+    ever measured (the forward itself is too long: the client must send less); when only the
+    recent durations make it late (a loaded device) or the queue ahead does, 429 with
+    ``Retry-After``."""
     own = [estimate(group, rows) for rows in chunks]
     if any(seconds is None for seconds in own):
         return None
     own_s = sum(seconds for seconds in own if seconds is not None)
-    if own_s > left_s:
+    quickest = own if fastest is None else [fastest(group, rows) for rows in chunks]
+    quickest_s = sum(seconds for seconds in quickest if seconds is not None)
+    if min(own_s, quickest_s) > left_s:
         return DeadlineUnreachableError(
-            f"these {sum(chunks)} instances need about {own_s * 1000:.0f} ms of "
+            f"these {sum(chunks)} instances need about {quickest_s * 1000:.0f} ms of "
             f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
             "deadline; send fewer instances per request"
         )
@@ -93,8 +101,9 @@ def refusal(
     if ahead_s + own_s > left_s:
         return OverloadedError(
             f"the queue holds about {ahead_s * 1000:.0f} ms of work, and this request "
-            f"needs {own_s * 1000:.0f} ms more: it could not be answered within the "
-            f"{left_s * 1000:.0f} ms left before its deadline; retry shortly",
+            f"needs {own_s * 1000:.0f} ms more at the device's recent pace: it could not be "
+            f"answered within the {left_s * 1000:.0f} ms left before its deadline; retry "
+            "shortly",
             retry_after_s=max(1, math.ceil(ahead_s)),
         )
     return None

@@ -212,6 +212,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self.times.estimate,
             self.estimated_wait_s,
             priority,
+            fastest=self.times.fastest,
         )
         if refused is not None:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
