@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from service.engine.batch_queue import Group
 from service.engine.batch_run import Rows
@@ -20,6 +20,16 @@ from service.errors import DeadlineUnreachableError, OverloadedError, ServiceErr
 from service.types import Priority
 
 RowsT = TypeVar("RowsT", bound=Rows)
+
+
+class Durations(Protocol):
+    """Forward durations by group and rows (``estimates.BatchTimes``)."""
+
+    def estimate(self, group: Hashable, rows: int) -> float | None:
+        """Recent: how long such a batch takes now."""
+
+    def fastest(self, group: Hashable, rows: int) -> float | None:
+        """The quickest it was ever measured: the forward itself."""
 
 
 def chunk_rows(max_batch_size: int, max_batch_cost: int, cost_per_row: int) -> int:
@@ -72,28 +82,28 @@ def refusal(
     chunks: list[int],
     group: Hashable,
     left_s: float,
-    estimate: Estimate,
+    times: Durations,
     wait_s: Callable[[Priority], float],
     priority: Priority,
-    fastest: Estimate | None = None,
 ) -> ServiceError | None:
-    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, its
-    chunks' recent ``estimate`` and the ``wait_s`` of the work ahead of it at ``priority``;
-    None when it can (or when any chunk has no recent estimate: admitted, it is measured).
+    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, from its
+    chunks' recent durations (``times.estimate``) and the ``wait_s`` of the work ahead of it
+    at ``priority``; None when it can (or when a chunk has no recent estimate: admitted, it is
+    measured).
 
-    422 only when the chunks need longer than ``left_s`` even at the ``fastest`` they were
-    ever measured (the forward itself is too long: the client must send less); when only the
-    recent durations make it late (a loaded device) or the queue ahead does, 429 with
-    ``Retry-After``."""
-    own = [estimate(group, rows) for rows in chunks]
+    422 only when the chunks need longer than ``left_s`` even at the fastest they were ever
+    measured (``times.fastest``): the forward itself is too long, the client must send less.
+    When only the recent durations make it late (a loaded device), or the queue ahead does,
+    429 with ``Retry-After``."""
+    own = [times.estimate(group, rows) for rows in chunks]
     if any(seconds is None for seconds in own):
         return None
     own_s = sum(seconds for seconds in own if seconds is not None)
-    quickest = own if fastest is None else [fastest(group, rows) for rows in chunks]
-    quickest_s = sum(seconds for seconds in quickest if seconds is not None)
-    if min(own_s, quickest_s) > left_s:
+    quickest_s = sum(times.fastest(group, rows) or 0.0 for rows in chunks)
+    needed_s = min(own_s, quickest_s)
+    if needed_s > left_s:
         return DeadlineUnreachableError(
-            f"these {sum(chunks)} instances need about {quickest_s * 1000:.0f} ms of "
+            f"these {sum(chunks)} instances need about {needed_s * 1000:.0f} ms of "
             f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
             "deadline; send fewer instances per request"
         )

@@ -31,7 +31,7 @@ from service.engine.batch_fill import BatchFiller
 from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
 from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
 from service.engine.batch_run import BatchFunction, BatchRun, Deliveries, OutputT, PayloadT
-from service.engine.batch_selection import Limits
+from service.engine.batch_selection import Limits, Quantum
 from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.device_turns import HeldTurn, ModelTurns
@@ -73,6 +73,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         turns: ModelTurns | None = None,
         clock: Clock | None = None,
         instances: int = 1,
+        max_batch_ms: float = 0.0,
     ) -> None:
         """``turns``: this model's turns on a device shared with other models; a batch is
         taken once its turn has come, and runs within it. ``expected_requests``: how many
@@ -96,6 +97,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
+        self._quantum = Quantum(max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4))
         self._queue = BatchQueue()
         self._deadlines = Deadlines(self._clock, self._expire)
         self._deliveries = Deliveries()
@@ -156,7 +158,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
-        return Limits(self._row_limit.rows, self.max_batch_cost)
+        return Limits(self._row_limit.rows, self.max_batch_cost, self._quantum)
 
     def enqueue(
         self,
@@ -193,8 +195,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         total_rows = len(payload)
         if total_rows < 1:
             raise InvalidInputError("a request needs at least one instance")
+        max_rows = self._quantum.rows(group, total_rows, self.max_batch_size)
         chunks = batch_admission.chunks_of(
-            payload, total_rows, self.max_batch_size, self.max_batch_cost, cost_per_row
+            payload, total_rows, max_rows, self.max_batch_cost, cost_per_row
         )
         rows = [total_rows] if len(chunks) == 1 else [len(chunk) for chunk in chunks]
         if self._queue.entries + len(chunks) > self._max_queue_size:
@@ -206,13 +209,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
         refused = batch_admission.refusal(
-            rows,
-            group,
-            deadline_s - arrival_s,
-            self.times.estimate,
-            self.estimated_wait_s,
-            priority,
-            fastest=self.times.fastest,
+            rows, group, deadline_s - arrival_s, self.times, self.estimated_wait_s, priority
         )
         if refused is not None:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
