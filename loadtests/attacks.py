@@ -270,34 +270,33 @@ async def short_requests(host: str, port: int, body: bytes, count: int) -> list[
 
 
 async def shorts_beside_longs(
-    host: str, port: int, short: bytes, long: bytes, count: int
-) -> tuple[list[Outcome], list[Outcome]]:
-    stop_after_s = 120.0
-    longs = asyncio.create_task(closed_loop(host, port, long, 2, stop_after_s))
+    host: str, port: int, short: bytes, long: bytes, count: int, duration_s: float
+) -> tuple[list[Outcome], list[Outcome], float]:
+    """The short requests while two clients send long ones for ``duration_s``: the shorts'
+    outcomes, the longs' and how long the longs ran."""
+    longs = asyncio.create_task(closed_loop(host, port, long, 2, duration_s))
     await asyncio.sleep(1.0)  # the long bucket is full
     shorts = await short_requests(host, port, short, count)
-    longs.cancel()
-    try:
-        long_outcomes, _ = await longs
-    except asyncio.CancelledError:
-        long_outcomes = []
-    return shorts, long_outcomes
+    long_outcomes, elapsed_s = await longs
+    return shorts, long_outcomes, elapsed_s
 
 
-def fairness(scratch: Path, count: int) -> list[str]:
+def fairness(scratch: Path, count: int, duration_s: float) -> list[str]:
     rng = np.random.default_rng(0)
     short = token_body(rng, 1, 3)
     long = token_body(rng, 32, 512)
     with server({"BATCHSERVE_MODEL_NAME": "textenc"}, scratch, "fairness") as (host, port):
         alone = asyncio.run(short_requests(host, port, short, count))
-        longs_alone, longs_s = asyncio.run(closed_loop(host, port, long, 2, count * 0.1))
-        beside, longs_beside = asyncio.run(shorts_beside_longs(host, port, short, long, count))
+        longs_alone, alone_s = asyncio.run(closed_loop(host, port, long, 2, duration_s))
+        beside, longs_beside, beside_s = asyncio.run(
+            shorts_beside_longs(host, port, short, long, count, duration_s)
+        )
     lines = [
         "## Fairness: short requests beside a full long bucket",
         "",
         f"`textenc` defaults; {count} requests of 3 tokens, 100 ms apart, alone and while two "
         "clients keep the 512-token bucket full (32 x 512 tokens per request: one full batch "
-        "each).",
+        f"each at `max_batch_tokens`) for {duration_s:.0f} s.",
         "",
         "| short requests | answered 200 | p50 ms | p99 ms | max ms |",
         "| --- | --: | --: | --: | --: |",
@@ -309,13 +308,14 @@ def fairness(scratch: Path, count: int) -> list[str]:
             f"{percentile_ms(latencies, 50):.1f} | {percentile_ms(latencies, 99):.1f} | "
             f"{max(latencies, default=float('nan')) * 1000:.1f} |"
         )
-    long_rows = [32 * sum(o.status == 200 for o in longs_alone) / longs_s]
-    long_rows.append(32 * sum(o.status == 200 for o in longs_beside) / (count * 0.1 + 1.0))
+    rows_alone = 32 * sum(o.status == 200 for o in longs_alone) / alone_s
+    rows_beside = 32 * sum(o.status == 200 for o in longs_beside) / beside_s
     lines += [
         "",
-        f"Long requests (two clients, 32 x 512 tokens each): {long_rows[0]:.1f} rows/s alone "
-        f"for {longs_s:.0f} s, about {long_rows[1]:.1f} rows/s beside the short ones. Load "
-        f"average at the end: {os.getloadavg()[0]:.2f}.",
+        f"Long requests (two clients, 32 x 512 tokens each): {rows_alone:.1f} rows/s alone, "
+        f"{rows_beside:.1f} rows/s beside the short ones (requests answered whole; one in "
+        "flight per client at the end is not counted). Load average at the end: "
+        f"{os.getloadavg()[0]:.2f}.",
     ]
     return lines
 
@@ -395,7 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         help="the attacks to run (default: all)",
     )
-    parser.add_argument("--duration-s", type=float, default=10.0, help="per goodput point")
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=10.0,
+        help="per goodput point; the storm of recovery; the long clients of fairness",
+    )
     parser.add_argument("--count", type=int, default=30, help="short or lone requests")
     parser.add_argument(
         "--clients",
@@ -432,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif scenario == "recovery":
                 report += recovery(scratch, args.duration_s, engine_modes, args.tokens)
             elif scenario == "fairness":
-                report += fairness(scratch, args.count)
+                report += fairness(scratch, args.count, args.duration_s)
             elif scenario == "slow-uploads":
                 report += slow_uploads(scratch, args.count)
             elif scenario == "headers":

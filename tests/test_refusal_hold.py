@@ -29,7 +29,7 @@ def test_a_client_that_resends_at_once_is_held_until_its_retry_after_ends() -> N
     until it has: one refusal per client per ``Retry-After``."""
     clock = SteppedClock()
     clock.freeze()
-    holds = RefusalHolds(max_hold_ms=2000, now=clock.now)
+    holds = RefusalHolds(max_hold_ms=2000, now=clock.now, draw=lambda: 1.0)
     greedy, patient, other = ("127.0.0.1", 4000), ("127.0.0.1", 4001), ("127.0.0.1", 4002)
     assert holds.refused(greedy, QueueFullError("full")) == 0.0
     assert holds.refused(patient, QueueFullError("full")) == 0.0
@@ -40,6 +40,18 @@ def test_a_client_that_resends_at_once_is_held_until_its_retry_after_ends() -> N
     assert holds.refused(patient, QueueFullError("full")) == 0.0  # waited its Retry-After
     assert holds.refused(other, InvalidInputError("bad")) == 0.0
     assert RefusalHolds(max_hold_ms=0, now=clock.now).refused(greedy, QueueFullError("x")) == 0
+
+
+def test_holds_are_spread_so_the_clients_refused_together_do_not_come_back_together() -> None:
+    clock = SteppedClock()
+    clock.freeze()
+    draws = iter([0.0, 0.5, 0.0, 0.5])
+    holds = RefusalHolds(max_hold_ms=2000, now=clock.now, draw=lambda: next(draws))
+    first, second = ("127.0.0.1", 1), ("127.0.0.1", 2)
+    assert holds.refused(first, QueueFullError("full")) == 0.0
+    assert holds.refused(second, QueueFullError("full")) == 0.0
+    assert holds.refused(first, QueueFullError("full")) == refusal_hold.HELD_FRACTION
+    assert holds.refused(second, QueueFullError("full")) == 0.75
 
 
 def test_the_connections_remembered_are_bounded() -> None:

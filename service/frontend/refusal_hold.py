@@ -5,21 +5,27 @@ costs the front end the request's parse and an answer. Clients that ignore ``Ret
 and resend at once turned that into a storm of refusals that took the CPU (and the
 interpreter) the forward needed: one process fell to 0.07-0.18x of one client's goodput at 64
 such clients (issue 23). So a connection's first refusal is answered at once, and one that
-comes back on the same connection before its ``Retry-After`` has passed is held until it has
-(at most ``refusal_hold_ms``): a client that ignores ``Retry-After`` is made to honour it, and
-costs one refusal per ``Retry-After``, not thousands a second. A client that honours it never
-waits. The connections are known by their address (``scope["client"]``); a client that opens
-a new connection for every retry is not held, but pays for a connection each time.
+comes back on the same connection before its ``Retry-After`` has passed is held until most of
+it has (at most ``refusal_hold_ms``): a client that ignores ``Retry-After`` is made to honour
+it, and costs one refusal per ``Retry-After``, not thousands a second. A client that honours it
+never waits. How much of it is a draw between ``HELD_FRACTION`` and 1 for each refusal: held
+whole, the clients refused together came back together, once a second, and the queue (a
+deadline's worth of work) sat empty between their waves. The connections are known by their
+address (``scope["client"]``); a client that opens a new connection for every retry is not
+held, but pays for a connection each time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Hashable
 
 from service.errors import OverloadedError, QueueFullError, ServiceError
 
+#: A held refusal waits from this fraction of its ``Retry-After`` to all of it, drawn at random.
+HELD_FRACTION = 0.5
 #: Connections remembered at most; beyond, those whose ``Retry-After`` has passed are
 #: forgotten, and if none has, all are (a flood of connections then goes unheld).
 MAX_CONNECTIONS = 4096
@@ -46,9 +52,16 @@ def hold_s(retry_at_s: float | None, now_s: float, max_hold_s: float) -> float:
 class RefusalHolds:
     """When each connection refused for load may retry."""
 
-    def __init__(self, max_hold_ms: float, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_hold_ms: float,
+        now: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] | None = None,
+    ) -> None:
+        """``draw``: a number in [0, 1) for the share of each ``Retry-After`` held."""
         self._max_hold_s = max_hold_ms / 1000.0
         self._now = now
+        self._draw = draw or random.Random().random
         self._retry_at_s: dict[Hashable, float] = {}
 
     def __len__(self) -> int:
@@ -65,7 +78,8 @@ class RefusalHolds:
         seconds = hold_s(self._retry_at_s.pop(connection, None), now_s, self._max_hold_s)
         if len(self._retry_at_s) >= MAX_CONNECTIONS:
             self._forget(now_s)
-        self._retry_at_s[connection] = now_s + seconds + retry_s
+        share = HELD_FRACTION + (1.0 - HELD_FRACTION) * self._draw()
+        self._retry_at_s[connection] = now_s + seconds + retry_s * share
         return seconds
 
     def _forget(self, now_s: float) -> None:
