@@ -6,9 +6,12 @@
   they have an answer, 429 included: the harshest client there is. Once with the engine in
   the HTTP process (``engine_mode=in_process``, the default at one worker) and once in its
   own process (``engine_mode=process``).
+- ``recovery``: after the 64-client storm of ``goodput``, one client sends a request every
+  100 ms: how soon it is answered 200 again, and what it was answered meanwhile (a stale
+  duration estimate refused such requests 422 for up to 30 s).
 - ``fairness``: two clients keep the 512-token bucket full (32 x 512 tokens per request, one
   full batch each) while a third sends 3-token requests: their latency beside the long bucket
-  against alone.
+  against alone, and the long requests' rows per second.
 - ``slow-uploads``: 8 connections send half a body and stall; a lone client's latency beside
   them against alone.
 - ``headers``, ``slowloris``, ``handler-bomb``: one hostile client's huge headers, trickled
@@ -17,8 +20,10 @@
 Every server runs on a free 127.0.0.1 port with one torch thread; every loop is bounded in
 time and count. Writes a Markdown report to stdout.
 
-    python -m loadtests.attacks                       # all six, about 6 minutes
+    python -m loadtests.attacks                       # all seven, about 7 minutes
     python -m loadtests.attacks --scenario fairness --duration-s 20
+    python -m loadtests.attacks --scenario goodput --clients 1,64 --engine-mode in_process \
+        --set BATCHSERVE_REFUSAL_HOLD_MS=0            # a setting changed on every server
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -47,7 +53,17 @@ GOODPUT_CLIENTS = (1, 4, 64)
 ENGINE_MODES = ("in_process", "process")
 DEADLINE_MS = 300
 SLOW_UPLOADS = 8
-SCENARIOS = ["goodput", "fairness", "slow-uploads", "headers", "slowloris", "handler-bomb"]
+SCENARIOS = [
+    "goodput",
+    "recovery",
+    "fairness",
+    "slow-uploads",
+    "headers",
+    "slowloris",
+    "handler-bomb",
+]
+#: Settings every server of a run gets (``--set``), over each scenario's own.
+EXTRA_SETTINGS: dict[str, str] = {}
 #: Bounds of every loop: requests per client and seconds per measurement.
 MAX_REQUESTS_PER_CLIENT = 100_000
 
@@ -71,6 +87,7 @@ def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tu
             "BATCHSERVE_TORCH_THREADS": "1",
             "BATCHSERVE_LOG_LEVEL": "warning",
             **settings,
+            **EXTRA_SETTINGS,
         }
     )
     log = scratch / f"{name}.log"
@@ -117,13 +134,29 @@ def percentile_ms(values: Sequence[float], quantile: float) -> float:
 # --------------------------------------------------------------------------- goodput
 
 
-def goodput(scratch: Path, duration_s: float) -> list[str]:
+def goodput_settings(engine_mode: str) -> dict[str, str]:
+    return {
+        "BATCHSERVE_MODEL_NAME": "textenc",
+        "BATCHSERVE_MAX_QUEUE_SIZE": "8",
+        "BATCHSERVE_MAX_INSTANCES_PER_REQUEST": "64",
+        "BATCHSERVE_REQUEST_TIMEOUT_MS": str(DEADLINE_MS),
+        "BATCHSERVE_ENGINE_MODE": engine_mode,
+    }
+
+
+def goodput(
+    scratch: Path,
+    duration_s: float,
+    clients_list: Sequence[int] = GOODPUT_CLIENTS,
+    engine_modes: Sequence[str] = ENGINE_MODES,
+    tokens: int = 512,
+) -> list[str]:
     rng = np.random.default_rng(0)
-    body = token_body(rng, 1, 512)
+    body = token_body(rng, 1, tokens)
     lines = [
         "## Goodput under overload",
         "",
-        f"`textenc`, 512 tokens per request, `max_queue_size=8`, deadline {DEADLINE_MS} ms; "
+        f"`textenc`, {tokens} tokens per request, `max_queue_size=8`, deadline {DEADLINE_MS} ms; "
         f"closed loop for {duration_s:.0f} s per point, the next request sent as soon as an "
         "answer (429 included) arrives.",
         "",
@@ -131,23 +164,17 @@ def goodput(scratch: Path, duration_s: float) -> list[str]:
         "| 504 after deadline p50 / max ms |",
         "| --- | --: | --: | --: | --- | --- |",
     ]
-    for engine_mode in ENGINE_MODES:
-        settings = {
-            "BATCHSERVE_MODEL_NAME": "textenc",
-            "BATCHSERVE_MAX_QUEUE_SIZE": "8",
-            "BATCHSERVE_MAX_INSTANCES_PER_REQUEST": "64",
-            "BATCHSERVE_REQUEST_TIMEOUT_MS": str(DEADLINE_MS),
-            "BATCHSERVE_ENGINE_MODE": engine_mode,
-        }
+    for engine_mode in engine_modes:
+        settings = goodput_settings(engine_mode)
         with server(settings, scratch, f"goodput-{engine_mode}") as (host, port):
             asyncio.run(closed_loop(host, port, body, 1, 2.0))  # warm-up
             one_client = None
-            for clients in GOODPUT_CLIENTS:
+            for clients in clients_list:
                 outcomes, elapsed_s = asyncio.run(
                     closed_loop(host, port, body, clients, duration_s)
                 )
                 ok_per_s = sum(o.status == 200 for o in outcomes) / elapsed_s
-                one_client = one_client or ok_per_s
+                one_client = one_client or ok_per_s or float("nan")
                 late = [o.latency_s - DEADLINE_MS / 1000 for o in outcomes if o.status == 504]
                 statuses = ", ".join(f"{s}: {n}" for s, n in sorted(Counter(
                     str(o.status) for o in outcomes).items()))  # fmt: skip
@@ -161,8 +188,66 @@ def goodput(scratch: Path, duration_s: float) -> list[str]:
     lines += [
         "",
         "A 504 before the deadline (negative) is a request the batcher found could not finish "
-        "in time even alone, answered at once rather than computed for nobody.",
+        "in time even alone, answered at once rather than computed for nobody. "
+        f"Load average at the end: {os.getloadavg()[0]:.2f}.",
     ]
+    return lines
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+async def lone_statuses(
+    host: str, port: int, body: bytes, duration_s: float
+) -> list[tuple[float, int]]:
+    """One client, a request every 100 ms for ``duration_s``: (seconds from the start, status)."""
+    connection = HttpConnection(host, port)
+    started_s = time.monotonic()
+    answers = []
+    try:
+        while time.monotonic() - started_s < duration_s:
+            sent_s = time.monotonic()
+            response = await connection.request("POST", "/predict", body, JSON_HEADERS)
+            answers.append((sent_s - started_s, response.status))
+            await asyncio.sleep(0.1)
+    finally:
+        await connection.close()
+    return answers
+
+
+def recovery(
+    scratch: Path, duration_s: float, engine_modes: Sequence[str], tokens: int = 512
+) -> list[str]:
+    rng = np.random.default_rng(0)
+    body = token_body(rng, 1, tokens)
+    lines = [
+        "## Recovery after the storm",
+        "",
+        f"The `goodput` server, {tokens} tokens per request; 64 clients resend at once for "
+        f"{duration_s:.0f} s, then one client sends a request every 100 ms for 10 s: when its "
+        "requests are answered 200 again, and what it was answered meanwhile.",
+        "",
+        "| engine | storm 200/s | first 200 after the storm, s | 200 in the next 10 s "
+        "| the lone client's answers by status |",
+        "| --- | --: | --: | --: | --- |",
+    ]
+    for engine_mode in engine_modes:
+        with server(goodput_settings(engine_mode), scratch, f"recovery-{engine_mode}") as (
+            host,
+            port,
+        ):
+            asyncio.run(closed_loop(host, port, body, 1, 2.0))  # warm-up
+            storm, elapsed_s = asyncio.run(closed_loop(host, port, body, 64, duration_s))
+            answers = asyncio.run(lone_statuses(host, port, body, 10.0))
+        first_ok = next((at_s for at_s, status in answers if status == 200), None)
+        statuses = ", ".join(
+            f"{s}: {n}" for s, n in sorted(Counter(str(s) for _, s in answers).items())
+        )
+        lines.append(
+            f"| {engine_mode} | {sum(o.status == 200 for o in storm) / elapsed_s:.1f} | "
+            f"{'never' if first_ok is None else f'{first_ok:.1f}'} | "
+            f"{sum(s == 200 for _, s in answers)} of {len(answers)} | {statuses} |"
+        )
     return lines
 
 
@@ -185,33 +270,33 @@ async def short_requests(host: str, port: int, body: bytes, count: int) -> list[
 
 
 async def shorts_beside_longs(
-    host: str, port: int, short: bytes, long: bytes, count: int
-) -> tuple[list[Outcome], list[Outcome]]:
-    stop_after_s = 120.0
-    longs = asyncio.create_task(closed_loop(host, port, long, 2, stop_after_s))
+    host: str, port: int, short: bytes, long: bytes, count: int, duration_s: float
+) -> tuple[list[Outcome], list[Outcome], float]:
+    """The short requests while two clients send long ones for ``duration_s``: the shorts'
+    outcomes, the longs' and how long the longs ran."""
+    longs = asyncio.create_task(closed_loop(host, port, long, 2, duration_s))
     await asyncio.sleep(1.0)  # the long bucket is full
     shorts = await short_requests(host, port, short, count)
-    longs.cancel()
-    try:
-        long_outcomes, _ = await longs
-    except asyncio.CancelledError:
-        long_outcomes = []
-    return shorts, long_outcomes
+    long_outcomes, elapsed_s = await longs
+    return shorts, long_outcomes, elapsed_s
 
 
-def fairness(scratch: Path, count: int) -> list[str]:
+def fairness(scratch: Path, count: int, duration_s: float) -> list[str]:
     rng = np.random.default_rng(0)
     short = token_body(rng, 1, 3)
     long = token_body(rng, 32, 512)
     with server({"BATCHSERVE_MODEL_NAME": "textenc"}, scratch, "fairness") as (host, port):
         alone = asyncio.run(short_requests(host, port, short, count))
-        beside, _ = asyncio.run(shorts_beside_longs(host, port, short, long, count))
+        longs_alone, alone_s = asyncio.run(closed_loop(host, port, long, 2, duration_s))
+        beside, longs_beside, beside_s = asyncio.run(
+            shorts_beside_longs(host, port, short, long, count, duration_s)
+        )
     lines = [
         "## Fairness: short requests beside a full long bucket",
         "",
         f"`textenc` defaults; {count} requests of 3 tokens, 100 ms apart, alone and while two "
         "clients keep the 512-token bucket full (32 x 512 tokens per request: one full batch "
-        "each).",
+        f"each at `max_batch_tokens`) for {duration_s:.0f} s.",
         "",
         "| short requests | answered 200 | p50 ms | p99 ms | max ms |",
         "| --- | --: | --: | --: | --: |",
@@ -223,6 +308,15 @@ def fairness(scratch: Path, count: int) -> list[str]:
             f"{percentile_ms(latencies, 50):.1f} | {percentile_ms(latencies, 99):.1f} | "
             f"{max(latencies, default=float('nan')) * 1000:.1f} |"
         )
+    rows_alone = 32 * sum(o.status == 200 for o in longs_alone) / alone_s
+    rows_beside = 32 * sum(o.status == 200 for o in longs_beside) / beside_s
+    lines += [
+        "",
+        f"Long requests (two clients, 32 x 512 tokens each): {rows_alone:.1f} rows/s alone, "
+        f"{rows_beside:.1f} rows/s beside the short ones (requests answered whole; one in "
+        "flight per client at the end is not counted). Load average at the end: "
+        f"{os.getloadavg()[0]:.2f}.",
+    ]
     return lines
 
 
@@ -301,18 +395,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         help="the attacks to run (default: all)",
     )
-    parser.add_argument("--duration-s", type=float, default=10.0, help="per goodput point")
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=10.0,
+        help="per goodput point; the storm of recovery; the long clients of fairness",
+    )
     parser.add_argument("--count", type=int, default=30, help="short or lone requests")
+    parser.add_argument(
+        "--clients",
+        default=",".join(map(str, GOODPUT_CLIENTS)),
+        help="goodput: closed-loop clients per point, the first the reference (1,4,64)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=512,
+        help="goodput, recovery: tokens per request (fewer on a machine too loaded for 512)",
+    )
+    parser.add_argument(
+        "--engine-mode", choices=ENGINE_MODES, action="append", help="goodput, recovery"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="BATCHSERVE_NAME=VALUE",
+        help="a setting of every server, over the scenario's own (repeatable)",
+    )
     args = parser.parse_args(argv)
+    clients = [int(part) for part in args.clients.split(",")]
+    engine_modes = args.engine_mode or ENGINE_MODES
+    EXTRA_SETTINGS.update(item.split("=", 1) for item in args.set)
     chosen = args.scenario or SCENARIOS
     report = ["# Attacks on batchserve", ""]
     with tempfile.TemporaryDirectory(prefix="batchserve-attacks-") as folder:
         scratch = Path(folder)
         for scenario in chosen:
             if scenario == "goodput":
-                report += goodput(scratch, args.duration_s)
+                report += goodput(scratch, args.duration_s, clients, engine_modes, args.tokens)
+            elif scenario == "recovery":
+                report += recovery(scratch, args.duration_s, engine_modes, args.tokens)
             elif scenario == "fairness":
-                report += fairness(scratch, args.count)
+                report += fairness(scratch, args.count, args.duration_s)
             elif scenario == "slow-uploads":
                 report += slow_uploads(scratch, args.count)
             elif scenario == "headers":

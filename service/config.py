@@ -148,8 +148,24 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(default=16_384, ge=1, le=10_000_000)
     """Most padded positions (rows x bucket length) in one batch of a variable-length model."""
 
+    max_batch_ms: float = Field(default=0.0, ge=0.0, le=600_000.0)
+    """The time quantum: a batch is cut (and a request of many rows split) so its forward,
+    as fast as it was measured, stays under this many milliseconds; between two batches of a
+    length bucket that keeps the device busy, requests of the other buckets get their turn,
+    so a short request waits one quantum rather than a whole long batch. A batch always holds
+    at least one row. 0 (the default): batches bounded by ``max_batch_size`` and
+    ``max_batch_tokens`` only. On a CPU serving lengths that differ widely (``textenc``: a
+    512-token row takes 60 ms), 100 keeps short requests within about a row of a long one's
+    time, at little cost to long ones (see Benchmarks); a GPU's batches rarely reach it."""
+
     max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
     """Most requests waiting in the queue; one more is answered 429 at once."""
+
+    refusal_hold_ms: float = Field(default=2000.0, ge=0.0, le=60_000.0)
+    """Longest a refusal for load (429) is held on a connection that sent its request before
+    the ``Retry-After`` of its last 429 had passed: such a client is made to wait it out, so
+    clients that resend at once cost one refusal per ``Retry-After`` each, not a storm that
+    takes the model's CPU. A connection's first 429 is answered at once. 0: never held."""
 
     request_timeout_ms: float = Field(default=10_000.0, ge=1.0, le=600_000.0)
     """Deadline of a request from its arrival; past it the request is answered 504."""

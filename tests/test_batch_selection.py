@@ -4,10 +4,12 @@ priority, token budget, deadlines), dispatch and admission as functions of their
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import pytest
 
+from service.engine import estimates
 from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
 from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
@@ -16,11 +18,13 @@ from service.engine.batch_queue import BatchQueue, Entry
 from service.engine.batch_selection import (
     HIGH_PRIORITY_STREAK_LIMIT,
     Limits,
+    Quantum,
     is_full,
     lead_priority,
     pick_group,
     plan_batch,
 )
+from service.engine.estimates import BatchTimes
 from service.errors import DeadlineUnreachableError, OverloadedError
 from service.types import Priority
 from tests.fixtures import SteppedClock
@@ -168,20 +172,84 @@ def test_the_estimated_wait_counts_full_and_partial_batches_of_each_group() -> N
     assert estimated_wait_s(queue, "high", -1.0, 4, 0, tenth_per_row) == pytest.approx(0.1)
 
 
+@dataclass
+class PerRow:
+    """Durations of ``seconds`` a row now, and ``fastest_s`` a row at best (None: never
+    measured)."""
+
+    seconds: float | None
+    fastest_s: float | None = None
+
+    def estimate(self, group: Hashable, rows: int) -> float | None:
+        return None if self.seconds is None else self.seconds * rows
+
+    def fastest(self, group: Hashable, rows: int) -> float | None:
+        quickest = self.seconds if self.fastest_s is None else self.fastest_s
+        return None if quickest is None else quickest * rows
+
+
+def waits(seconds: float) -> Callable[[Priority], float]:
+    return lambda priority: seconds
+
+
 def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
-    def second_per_row(group: Hashable, rows: int) -> float:
-        return float(rows)
-
-    def waits(seconds: float) -> object:
-        return lambda priority: seconds
-
-    assert refusal([2], "g", 1.0, never_measured, waits(0.0), "normal") is None  # type: ignore[arg-type]
-    alone = refusal([2], "g", 1.5, second_per_row, waits(0.0), "normal")  # type: ignore[arg-type]
+    assert refusal([2], "g", 1.0, PerRow(None), waits(0.0), "normal") is None
+    alone = refusal([2], "g", 1.5, PerRow(1.0), waits(0.0), "normal")
     assert isinstance(alone, DeadlineUnreachableError)
-    behind = refusal([1], "g", 1.5, second_per_row, waits(1.0), "normal")  # type: ignore[arg-type]
+    behind = refusal([1], "g", 1.5, PerRow(1.0), waits(1.0), "normal")
     assert isinstance(behind, OverloadedError)
     assert behind.headers["Retry-After"] == "1"
-    assert refusal([1], "g", 2.0, second_per_row, waits(1.0), "normal") is None  # type: ignore[arg-type]
+    assert refusal([1], "g", 2.0, PerRow(1.0), waits(1.0), "normal") is None
+
+
+def test_a_shape_slowed_by_load_is_refused_429_with_retry_after_not_422() -> None:
+    """Issue 23, finding 5: after an overload the estimate of a shape exceeded its deadline
+    and every request of it was refused 422 ``deadline_unreachable`` without ``Retry-After``
+    for up to 30 s, though the model answers it alone in 55-120 ms. 422 is for a forward too
+    long even at its fastest; the rest is load, and is admitted again once the slow durations
+    are stale."""
+    clock = SteppedClock()
+    clock.freeze()
+    times = BatchTimes(clock.now)
+    times.record("g", 1, 0.06)  # alone
+    for _ in range(3):
+        times.record("g", 1, 0.4)  # overloaded
+    refused = refusal([1], "g", 0.3, times, waits(0.0), "normal")
+    assert isinstance(refused, OverloadedError)
+    assert refused.headers["Retry-After"] == "1"
+    clock.advance(estimates.FRESH_FOR_S + 0.1)  # the load ended a few seconds ago
+    assert refusal([1], "g", 0.3, times, waits(0.0), "normal") is None
+    assert isinstance(
+        refusal([2], "g", 0.3, PerRow(0.2, fastest_s=0.2), waits(0.0), "normal"),
+        DeadlineUnreachableError,  # the forward itself is too long
+    )
+
+
+def test_the_quantum_cuts_a_batch_and_splits_a_request_of_many_long_rows() -> None:
+    """Issue 23, finding 6: a full batch of 512-token rows took about 2 s, and a 3-token
+    request waited for all of it. Under ``max_batch_ms`` a batch is cut to the rows expected
+    within it (at least one) and a request of 32 such rows runs a quantum at a time."""
+    quantum = Quantum(0.1, PerRow(0.06).estimate)  # a row takes 60 ms
+    assert quantum.rows("long", total_rows=32, max_rows=32) == 1
+    assert Quantum(0.25, PerRow(0.06).estimate).rows("long", 32, 32) == 3  # class 2: 180 ms
+    assert Quantum(0.1, PerRow(0.001).estimate).rows("short", 32, 32) == 32
+    assert Quantum(0.1, never_measured).rows("long", 32, 32) == 32
+    assert Quantum(0.0, PerRow(0.06).estimate).rows("long", 32, 32) == 32  # no quantum
+    assert Quantum(0.1, PerRow(0.06).estimate, max_chunks=4).rows("long", 32, 32) == 8
+    [group] = queue_of(*(entry(group="long") for _ in range(4)))
+    plan = plan_batch(group, ("normal",), Limits(32, 0, quantum), never_measured, now_s=0.0)
+    assert len(plan.batch) == 1
+    assert len(plan_batch(group, ("normal",), Limits(32, 0), never_measured, 0.0).batch) == 4
+
+
+def test_round_robin_lets_a_short_group_in_between_quanta_of_a_long_one() -> None:
+    queue = queue_of(*(entry(group="long", arrival_s=0.0) for _ in range(8)))
+    queue.add(entry(group="short", arrival_s=0.05))
+    filler = BatchFiller()
+    limits = Limits(32, 0, Quantum(0.1, PerRow(0.06).estimate))
+    groups = [filler.take(queue, list(queue), limits, never_measured, 0.1).batch[0].group]
+    groups += [filler.take(queue, list(queue), limits, never_measured, 0.2).batch[0].group]
+    assert groups == ["long", "short"]
 
 
 async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:

@@ -41,5 +41,28 @@ def test_durations_are_forgotten_after_a_while() -> None:
     times = BatchTimes(lambda: now[0])
     times.record("g", 1, 5.0)
     assert times.estimate("g", 1) == 5.0
-    now[0] += estimates.FORGET_AFTER_S + 1
+    now[0] += estimates.FRESH_FOR_S + 0.1
     assert times.estimate("g", 1) is None
+    assert times.fastest("g", 1) == 5.0  # what the forward itself needs is kept
+
+
+def test_the_estimate_recovers_within_seconds_of_an_overload() -> None:
+    """Issue 23, finding 5: five durations slowed by an overload outvoted the first quick
+    ones after it (the median of the last five) and refused the shape for up to 30 s."""
+    now = [1000.0]
+    times = BatchTimes(lambda: now[0])
+    for _ in range(5):
+        times.record("g", 1, 0.4)  # a refusal storm takes the forward's CPU
+        now[0] += 0.1
+    now[0] += estimates.FRESH_FOR_S
+    times.record("g", 1, 0.06)  # the load ended: one request, measured alone
+    assert times.estimate("g", 1) == 0.06
+    assert times.fastest("g", 1) == 0.06
+
+
+def test_the_fastest_duration_is_scaled_like_the_estimate() -> None:
+    times = BatchTimes()
+    times.record("g", 1, 0.010)
+    times.record("g", 1, 0.030)
+    assert times.fastest("g", 4) == 0.040  # class 3: two classes above 1
+    assert times.fastest("other", 1) is None

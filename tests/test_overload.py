@@ -177,6 +177,9 @@ def test_a_flood_gets_fast_429s_the_rest_200_and_memory_stays_bounded(tmp_path: 
         BATCHSERVE_MAX_BATCH_TOKENS=str(4 * TOKENS_PER_REQUEST),
         # Long enough that an accepted request is never answered 504 in this test.
         BATCHSERVE_REQUEST_TIMEOUT_MS="120000",
+        # Every worker resends each 429 at once: the refusal path itself is measured here,
+        # unheld (the hold of such clients: test_a_client_resending_before_retry_after...).
+        BATCHSERVE_REFUSAL_HOLD_MS="0",
     ) as server:
         # Full batches first, so the baseline includes the allocator's working set for them
         # (about 90 MiB): the growth measured is then the flood's own.
@@ -331,3 +334,60 @@ def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs_past_its_e
         assert value(after, "batchserve_batch_size_rows_count") == 1
         assert value(after, "batchserve_batch_size_rows_sum") == 1  # the probe never ran
         assert answers(server.url + "/readyz")
+
+
+def test_a_client_resending_before_retry_after_is_held_until_it_passes(tmp_path: Path) -> None:
+    """Issue 23, finding 4: clients that resend every 429 at once made a storm of refusals
+    that took the forward's CPU. A connection's first 429 is answered at once; the next one
+    it asks for before its ``Retry-After`` (1 s) has passed waits until most of it has;
+    another connection's first 429 is still answered at once."""
+    gate = tmp_path / "hold"
+    gate.touch()
+    package_hanging_model(tmp_path / "models", gate)
+    port = free_port()
+    env = batchserve_environment(
+        port,
+        BATCHSERVE_MODEL_REPOSITORY=str(tmp_path / "models"),
+        BATCHSERVE_MODEL_NAME="hangs",
+        BATCHSERVE_WARMUP_BATCH_SIZES="1",
+        BATCHSERVE_MAX_QUEUE_SIZE="1",
+        BATCHSERVE_MAX_INSTANCES_PER_REQUEST="64",
+        BATCHSERVE_REQUEST_TIMEOUT_MS="60000",
+        PYTHONPATH=str(REPOSITORY_ROOT),  # the model's architecture is in tests/
+    )
+    blocker_body = json.dumps({"instances": [[HANG_VALUE] * FEATURES]}).encode()
+    body = json.dumps({"instances": [[1.0] * FEATURES]}).encode()
+    url = f"http://127.0.0.1:{port}"
+    with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as server:
+        wait_for(lambda: answers(url + "/readyz"), "ready", server)
+
+        async def scenario() -> tuple[list[Answer], Answer]:
+            blocker, queued, greedy, other = (HttpConnection("127.0.0.1", port) for _ in range(4))
+            running_batch = asyncio.create_task(post(blocker, blocker_body))
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                started_s = time.monotonic()
+                while time.monotonic() - started_s < 10:  # the blocker's batch has started
+                    metrics = (await http.get("/metrics")).text
+                    if value(metrics, "batchserve_queue_wait_seconds_count") >= 1:
+                        break
+                    await asyncio.sleep(0.01)
+            waiting = asyncio.create_task(post(queued, body))  # the queue is full now
+            await asyncio.sleep(0.2)
+            refusals = [await post(greedy, body) for _ in range(3)]  # resent at once
+            first_of_other = await post(other, body)
+            gate.unlink()
+            await asyncio.gather(running_batch, waiting)
+            for connection in (blocker, queued, greedy, other):
+                await connection.close()
+            return refusals, first_of_other
+
+        refusals, first_of_other = asyncio.run(scenario())
+        print("\nrefusals resent at once: " + ", ".join(
+            f"{r.status} after {r.latency_s * 1000:.0f} ms" for r in refusals))  # fmt: skip
+        assert [answer.status for answer in refusals] == [429, 429, 429]
+        assert refusals[0].latency_s < 0.5
+        for held in refusals[1:]:
+            assert held.latency_s >= 0.45  # half its Retry-After of 1 s, at least
+            assert held.headers["retry-after"] == "1"
+        assert first_of_other.status == 429
+        assert first_of_other.latency_s < 0.5

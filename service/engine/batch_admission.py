@@ -1,17 +1,17 @@
 """Admission: what a request is split into, and what is refused at once (pure functions).
 
 From recent forward durations (``estimates.BatchTimes``) a request that cannot be served in
-time is refused before it is queued: 422 when it alone needs longer than its deadline, 429
-with ``Retry-After`` when the work queued ahead of it would make it late. Unmeasured groups
-are never refused on an estimate. Under overload the device thus keeps computing answers
-someone gets.
+time is refused before it is queued: 422 when it alone needs longer than its deadline even at
+its fastest, 429 with ``Retry-After`` when the work queued ahead of it, or a device slowed by
+load, would make it late. Groups not measured lately are never refused on an estimate. Under
+overload the device thus keeps computing answers someone gets.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from service.engine.batch_queue import Group
 from service.engine.batch_run import Rows
@@ -20,6 +20,16 @@ from service.errors import DeadlineUnreachableError, OverloadedError, ServiceErr
 from service.types import Priority
 
 RowsT = TypeVar("RowsT", bound=Rows)
+
+
+class Durations(Protocol):
+    """Forward durations by group and rows (``estimates.BatchTimes``)."""
+
+    def estimate(self, group: Hashable, rows: int) -> float | None:
+        """Recent: how long such a batch takes now."""
+
+    def fastest(self, group: Hashable, rows: int) -> float | None:
+        """The quickest it was ever measured: the forward itself."""
 
 
 def chunk_rows(max_batch_size: int, max_batch_cost: int, cost_per_row: int) -> int:
@@ -72,20 +82,28 @@ def refusal(
     chunks: list[int],
     group: Hashable,
     left_s: float,
-    estimate: Estimate,
+    times: Durations,
     wait_s: Callable[[Priority], float],
     priority: Priority,
 ) -> ServiceError | None:
-    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, its
-    chunks' own estimates and the ``wait_s`` of the work ahead of it at ``priority``; None
-    when it can (or when any chunk's duration is unknown: nothing to refuse it on)."""
-    own = [estimate(group, rows) for rows in chunks]
+    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, from its
+    chunks' recent durations (``times.estimate``) and the ``wait_s`` of the work ahead of it
+    at ``priority``; None when it can (or when a chunk has no recent estimate: admitted, it is
+    measured).
+
+    422 only when the chunks need longer than ``left_s`` even at the fastest they were ever
+    measured (``times.fastest``): the forward itself is too long, the client must send less.
+    When only the recent durations make it late (a loaded device), or the queue ahead does,
+    429 with ``Retry-After``."""
+    own = [times.estimate(group, rows) for rows in chunks]
     if any(seconds is None for seconds in own):
         return None
     own_s = sum(seconds for seconds in own if seconds is not None)
-    if own_s > left_s:
+    quickest_s = sum(times.fastest(group, rows) or 0.0 for rows in chunks)
+    needed_s = min(own_s, quickest_s)
+    if needed_s > left_s:
         return DeadlineUnreachableError(
-            f"these {sum(chunks)} instances need about {own_s * 1000:.0f} ms of "
+            f"these {sum(chunks)} instances need about {needed_s * 1000:.0f} ms of "
             f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
             "deadline; send fewer instances per request"
         )
@@ -93,8 +111,9 @@ def refusal(
     if ahead_s + own_s > left_s:
         return OverloadedError(
             f"the queue holds about {ahead_s * 1000:.0f} ms of work, and this request "
-            f"needs {own_s * 1000:.0f} ms more: it could not be answered within the "
-            f"{left_s * 1000:.0f} ms left before its deadline; retry shortly",
+            f"needs {own_s * 1000:.0f} ms more at the device's recent pace: it could not be "
+            f"answered within the {left_s * 1000:.0f} ms left before its deadline; retry "
+            "shortly",
             retry_after_s=max(1, math.ceil(ahead_s)),
         )
     return None

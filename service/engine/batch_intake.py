@@ -22,7 +22,7 @@ from service.engine.batch_clock import Clock
 from service.engine.batch_deadlines import Deadlines
 from service.engine.batch_guards import RowLimit
 from service.engine.batch_queue import BatchQueue, Entry, Group
-from service.engine.batch_selection import Estimate
+from service.engine.batch_selection import Quantum
 from service.engine.batch_ticket import ChunkedTicket, Sink, SoloTicket, Ticket
 from service.errors import InvalidInputError, NotReadyError, QueueFullError, ServiceError
 from service.metrics import DropReason, ModelMetrics
@@ -57,7 +57,8 @@ class Intake:
         queue: BatchQueue,
         deadlines: Deadlines,
         metrics: ModelMetrics,
-        estimate: Estimate,
+        times: batch_admission.Durations,
+        quantum: Quantum,
         row_limit: RowLimit,
         max_batch_cost: int,
         max_queue_size: int,
@@ -72,7 +73,8 @@ class Intake:
         self._queue = queue
         self._deadlines = deadlines
         self._metrics = metrics
-        self._estimate = estimate
+        self._times = times
+        self._quantum = quantum
         self._row_limit = row_limit
         self._max_batch_cost = max_batch_cost
         self._max_queue_size = max_queue_size
@@ -102,7 +104,7 @@ class Intake:
             rows,
             submission.group,
             deadline_s - arrival_s,
-            self._estimate,
+            self._times,
             self.estimated_wait_s,
             submission.priority,
         )
@@ -125,7 +127,7 @@ class Intake:
             self._running_until_s() - self._clock.now(),
             self._row_limit.rows,
             self._max_batch_cost,
-            self._estimate,
+            self._times.estimate,
         )
 
     # ----------------------------------------------------------------- a frame
@@ -215,7 +217,7 @@ class Intake:
                     max_batch_size, max_batch_cost, cost_per_row
                 )
             kind: tuple[Hashable, Priority, int | tuple[int, ...]]
-            if total_rows <= chunk_rows:
+            if total_rows <= chunk_rows and (total_rows == 1 or not self._quantum.max_batch_s):
                 split.append(total_rows)
                 chunk_count += 1
                 kind = (group, priority, total_rows)
@@ -240,7 +242,7 @@ class Intake:
         for (group, priority, kind_rows), left_s in tightest.items():
             chunk_list = [kind_rows] if isinstance(kind_rows, int) else list(kind_rows)
             refused = batch_admission.refusal(
-                chunk_list, group, left_s, self._estimate, waits.__getitem__, priority
+                chunk_list, group, left_s, self._times, waits.__getitem__, priority
             )
             if refused is not None:
                 return None
@@ -266,7 +268,7 @@ class Intake:
             rows = grown[0] + (queued.rows if queued is not None else 0)
             high_rows = grown[1] + (queued.high_rows if queued is not None else 0)
             cost = grown[2] + (queued.cost if queued is not None else 0)
-            known = [self._estimate(key, size) for size in sizes]
+            known = [self._times.estimate(key, size) for size in sizes]
             slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
             per_batch = 1 if self._max_batch_cost and cost else row_limit
             waits["normal"] += -(-rows // per_batch) * slowest_s
@@ -299,7 +301,7 @@ class Intake:
         chunks = batch_admission.chunks_of(
             payload,
             total_rows,
-            self._row_limit.max_batch_size,
+            self._quantum.rows(submission.group, total_rows, self._row_limit.max_batch_size),
             self._max_batch_cost,
             submission.cost_per_row,
         )

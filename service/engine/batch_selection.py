@@ -10,9 +10,11 @@ Priority: high-priority requests lead a batch, unless they have led
 ``HIGH_PRIORITY_STREAK_LIMIT`` batches in a row while normal ones waited: then the
 longest-waiting normal requests do, so normal traffic is never starved.
 
-Deadlines and the token budget: a batch takes only the requests it can finish before every
-deadline in it (the others wait for the next batch), within the row limit and the token
-budget; the first request of a batch is not asked (a chunk larger than the limits runs
+Deadlines, the token budget and the time quantum: a batch takes only the requests it can
+finish before every deadline in it (the others wait for the next batch), within the row limit,
+the token budget and the quantum (``Quantum``: a short request waits for one quantum of a long
+group, not for a whole batch of it, before round robin gives its group the device); the first
+request of a batch is not asked (a chunk larger than the limits runs
 alone), but one that cannot finish by its deadline even alone is answered 504 at once.
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from service.engine.batch_queue import Entry, Group
+from service.engine.estimates import size_class
 from service.types import Priority
 
 #: After this many batches led by high-priority requests while normal ones wait, the next
@@ -34,10 +37,55 @@ Estimate = Callable[[Hashable, int], "float | None"]
 
 
 @dataclass(frozen=True, slots=True)
+class Quantum:
+    """The time quantum (``max_batch_ms``): a batch's expected forward stays under it, so a
+    group that keeps the device busy holds it this long at most before round robin gives
+    another group its turn. Expected from the fastest duration measured (``batch_seconds``):
+    the forward itself, not a load that slows it."""
+
+    max_batch_s: float
+    """0: no quantum."""
+    batch_seconds: Estimate
+    max_chunks: int = 1 << 30
+    """Most chunks the quantum splits a request into (a part of the queue's capacity: a
+    request split finer would find the queue too full for it)."""
+
+    def allows(self, group: Hashable, rows: int) -> bool:
+        """Whether a batch of ``rows`` rows of ``group`` is expected to end within the
+        quantum (unmeasured: yes)."""
+        if not self.max_batch_s:
+            return True
+        seconds = self.batch_seconds(group, rows)
+        return seconds is None or seconds <= self.max_batch_s
+
+    def rows(self, group: Hashable, total_rows: int, max_rows: int) -> int:
+        """Rows per chunk of a request of ``total_rows`` rows: the most, up to ``max_rows``,
+        whose batch the quantum allows, at least one and enough for ``max_chunks`` chunks
+        (``max_rows`` with no quantum or no measurement). A request of many long rows then
+        runs a quantum at a time, and other groups' requests go between its chunks."""
+        rows = min(total_rows, max_rows)
+        if not self.max_batch_s or rows <= 1:
+            return max_rows
+        fewest = min(rows, -(-total_rows // self.max_chunks))
+        for size in range(size_class(rows), 0, -1):
+            fitting = min(rows, (1 << size) - 1)  # the most rows of this size class
+            seconds = self.batch_seconds(group, fitting)
+            if seconds is None:
+                return max_rows
+            if seconds <= self.max_batch_s:
+                return max(fitting, fewest)
+        return fewest
+
+
+NO_QUANTUM = Quantum(0.0, lambda group, rows: None)
+
+
+@dataclass(frozen=True, slots=True)
 class Limits:
     row_limit: int
     max_batch_cost: int
     """Padded tokens per batch (0: no budget)."""
+    quantum: Quantum = NO_QUANTUM
 
 
 def is_full(group: Group, limits: Limits) -> bool:
@@ -137,11 +185,13 @@ def fits(
     estimate: Estimate,
     now_s: float,
 ) -> bool:
-    """Whether ``entry`` may join a batch of ``rows`` rows and ``cost``: within the row limit
-    and the token budget, and the larger batch still estimated to end before every deadline
-    in it."""
+    """Whether ``entry`` may join a batch of ``rows`` rows and ``cost``: within the row limit,
+    the token budget and the time quantum, and the larger batch still estimated to end
+    before every deadline in it."""
     if rows + entry.rows > limits.row_limit:
         return False
     if limits.max_batch_cost and cost + entry.cost > limits.max_batch_cost:
+        return False
+    if not limits.quantum.allows(entry.group, rows + entry.rows):
         return False
     return not finishes_late(entry, rows + entry.rows, finish_by_s, estimate, now_s)

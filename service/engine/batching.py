@@ -31,7 +31,7 @@ from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
 from service.engine.batch_intake import Admitted, Intake, Submission
 from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
 from service.engine.batch_run import BatchFunction, BatchRun, Deliveries, OutputT, PayloadT
-from service.engine.batch_selection import Limits
+from service.engine.batch_selection import Limits, Quantum
 from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.device_turns import HeldTurn, ModelTurns
@@ -78,6 +78,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         turns: ModelTurns | None = None,
         clock: Clock | None = None,
         instances: int = 1,
+        max_batch_ms: float = 0.0,
     ) -> None:
         """``turns``: this model's turns on a device shared with other models; a batch is
         taken once its turn has come, and runs within it. ``expected_requests``: how many
@@ -100,6 +101,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
+        self._quantum = Quantum(max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4))
         self._queue = BatchQueue()
         self._deadlines = Deadlines(self._clock, self._expire)
         self._deliveries = Deliveries()
@@ -123,7 +125,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             queue=self._queue,
             deadlines=self._deadlines,
             metrics=metrics,
-            estimate=self.times.estimate,
+            times=self.times,
+            quantum=self._quantum,
             row_limit=self._row_limit,
             max_batch_cost=max_batch_cost,
             max_queue_size=max_queue_size,
@@ -176,7 +179,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
-        return Limits(self._row_limit.rows, self.max_batch_cost)
+        return Limits(self._row_limit.rows, self.max_batch_cost, self._quantum)
 
     def enqueue(
         self,

@@ -6,12 +6,21 @@ being computed for nobody), and to refuse at admission what the queue cannot ser
 (429 with a ``Retry-After`` from the estimated wait).
 
 Durations are kept per group (shape or length bucket) and per size class (rows rounded up to
-a power of two). The estimate is the lower median of the last few durations: one slow batch
-(a pause, a neighbour's burst) does not move it. Since refusals stop new measurements, a size
-whose newest duration is older than ``FORGET_AFTER_S`` is forgotten rather than kept refusing.
+a power of two). The estimate is the lower median of the durations of the last
+``FRESH_FOR_S``: one slow batch (a pause, a neighbour's burst) does not move it, and the
+durations of an overload (a forward slowed by a refusal storm taking its CPU) are gone a few
+seconds after it ends rather than outvoting the first quick ones after it. Since refusals
+stop new measurements, a size with no duration that recent has no estimate: nothing is
+refused on its account, so the next request of it is admitted and measured.
+
 A size not measured lately is estimated from the nearest one of its group, scaled by rows when
 larger (forwards rarely grow slower than their rows, so this errs long); a group with no
-recent measurement has no estimate, and nothing is refused on its account.
+recent measurement has no estimate.
+
+``fastest`` is the quickest duration ever measured for a size (scaled the same way): what the
+forward itself needs, whatever the load. Admission answers 422 ``deadline_unreachable`` only
+when even that exceeds the time left; a request the recent durations alone make late is
+refused for load (429 with ``Retry-After``).
 
 The batcher asks for an estimate on every request, so each is a lookup: the median is taken
 when a duration is recorded (once per batch), not when it is read.
@@ -19,6 +28,7 @@ when a duration is recorded (once per batch), not when it is read.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -26,8 +36,8 @@ from dataclasses import dataclass, field
 
 #: Durations kept per group and size class.
 SAMPLES = 5
-#: A size whose newest duration is older than this no longer counts.
-FORGET_AFTER_S = 30.0
+#: Only durations this recent count; a size whose newest is older has no estimate.
+FRESH_FOR_S = 3.0
 
 
 def size_class(rows: int) -> int:
@@ -37,9 +47,11 @@ def size_class(rows: int) -> int:
 
 @dataclass
 class _Durations:
-    samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    """(measured at, seconds), oldest first."""
     typical_s: float = 0.0
     newest_at_s: float = 0.0
+    fastest_s: float = math.inf
 
 
 class BatchTimes:
@@ -53,28 +65,50 @@ class BatchTimes:
     def record(self, group: Hashable, rows: int, seconds: float) -> None:
         by_size = self._durations.setdefault(group, {})
         durations = by_size.setdefault(size_class(rows), _Durations())
-        durations.samples.append(seconds)
-        ordered = sorted(durations.samples)
+        now_s = self._now()
+        samples = durations.samples
+        while samples and samples[0][0] < now_s - FRESH_FOR_S:
+            samples.popleft()
+        samples.append((now_s, seconds))
+        ordered = sorted(duration for _, duration in samples)
         durations.typical_s = ordered[(len(ordered) - 1) // 2]
-        durations.newest_at_s = self._now()
+        durations.newest_at_s = now_s
+        durations.fastest_s = min(durations.fastest_s, seconds)
 
     def estimate(self, group: Hashable, rows: int) -> float | None:
-        """Seconds a batch of ``rows`` rows of ``group`` should take; None if unknown."""
+        """Seconds a batch of ``rows`` rows of ``group`` should take now; None if unknown."""
         by_size = self._durations.get(group)
         if not by_size:
             return None
-        forgotten_before_s = self._now() - FORGET_AFTER_S
+        fresh_since_s = self._now() - FRESH_FOR_S
         size = size_class(rows)
         durations = by_size.get(size)
-        if durations is not None and durations.newest_at_s >= forgotten_before_s:
+        if durations is not None and durations.newest_at_s >= fresh_since_s:
             return durations.typical_s
         recent = {
             measured: known.typical_s
             for measured, known in by_size.items()
-            if known.newest_at_s >= forgotten_before_s
+            if known.newest_at_s >= fresh_since_s
         }
-        if not recent:
+        return _scaled(recent, size)
+
+    def fastest(self, group: Hashable, rows: int) -> float | None:
+        """The quickest a batch of ``rows`` rows of ``group`` was ever measured (scaled from
+        the nearest size when that one never was); None if the group never was."""
+        by_size = self._durations.get(group)
+        if not by_size:
             return None
-        nearest = min(recent, key=lambda measured: (abs(measured - size), -measured))
-        seconds = recent[nearest]
-        return seconds * 2 ** (size - nearest) if size > nearest else seconds
+        return _scaled({size: known.fastest_s for size, known in by_size.items()}, size_class(rows))
+
+
+def _scaled(by_size: dict[int, float], size: int) -> float | None:
+    """The duration of ``size`` from those known: its own, else the nearest size's, doubled
+    for each class above it."""
+    if not by_size:
+        return None
+    seconds = by_size.get(size)
+    if seconds is not None:
+        return seconds
+    nearest = min(by_size, key=lambda measured: (abs(measured - size), -measured))
+    seconds = by_size[nearest]
+    return seconds * 2 ** (size - nearest) if size > nearest else seconds

@@ -98,6 +98,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         max_queue_size=settings.max_queue_size,
         request_timeout_ms=settings.request_timeout_ms,
         max_batch_cost=settings.max_batch_tokens if edges else 0,
+        max_batch_ms=settings.max_batch_ms,
         policy=settings.batch_policy,
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,

@@ -24,6 +24,7 @@ from service.frontend import request_spans
 from service.frontend.inference_routes import INFERENCE_LABELS, RouteMatch, match_inference
 from service.frontend.oip import rest as v2
 from service.frontend.predict import PredictHeaders, serve_prediction
+from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.requests import ClientDisconnectedError
 from service.frontend.responses import internal_error_response, service_error_response
 from service.frontend.state import FrontendState
@@ -46,6 +47,7 @@ class ServiceMiddleware:
         # Its own generator: code that seeds the global one (tests, libraries) must not make
         # request ids repeat.
         self._ids = random.Random()
+        self.holds = RefusalHolds(frontend.settings.refusal_hold_ms)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,6 +122,7 @@ class ServiceMiddleware:
                 inference.version,
             )
         except ServiceError as error:
+            await self.holds.hold(scope.get("client"), error)
             return service_error_response(error, request_id)
         except ClientDisconnectedError:
             return None
@@ -142,6 +145,7 @@ class ServiceMiddleware:
                 self.frontend, headers, receive, request_id, inference.name or "", inference.version
             )
         except ServiceError as error:
+            await self.holds.hold(scope.get("client"), error)
             return v2.error_response(error)
         except ClientDisconnectedError:
             return None
