@@ -8,6 +8,7 @@ import struct
 
 import msgspec
 import numpy as np
+import orjson
 import pytest
 
 from service.bridge import contract, wire
@@ -270,3 +271,17 @@ async def test_frames_sent_in_one_turn_of_the_loop_are_written_at_once() -> None
     await asyncio.sleep(0)
     assert len(transport.writes) == 1
     assert len(frames_of(transport.writes[0])) == 64
+
+
+async def test_a_frame_sent_now_goes_out_at_once_after_what_was_queued_before_it() -> None:
+    """A batch's answers are written in the turn that delivers them, not one loop turn later,
+    and never ahead of a frame queued before them."""
+    transport = RecordingTransport()
+    writer = wire.FrameWriter(transport, asyncio.get_running_loop())
+    writer.send(wire.Kind.REPLY, {"id": 1})
+    writer.send_now(wire.Kind.REPLY, orjson.dumps({"id": 2}))
+    assert len(transport.writes) == 1
+    frames = frames_of(transport.writes[0])
+    assert [frame.header["id"] for frame in frames] == [1, 2]
+    await asyncio.sleep(0)
+    assert len(transport.writes) == 1  # nothing left for the end of the turn

@@ -306,7 +306,7 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         if self._writer is not None:
             header = contract.encode(contract.Answers(answers))
-            self._writer.send_typed(wire.Kind.ANSWERS, header, data)
+            self._writer.send_now(wire.Kind.ANSWERS, header, data)
 
     async def _control(self, call_id: int, op: str, args: dict[str, Any]) -> None:
         assert self._writer is not None

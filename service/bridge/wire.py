@@ -168,6 +168,16 @@ class FrameWriter:
             self._loop.call_soon(self._flush)
         self._queued.extend(encode_typed(kind, header, data))
 
+    def send_now(self, kind: Kind, header: bytes, data: Data = ()) -> None:
+        """Write a frame at once, after anything queued (kept in order): for a frame that
+        already gathers a turn's work (a batch's answers), which the end-of-turn queue would
+        only hold one more loop turn."""
+        if self._transport.is_closing():
+            return
+        queued, self._queued = self._queued, []
+        queued.extend(encode_typed(kind, header, data))
+        self._transport.writelines(queued)
+
     def _flush(self) -> None:
         queued, self._queued = self._queued, []
         if queued and not self._transport.is_closing():
