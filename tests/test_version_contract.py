@@ -276,17 +276,15 @@ async def test_a_request_tokenized_before_a_switch_is_tokenized_again_for_the_ne
     assert same_prediction(answer.json()["predictions"][0], expected[twins.reversed][text])
 
 
-@pytest.mark.parametrize("handler_threads", [0, 2])
-async def test_one_process_never_answers_with_the_other_twins_tokens(
-    twins: Twins, handler_threads: int
-) -> None:
+async def test_one_process_never_answers_with_the_other_twins_tokens(twins: Twins) -> None:
+    """With the default handler threads (one per core, at least two), so a request's text is
+    tokenized off the loop while a switch lands on it."""
     settings = Settings(
         model_repository=twins.repository,
         model_name="sentiment",
         model_version=twins.forward,
         device="cpu",
         admin_token=TOKEN,
-        handler_threads=handler_threads,
         warmup_batch_sizes=(1,),
     )
     app = create_app(settings)
