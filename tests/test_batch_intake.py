@@ -37,14 +37,19 @@ async def make_batcher() -> AsyncIterator[BatcherFactory]:
 
 
 async def busy_twin(
-    make_batcher: BatcherFactory, max_queue_size: int = 64
+    make_batcher: BatcherFactory, max_queue_size: int = 64, **options: Any
 ) -> tuple[Batcher, RecordingDoubler, ManualExecutor]:
     """A batcher whose device runs a request of an unmeasured group; ``g`` is measured at
     0.4 s a batch, ``h`` at 0.1 s."""
     model = RecordingDoubler()
     device = ManualExecutor()
     batcher = make_batcher(
-        model, executor=device, max_batch_size=2, max_queue_size=max_queue_size, measured=False
+        model,
+        executor=device,
+        max_batch_size=2,
+        max_queue_size=max_queue_size,
+        measured=False,
+        **options,
     )
     for rows in (1, 2):
         for _ in range(3):
@@ -139,6 +144,30 @@ async def test_a_frame_admitted_whole_is_queued_and_answered_as_one_by_one(
         described(outcome) for outcome in one_at_a_time
     ]
     assert [outcome.tag for outcome in by_frame] == [submission.tag for submission in frame]
+    assert framed_model.batches == single_model.batches
+
+
+async def test_under_a_time_quantum_a_frame_is_chunked_as_one_by_one(
+    make_batcher: BatcherFactory,
+) -> None:
+    """With ``max_batch_ms`` below a ``g`` batch's 0.4 s, a request of several ``g`` rows runs
+    a row a chunk, in a frame as one by one; ``h`` (0.1 s) keeps two rows a chunk."""
+    frame = [
+        Submission([20, 21, 22], "g", deadline_s=NOW_S + 30, tag="g3"),
+        Submission([30, 31, 32], "h", deadline_s=NOW_S + 30, tag="h3"),
+        Submission([40], "g", deadline_s=NOW_S + 30, tag="g1"),
+        Submission([50, 51], "g", deadline_s=NOW_S + 30, tag="g2"),
+    ]
+    framed, framed_model, framed_device = await busy_twin(make_batcher, max_batch_ms=300)
+    single, single_model, single_device = await busy_twin(make_batcher, max_batch_ms=300)
+    by_frame = framed.enqueue_frame(frame, source="fe", sink=None)
+    one_at_a_time = one_by_one(single, frame)
+    assert framed.queue_depth == single.queue_depth == 3 + 2 + 1 + 2
+    await answered(framed, framed_device)
+    await answered(single, single_device)
+    assert [described(outcome) for outcome in by_frame] == [
+        described(outcome) for outcome in one_at_a_time
+    ]
     assert framed_model.batches == single_model.batches
 
 
