@@ -10,11 +10,13 @@ aggregated across processes (``multiprocess_mode``).
 
 from __future__ import annotations
 
+import bisect
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -276,6 +278,30 @@ class ProcessMetrics:
 
     def refresh(self) -> None:
         self._resident_memory.labels(self.role).set(resident_memory_bytes())
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """``histogram.observe(value)`` for each of ``values``, with one write per bucket touched
+    rather than two per value: each write to a multiprocess value takes a lock and a
+    ``getpid`` system call, and a batch's requests mostly land in one or two buckets. Uses
+    prometheus-client's own fields; each value is observed alone if they are not there."""
+    if not values:
+        return
+    child: Any = histogram
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(buckets)
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1  # the first bound >= value, as observe
+    total.inc(sum(values))
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -24,7 +24,7 @@ from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.estimates import BatchTimes
 from service.errors import DeviceOutOfMemoryError
-from service.metrics import ModelMetrics
+from service.metrics import ModelMetrics, observe_many
 
 logger = logging.getLogger("service.engine.batching")
 
@@ -112,9 +112,13 @@ class BatchRun(Generic[PayloadT, OutputT]):
             return
         started_s = self._clock.now()
         queue_wait = self._metrics.queue_wait
+        waits_s = []
         for entry in batch:
-            exemplar = None if entry.trace is None else tracing.exemplar_of(entry.trace)
-            queue_wait.observe(started_s - entry.arrival_s, exemplar)
+            if entry.trace is None:
+                waits_s.append(started_s - entry.arrival_s)
+            else:  # its exemplar belongs to its own observation
+                queue_wait.observe(started_s - entry.arrival_s, tracing.exemplar_of(entry.trace))
+        observe_many(queue_wait, waits_s)  # a write per bucket touched, not two per request
         if self._tracer is not None:
             self._tracer.queue_waits(batch, started_s)
         self._metrics.batch_sources.observe(len({entry.source for entry in batch}))

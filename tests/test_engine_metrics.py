@@ -1,0 +1,90 @@
+"""The engine's metrics stay exact when written a batch at a time: the queue wait of every
+request of a batch is written in one go (``metrics.observe_many``), and reads afterwards find
+every request in the bucket it falls in, as one observation per request would have put it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from service.metrics import LATENCY_BUCKETS_S, EngineMetrics, observe_many
+from tests.fixtures import (
+    BatcherFactory,
+    ManualExecutor,
+    RecordingDoubler,
+    SteppedClock,
+    sample,
+    wait_until,
+)
+
+
+def buckets(registry: CollectorRegistry, name: str) -> dict[str, float]:
+    """The ``le`` bucket samples of the histogram ``name`` (cumulative, as exposed)."""
+    return {
+        found.labels["le"]: found.value
+        for metric in registry.collect()
+        for found in metric.samples
+        if found.name == f"{name}_bucket"
+    }
+
+
+def reference(values: list[float]) -> CollectorRegistry:
+    """A histogram with the latency buckets, each value observed alone."""
+    registry = CollectorRegistry()
+    histogram = Histogram("h", "reference", buckets=LATENCY_BUCKETS_S, registry=registry)
+    for value in values:
+        histogram.observe(value)
+    return registry
+
+
+def test_observe_many_counts_as_one_observation_per_value() -> None:
+    # On a bound (counted in that bucket, as observe does), between bounds, past the last.
+    values = [0.0, 0.0005, 0.0005001, 0.004, 0.004, 0.004, 0.04, 29.9, 30.0, 31.0, 1e9]
+    registry = CollectorRegistry()
+    histogram = Histogram("h", "many", buckets=LATENCY_BUCKETS_S, registry=registry)
+    observe_many(histogram, values)
+    observe_many(histogram, [])
+    assert buckets(registry, "h") == buckets(reference(values), "h")
+    assert registry.get_sample_value("h_count") == len(values)
+    assert registry.get_sample_value("h_sum") == pytest.approx(sum(values))
+
+
+@pytest.fixture
+async def make_batcher() -> AsyncIterator[tuple[BatcherFactory, SteppedClock]]:
+    clock = SteppedClock()
+    factory = BatcherFactory(clock)
+    yield factory, clock
+    await factory.aclose()
+
+
+async def test_queue_waits_read_after_the_batches_are_exact(
+    make_batcher: tuple[BatcherFactory, SteppedClock],
+) -> None:
+    factory, clock = make_batcher
+    clock.freeze()
+    metrics = EngineMetrics()
+    device = ManualExecutor()
+    batcher = factory(RecordingDoubler(), metrics=metrics, executor=device, max_batch_size=4)
+    first = asyncio.create_task(batcher.submit([0], group="g"))
+    await wait_until(lambda: device.pending == 1)  # a lone request runs at once: waited 0
+    early = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    clock.advance(0.004)
+    late = [asyncio.create_task(batcher.submit([row], group="g")) for row in (3, 4)]
+    await wait_until(lambda: batcher.queue_depth == 4)
+    clock.advance(0.004)
+    device.finish_next()
+    await wait_until(lambda: device.pending == 1)  # the four queued, as one full batch
+    device.finish_next()
+    await asyncio.gather(first, *early, *late)
+
+    waits_s = [0.0, 0.008, 0.008, 0.004, 0.004]
+    name = "batchserve_queue_wait_seconds"
+    assert sample(metrics, f"{name}_count") == len(waits_s)
+    assert sample(metrics, f"{name}_sum") == pytest.approx(sum(waits_s))
+    assert buckets(metrics.registry, name) == buckets(reference(waits_s), "h")
+    assert sample(metrics, "batchserve_batch_size_rows_count") == 2
+    assert sample(metrics, "batchserve_batch_size_rows_sum") == 5
