@@ -34,6 +34,16 @@ class NamedArrays:
     def of(cls, **arrays: Array) -> NamedArrays:
         return cls(dict(arrays))
 
+    @classmethod
+    def of_rows(cls, arrays: dict[str, Array]) -> NamedArrays:
+        """``arrays`` known to share their row count already (rows cut alike from arrays
+        that were checked, or checked by the caller), without checking them again: the
+        engine builds one for each request and each answer, and the check cost as much as
+        the rest of building it."""
+        named = object.__new__(cls)
+        object.__setattr__(named, "arrays", arrays)
+        return named
+
     @overload
     def __getitem__(self, key: str, /) -> Array: ...
 
@@ -41,8 +51,8 @@ class NamedArrays:
     def __getitem__(self, key: slice, /) -> NamedArrays: ...
 
     def __getitem__(self, key: str | slice, /) -> Array | NamedArrays:
-        if isinstance(key, slice):
-            return NamedArrays({name: array[key] for name, array in self.arrays.items()})
+        if isinstance(key, slice):  # the same rows of arrays of one row count: no check
+            return NamedArrays.of_rows({name: array[key] for name, array in self.arrays.items()})
         return self.arrays[key]
 
     def __len__(self) -> int:

@@ -175,6 +175,7 @@ def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
     """The named arrays ``specs`` describe; writable, sharing the frame's data buffer."""
     buffer = data if data is not None else bytearray()
     arrays = {}
+    rows = -1
     try:
         for spec in specs:
             dtype = _dtype(spec.dtype)
@@ -184,9 +185,14 @@ def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:
             for size in shape:
                 if size < 0:
                     raise ProtocolError(f"array {spec.name!r} has a negative size in {shape}")
+            if not shape or (rows >= 0 and shape[0] != rows):
+                raise ValueError(f"named arrays need one row count for all, got {shape}")
+            rows = shape[0]
             # One C call (numpy checks that the buffer holds it); as frombuffer then reshape
             # did, but a request's arrays cost this once each.
             arrays[spec.name] = np.ndarray(shape, dtype, buffer, spec.offset)
-        return NamedArrays(arrays)
+        if not arrays:
+            raise ValueError("no arrays")
+        return NamedArrays.of_rows(arrays)  # their row counts checked above
     except (ValueError, TypeError) as error:
         raise ProtocolError(f"arrays of {len(buffer)} bytes are not {list(specs)}") from error
