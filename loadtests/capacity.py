@@ -76,8 +76,14 @@ def package(repository: Path) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
+    return sum(user_system_seconds(pid))
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds a process spent in user space and in the kernel (system calls, wake-ups)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def frames_in(buffer: bytearray) -> tuple[list[tuple[int, bytes]], int]:
@@ -219,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="append a JSON line here")
     parser.add_argument("--label", default="")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw output file")
+    parser.add_argument("--profile-rate", type=int, default=300, help="py-spy samples a second")
     args = parser.parse_args(argv)
     others = [cpu for cpu in os.sched_getaffinity(0) if cpu != args.engine_cpu] or [0]
     with tempfile.TemporaryDirectory(prefix="capacity-") as scratch:
@@ -256,20 +263,24 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for _ in range(args.frontends)
             ]  # fmt: skip
-            cpu_before, started_s = cpu_seconds(engine.pid), time.monotonic()
+            user_before, system_before = user_system_seconds(engine.pid)
+            started_s = time.monotonic()
             for worker in workers:
                 worker.start()
             spy = None
             if args.profile is not None:
                 spy = subprocess.Popen(
-                    [str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200",
-                     "-d", str(int(args.duration_s) - 1), "-f", "raw", "--threads",
+                    [str(Path(sys.executable).parent / "py-spy"), "record",
+                     "-r", str(args.profile_rate), "-d", str(int(args.duration_s) - 1),
+                     "-f", "raw", "--threads",
                      "-p", str(engine.pid), "-o", str(args.profile)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
             answered = sum(results.get(timeout=args.duration_s + 60) for _ in workers)
             elapsed_s = time.monotonic() - started_s
-            cpu_s = cpu_seconds(engine.pid) - cpu_before
+            user_after, system_after = user_system_seconds(engine.pid)
+            user_s, system_s = user_after - user_before, system_after - system_before
+            cpu_s = user_s + system_s
             for worker in workers:
                 worker.join()
             if spy is not None:
@@ -284,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "window": args.window,
         "requests_per_s": round(answered / elapsed_s),
         "engine_cpu_us_per_request": round(cpu_s / max(1, answered) * 1e6, 2),
+        "engine_system_us_per_request": round(system_s / max(1, answered) * 1e6, 2),
         "requests_per_s_per_engine_core": round(answered / cpu_s) if cpu_s else None,
         "engine_cores_used": round(cpu_s / elapsed_s, 2),
     }
