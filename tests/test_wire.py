@@ -285,3 +285,52 @@ async def test_a_frame_sent_now_goes_out_at_once_after_what_was_queued_before_it
     assert [frame.header["id"] for frame in frames] == [1, 2]
     await asyncio.sleep(0)
     assert len(transport.writes) == 1  # nothing left for the end of the turn
+
+
+def submits_frame(requests: list[NamedArrays]) -> tuple[list[contract.Submit], bytearray]:
+    """A SUBMITS frame's requests and data, packed as a front end packs them."""
+    packer = contract.DataPacker()
+    submits = [
+        contract.Submit(call_id, "m", "v1", "normal", 1.0, "-", packer.pack(named))
+        for call_id, named in enumerate(requests)
+    ]
+    return submits, bytearray(b"".join(bytes(part) for part in packer.buffers))
+
+
+def rows(count: int, width: int, dtype: str = "float32", start: int = 0) -> NamedArrays:
+    values = np.arange(start, start + count * width).reshape(count, width).astype(dtype)
+    return NamedArrays({"x": values})
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [rows(1, 4, start=4 * index) for index in range(64)],  # one block: the common frame
+        [rows(1, 4), rows(3, 4, start=100), rows(0, 4), rows(2, 4, start=7)],  # its rows vary
+        [rows(1, 4), rows(1, 8)],  # row shapes differ
+        [rows(1, 4), rows(1, 4, "int32")],  # dtypes differ
+        [rows(1, 3), rows(1, 3)],  # rows of 12 bytes: padded apart, not one block
+        [NamedArrays({"x": np.ones((1, 4)), "m": np.ones((1, 4))}), rows(1, 4)],  # two arrays
+        [rows(2, 4)],  # alone
+    ],
+)
+def test_a_frames_requests_are_rebuilt_alike_as_one_block_or_one_by_one(
+    requests: list[NamedArrays],
+) -> None:
+    submits, data = submits_frame(requests)
+    rebuilt = contract.unpack_all(submits, data)
+    assert len(rebuilt) == len(requests)
+    for got, sent, submit in zip(rebuilt, requests, submits, strict=True):
+        alone = contract.unpack(submit.arrays, data)
+        assert got.names == sent.names == alone.names
+        for name in sent.names:
+            assert got[name].dtype == sent[name].dtype
+            np.testing.assert_array_equal(got[name], sent[name])
+            np.testing.assert_array_equal(got[name], alone[name])
+        assert got[got.names[0]].flags.writeable  # as one by one: torch needs no copy
+
+
+def test_a_frame_whose_block_overruns_its_data_is_refused_as_one_by_one_would() -> None:
+    submits, data = submits_frame([rows(1, 4) for _ in range(8)])
+    with pytest.raises(wire.ProtocolError):
+        contract.unpack_all(submits, data[:-16])

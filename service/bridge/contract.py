@@ -142,10 +142,15 @@ class DataPacker:
         for name, array in named.arrays.items():
             if not array.flags.c_contiguous:
                 array = np.ascontiguousarray(array)
-            # As flat bytes: memoryview.cast refuses arrays with no elements (0 rows, or 0 long).
-            buffer = array.reshape(-1).view(np.uint8).data
+            # As flat bytes, a third of reshape(-1).view(uint8).data's cost; but
+            # memoryview.cast refuses arrays with no elements (0 rows, or 0 long).
+            buffer = array.data.cast("B") if array.size else array.reshape(-1).view(np.uint8).data
             offset = self._offset
-            specs.append(ArraySpec(name, array.dtype.str, array.shape, offset))
+            dtype = array.dtype
+            dtype_name = _DTYPE_NAMES.get(dtype)
+            if dtype_name is None:
+                dtype_name = _DTYPE_NAMES[dtype] = dtype.str
+            specs.append(ArraySpec(name, dtype_name, array.shape, offset))
             buffers.append(buffer)
             offset += array.nbytes
             misaligned = offset % ALIGNMENT
@@ -158,6 +163,8 @@ class DataPacker:
 
 #: numpy dtypes by ``dtype.str``, as the arrays of every request name them (a few kinds).
 _DTYPES: dict[str, np.dtype[Any]] = {}
+#: And their names: ``dtype.str`` builds its string anew each time.
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 
 
 def _dtype(name: str) -> np.dtype[Any]:
@@ -169,6 +176,69 @@ def _dtype(name: str) -> np.dtype[Any]:
         if len(_DTYPES) < 64:
             _DTYPES[name] = dtype
     return dtype
+
+
+def unpack_all(requests: Sequence[Submit], data: bytearray | None) -> list[NamedArrays]:
+    """The named arrays of every request of a SUBMITS frame. Where the requests hold one
+    array each of one dtype and row shape, one after the other (a front end's frame of like
+    requests), they are rows of one block: the block is checked and rebuilt once, and each
+    request's array is a slice of it (a third of rebuilding each)."""
+    block = _block_of(requests, data)
+    if block is None:
+        return [unpack(request.arrays, data) for request in requests]
+    name, array, bounds = block
+    of_rows = NamedArrays.of_rows
+    return [of_rows({name: array[start:end]}) for start, end in bounds]
+
+
+def _block_of(
+    requests: Sequence[Submit], data: bytearray | None
+) -> tuple[str, np.ndarray[Any, Any], list[tuple[int, int]]] | None:
+    """One array over the rows of every request, and each request's rows in it; None unless
+    every request's one array follows the previous one's directly, alike but for its rows."""
+    if len(requests) < 2 or data is None:
+        return None
+    first = requests[0].arrays
+    if len(first) != 1:
+        return None
+    spec = first[0]
+    name, dtype_name, shape, start = spec.name, spec.dtype, spec.shape, spec.offset
+    if not shape or start < 0:
+        return None
+    row_shape = shape[1:]
+    row_bytes = _dtype(dtype_name).itemsize
+    for size in row_shape:
+        if size < 0:
+            return None
+        row_bytes *= size
+    if row_bytes == 0 or row_bytes % ALIGNMENT:
+        return None  # the requests' rows would not follow one another directly
+    bounds = []
+    rows = 0
+    expected = start
+    for request in requests:
+        arrays = request.arrays
+        if len(arrays) != 1:
+            return None
+        spec = arrays[0]
+        shape = spec.shape
+        if (
+            spec.offset != expected
+            or spec.name != name
+            or spec.dtype != dtype_name
+            or not shape
+            or shape[1:] != row_shape
+            or shape[0] < 0
+        ):
+            return None
+        bounds.append((rows, rows + shape[0]))
+        rows += shape[0]
+        expected += shape[0] * row_bytes
+    try:
+        array = np.ndarray((rows, *row_shape), _dtype(dtype_name), data, start)
+    except (ValueError, TypeError):
+        return None  # one by one says which request does not fit
+    return name, array, bounds
 
 
 def unpack(specs: Sequence[ArraySpec], data: bytearray | None) -> NamedArrays:

@@ -254,7 +254,9 @@ class _Connection(asyncio.Protocol):
         """Queue every request of a SUBMITS frame; refusals go back in one ANSWERS frame."""
         submits = contract.decode_submits(frame.typed_header)
         data = frame.data
-        requests = [(submit, contract.unpack(submit.arrays, data)) for submit in submits.requests]
+        requests = list(
+            zip(submits.requests, contract.unpack_all(submits.requests, data), strict=True)
+        )
         outcomes = self._server.backend.enqueue_frame(requests, submits.load, self)
         refused: list[contract.Answer] = []
         queued = self._queued
