@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import queue
 import threading
@@ -132,10 +133,9 @@ def _hand_back(
     future: asyncio.Future[Any],
     value: object,
 ) -> None:
-    try:
+    # RuntimeError: the loop has closed, and nobody is left to take the result.
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(settle, future, value)
-    except RuntimeError:  # the loop has closed: nobody is left to take the result
-        pass
 
 
 def _set_result(future: asyncio.Future[Any], result: object) -> None:
