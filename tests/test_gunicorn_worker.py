@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
+import uvicorn
 from fastapi import FastAPI
 from starlette.types import Message
 
 from service.bridge.interface import EngineStatus
-from service.server.gunicorn_worker import ReadyBeforeAccepting
+from service.config import Settings
+from service.server.draining import DrainingServer
+from service.server.gunicorn_worker import ReadyBeforeAccepting, _quit_now
+from service.server.single import create_app
 
 
 async def start_up(gate: ReadyBeforeAccepting) -> list[Message]:
@@ -62,3 +67,20 @@ async def test_every_engine_failed_fails_the_start_up_as_no_stop() -> None:
     assert [message["type"] for message in sent] == ["lifespan.startup.failed"]
     assert "nosuchmodel" in sent[0]["message"]
     assert not gate.stopped_before_ready
+
+
+def test_sigterm_and_a_quick_shutdown_both_end_the_wait_for_an_engine() -> None:
+    app = create_app(Settings(device="cpu"))  # its engine never starts
+    for stop in ("SIGTERM", "SIGQUIT"):
+        server = DrainingServer(uvicorn.Config(app), app.state.frontend, drain_delay_s=5.0)
+        if stop == "SIGTERM":
+            asyncio.run(_sigterm(server))
+        else:
+            _quit_now(server)
+        assert server.exit_requested.is_set(), stop
+
+
+async def _sigterm(server: DrainingServer) -> None:
+    server._loop = asyncio.get_running_loop()  # as serve() sets it
+    server.handle_exit(signal.SIGTERM, None)
+    await asyncio.sleep(0)  # the drain begins on the loop

@@ -88,9 +88,10 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
 
 def _quit_now(server: DrainingServer) -> None:
     """SIGQUIT, gunicorn's quick shutdown (its master sends it on SIGINT): stop without waiting
-    for the drain delay or for requests in flight."""
+    for the drain delay, for requests in flight or for an engine still loading."""
     server.force_exit = True
     server.should_exit = True
+    server.exit_requested.set()
 
 
 class ReadyBeforeAccepting:
