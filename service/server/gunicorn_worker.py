@@ -7,7 +7,9 @@ Five differences from ``uvicorn_worker.UvicornWorker``:
   keeps serving for ``drain_delay_s`` before it closes its socket and waits for its requests.
 - It accepts no connection before an engine is ready: the kernel then hands connections only
   to front ends that can answer them. If every engine failed to load, it fails its start, and
-  gunicorn stops instead of restarting workers that cannot serve.
+  gunicorn stops instead of restarting workers that cannot serve. Told to stop before then
+  (the supervisor stops when an engine cannot load the model), it exits at once: it has
+  accepted nothing to drain, and waiting would only run out gunicorn's graceful timeout.
 - It refreshes its gauges every second: a scrape is answered by one process, and the others'
   values would otherwise be as old as the last scrape they answered.
 - It drains and exits when its master dies, instead of serving on as an orphan.
@@ -26,6 +28,7 @@ from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn_worker import UvicornWorker
 
+from service.bridge.interface import EngineStatus
 from service.frontend.state import FrontendState
 from service.server.draining import DrainingServer
 from service.server.http_limits import limited_protocol
@@ -49,14 +52,20 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
         app: FastAPI = self.wsgi
         frontend: FrontendState = app.state.frontend
         settings = frontend.settings
-        self.config.app = ReadyBeforeAccepting(app)
         self.config.http = limited_protocol(settings)
         self.config.timeout_graceful_shutdown = settings.shutdown_grace_s
         server = DrainingServer(self.config, frontend, settings.drain_delay_s)
+        ready_gate = ReadyBeforeAccepting(app, server.exit_requested)
+        self.config.app = ready_gate
         asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit_now, server)
         housekeeping = asyncio.create_task(self._housekeeping(frontend, server))
         try:
             await server.serve(sockets=self.sockets)
+        except SystemExit:
+            # uvicorn exits with gunicorn's boot-error status when the start-up fails; a stop
+            # asked for during start-up is no boot error (gunicorn would halt over it).
+            if not ready_gate.stopped_before_ready:
+                raise
         finally:
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -79,9 +88,10 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
 
 def _quit_now(server: DrainingServer) -> None:
     """SIGQUIT, gunicorn's quick shutdown (its master sends it on SIGINT): stop without waiting
-    for the drain delay or for requests in flight."""
+    for the drain delay, for requests in flight or for an engine still loading."""
     server.force_exit = True
     server.should_exit = True
+    server.exit_requested.set()
 
 
 class ReadyBeforeAccepting:
@@ -89,11 +99,14 @@ class ReadyBeforeAccepting:
 
     uvicorn opens its sockets only after startup completes, so until then this worker takes no
     connection. If every engine failed to load, it reports ``lifespan.startup.failed`` instead,
-    and uvicorn exits with gunicorn's boot-error status. Every other message passes unchanged.
+    and uvicorn exits with gunicorn's boot-error status. If ``stopping`` is set first, it fails
+    the start-up too and sets ``stopped_before_ready``. Every other message passes unchanged.
     """
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, stopping: asyncio.Event) -> None:
         self.app = app
+        self.stopping = stopping
+        self.stopped_before_ready = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
@@ -108,8 +121,15 @@ class ReadyBeforeAccepting:
                 # The worker is exiting and cancels the lifespan: nothing more to report.
                 return
             if message["type"] == "lifespan.startup.complete":
-                status = await self.app.state.loading
-                if not status.ready:
+                status = await self._loaded_or_stopping()
+                if status is None:
+                    failed = self.stopped_before_ready = True
+                    logger.info("frontend_stopped_before_ready", extra={"pid": os.getpid()})
+                    message = {
+                        "type": "lifespan.startup.failed",
+                        "message": "told to stop before an engine was ready",
+                    }
+                elif not status.ready:
                     failed = True
                     message = {
                         "type": "lifespan.startup.failed",
@@ -120,3 +140,13 @@ class ReadyBeforeAccepting:
             await send(message)
 
         await self.app(scope, receive, send_once_ready)
+
+    async def _loaded_or_stopping(self) -> EngineStatus | None:
+        """The engines' status once settled, or None if told to stop first."""
+        loading: asyncio.Task[EngineStatus] = self.app.state.loading
+        stopping = asyncio.create_task(self.stopping.wait())
+        try:
+            await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        return loading.result() if loading.done() else None
