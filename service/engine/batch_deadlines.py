@@ -10,10 +10,11 @@ up or the heap is compacted.
 
 A queued entry is answered 504 sooner, at its start-by time: once even its fastest forward
 (``fastest``: the quickest ever measured, never a load's) started now would end after its
-deadline, nothing can answer it in time. Its caller then hears at once rather than at the
-deadline plus however long the event loop takes to come round to the timer: in one process
-that loop also parses the requests of a refusal storm, and a 504 waited up to 60 ms for it
-(issue 23). An entry running by its start-by time is left to its deadline.
+deadline, nothing can answer it in time (it is answered at most ``EARLY_AT_MOST_S`` before
+the deadline). Its caller then hears by the deadline rather than at the deadline plus however
+long the event loop takes to come round to the timer: in one process that loop also parses
+the requests of a refusal storm, and a 504 waited up to 60 ms for it (issue 23). An entry
+running by its start-by time is left to its deadline.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from collections.abc import Callable, Hashable
 from service.engine.batch_clock import Clock, Timer
 from service.engine.batch_queue import Entry
 
+#: A queued entry is answered at most this long before its deadline: enough to cover the
+#: event loop's lag (up to 60 ms measured), and no more, since a client that resends as soon
+#: as it is answered must not come back much sooner than its deadline (a forward as slow as
+#: the deadline, under load, otherwise turned each admitted request into a 504 at once, and
+#: the clients' resending into a storm of them).
+EARLY_AT_MOST_S = 0.05
 #: Seconds a batch of ``rows`` rows of a group takes at the fastest, or None when unknown.
 Fastest = Callable[[Hashable, int], "float | None"]
 
@@ -106,7 +113,8 @@ class Deadlines:
         return self._start_by_s(entry) if entry.queued else entry.deadline_s
 
     def _start_by_s(self, entry: Entry) -> float:
-        return entry.deadline_s - (self._fastest(entry.group, entry.rows) or 0.0)
+        fastest_s = self._fastest(entry.group, entry.rows) or 0.0
+        return entry.deadline_s - min(fastest_s, EARLY_AT_MOST_S)
 
     def _compact(self) -> None:
         self._heap = [item for item in self._heap if not _all_done(item[2])]
