@@ -79,11 +79,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         clock: Clock | None = None,
         instances: int = 1,
         max_batch_ms: float = 0.0,
+        quantum_floor_cost: int = 0,
     ) -> None:
         """``turns``: this model's turns on a device shared with other models; a batch is
         taken once its turn has come, and runs within it. ``expected_requests``: how many
         requests the front ends hold now (the adaptive policy's hint). ``instances``: batches that
-        may run at once (``instances.py``: the executor's threads)."""
+        may run at once (``instances.py``: the executor's threads). ``quantum_floor_cost``: padded
+        positions a batch always may hold whatever ``max_batch_ms`` says (one longest row)."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
@@ -101,7 +103,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
-        self._quantum = Quantum(max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4))
+        self._quantum = Quantum(
+            max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4), quantum_floor_cost
+        )
         self._queue = BatchQueue()
         self._deadlines = Deadlines(self._clock, self._expire, self.times.fastest)
         self._deliveries = Deliveries()
