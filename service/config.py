@@ -148,15 +148,17 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(default=16_384, ge=1, le=10_000_000)
     """Most padded positions (rows x bucket length) in one batch of a variable-length model."""
 
-    max_batch_ms: float = Field(default=0.0, ge=0.0, le=600_000.0)
+    max_batch_ms: float = Field(default=100.0, ge=0.0, le=600_000.0)
     """The time quantum: a batch is cut (and a request of many rows split) so its forward,
-    as fast as it was measured, stays under this many milliseconds; between two batches of a
-    length bucket that keeps the device busy, requests of the other buckets get their turn,
-    so a short request waits one quantum rather than a whole long batch. A batch always holds
-    at least one row. 0 (the default): batches bounded by ``max_batch_size`` and
-    ``max_batch_tokens`` only. On a CPU serving lengths that differ widely (``textenc``: a
-    512-token row takes 60 ms), 100 keeps short requests within about a row of a long one's
-    time, at little cost to long ones (see Benchmarks); a GPU's batches rarely reach it."""
+    as fast as it was ever measured, stays under this many milliseconds; between two batches
+    of a length bucket that keeps the device busy, requests of the other buckets get their
+    turn, so a short request waits about one quantum (or one row of the longest bucket, if
+    longer) rather than a whole long batch. A batch may always hold one longest row's worth of
+    padded positions (e.g. four 128-token rows beside 512-token ones), whatever the quantum.
+    100 (the default): on a CPU serving ``textenc`` (a 512-token row takes 60 ms) short
+    requests beside a full 512-token bucket stay within 6x of their latency alone, at no
+    measured cost to the long ones (see Benchmarks); a GPU's batches rarely reach it. 0: no
+    quantum, batches bounded by ``max_batch_size`` and ``max_batch_tokens`` only."""
 
     max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
     """Most requests waiting in the queue; one more is answered 429 at once."""

@@ -242,6 +242,27 @@ def test_the_quantum_cuts_a_batch_and_splits_a_request_of_many_long_rows() -> No
     assert len(plan_batch(group, ("normal",), Limits(32, 0), never_measured, 0.0).batch) == 4
 
 
+def test_a_slow_measurement_never_cuts_a_batch_below_one_longest_row() -> None:
+    """With ``max_batch_ms`` on by default, a warm-up slowed by a loaded host measured
+    128-token rows at 60 ms each, and they ran one per batch (``test_variable_length``).
+    A batch may always hold one longest row's padded positions (``floor_cost``, 512 here):
+    four 128-token rows, one 512-token row; the quantum cuts only beyond."""
+    loaded = PerRow(0.06).estimate  # 60 ms a row, however short: measured under load
+    quantum = Quantum(0.1, loaded, floor_cost=512)
+    [medium] = queue_of(*(entry(group="128", cost=128) for _ in range(6)))
+    plan = plan_batch(medium, ("normal",), Limits(32, 16_384, quantum), never_measured, 0.0)
+    assert len(plan.batch) == 4  # the floor: 4 x 128 positions, not one row
+    unfloored = Limits(32, 16_384, Quantum(0.1, loaded))
+    assert len(plan_batch(medium, ("normal",), unfloored, never_measured, 0.0).batch) == 1
+    [long] = queue_of(*(entry(group="512", cost=512) for _ in range(3)))
+    plan = plan_batch(long, ("normal",), Limits(32, 16_384, quantum), never_measured, 0.0)
+    assert len(plan.batch) == 1  # beyond the floor, the quantum still cuts
+    # A request of many rows is split no finer than the floor either.
+    assert quantum.rows("128", total_rows=32, max_rows=32, cost_per_row=128) == 4
+    assert quantum.rows("512", total_rows=32, max_rows=32, cost_per_row=512) == 1
+    assert quantum.rows("8", total_rows=32, max_rows=32, cost_per_row=8) == 32
+
+
 def test_round_robin_lets_a_short_group_in_between_quanta_of_a_long_one() -> None:
     queue = queue_of(*(entry(group="long", arrival_s=0.0) for _ in range(8)))
     queue.add(entry(group="short", arrival_s=0.05))

@@ -66,3 +66,19 @@ def test_the_fastest_duration_is_scaled_like_the_estimate() -> None:
     times.record("g", 1, 0.030)
     assert times.fastest("g", 4) == 0.040  # class 3: two classes above 1
     assert times.fastest("other", 1) is None
+
+
+def test_one_loaded_measurement_does_not_keep_a_size_looking_slow() -> None:
+    """A warm-up beside other work measured 2 rows at 0.5 s where one row takes 0.01 s and
+    four 0.03 s: the quickest a size can be is bounded by its neighbours (2 rows: no more
+    than one row's doubled, nor than four rows'), so the time quantum does not cut its
+    batches to one row while nothing would ever measure 2 rows again."""
+    times = BatchTimes()
+    times.record("g", 1, 0.010)
+    times.record("g", 2, 0.500)
+    times.record("g", 4, 0.030)
+    assert times.fastest("g", 2) == 0.020
+    assert times.fastest("g", 4) == 0.030
+    assert times.fastest("g", 8) == 0.060  # beyond what was measured: doubled
+    times.record("g", 2, 0.015)  # measured unloaded at last
+    assert times.fastest("g", 2) == 0.015

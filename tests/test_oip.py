@@ -470,8 +470,10 @@ def test_a_cancelled_grpc_call_leaves_the_queue_uncomputed(textenc_server: Runni
             "the large request in flight",
             textenc_server,
         )
-        cancelled = stub.ModelInfer.future(request(1, 8), timeout=60)
-        time.sleep(0.2)  # queued behind the large batch
+        # In the large request's bucket: behind all its chunks (``max_batch_ms`` lets another
+        # bucket's request run between them).
+        cancelled = stub.ModelInfer.future(request(1, 512), timeout=60)
+        time.sleep(0.2)  # queued behind the large request
         assert cancelled.cancel()
         busy.result()
     wait_for(

@@ -301,7 +301,12 @@ class Intake:
         chunks = batch_admission.chunks_of(
             payload,
             total_rows,
-            self._quantum.rows(submission.group, total_rows, self._row_limit.max_batch_size),
+            self._quantum.rows(
+                submission.group,
+                total_rows,
+                self._row_limit.max_batch_size,
+                submission.cost_per_row,
+            ),
             self._max_batch_cost,
             submission.cost_per_row,
         )

@@ -41,7 +41,12 @@ class Quantum:
     """The time quantum (``max_batch_ms``): a batch's expected forward stays under it, so a
     group that keeps the device busy holds it this long at most before round robin gives
     another group its turn. Expected from the fastest duration measured (``batch_seconds``):
-    the forward itself, not a load that slows it."""
+    the forward itself, not a load that slows it.
+
+    A batch of at most ``floor_cost`` padded positions (one row of the longest bucket) is
+    never cut: a short request waits for a whole longest row anyway (a batch holds at least
+    one row), so cutting a shorter bucket's batches below that buys it nothing, and a warm-up
+    that a loaded host slowed cannot make such a bucket run one row a batch."""
 
     max_batch_s: float
     """0: no quantum."""
@@ -49,24 +54,31 @@ class Quantum:
     max_chunks: int = 1 << 30
     """Most chunks the quantum splits a request into (a part of the queue's capacity: a
     request split finer would find the queue too full for it)."""
+    floor_cost: int = 0
+    """Padded positions a batch always may hold (0: no floor, as for fixed shapes)."""
 
-    def allows(self, group: Hashable, rows: int) -> bool:
-        """Whether a batch of ``rows`` rows of ``group`` is expected to end within the
-        quantum (unmeasured: yes)."""
-        if not self.max_batch_s:
+    def allows(self, group: Hashable, rows: int, cost: int = 0) -> bool:
+        """Whether a batch of ``rows`` rows of ``group`` costing ``cost`` padded positions
+        may run: within the floor, or expected to end within the quantum (unmeasured: yes)."""
+        if not self.max_batch_s or 0 < cost <= self.floor_cost:
             return True
         seconds = self.batch_seconds(group, rows)
         return seconds is None or seconds <= self.max_batch_s
 
-    def rows(self, group: Hashable, total_rows: int, max_rows: int) -> int:
+    def floor_rows(self, cost_per_row: int) -> int:
+        """Rows of ``cost_per_row`` padded positions within the floor (at least one)."""
+        return max(1, self.floor_cost // cost_per_row) if cost_per_row > 0 else 1
+
+    def rows(self, group: Hashable, total_rows: int, max_rows: int, cost_per_row: int = 0) -> int:
         """Rows per chunk of a request of ``total_rows`` rows: the most, up to ``max_rows``,
-        whose batch the quantum allows, at least one and enough for ``max_chunks`` chunks
-        (``max_rows`` with no quantum or no measurement). A request of many long rows then
-        runs a quantum at a time, and other groups' requests go between its chunks."""
+        whose batch the quantum allows, at least the floor's (``cost_per_row``: padded
+        positions per row) and enough for ``max_chunks`` chunks (``max_rows`` with no quantum
+        or no measurement). A request of many long rows then runs a quantum at a time, and
+        other groups' requests go between its chunks."""
         rows = min(total_rows, max_rows)
         if not self.max_batch_s or rows <= 1:
             return max_rows
-        fewest = min(rows, -(-total_rows // self.max_chunks))
+        fewest = min(rows, max(-(-total_rows // self.max_chunks), self.floor_rows(cost_per_row)))
         for size in range(size_class(rows), 0, -1):
             fitting = min(rows, (1 << size) - 1)  # the most rows of this size class
             seconds = self.batch_seconds(group, fitting)
@@ -192,6 +204,6 @@ def fits(
         return False
     if limits.max_batch_cost and cost + entry.cost > limits.max_batch_cost:
         return False
-    if not limits.quantum.allows(entry.group, rows + entry.rows):
+    if not limits.quantum.allows(entry.group, rows + entry.rows, cost + entry.cost):
         return False
     return not finishes_late(entry, rows + entry.rows, finish_by_s, estimate, now_s)

@@ -79,11 +79,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         clock: Clock | None = None,
         instances: int = 1,
         max_batch_ms: float = 0.0,
+        quantum_floor_cost: int = 0,
     ) -> None:
         """``turns``: this model's turns on a device shared with other models; a batch is
         taken once its turn has come, and runs within it. ``expected_requests``: how many
         requests the front ends hold now (the adaptive policy's hint). ``instances``: batches that
-        may run at once (``instances.py``: the executor's threads)."""
+        may run at once (``instances.py``: the executor's threads). ``quantum_floor_cost``: padded
+        positions a batch always may hold whatever ``max_batch_ms`` says (one longest row)."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
@@ -101,9 +103,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
-        self._quantum = Quantum(max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4))
+        self._quantum = Quantum(
+            max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4), quantum_floor_cost
+        )
         self._queue = BatchQueue()
-        self._deadlines = Deadlines(self._clock, self._expire)
+        self._deadlines = Deadlines(self._clock, self._expire, self.times.fastest)
         self._deliveries = Deliveries()
         self._row_limit = RowLimit(max_batch_size, metrics.effective_max_batch_size.set)
         self._stall = StallWatch(self._clock, stall_timeout_s, on_stall)
@@ -243,18 +247,20 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._wakeup.set()
 
     def _expire(self, entries: list[Entry]) -> None:
-        """Deadline: answer 504 now, even while another batch is running."""
+        """Deadline, or still queued when even its fastest forward would end past it
+        (``batch_deadlines``): answer 504 now, even while another batch is running."""
         for entry in entries:
             if entry.queued:
                 self._queue.remove(entry)
             self._metrics.dropped(DropReason.EXPIRED).inc()
         self._depth.changed()
+        now_s = self._clock.now()
         for entry in entries:
-            entry.reject(
-                DeadlineExceededError(
-                    f"the request was not answered within {self._request_timeout_s * 1000:.0f} ms"
-                )
-            )
+            message = f"the request was not answered within {self._request_timeout_s * 1e3:.0f} ms"
+            if entry.deadline_s > now_s:
+                left_ms = (entry.deadline_s - now_s) * 1e3
+                message += f": still queued {left_ms:.0f} ms before it, less than its rows take"
+            entry.reject(DeadlineExceededError(message))
 
     def _withdraw(self, entries: list[Entry]) -> None:
         """The caller stopped waiting (or one chunk failed): drop the queued chunks so they

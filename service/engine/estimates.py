@@ -17,10 +17,15 @@ A size not measured lately is estimated from the nearest one of its group, scale
 larger (forwards rarely grow slower than their rows, so this errs long); a group with no
 recent measurement has no estimate.
 
-``fastest`` is the quickest duration ever measured for a size (scaled the same way): what the
-forward itself needs, whatever the load. Admission answers 422 ``deadline_unreachable`` only
-when even that exceeds the time left; a request the recent durations alone make late is
-refused for load (429 with ``Retry-After``).
+``fastest`` is the quickest a size was ever measured, or less where another size says so (a
+batch takes no longer than the fastest larger one, nor than a smaller one's scaled by rows):
+what the forward itself needs, whatever the load. A size measured only while the host was
+loaded (a warm-up beside other work) is then bounded by its neighbours' quicker measurements,
+so one slow measurement cannot keep a size looking slow while nothing runs it again.
+Admission answers 422 ``deadline_unreachable`` only when even that exceeds the time left; a
+request the recent durations alone make late is refused for load (429 with ``Retry-After``);
+the time quantum (``batch_selection.Quantum``) and the queued requests' start-by times
+(``batch_deadlines``) read it too.
 
 The batcher asks for an estimate on every request, so each is a lookup: the median is taken
 when a duration is recorded (once per batch), not when it is read.
@@ -38,6 +43,8 @@ from dataclasses import dataclass, field
 SAMPLES = 5
 #: Only durations this recent count; a size whose newest is older has no estimate.
 FRESH_FOR_S = 3.0
+#: Size classes ``fastest`` keeps a table of (up to 65,535 rows); beyond, it doubles per class.
+TABLE_SIZES = 16
 
 
 def size_class(rows: int) -> int:
@@ -61,6 +68,8 @@ class BatchTimes:
         """``now``: the batcher's clock (``batch_clock``)."""
         self._now = now
         self._durations: dict[Hashable, dict[int, _Durations]] = {}
+        self._fastest: dict[Hashable, list[float]] = {}
+        """By group, ``fastest`` by size class (index 0 unused), computed when it changes."""
 
     def record(self, group: Hashable, rows: int, seconds: float) -> None:
         by_size = self._durations.setdefault(group, {})
@@ -73,7 +82,12 @@ class BatchTimes:
         ordered = sorted(duration for _, duration in samples)
         durations.typical_s = ordered[(len(ordered) - 1) // 2]
         durations.newest_at_s = now_s
-        durations.fastest_s = min(durations.fastest_s, seconds)
+        if seconds < durations.fastest_s:
+            durations.fastest_s = seconds
+            fastest = {size: known.fastest_s for size, known in by_size.items()}
+            self._fastest[group] = [math.inf] + [
+                bounded_fastest(fastest, size) for size in range(1, TABLE_SIZES + 1)
+            ]
 
     def estimate(self, group: Hashable, rows: int) -> float | None:
         """Seconds a batch of ``rows`` rows of ``group`` should take now; None if unknown."""
@@ -93,12 +107,25 @@ class BatchTimes:
         return _scaled(recent, size)
 
     def fastest(self, group: Hashable, rows: int) -> float | None:
-        """The quickest a batch of ``rows`` rows of ``group`` was ever measured (scaled from
-        the nearest size when that one never was); None if the group never was."""
-        by_size = self._durations.get(group)
-        if not by_size:
+        """The quickest a batch of ``rows`` rows of ``group`` can be, by every size measured
+        (``bounded_fastest``); None if the group never was."""
+        by_size = self._fastest.get(group)
+        if by_size is None:
             return None
-        return _scaled({size: known.fastest_s for size, known in by_size.items()}, size_class(rows))
+        size = size_class(rows)
+        if size < len(by_size):
+            return by_size[size]
+        return by_size[-1] * float(2 ** (size - len(by_size) + 1))  # beyond the table: doubled
+
+
+def bounded_fastest(fastest: dict[int, float], size: int) -> float:
+    """The quickest a batch of size class ``size`` can be, by the quickest measured of each
+    class in ``fastest``: no longer than any larger class's, nor than a smaller class's
+    doubled for each class above it."""
+    return min(
+        seconds * 2 ** (size - measured) if measured < size else seconds
+        for measured, seconds in fastest.items()
+    )
 
 
 def _scaled(by_size: dict[int, float], size: int) -> float | None:

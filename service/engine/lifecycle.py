@@ -99,6 +99,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         request_timeout_ms=settings.request_timeout_ms,
         max_batch_cost=settings.max_batch_tokens if edges else 0,
         max_batch_ms=settings.max_batch_ms,
+        quantum_floor_cost=max((batch_group(manifest, b, edges)[1] for b in batches), default=0),
         policy=settings.batch_policy,
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
