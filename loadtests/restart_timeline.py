@@ -76,19 +76,20 @@ def _events(log: Path) -> list[tuple[float, str, dict[str, object]]]:
 def _client(
     url: str,
     stop: threading.Event,
-    answers: list[tuple[float, int]],
+    answers: list[tuple[float, int, float]],
     period_s: float,
     reference: list[float],
     mismatches: list[float],
 ) -> None:
     with httpx.Client(base_url=url, timeout=30.0) as client:
         while not stop.is_set():
+            sent = time.time()
             try:
                 response = client.post("/predict", json=DIGIT)
                 status = response.status_code
             except httpx.TransportError:
                 status = 0
-            answers.append((time.time(), status))
+            answers.append((time.time(), status, sent))
             if status == 200 and not _equal(response.json()["predictions"][0], reference):
                 mismatches.append(time.time())
             time.sleep(period_s if status == 200 else max(period_s, 0.05))
@@ -154,10 +155,10 @@ def _wait_for_standby(url: str, timeout_s: float) -> float:
     raise RuntimeError("no standby engine was ready in time")
 
 
-def _wait_serving(answers: list[tuple[float, int]], since: float, timeout_s: float) -> None:
+def _wait_serving(answers: list[tuple[float, int, float]], since: float, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if any(t > since and s == 200 for t, s in answers[-5:]):
+        if any(sent > since and s == 200 for _, s, sent in answers[-5:]):
             return
         time.sleep(0.05)
     raise RuntimeError("the server did not answer 200 in time")
@@ -189,7 +190,7 @@ def measure(
             "BATCHSERVE_SPARE_ENGINE": "true" if spare else "false",
         }
     )
-    answers: list[tuple[float, int]] = []
+    answers: list[tuple[float, int, float]] = []
     stop = threading.Event()
     timelines = []
     with log.open("wb") as output:
@@ -234,7 +235,7 @@ def measure(
             line = _timeline(log, answers, killed)
             line["mismatches"] = len(mismatches)  # since the start
             line["requests_so_far"] = len(answers)
-            line["refused_so_far"] = sum(status != 200 for _, status in answers)
+            line["refused_so_far"] = sum(status != 200 for _, status, _ in answers)
             line["waited_for_standby_s"] = round(waited_s, 3)
             timelines.append(line)
     finally:
@@ -246,7 +247,9 @@ def measure(
     return timelines
 
 
-def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dict[str, float]:
+def _timeline(
+    log: Path, answers: list[tuple[float, int, float]], killed: float
+) -> dict[str, float]:
     events = [(t, name, record) for t, name, record in _events(log) if t >= killed - 0.002]
     line: dict[str, float] = {}
     started = min((t for t, name, _ in events if name == "engine_process_started"), default=0.0)
@@ -256,11 +259,13 @@ def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dic
         times = [t for t, name, _ in events if name == event and t >= since][:count]
         if len(times) == count:
             line[step] = round(times[-1] - killed, 3)
-    first = next(t for t, status in answers if t > killed and status == 200)
+    # A request sent after the kill: one the dead engine answered just before it died may reach
+    # the client just after.
+    first = next(t for t, status, sent in answers if sent > killed and status == 200)
     line["first_answer"] = round(first - killed, 3)
-    failed = [t for t, status in answers if killed < t < first]
+    failed = [t for t, status, _ in answers if killed < t < first and status != 200]
     line["failed_requests"] = len(failed)
-    around = [(t, status) for t, status in answers if killed - 1.0 < t <= killed + 2.0]
+    around = [(t, status) for t, status, _ in answers if killed - 1.0 < t <= killed + 2.0]
     line["refused"] = sum(status != 200 for _, status in around)
     line["answered"] = sum(status == 200 for _, status in around)
     served = [t for t, status in around if status == 200]
