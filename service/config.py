@@ -83,8 +83,9 @@ class Settings(BaseSettings):
     engine's restart on a CPU host takes its load time instead of seconds of imports. It
     costs an idle interpreter's memory (measured: 236 MiB resident, 165 MiB proportional, as
     torch's libraries are shared with the engines) and no CPU while it waits; on by default,
-    as a crash is an outage for every front end without a standby. On a GPU the CUDA context and the weights are
-    still paid when it becomes an engine: ``standby_engines`` is the GPU answer."""
+    as a crash is an outage for every front end without a standby. On a GPU the CUDA context
+    and the weights are still paid when it becomes an engine: ``standby_engines`` is the GPU
+    answer."""
 
     engine_heartbeat_timeout_s: float = Field(default=1.5, ge=0.5, le=600.0)
     """An engine process that sends nothing for this long is treated as hung: the supervisor

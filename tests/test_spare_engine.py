@@ -26,7 +26,12 @@ import pytest
 from service.config import Settings
 from service.engine.spare import backend_modules, engine_variables
 from service.metrics import MULTIPROCESS_DIR_ENV
-from service.processes import ENGINE_HEARTBEAT_FILE_ENV, ENGINE_SOCKET_ENV, EXIT_LOAD_FAILED
+from service.processes import (
+    ENGINE_HEARTBEAT_FILE_ENV,
+    ENGINE_SOCKET_ENV,
+    EXIT_LOAD_FAILED,
+    READY_MARK,
+)
 from service.server import spare_engine, supervisor
 from service.server.spare_engine import (
     FIRST_RETRY_S,
@@ -205,6 +210,35 @@ def test_turned_off_no_spare_is_ever_started(tmp_path: Path) -> None:
     spare.watch(engines_loading=0)
     assert spare.process is None
     assert spare.take({}) is None
+
+
+# A real spare.
+
+
+@pytest.mark.slow
+def test_a_spare_taken_before_its_imports_finish_becomes_the_engine(tmp_path: Path) -> None:
+    """Told its engine before it is ready (an engine died soon after the last restart): it
+    finishes its imports, loads and serves, though nobody reads its ready pipe any more."""
+    engine = EngineProcess(0, "cpu", tmp_path / "engine.sock", tmp_path / "engine.alive")
+    environ = {**os.environ, MULTIPROCESS_DIR_ENV: str(tmp_path), "BATCHSERVE_DEVICE": "cpu"}
+    spare = SpareEngine(environ)
+    try:
+        spare.watch(engines_loading=0)
+        spare_process = spare.process
+        engine.start(environ, 0, False, spare)
+        assert spare_process is not None
+        assert engine.process is spare_process
+        assert not spare.ready  # imports take seconds: taken long before
+        deadline_s = time.monotonic() + SPARE_TIMEOUT_S
+        while engine.mark() != READY_MARK:
+            assert engine.alive, f"the engine exited {engine.process.returncode}"
+            assert time.monotonic() < deadline_s, "the engine never loaded"
+            time.sleep(0.1)
+    finally:
+        spare.stop()
+        if engine.process is not None and engine.alive:
+            engine.process.terminate()
+            engine.process.wait(timeout=30.0)
 
 
 # A real server.

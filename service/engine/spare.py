@@ -88,8 +88,12 @@ def main() -> int:
     # What the imports made lives as long as the process (as in process.main).
     gc.collect()
     gc.freeze()
-    with os.fdopen(arguments.ready_fd, "wb") as ready:
-        ready.write(READY)
+    try:
+        os.write(arguments.ready_fd, READY)
+    except BrokenPipeError:
+        pass  # taken before it was ready: the supervisor reads its line, not this
+    finally:
+        os.close(arguments.ready_fd)
     try:
         line = sys.stdin.buffer.readline()
     except KeyboardInterrupt:
