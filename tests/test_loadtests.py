@@ -430,6 +430,7 @@ def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
         assert {role: len(values) for role, values in rss_mib.items()} == {
             "supervisor": 1,
             "engine": 1,
+            "spare engine": 1,  # started once the engine is ready (spare_engine)
             "gunicorn master": 1,
             "gunicorn worker": 2,
         }
