@@ -16,13 +16,17 @@ from pathlib import Path
 
 PROC = Path("/proc")
 ENGINE_MODULE = "service.engine.process"
+#: The supervisor's spare engine interpreter (``spare_engine``): torch imported, no model yet.
+#: One that became an engine keeps this command line, and is counted a spare engine here.
+SPARE_MODULE = "service.engine.spare"
 
 
 @dataclass(frozen=True)
 class ProcessMemory:
     pid: int
     role: str
-    """server (one process), supervisor, engine, gunicorn master, gunicorn worker or other."""
+    """server (one process), supervisor, engine, spare engine, gunicorn master, gunicorn
+    worker or other."""
     rss_bytes: int
     command: str
 
@@ -44,6 +48,8 @@ def roles(root: int, parents: Mapping[int, int], commands: Mapping[int, str]) ->
         command = commands.get(pid, "")
         if ENGINE_MODULE in command.split():
             found[pid] = "engine"
+        elif SPARE_MODULE in command.split():
+            found[pid] = "spare engine"
         elif _is_gunicorn(command):
             parent_command = commands.get(parents.get(pid, -1), "")
             worker = pid != root and _is_gunicorn(parent_command)

@@ -4,13 +4,16 @@ under light traffic and read, from the JSON logs, when each step of the way back
     python -m loadtests.restart_timeline --kills 5 --out docs/bench/restart/after.json
     python -m loadtests.restart_timeline --standby 1 --clients 8 --kills 2 --settle-s 10
     python -m loadtests.restart_timeline --standby 1 --clients 8 --kills 2 --signal stop
+    python -m loadtests.restart_timeline --kills 2 --settle-s 31 --no-spare
 
 With ``--standby N`` the server keeps N warm standby engines and the fault goes to the active
 engine (``--signal kill``: kill -9; ``stop``: SIGSTOP, a hung engine); before each fault the
 harness waits until a standby is ready again, then ``--settle-s`` more. Every answer is
 checked against the model's answer alone (a lone request before the load), and for each
 fault it reports the answers other than 200, the longest gap between two answers 200, and
-when the front ends switched (``engine_failover``).
+when the front ends switched (``engine_failover``). The server keeps its spare engine
+interpreter (``spare_engine``, on by default; ``--no-spare`` turns it off), so the new engine
+is usually the spare: its step "imported" is when it was told to become the engine.
 
 One client sends a digits request every 20 ms (closed loop) to a server with two front ends
 and one CPU engine. For each kill the steps, in seconds after the kill: the supervisor notices
@@ -24,6 +27,7 @@ figures: run it on a quiet machine, or say how loaded yours was.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -72,19 +76,20 @@ def _events(log: Path) -> list[tuple[float, str, dict[str, object]]]:
 def _client(
     url: str,
     stop: threading.Event,
-    answers: list[tuple[float, int]],
+    answers: list[tuple[float, int, float]],
     period_s: float,
     reference: list[float],
     mismatches: list[float],
 ) -> None:
     with httpx.Client(base_url=url, timeout=30.0) as client:
         while not stop.is_set():
+            sent = time.time()
             try:
                 response = client.post("/predict", json=DIGIT)
                 status = response.status_code
             except httpx.TransportError:
                 status = 0
-            answers.append((time.time(), status))
+            answers.append((time.time(), status, sent))
             if status == 200 and not _equal(response.json()["predictions"][0], reference):
                 mismatches.append(time.time())
             time.sleep(period_s if status == 200 else max(period_s, 0.05))
@@ -102,25 +107,39 @@ def _active_engine(url: str) -> tuple[int, int]:
     return int(active), sum(role == "standby" for role, _ in roles)
 
 
-def engine_memory_mib(url: str) -> list[dict[str, object]]:
+def engine_memory_mib(url: str, supervisor: int | None = None) -> list[dict[str, object]]:
     """Each engine's role and memory (resident, and proportional: shared pages split among the
-    processes that map them), from /proc."""
+    processes that map them), from /proc; with ``supervisor``, its spare engine interpreter's
+    too (role ``spare``)."""
+    engines = httpx.get(url + "/models", timeout=10.0).json()["engines"]
+    roles = {int(engine["pid"]): str(engine["role"]) for engine in engines if engine["pid"]}
+    if supervisor is not None:
+        children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+        for child in map(int, children):
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"service.engine.spare" in command and child not in roles:
+                    roles[child] = "spare"
     found: list[dict[str, object]] = []
-    for engine in httpx.get(url + "/models", timeout=10.0).json()["engines"]:
-        if engine["pid"] is None:
-            continue
+    for pid, role in roles.items():
         fields = {}
-        for line in Path(f"/proc/{engine['pid']}/smaps_rollup").read_text().splitlines()[1:]:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
             name, value = line.split(":", 1)
             fields[name] = int(value.split()[0]) / 1024
         found.append(
-            {
-                "role": engine["role"],
-                "rss_mib": round(fields["Rss"]),
-                "pss_mib": round(fields["Pss"]),
-            }
+            {"role": role, "rss_mib": round(fields["Rss"]), "pss_mib": round(fields["Pss"])}
         )
     return found
+
+
+def _wait_for_spare(log: Path, timeout_s: float) -> None:
+    """Wait until the spare engine interpreter has done its imports (its memory is then what
+    it keeps)."""
+    deadline_s = time.monotonic() + timeout_s
+    while '"event":"spare_engine_ready"' not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline_s:
+            raise RuntimeError("no spare engine interpreter was ready in time")
+        time.sleep(0.1)
 
 
 def _wait_for_standby(url: str, timeout_s: float) -> float:
@@ -136,23 +155,10 @@ def _wait_for_standby(url: str, timeout_s: float) -> float:
     raise RuntimeError("no standby engine was ready in time")
 
 
-def _engine_pids(supervisor: int) -> list[int]:
-    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
-    pids = []
-    for pid in children:
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"service.engine.process" in command:
-            pids.append(int(pid))
-    return pids
-
-
-def _wait_serving(answers: list[tuple[float, int]], since: float, timeout_s: float) -> None:
+def _wait_serving(answers: list[tuple[float, int, float]], since: float, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if any(t > since and s == 200 for t, s in answers[-5:]):
+        if any(sent > since and s == 200 for _, s, sent in answers[-5:]):
             return
         time.sleep(0.05)
     raise RuntimeError("the server did not answer 200 in time")
@@ -166,6 +172,7 @@ def measure(
     clients: int = 1,
     fault: str = "kill",
     memory: list[dict[str, object]] | None = None,
+    spare: bool = True,
 ) -> list[dict[str, float]]:
     """The timeline of each fault; each engine's memory before the first into ``memory``."""
     memory = [] if memory is None else memory
@@ -180,9 +187,10 @@ def measure(
             "BATCHSERVE_WORKERS": "2",
             "BATCHSERVE_ENGINE_MODE": "process",
             "BATCHSERVE_STANDBY_ENGINES": str(standby),
+            "BATCHSERVE_SPARE_ENGINE": "true" if spare else "false",
         }
     )
-    answers: list[tuple[float, int]] = []
+    answers: list[tuple[float, int, float]] = []
     stop = threading.Event()
     timelines = []
     with log.open("wb") as output:
@@ -211,14 +219,15 @@ def measure(
             thread.start()
         if standby:
             _wait_for_standby(url, 300.0)
-        memory.extend(engine_memory_mib(url))
+        if spare:
+            _wait_for_spare(log, 300.0)
+        memory.extend(engine_memory_mib(url, server.pid))
         for _ in range(kills):
             waited_s = _wait_for_standby(url, 300.0) if standby else 0.0
             time.sleep(settle_s)
-            if standby:
-                victim = _active_engine(url)[0]
-            else:
-                (victim,) = _engine_pids(server.pid)
+            # As the front ends see it: an engine started from the spare engine interpreter
+            # runs ``service.engine.spare``, not ``service.engine.process``.
+            victim = _active_engine(url)[0]
             killed = time.time()
             os.kill(victim, SIGNALS[fault])
             _wait_serving(answers, killed, 30.0)
@@ -226,7 +235,7 @@ def measure(
             line = _timeline(log, answers, killed)
             line["mismatches"] = len(mismatches)  # since the start
             line["requests_so_far"] = len(answers)
-            line["refused_so_far"] = sum(status != 200 for _, status in answers)
+            line["refused_so_far"] = sum(status != 200 for _, status, _ in answers)
             line["waited_for_standby_s"] = round(waited_s, 3)
             timelines.append(line)
     finally:
@@ -238,7 +247,9 @@ def measure(
     return timelines
 
 
-def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dict[str, float]:
+def _timeline(
+    log: Path, answers: list[tuple[float, int, float]], killed: float
+) -> dict[str, float]:
     events = [(t, name, record) for t, name, record in _events(log) if t >= killed - 0.002]
     line: dict[str, float] = {}
     started = min((t for t, name, _ in events if name == "engine_process_started"), default=0.0)
@@ -248,11 +259,13 @@ def _timeline(log: Path, answers: list[tuple[float, int]], killed: float) -> dic
         times = [t for t, name, _ in events if name == event and t >= since][:count]
         if len(times) == count:
             line[step] = round(times[-1] - killed, 3)
-    first = next(t for t, status in answers if t > killed and status == 200)
+    # A request sent after the kill: one the dead engine answered just before it died may reach
+    # the client just after.
+    first = next(t for t, status, sent in answers if sent > killed and status == 200)
     line["first_answer"] = round(first - killed, 3)
-    failed = [t for t, status in answers if killed < t < first]
+    failed = [t for t, status, _ in answers if killed < t < first and status != 200]
     line["failed_requests"] = len(failed)
-    around = [(t, status) for t, status in answers if killed - 1.0 < t <= killed + 2.0]
+    around = [(t, status) for t, status, _ in answers if killed - 1.0 < t <= killed + 2.0]
     line["refused"] = sum(status != 200 for _, status in around)
     line["answered"] = sum(status == 200 for _, status in around)
     served = [t for t, status in around if status == 200]
@@ -270,6 +283,9 @@ def main() -> None:
     parser.add_argument("--standby", type=int, default=0, help="BATCHSERVE_STANDBY_ENGINES")
     parser.add_argument("--clients", type=int, default=1, help="more than 1: a closed loop")
     parser.add_argument("--signal", choices=sorted(SIGNALS), default="kill")
+    parser.add_argument(
+        "--no-spare", action="store_true", help="BATCHSERVE_SPARE_ENGINE=false (on by default)"
+    )
     arguments = parser.parse_args()
     memory: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as folder:
@@ -282,6 +298,7 @@ def main() -> None:
             clients=arguments.clients,
             fault=arguments.signal,
             memory=memory,
+            spare=not arguments.no_spare,
         )
     steps = [step for step, _, _ in STEPS] + [
         "first_answer",
@@ -310,6 +327,7 @@ def main() -> None:
                 "clients": arguments.clients,
                 "signal": arguments.signal,
                 "settle_s": arguments.settle_s,
+                "spare": not arguments.no_spare,
             },
             "timelines": timelines,
             "median": medians,

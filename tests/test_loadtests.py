@@ -435,6 +435,7 @@ def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
         assert {role: len(values) for role, values in rss_mib.items()} == {
             "supervisor": 1,
             "engine": 1,
+            "spare engine": 1,  # started once the engine is ready (spare_engine)
             "gunicorn master": 1,
             "gunicorn worker": 2,
         }
@@ -523,7 +524,14 @@ def test_the_restart_timeline_reads_each_step_after_the_kill_from_the_logs(
         (1.9, "model_ready"),
     ]
     log.write_text("\n".join(["not json"] + [line(at, event) for at, event in events]) + "\n")
-    answers = [(killed - 0.5, 200), (killed + 0.5, 503), (killed + 1.0, 0), (killed + 2.0, 200)]
+    # (answered, status, sent): the second, sent before the kill, was answered just after it.
+    answers = [
+        (killed - 0.5, 200, killed - 0.51),
+        (killed + 0.005, 200, killed - 0.001),
+        (killed + 0.5, 503, killed + 0.49),
+        (killed + 1.0, 0, killed + 0.99),
+        (killed + 2.0, 200, killed + 1.99),
+    ]
     assert restart_timeline._timeline(log, answers, killed) == {
         "noticed": 0.1,
         "process_started": 0.2,
@@ -534,6 +542,6 @@ def test_the_restart_timeline_reads_each_step_after_the_kill_from_the_logs(
         "first_answer": 2.0,
         "failed_requests": 2,
         "refused": 2,  # within 1 s before to 2 s after the kill
-        "answered": 2,
-        "longest_gap_s": 2.5,
+        "answered": 3,
+        "longest_gap_s": 1.995,
     }

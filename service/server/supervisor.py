@@ -19,6 +19,8 @@ gunicorn with ``workers`` front ends, and watches them all without importing tor
   ends without draining. SIGHUP, SIGTTIN and SIGTTOU go to gunicorn (reload, more or fewer
   front ends).
 
+With ``spare_engine``, the next engine it starts is a spare that has imported torch and the
+engine already, and only loads its models (``spare_engine.py``): a restart without imports.
 Every child gets SIGTERM if the supervisor dies, so none is left serving as an orphan.
 """
 
@@ -61,6 +63,7 @@ from service.server.child_processes import die_with_parent, sleep_until_woken, w
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.gunicorn_setup import graceful_timeout_s
 from service.server.launcher import prepare_multiprocess_dir, settings_environment
+from service.server.spare_engine import SpareEngine
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,6 @@ def engine_command() -> list[str]:
 def restart_delay_s(young_deaths: int) -> float:
     """How long to wait before restarting an engine that has died ``young_deaths`` times in a
     row within ``STABLE_AFTER_S`` of its start (0 for one that had been serving longer).
-
     The first death is restarted at once: a crash is an outage for every front end, and a
     lone crash is the common case. From the second in a row the wait doubles from
     ``FIRST_BACKOFF_S`` up to ``LONGEST_BACKOFF_S``, so a model that crashes every start does
@@ -123,23 +125,28 @@ class EngineProcess:
     restart_at_s: float | None = None
     starts: int = field(default=0)
 
-    def start(self, environ: Mapping[str, str], generation: int, standby: bool) -> None:
-        """Start a process; ``generation`` orders it among every engine started (the front
-        ends prefer the oldest ready one), ``standby`` when another of its device is up."""
+    def start(
+        self,
+        environ: Mapping[str, str],
+        generation: int,
+        standby: bool,
+        spare: SpareEngine,
+    ) -> None:
+        """Start a process, the ``spare`` if alive; ``generation`` orders it among every engine
+        started (the front ends prefer the oldest ready one); ``standby``: another is up."""
         self.heartbeat_file.write_bytes(b"")  # not ready until the engine says so
         os.utime(self.heartbeat_file, (0, 0))  # not alive until the engine touches it
-        self.process = subprocess.Popen(
-            engine_command(),
-            env={
-                **environ,
-                ENGINE_SOCKET_ENV: str(self.socket),
-                ENGINE_DEVICE_ENV: self.device,
-                ENGINE_HEARTBEAT_FILE_ENV: str(self.heartbeat_file),
-                ENGINE_INDEX_ENV: str(self.index),
-                ENGINE_GENERATION_ENV: str(generation),
-                ENGINE_STANDBY_ENV: "1" if standby else "0",
-            },
-            preexec_fn=die_with_parent,
+        variables = {
+            ENGINE_SOCKET_ENV: str(self.socket),
+            ENGINE_DEVICE_ENV: self.device,
+            ENGINE_HEARTBEAT_FILE_ENV: str(self.heartbeat_file),
+            ENGINE_INDEX_ENV: str(self.index),
+            ENGINE_GENERATION_ENV: str(generation),
+            ENGINE_STANDBY_ENV: "1" if standby else "0",
+        }
+        taken = spare.take(variables)
+        self.process = taken or subprocess.Popen(
+            engine_command(), env={**environ, **variables}, preexec_fn=die_with_parent
         )
         self.started_s = time.monotonic()
         self.restart_at_s = None
@@ -195,6 +202,7 @@ class Supervisor:
         self._stopping = False
         self._exit_status = 0
         self._generations = itertools.count()
+        self._spare = SpareEngine(environ, enabled=settings.spare_engine)
 
     def run(self) -> int:
         woken = wake_on_signals()
@@ -223,9 +231,10 @@ class Supervisor:
                 return self._finish()
             if not self._stopping:
                 self._watch_engines()
+                self._spare.watch(sum(e.alive and e.mark() == b"" for e in self._engines))
 
     def _start(self, engine: EngineProcess, standby: bool) -> None:
-        engine.start(self._environ, next(self._generations), standby)
+        engine.start(self._environ, next(self._generations), standby, self._spare)
 
     def _siblings(self, engine: EngineProcess) -> list[EngineProcess]:
         """The other engines of ``engine``'s device."""
@@ -269,6 +278,7 @@ class Supervisor:
             self._exit_status = self._exit_status or code or 1
         elif code not in (0, None) and self._stop_signal == signal.SIGTERM:
             self._exit_status = self._exit_status or code
+        self._spare.stop()
         running = [e.process for e in self._engines if e.process and e.process.poll() is None]
         for process in running:
             process.send_signal(signal.SIGTERM)
