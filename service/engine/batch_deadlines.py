@@ -7,33 +7,16 @@ earliest deadline of all. When an item's deadline comes, its entries whose own d
 come expire and the others go back in the heap under theirs. Entries answered before their
 deadline stay in the heap, let go of their payload (``Entry.done``), until their deadline comes
 up or the heap is compacted.
-
-A queued entry is answered 504 sooner, at its start-by time: once even its fastest forward
-(``fastest``: the quickest ever measured, never a load's) started now would end after its
-deadline, nothing can answer it in time (it is answered at most ``EARLY_AT_MOST_S`` before
-the deadline). Its caller then hears by the deadline rather than at the deadline plus however
-long the event loop takes to come round to the timer: in one process that loop also parses
-the requests of a refusal storm, and a 504 waited up to 60 ms for it (issue 23). An entry
-running by its start-by time is left to its deadline.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 from service.engine.batch_clock import Clock, Timer
 from service.engine.batch_queue import Entry
-
-#: A queued entry is answered at most this long before its deadline: enough to cover the
-#: event loop's lag (up to 60 ms measured), and no more, since a client that resends as soon
-#: as it is answered must not come back much sooner than its deadline (a forward as slow as
-#: the deadline, under load, otherwise turned each admitted request into a 504 at once, and
-#: the clients' resending into a storm of them).
-EARLY_AT_MOST_S = 0.05
-#: Seconds a batch of ``rows`` rows of a group takes at the fastest, or None when unknown.
-Fastest = Callable[[Hashable, int], "float | None"]
 
 #: The heap is compacted (answered entries dropped) when it holds this many entries, or twice
 #: what it held after the last compaction, whichever is more.
@@ -41,19 +24,12 @@ COMPACT_AT_LEAST = 1024
 
 
 class Deadlines:
-    """Calls ``expire(entries)`` with the unanswered entries whose ``deadline_s`` has come, or
-    which are still queued at their start-by time, all at once (the chunks of one request
-    expire together)."""
+    """Calls ``expire(entries)`` with the unanswered entries whose ``deadline_s`` has come,
+    all at once (the chunks of one request expire together)."""
 
-    def __init__(
-        self,
-        clock: Clock,
-        expire: Callable[[list[Entry]], None],
-        fastest: Fastest = lambda group, rows: None,
-    ) -> None:
+    def __init__(self, clock: Clock, expire: Callable[[list[Entry]], None]) -> None:
         self._clock = clock
         self._expire = expire
-        self._fastest = fastest
         self._heap: list[tuple[float, int, list[Entry]]] = []
         self._order = itertools.count()
         self._timer: Timer | None = None
@@ -67,8 +43,7 @@ class Deadlines:
         self.add_all([entry])
 
     def add_all(self, entries: list[Entry]) -> None:
-        """Watch ``entries``, which are being queued (one heap item for them all; ``entries``
-        is kept, not copied)."""
+        """Watch ``entries`` (one heap item for them all; ``entries`` is kept, not copied)."""
         if not entries:
             return
         heap = self._heap
@@ -78,7 +53,7 @@ class Deadlines:
             heapq.heappop(heap)
         if len(heap) >= self._compact_at:
             self._compact()
-        earliest_s = min(map(self._start_by_s, entries))  # they are being queued
+        earliest_s = min(entry.deadline_s for entry in entries)
         heapq.heappush(heap, (earliest_s, next(self._order), entries))
         if earliest_s < self._armed_s:
             self._arm(earliest_s)
@@ -100,21 +75,13 @@ class Deadlines:
             _, _, entries = heapq.heappop(heap)
             for entry in entries:
                 if not entry.done:
-                    (expired if self._due_s(entry) <= now_s else later).append(entry)
+                    (expired if entry.deadline_s <= now_s else later).append(entry)
         if later:
-            heapq.heappush(heap, (min(map(self._due_s, later)), next(self._order), later))
+            heapq.heappush(heap, (min(e.deadline_s for e in later), next(self._order), later))
         if expired:
             self._expire(expired)
         if heap:
             self._arm(heap[0][0])
-
-    def _due_s(self, entry: Entry) -> float:
-        """When ``entry`` is answered 504: its start-by time while queued, else its deadline."""
-        return self._start_by_s(entry) if entry.queued else entry.deadline_s
-
-    def _start_by_s(self, entry: Entry) -> float:
-        fastest_s = self._fastest(entry.group, entry.rows) or 0.0
-        return entry.deadline_s - min(fastest_s, EARLY_AT_MOST_S)
 
     def _compact(self) -> None:
         self._heap = [item for item in self._heap if not _all_done(item[2])]

@@ -107,7 +107,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4), quantum_floor_cost
         )
         self._queue = BatchQueue()
-        self._deadlines = Deadlines(self._clock, self._expire, self.times.fastest)
+        self._deadlines = Deadlines(self._clock, self._expire)
         self._deliveries = Deliveries()
         self._row_limit = RowLimit(max_batch_size, metrics.effective_max_batch_size.set)
         self._stall = StallWatch(self._clock, stall_timeout_s, on_stall)
@@ -247,20 +247,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._wakeup.set()
 
     def _expire(self, entries: list[Entry]) -> None:
-        """Deadline, or still queued when even its fastest forward would end past it
-        (``batch_deadlines``): answer 504 now, even while another batch is running."""
+        """Deadline: answer 504 now, even while another batch is running."""
         for entry in entries:
             if entry.queued:
                 self._queue.remove(entry)
             self._metrics.dropped(DropReason.EXPIRED).inc()
         self._depth.changed()
-        now_s = self._clock.now()
         for entry in entries:
-            message = f"the request was not answered within {self._request_timeout_s * 1e3:.0f} ms"
-            if entry.deadline_s > now_s:
-                left_ms = (entry.deadline_s - now_s) * 1e3
-                message += f": still queued {left_ms:.0f} ms before it, less than its rows take"
-            entry.reject(DeadlineExceededError(message))
+            entry.reject(
+                DeadlineExceededError(
+                    f"the request was not answered within {self._request_timeout_s * 1000:.0f} ms"
+                )
+            )
 
     def _withdraw(self, entries: list[Entry]) -> None:
         """The caller stopped waiting (or one chunk failed): drop the queued chunks so they

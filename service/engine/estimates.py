@@ -24,8 +24,7 @@ loaded (a warm-up beside other work) is then bounded by its neighbours' quicker 
 so one slow measurement cannot keep a size looking slow while nothing runs it again.
 Admission answers 422 ``deadline_unreachable`` only when even that exceeds the time left; a
 request the recent durations alone make late is refused for load (429 with ``Retry-After``);
-the time quantum (``batch_selection.Quantum``) and the queued requests' start-by times
-(``batch_deadlines``) read it too.
+the time quantum (``batch_selection.Quantum``) reads it too.
 
 The batcher asks for an estimate on every request, so each is a lookup: the median is taken
 when a duration is recorded (once per batch), not when it is read.
