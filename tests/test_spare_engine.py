@@ -39,7 +39,6 @@ from service.server.spare_engine import (
     SpareEngine,
     spare_retry_s,
     spare_wanted,
-    use_spare,
 )
 from service.server.supervisor import EngineProcess, Supervisor
 from tests.processes import (
@@ -59,11 +58,6 @@ SPARE_TIMEOUT_S = 180.0
 
 
 # The policies.
-
-
-def test_an_engine_starts_from_the_spare_whenever_one_is_alive_ready_or_not() -> None:
-    assert use_spare(spare_alive=True)
-    assert not use_spare(spare_alive=False)
 
 
 def test_no_spare_starts_while_an_engine_loads_or_when_turned_off() -> None:

@@ -51,12 +51,6 @@ def spare_retry_s(deaths_before_ready: int) -> float:
     return min(LONGEST_RETRY_S, FIRST_RETRY_S * 2.0 ** (deaths_before_ready - 2))
 
 
-def use_spare(spare_alive: bool) -> bool:
-    """Whether an engine is started from the spare rather than fresh: whenever one is alive,
-    ready or not. A spare still importing is further on than a process started now."""
-    return spare_alive
-
-
 def spare_wanted(enabled: bool, engines_loading: int) -> bool:
     """Whether to start a spare now (when none is alive): not while an engine loads, whose
     start it would slow on a small host; the spare is for the next start, not this one."""
@@ -119,7 +113,7 @@ class SpareEngine:
     def take(self, variables: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
         """The spare, told to become the engine of ``variables``; None when there is none to
         take (start the engine fresh). A new spare is started later by ``watch``."""
-        if not use_spare(self.alive):
+        if not self.alive:  # ready or not: one still importing is further on than a new one
             return None
         process = self.process
         assert process is not None
