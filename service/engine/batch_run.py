@@ -23,7 +23,6 @@ from service.engine.batch_queue import Entry
 from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.estimates import BatchTimes
-from service.engine.instances import DeviceThreads
 from service.errors import DeviceOutOfMemoryError
 from service.metrics import ModelMetrics, observe_many
 
@@ -170,13 +169,8 @@ class BatchRun(Generic[PayloadT, OutputT]):
         """``run_batch`` in the executor, watched for a batch that never comes back."""
         estimate_s = self.times.estimate(group, rows)
         self.running_until_s = self._clock.now() + (estimate_s or 0.0)
-        running: asyncio.Future[tuple[Sequence[OutputT | Exception], float]]
-        if isinstance(self._executor, DeviceThreads):  # no concurrent future per batch
-            running = self._executor.run(self._timed_run_batch, payloads)
-        else:
-            running = asyncio.get_running_loop().run_in_executor(
-                self._executor, self._timed_run_batch, payloads
-            )
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._timed_run_batch, payloads)
         watchdog = self._stall.watch()
         try:
             outputs, seconds = await running

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -127,7 +127,7 @@ class TorchRunner:
         compile_mode: CompileMode = "off",
         max_batch_size: int,
         length_edges: Sequence[int] = (),
-        executor: Executor | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         """Inputs with a variable axis share one length (ids and mask): a batch pads each,
         with its own ``pad_value``, to the batch's longest payload, or, when compiled, up to
@@ -147,9 +147,7 @@ class TorchRunner:
         self._length_ties = _length_ties(self._inputs, self._outputs)
         self._length_edges = tuple(length_edges)
         self._owns_executor = executor is None
-        self.executor: Executor = executor or ThreadPoolExecutor(
-            1, thread_name_prefix="batchserve-device"
-        )
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
         self._model = _in_eval_mode(model.to(device))
         self._forward: Callable[..., object] = self._model
         self._padded_sizes = batch_sizes_to_warm(max_batch_size)

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,6 @@ from service.buckets import batch_group
 from service.config import Settings
 from service.engine.batching import DynamicBatcher
 from service.engine.device_turns import DeviceTurns
-from service.engine.instances import DeviceThreads
 from service.engine.model_store import ModelStore
 from service.errors import InvalidInputError
 from service.manifest import Manifest, TensorSpec
@@ -80,7 +80,7 @@ class EngineState:
     store: ModelStore
     device: str
     """This engine's ``device`` setting: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    device_thread: DeviceThreads | None = None
+    device_thread: ThreadPoolExecutor | None = None
     """The device's threads (``instances.py``: one per model instance, one by default) that
     run every model's batches and warm-ups, as ``device_turns`` hands the device out; made
     at the first load, once torch's thread count is set."""
