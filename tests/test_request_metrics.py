@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from service.frontend.request_metrics import RequestTally, observe_all
-from service.metrics import LATENCY_BUCKETS_S, FrontendMetrics
+from service.frontend.request_metrics import RequestTally
+from service.metrics import LATENCY_BUCKETS_S, FrontendMetrics, observe_many
 from tests.fixtures import sample_total
 
 LATENCIES_S = [0.0001, 0.0005, 0.0007, 0.002, 0.002, 0.04, 0.5, 31.0]
@@ -27,7 +27,7 @@ def test_observing_all_at_once_equals_observing_each() -> None:
     together = Histogram("latency", "", ["route"], buckets=LATENCY_BUCKETS_S, registry=all_at_once)
     for value in LATENCIES_S:
         each.labels("/predict").observe(value)
-    observe_all(together.labels("/predict"), LATENCIES_S)
+    observe_many(together.labels("/predict"), LATENCIES_S)
     assert samples(all_at_once) == samples(one_by_one)
 
 
