@@ -143,6 +143,17 @@ def serve_with_engines(tmp_path: Path, workers: int, **variables: str) -> Iterat
         yield server
 
 
+def wait_for_spare(server: Running) -> None:
+    """The supervisor's spare engine interpreter has done its imports (``spare_engine``): it
+    starts once the engines are ready and imports torch for seconds, so a test that times a
+    fault waits for it, as a server in production is past it."""
+    wait_for(
+        lambda: '"event":"spare_engine_ready"' in server.output(),
+        "the spare engine interpreter ready",
+        server,
+    )
+
+
 def wait_until_serving(server: Running, workers: int, engines: int = 1) -> None:
     """Every front end started, and every one of them reaches ``engines`` ready engines."""
     wait_for(

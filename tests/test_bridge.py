@@ -333,8 +333,12 @@ async def test_an_engine_that_goes_silent_is_given_up_at_the_heartbeat_timeout(
     finally:
         await client.close()
         server.close()
+        await server.wait_closed()
+        await asyncio.sleep(0.05)  # a connection accepted last has its handler run first
         for writer in accepted:
             writer.close()
+        # Closed on this loop, not left to a later test's garbage collection ("loop is closed").
+        await asyncio.gather(*(writer.wait_closed() for writer in accepted), return_exceptions=True)
 
 
 async def test_a_request_validated_against_the_version_just_replaced_is_still_served(

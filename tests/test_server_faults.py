@@ -32,6 +32,7 @@ from tests.processes import (
     scraped,
     serve_with_engines,
     wait_for,
+    wait_for_spare,
     wait_until_serving,
 )
 from tests.torch_models import FEATURES, HANG_VALUE, package_hanging_model
@@ -245,6 +246,7 @@ def test_an_engine_that_stops_answering_is_killed_and_replaced(tmp_path: Path) -
     timeout_s = load_settings().engine_heartbeat_timeout_s
     with serve_with_engines(tmp_path, WORKERS) as server:
         wait_until_serving(server, WORKERS)
+        wait_for_spare(server)  # its imports would make the heartbeats' watchers late
         victim = engine_pids(server)[0]
         os.kill(victim, signal.SIGSTOP)  # alive, but silent: a wedged event loop
         try:
