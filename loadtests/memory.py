@@ -10,6 +10,7 @@ of a tree is read from the same files, to check that servers waiting for their t
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,27 @@ def tree_memory(root: int, proc: Path = PROC) -> list[ProcessMemory]:
         if rss is not None:
             measured.append(ProcessMemory(pid, found[pid], rss, commands[pid]))
     return measured
+
+
+def settled_tree_memory(
+    root: int, quiet_s: float = 2.0, longest_s: float = 10.0, proc: Path = PROC
+) -> list[ProcessMemory]:
+    """``tree_memory`` once the tree's processes and roles have not changed for ``quiet_s``
+    (at most ``longest_s``): a server just ready may still be starting a process (the
+    supervisor's spare engine interpreter starts once the engines are ready)."""
+    deadline_s = time.monotonic() + longest_s
+    processes = tree_memory(root, proc)
+    shape = sorted((p.pid, p.role) for p in processes)
+    unchanged_since_s = time.monotonic()
+    while time.monotonic() < deadline_s:
+        time.sleep(0.1)
+        processes = tree_memory(root, proc)
+        now_shape = sorted((p.pid, p.role) for p in processes)
+        if now_shape != shape:
+            shape, unchanged_since_s = now_shape, time.monotonic()
+        elif time.monotonic() - unchanged_since_s >= quiet_s:
+            break
+    return processes
 
 
 def trees_cpu_seconds(roots: Sequence[int], proc: Path = PROC) -> dict[int, float]:

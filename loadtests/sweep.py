@@ -406,7 +406,7 @@ class Sweep:
             command, env, log_path, configuration.ready_timeout_s, cwd=cwd
         ) as server:
             self.prepare(server.url, workload)
-            processes = memory.tree_memory(server.pid)
+            processes = memory.settled_tree_memory(server.pid)
             points = self.measure_points(
                 server.url, label, workload, ceiling=ceiling, limit_of=configuration.name
             )
@@ -444,7 +444,9 @@ class Sweep:
             )
             for concurrency in self.args.concurrency
         ]
-        return Contender(configuration, label, server, points, memory.tree_memory(server.pid))
+        return Contender(
+            configuration, label, server, points, memory.settled_tree_memory(server.pid)
+        )
 
     def http_ceiling(self, configuration: Configuration) -> list[Point]:
         """The front end alone, answering zeros, with as many front ends as ``configuration``."""

@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     imported torch and the engine, waiting to become whichever engine must start next (a
     restart after a crash or a hang, a new standby), which then only loads its models: an
     engine's restart on a CPU host takes its load time instead of seconds of imports. It
-    costs an idle interpreter's memory (measured: 236 MiB resident, 165 MiB proportional, as
+    costs an idle interpreter's memory (measured: 236 MiB resident, 165-190 MiB proportional, as
     torch's libraries are shared with the engines) and no CPU while it waits; on by default,
     as a crash is an outage for every front end without a standby. On a GPU the CUDA context
     and the weights are still paid when it becomes an engine: ``standby_engines`` is the GPU
@@ -167,7 +167,7 @@ class Settings(BaseSettings):
     longer) rather than a whole long batch. A batch may always hold one longest row's worth of
     padded positions (e.g. four 128-token rows beside 512-token ones), whatever the quantum.
     100 (the default): on a CPU serving ``textenc`` (a 512-token row takes 60 ms) short
-    requests beside a full 512-token bucket stay within 6x of their latency alone, at no
+    requests beside a full 512-token bucket stayed within 4-7x of their latency alone, at no
     measured cost to the long ones (see Benchmarks); a GPU's batches rarely reach it. 0: no
     quantum, batches bounded by ``max_batch_size`` and ``max_batch_tokens`` only."""
 
