@@ -77,7 +77,7 @@ def test_sigterm_and_a_quick_shutdown_both_end_the_wait_for_an_engine() -> None:
             asyncio.run(_sigterm(server))
         else:
             _quit_now(server)
-        assert server.exit_requested.is_set(), stop
+        assert server.stopping.is_set(), stop
 
 
 async def _sigterm(server: DrainingServer) -> None:

@@ -53,9 +53,10 @@ class DrainingServer(uvicorn.Server):
         self._drain_delay_s = drain_delay_s
         self._exit_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Set on the event loop once SIGTERM or SIGINT has arrived: what waits for the app's
+        #: ``_exit_requested``, seen on the event loop (the signal handler may not touch it):
+        #: set once SIGTERM or SIGINT has arrived; what waits for the app's
         #: start-up (an engine to load) stops waiting, as there is nothing to drain yet.
-        self.exit_requested = asyncio.Event()
+        self.stopping = asyncio.Event()
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -83,7 +84,7 @@ class DrainingServer(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         """On the event loop: readiness off in the metrics; stop accepting after the delay."""
-        self.exit_requested.set()
+        self.stopping.set()
         self._frontend.refresh_gauges()
         if not self.should_exit and self._loop is not None:
             self._loop.call_later(self._drain_delay_s, self.stop)

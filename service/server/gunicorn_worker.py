@@ -55,7 +55,7 @@ class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
         self.config.http = limited_protocol(settings)
         self.config.timeout_graceful_shutdown = settings.shutdown_grace_s
         server = DrainingServer(self.config, frontend, settings.drain_delay_s)
-        ready_gate = ReadyBeforeAccepting(app, server.exit_requested)
+        ready_gate = ReadyBeforeAccepting(app, server.stopping)
         self.config.app = ready_gate
         asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit_now, server)
         housekeeping = asyncio.create_task(self._housekeeping(frontend, server))
@@ -91,7 +91,7 @@ def _quit_now(server: DrainingServer) -> None:
     for the drain delay, for requests in flight or for an engine still loading."""
     server.force_exit = True
     server.should_exit = True
-    server.exit_requested.set()
+    server.stopping.set()
 
 
 class ReadyBeforeAccepting:
