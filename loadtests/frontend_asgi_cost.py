@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, ModelInfo
 from service.config import Settings
+from service.errors import ServiceError
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
 from service.manifest import Architecture, Manifest, TensorSpec
@@ -50,6 +51,9 @@ class EngineAnsweringZeros:
 
     def engines(self) -> list[EngineStatus]:
         return [self._status]
+
+    def refusal_before_body(self, model: str) -> ServiceError | None:
+        return None
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         await asyncio.sleep(0)

@@ -340,6 +340,37 @@ async def test_full_queue_refuses_at_once_with_retry_after(make_batcher: Batcher
     assert 3 not in model.computed_rows
 
 
+async def test_a_full_queue_refuses_any_request_before_its_rows_are_known(
+    make_batcher: BatcherFactory,
+) -> None:
+    """``refusal_of_any`` (asked before a body is parsed) refuses exactly when a one-row
+    request would be refused, and counts the refusal."""
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=1, max_queue_size=2)
+    running = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    queued = [asyncio.create_task(batcher.submit([1], group="g"))]
+    await wait_until(lambda: batcher.queue_depth == 1)
+    assert batcher.refusal_of_any() is None  # one more fits
+    queued.append(asyncio.create_task(batcher.submit([2], group="g")))
+    await wait_until(lambda: batcher.queue_depth == 2)
+
+    refused = batcher.refusal_of_any()
+    assert isinstance(refused, QueueFullError)
+    assert refused.status_code == 429
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert dropped(metrics, "queue_full") == 1
+    with pytest.raises(QueueFullError) as raised:
+        await batcher.submit([3], group="g")
+    assert raised.value.message == refused.message
+
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(running, *queued)
+    assert batcher.refusal_of_any() is None
+
+
 async def test_split_request_that_does_not_fit_in_the_queue_is_refused_whole(
     make_batcher: BatcherFactory,
 ) -> None:

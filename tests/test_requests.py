@@ -22,7 +22,7 @@ from service.bridge.interface import (
     SwitchResult,
 )
 from service.config import Settings
-from service.errors import DeadlineExceededError
+from service.errors import DeadlineExceededError, QueueFullError, ServiceError
 from service.frontend.app import create_frontend_app
 from service.frontend.requests import SERVER_TIMEOUT, Deadline, HeldRequest
 from service.frontend.state import FrontendState
@@ -70,6 +70,7 @@ class EngineAnsweringLate:
 
     def __init__(self, model: ModelInfo | None = None) -> None:
         self.requests: list[InferenceRequest] = []
+        self.refusal: ServiceError | None = None
         self._models = () if model is None else (model,)
 
     def status(self) -> EngineStatus:
@@ -77,6 +78,9 @@ class EngineAnsweringLate:
 
     def engines(self) -> list[EngineStatus]:
         return [self.status()]
+
+    def refusal_before_body(self, model: str) -> ServiceError | None:
+        return self.refusal
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         self.requests.append(request)
@@ -162,3 +166,28 @@ async def test_a_v2_timeout_sets_the_deadline_and_its_504_names_it(tmp_path: Pat
 @contextlib.asynccontextmanager
 async def no_lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
+
+
+async def post(http: httpx.AsyncClient, route: str, body: bytes) -> httpx.Response:
+    return await http.post(route, content=body, headers={"Content-Type": "application/json"})
+
+
+async def test_a_full_queue_refuses_before_the_body_is_parsed(tmp_path: Path) -> None:
+    """A storm of requests a full queue refuses must not cost their parse (issue 23): the
+    refusal comes before the body is read, so even a malformed body is answered 429."""
+    engine = EngineAnsweringLate(tokens_model())
+    app = create_frontend_app(frontend_with(engine, tmp_path), no_lifespan)
+    malformed = b'{"instances": [[1, 2,'
+    routes = ("/predict", "/models/tokens/predict", "/v2/models/tokens/infer")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        engine.refusal = QueueFullError("the queue is full (8 requests waiting); retry shortly")
+        refused = [await post(http, route, malformed) for route in routes]
+        engine.refusal = None
+        parsed = [await post(http, route, malformed) for route in routes]
+    for answer in refused:
+        assert answer.status_code == 429, answer.text
+        assert "the queue is full" in answer.text
+        assert int(answer.headers["Retry-After"]) >= 1
+    assert [answer.status_code for answer in parsed] == [400, 400, 400]
+    assert engine.requests == []

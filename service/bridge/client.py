@@ -32,6 +32,7 @@ from service.bridge.interface import (
     Phase,
     SwitchResult,
 )
+from service.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,10 @@ class BridgeClient:
     def engines(self) -> list[EngineStatus]:
         statuses = [connection.status for connection in self._connections]
         return roles(statuses, self._choice.active)
+
+    def refusal_before_body(self, model: str) -> ServiceError | None:
+        """None: the engine's queue is behind the bridge, and refuses after the parse."""
+        return None
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Submit ``request`` to an engine; its connection answers 504 at its deadline."""

@@ -92,10 +92,7 @@ class Intake:
         self._check_accepting()
         chunks, rows = self._chunks(submission)
         if self._queue.entries + len(chunks) > self._max_queue_size:
-            self._metrics.dropped(DropReason.QUEUE_FULL).inc()
-            raise QueueFullError(
-                f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
-            )
+            raise self._refuse_queue_full()
         arrival_s = self._clock.now()
         deadline_s = submission.deadline_s
         if deadline_s is None:
@@ -118,6 +115,20 @@ class Intake:
         self._deadlines.add_all(entries)
         self._added([self._queue.add(entry) for entry in entries], was_empty)
         return ticket
+
+    def refusal_of_any(self) -> ServiceError | None:
+        """What ``enqueue`` would raise now for any request, whatever its rows: the queue is
+        full (a request is at least one entry). Asked before a request's body is parsed, so
+        a storm of requests a full queue refuses costs no parse (issue 23)."""
+        if self._queue.entries >= self._max_queue_size:
+            return self._refuse_queue_full()
+        return None
+
+    def _refuse_queue_full(self) -> QueueFullError:
+        self._metrics.dropped(DropReason.QUEUE_FULL).inc()
+        return QueueFullError(
+            f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
+        )
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
         """How long a request queued now would wait for the device (``batch_admission``)."""

@@ -39,6 +39,7 @@ from service.engine.estimates import BatchTimes
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
+    ServiceError,
 )
 from service.metrics import DropReason, ModelMetrics
 from service.types import Priority
@@ -231,6 +232,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         each, in order, its ticket or the error ``enqueue`` would have raised for it had the
         requests been queued one by one."""
         return self._intake.enqueue_frame(submissions, source, sink)
+
+    def refusal_of_any(self) -> ServiceError | None:
+        """What ``enqueue`` would raise now whatever the request (its queue is full)."""
+        return self._intake.refusal_of_any()
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
         """How long a request queued now would wait for the device (``batch_admission``)."""

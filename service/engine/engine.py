@@ -150,6 +150,10 @@ class Engine:
             batches=ticket.traced_batches(),
         )
 
+    def refusal_before_body(self, model: str) -> ServiceError | None:
+        served = self.state.models.get(model)
+        return None if served is None else served.batcher.refusal_of_any()
+
     def enqueue(
         self, request: InferenceRequest, sink: Sink | None = None, tag: object = None
     ) -> tuple[Ticket[NamedArrays], str]:

@@ -171,7 +171,7 @@ async def serve_prediction(
     """
     deadline = Deadline.start(frontend.settings)
     # Refused at once, before reading a body nobody can serve.
-    first_model = frontend.serving_model(model_name, model_version)
+    first_model = frontend.admitting_model(model_name, model_version)
     media_type = body_media_type(
         headers.content_type, frontend.handler_for(first_model).media_types
     )

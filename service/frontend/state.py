@@ -94,6 +94,16 @@ class FrontendState:
             )
         return model
 
+    def admitting_model(self, name: str | None = None, version: str | None = None) -> ModelInfo:
+        """``serving_model``, checked before a request's body is read: also refused (429) when
+        its engine would refuse any request now (a full queue), so a storm of requests that
+        would be refused costs no parse, and leaves the CPU to the forward (issue 23)."""
+        model = self.serving_model(name, version)
+        refused = self.engine.refusal_before_body(model.manifest.name)
+        if refused is not None:
+            raise refused
+        return model
+
     def layout_for(self, model: ModelInfo) -> InputLayout:
         """How requests for ``model`` are parsed, validated and grouped (built once a version)."""
         key = model.manifest.version

@@ -65,7 +65,7 @@ async def serve_v2_inference(
 ) -> Response:
     """Validate, queue on the engine, and answer one V2 inference request."""
     deadline = Deadline.start(frontend.settings)
-    frontend.serving_model(name, version)
+    frontend.admitting_model(name, version)
     body = await read_body(
         receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline.at_s
     )

@@ -50,7 +50,7 @@ from service.bridge.interface import (
 )
 from service.buckets import manifest_length_edges
 from service.config import Settings, load_settings
-from service.errors import ConflictError
+from service.errors import ConflictError, ServiceError
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
 from service.logs import configure_logging
@@ -86,6 +86,9 @@ class ZeroEngine:
 
     def engines(self) -> list[EngineStatus]:
         return [self._status]
+
+    def refusal_before_body(self, model: str) -> ServiceError | None:
+        return None
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         rows = len(request.instances)
