@@ -160,9 +160,9 @@ def goodput(
         f"closed loop for {duration_s:.0f} s per point, the next request sent as soon as an "
         "answer (429 included) arrives.",
         "",
-        "| engine | clients | 200/s | vs 1 client | answers by status "
+        "| engine | clients | 200/s | vs 1 client | answers by status | dropped by reason "
         "| 504 after deadline p50 / max ms |",
-        "| --- | --: | --: | --: | --- | --- |",
+        "| --- | --: | --: | --: | --- | --- | --- |",
     ]
     for engine_mode in engine_modes:
         settings = goodput_settings(engine_mode)
@@ -170,8 +170,15 @@ def goodput(
             asyncio.run(closed_loop(host, port, body, 1, 2.0))  # warm-up
             one_client = None
             for clients in clients_list:
+                dropped_before = servers.dropped_by_reason(f"http://{host}:{port}")
                 outcomes, elapsed_s = asyncio.run(
                     closed_loop(host, port, body, clients, duration_s)
+                )
+                dropped_after = servers.dropped_by_reason(f"http://{host}:{port}")
+                dropped = ", ".join(
+                    f"{reason} {count - dropped_before.get(reason, 0.0):.0f}"
+                    for reason, count in sorted(dropped_after.items())
+                    if count > dropped_before.get(reason, 0.0)
                 )
                 ok_per_s = sum(o.status == 200 for o in outcomes) / elapsed_s
                 one_client = one_client or ok_per_s or float("nan")
@@ -183,7 +190,7 @@ def goodput(
                 )
                 lines.append(
                     f"| {engine_mode} | {clients} | {ok_per_s:.1f} | {ok_per_s / one_client:.2f}x"
-                    f" | {statuses} | {lateness} |"
+                    f" | {statuses} | {dropped or '-'} | {lateness} |"
                 )
     lines += [
         "",

@@ -34,6 +34,7 @@ from service.manifest import Architecture, Manifest, TensorSpec
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.tensors import NamedArrays
+from service.types import Priority
 
 FEATURES = 256
 CLASSES = 10
@@ -52,7 +53,9 @@ class EngineAnsweringZeros:
     def engines(self) -> list[EngineStatus]:
         return [self._status]
 
-    def refusal_before_body(self, model: str) -> ServiceError | None:
+    def refusal_before_body(
+        self, model: str, priority: Priority, deadline_s: float | None
+    ) -> ServiceError | None:
         return None
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:

@@ -290,3 +290,21 @@ def batch_counters(url: str) -> tuple[float, float] | None:
     if "sum" not in totals or "count" not in totals:
         return None
     return totals["sum"], totals["count"]
+
+
+_DROPPED = re.compile(
+    r'^batchserve_dropped_requests_total\{[^}]*reason="([a-z_]+)"[^}]*\} ([0-9.e+]+)$', re.M
+)
+
+
+def dropped_by_reason(url: str) -> dict[str, float]:
+    """Requests dropped so far, by ``reason`` (``batchserve_dropped_requests_total``), over
+    every model; empty if the server does not export them."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.TransportError:
+        return {}
+    totals: dict[str, float] = {}
+    for reason, value in _DROPPED.findall(text):
+        totals[reason] = totals.get(reason, 0.0) + float(value)
+    return totals

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from service.engine import estimates
-from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
+from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal, refusal_of_any
 from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
 from service.engine.batch_fill import BatchFiller
@@ -200,6 +200,21 @@ def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
     assert isinstance(behind, OverloadedError)
     assert behind.headers["Retry-After"] == "1"
     assert refusal([1], "g", 2.0, PerRow(1.0), waits(1.0), "normal") is None
+
+
+def test_before_its_rows_are_known_a_request_is_refused_only_when_the_work_ahead_is_too_long() -> (
+    None
+):
+    """Asked before a body is parsed: the request's own forward is unknown (it may even be a
+    shape not measured yet), so only the work ahead alone can refuse it; what it refuses,
+    ``refusal`` would refuse too once the request is measured."""
+    assert refusal_of_any(0.29, 0.3) is None
+    assert refusal_of_any(0.3, 0.3) is None
+    ahead = refusal_of_any(1.2, 0.3)
+    assert isinstance(ahead, OverloadedError)
+    assert ahead.headers["Retry-After"] == "2"
+    assert "1200 ms of work, more than the 300 ms left" in ahead.message
+    assert isinstance(refusal([1], "g", 0.3, PerRow(0.01), waits(1.2), "normal"), OverloadedError)
 
 
 def test_a_shape_slowed_by_load_is_refused_429_with_retry_after_not_422() -> None:

@@ -901,13 +901,19 @@ async def test_a_request_the_queue_cannot_serve_in_time_is_refused_429_with_the_
         batcher.enqueue([9], group="g", deadline_s=time.monotonic() + 1.0)
     assert refused.value.status_code == 429
     assert refused.value.headers["Retry-After"] == "2"
+    # Before its body is parsed, the same request is refused alike; a high one is not.
+    before_body = batcher.refusal_of_any("normal", time.monotonic() + 1.0)
+    assert isinstance(before_body, OverloadedError)
+    assert before_body.headers["Retry-After"] == "2"
+    assert batcher.refusal_of_any("high", time.monotonic() + 1.0) is None
+    assert batcher.refusal_of_any("normal", None) is None  # its body may set a later deadline
     # A high-priority request goes before the queued normal ones: it fits.
     high = batcher.enqueue([8], group="g", priority="high", deadline_s=time.monotonic() + 1.0)
     assert batcher.estimated_wait_s("high") <= 0.8
     model.release()
     async with asyncio.timeout(PROMPTLY_S):
         await asyncio.gather(running, *queued, high.wait())
-    assert dropped(metrics, "deadline_unreachable") == 1
+    assert dropped(metrics, "deadline_unreachable") == 2
 
 
 async def test_rows_that_cannot_finish_even_alone_are_answered_504_and_never_computed(

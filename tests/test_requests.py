@@ -30,6 +30,7 @@ from service.manifest import Architecture, Manifest, TensorSpec
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.tensors import NamedArrays
+from service.types import Priority
 
 SETTINGS = Settings(request_timeout_ms=2000)
 
@@ -71,6 +72,7 @@ class EngineAnsweringLate:
     def __init__(self, model: ModelInfo | None = None) -> None:
         self.requests: list[InferenceRequest] = []
         self.refusal: ServiceError | None = None
+        self.asked: list[tuple[str, Priority, float | None]] = []
         self._models = () if model is None else (model,)
 
     def status(self) -> EngineStatus:
@@ -79,7 +81,11 @@ class EngineAnsweringLate:
     def engines(self) -> list[EngineStatus]:
         return [self.status()]
 
-    def refusal_before_body(self, model: str) -> ServiceError | None:
+    def refusal_before_body(
+        self, model: str, priority: Priority, deadline_s: float | None
+    ) -> ServiceError | None:
+        left_s = None if deadline_s is None else deadline_s - time.monotonic()
+        self.asked.append((model, priority, left_s))
         return self.refusal
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
@@ -191,3 +197,9 @@ async def test_a_full_queue_refuses_before_the_body_is_parsed(tmp_path: Path) ->
         assert int(answer.headers["Retry-After"]) >= 1
     assert [answer.status_code for answer in parsed] == [400, 400, 400]
     assert engine.requests == []
+    # /predict's deadline and priority are known before its body (time left when asked); a
+    # V2 body may set its own.
+    predict, _, v2 = engine.asked[:3]
+    assert predict[:2] == ("tokens", "normal")
+    assert predict[2] == pytest.approx(SETTINGS.request_timeout_ms / 1000, abs=0.5)
+    assert v2 == ("tokens", "normal", None)

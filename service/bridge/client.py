@@ -33,6 +33,7 @@ from service.bridge.interface import (
     SwitchResult,
 )
 from service.errors import ServiceError
+from service.types import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,9 @@ class BridgeClient:
         statuses = [connection.status for connection in self._connections]
         return roles(statuses, self._choice.active)
 
-    def refusal_before_body(self, model: str) -> ServiceError | None:
+    def refusal_before_body(
+        self, model: str, priority: Priority, deadline_s: float | None
+    ) -> ServiceError | None:
         """None: the engine's queue is behind the bridge, and refuses after the parse."""
         return None
 

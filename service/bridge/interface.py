@@ -192,11 +192,14 @@ class EngineClient(Protocol):
         """Each engine's state, in device order."""
         ...
 
-    def refusal_before_body(self, model: str) -> ServiceError | None:
-        """The refusal any request to ``model`` would get now whatever its body (its queue is
-        full), or None: a front end asks before parsing a body, so a storm of requests that
-        would be refused costs no parse. Only an engine in this process can tell; over the
-        bridge it is None and the engine refuses after the parse."""
+    def refusal_before_body(
+        self, model: str, priority: Priority, deadline_s: float | None
+    ) -> ServiceError | None:
+        """The refusal any request to ``model`` at ``priority`` due at ``deadline_s`` (None:
+        its body may set it) would get now whatever its body (a full queue, or more work ahead
+        than time left), or None: a front end asks before parsing a body, so a storm of
+        requests that would be refused costs no parse. Only an engine in this process can
+        tell; over the bridge it is None and the engine refuses after the parse."""
         ...
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:

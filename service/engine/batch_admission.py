@@ -78,6 +78,20 @@ def estimated_wait_s(
     return wait_s
 
 
+def refusal_of_any(ahead_s: float, left_s: float) -> ServiceError | None:
+    """Why any request queued now would be late whatever its rows, before they are known: the
+    work queued ahead of it (``ahead_s``, ``estimated_wait_s``) alone outlasts the ``left_s``
+    before its deadline (429 with ``Retry-After``). Unlike ``refusal`` it does not wait for
+    the request's own group to be measured: the work ahead is what was measured."""
+    if ahead_s <= left_s:
+        return None
+    return OverloadedError(
+        f"the queue holds about {ahead_s * 1000:.0f} ms of work, more than the "
+        f"{left_s * 1000:.0f} ms left before the request's deadline; retry shortly",
+        retry_after_s=max(1, math.ceil(ahead_s)),
+    )
+
+
 def refusal(
     chunks: list[int],
     group: Hashable,

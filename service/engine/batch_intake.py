@@ -116,13 +116,22 @@ class Intake:
         self._added([self._queue.add(entry) for entry in entries], was_empty)
         return ticket
 
-    def refusal_of_any(self) -> ServiceError | None:
-        """What ``enqueue`` would raise now for any request, whatever its rows: the queue is
-        full (a request is at least one entry). Asked before a request's body is parsed, so
-        a storm of requests a full queue refuses costs no parse (issue 23)."""
+    def refusal_of_any(self, priority: Priority, deadline_s: float | None) -> ServiceError | None:
+        """What ``enqueue`` would raise now for any request at ``priority`` due at
+        ``deadline_s`` (None: not known yet), whatever its rows: the queue is full (a request
+        is at least one entry), or the work ahead alone would make it late
+        (``batch_admission.refusal_of_any``). Asked before a request's body is parsed, so a
+        storm of requests that would be refused costs no parse (issue 23)."""
         if self._queue.entries >= self._max_queue_size:
             return self._refuse_queue_full()
-        return None
+        if deadline_s is None or not self._queue:
+            return None
+        refused = batch_admission.refusal_of_any(
+            self.estimated_wait_s(priority), deadline_s - self._clock.now()
+        )
+        if refused is not None:
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+        return refused
 
     def _refuse_queue_full(self) -> QueueFullError:
         self._metrics.dropped(DropReason.QUEUE_FULL).inc()

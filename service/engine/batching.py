@@ -233,9 +233,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         requests been queued one by one."""
         return self._intake.enqueue_frame(submissions, source, sink)
 
-    def refusal_of_any(self) -> ServiceError | None:
-        """What ``enqueue`` would raise now whatever the request (its queue is full)."""
-        return self._intake.refusal_of_any()
+    def refusal_of_any(
+        self, priority: Priority = "normal", deadline_s: float | None = None
+    ) -> ServiceError | None:
+        """What ``enqueue`` would raise now for any request at ``priority`` due at
+        ``deadline_s``, whatever its rows (``Intake.refusal_of_any``)."""
+        return self._intake.refusal_of_any(priority, deadline_s)
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
         """How long a request queued now would wait for the device (``batch_admission``)."""

@@ -150,9 +150,11 @@ class Engine:
             batches=ticket.traced_batches(),
         )
 
-    def refusal_before_body(self, model: str) -> ServiceError | None:
+    def refusal_before_body(
+        self, model: str, priority: Priority, deadline_s: float | None
+    ) -> ServiceError | None:
         served = self.state.models.get(model)
-        return None if served is None else served.batcher.refusal_of_any()
+        return None if served is None else served.batcher.refusal_of_any(priority, deadline_s)
 
     def enqueue(
         self, request: InferenceRequest, sink: Sink | None = None, tag: object = None

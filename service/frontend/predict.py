@@ -171,7 +171,9 @@ async def serve_prediction(
     """
     deadline = Deadline.start(frontend.settings)
     # Refused at once, before reading a body nobody can serve.
-    first_model = frontend.admitting_model(model_name, model_version)
+    first_model = frontend.admitting_model(
+        model_name, model_version, headers.batch_priority(), deadline.at_s
+    )
     media_type = body_media_type(
         headers.content_type, frontend.handler_for(first_model).media_types
     )

@@ -18,6 +18,7 @@ from service.frontend.preprocessing import handler_thread_count
 from service.frontend.request_metrics import RequestTally
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
+from service.types import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,20 @@ class FrontendState:
             )
         return model
 
-    def admitting_model(self, name: str | None = None, version: str | None = None) -> ModelInfo:
+    def admitting_model(
+        self,
+        name: str | None,
+        version: str | None,
+        priority: Priority = "normal",
+        deadline_s: float | None = None,
+    ) -> ModelInfo:
         """``serving_model``, checked before a request's body is read: also refused (429) when
-        its engine would refuse any request now (a full queue), so a storm of requests that
-        would be refused costs no parse, and leaves the CPU to the forward (issue 23)."""
+        its engine would refuse any request at ``priority`` due at ``deadline_s`` (None: its
+        body may set it) now, whatever its body (``EngineClient.refusal_before_body``): a storm
+        of requests that would be refused costs no parse, and leaves the CPU to the forward
+        (issue 23)."""
         model = self.serving_model(name, version)
-        refused = self.engine.refusal_before_body(model.manifest.name)
+        refused = self.engine.refusal_before_body(model.manifest.name, priority, deadline_s)
         if refused is not None:
             raise refused
         return model

@@ -65,6 +65,7 @@ from service.server.launcher import (
 )
 from service.server.supervisor import GUNICORN_CONFIG
 from service.tensors import NamedArrays
+from service.types import Priority
 
 APP_FACTORY = "service.server.tuning.ceiling:create_app_from_environment()"
 
@@ -87,7 +88,9 @@ class ZeroEngine:
     def engines(self) -> list[EngineStatus]:
         return [self._status]
 
-    def refusal_before_body(self, model: str) -> ServiceError | None:
+    def refusal_before_body(
+        self, model: str, priority: Priority, deadline_s: float | None
+    ) -> ServiceError | None:
         return None
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
