@@ -199,7 +199,7 @@ def wait_ready(
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise servers.ServerError(
-                f"TorchServe exited with status {server.process.returncode}:\n{servers._tail(log)}"
+                f"TorchServe exited with status {server.process.returncode}:\n{_tail(log)}"
             )
         with contextlib.suppress(httpx.TransportError):
             response = httpx.post(
@@ -210,8 +210,15 @@ def wait_ready(
             last = f"{response.status_code}: {response.text[:300]}"
         time.sleep(0.5)
     raise servers.ServerError(
-        f"TorchServe not ready after {timeout_s:.0f} s ({last}):\n{servers._tail(log)}"
+        f"TorchServe not ready after {timeout_s:.0f} s ({last}):\n{_tail(log)}"
     )
+
+
+def _tail(log: Path, characters: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-characters:]
+    except OSError:
+        return ""
 
 
 def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
