@@ -3,7 +3,8 @@
 Starts TorchServe (``loadtests.torchserve_peer``), batchserve ``--workers 2`` (``mlp-w2``)
 and batchserve in one process (``mlp-single``) as ``loadtests.engine_cost`` starts them, all
 at once, each on its own 127.0.0.1 port, the two models with the same weights. Before any
-load it checks that TorchServe and batchserve give the same logits for the same bodies. Then
+load it checks that TorchServe and batchserve give the same logits for the same bodies, and
+warms TorchServe's JVM up (``warm_up_torchserve``) as batchserve gets the sweep's warm-up. Then
 rounds: in each, for each concurrency, one wrk run (one thread, closed loop, the same
 bodies) on each server in turn, the order reversed every other round, so that a machine
 shared with others slows every server of a round alike. Per run it records req/s, p50, p99,
