@@ -53,19 +53,25 @@ def size_class(rows: int) -> int:
     return max(1, rows).bit_length()
 
 
+#: A size class of a table not asked yet.
+_UNKNOWN = -1.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Table:
-    """A group's estimates by size class (index 0 unused), computed at ``since_s`` and
-    unchanged until ``until_s`` unless a duration is recorded; ``slowest_s``: the longest of
-    each class and those below it."""
+    """A group's estimates by size class (index 0 unused), each computed when first asked,
+    unchanged from ``since_s`` to ``until_s`` unless a duration is recorded (a batch is
+    planned with a few sizes between two records); ``slowest_s``: by size class, the
+    longest estimate of it and every class below."""
 
     since_s: float
     until_s: float
     seconds: list[float | None]
-    slowest_s: list[float]
+    slowest_s: dict[int, float]
 
 
-_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), [0.0] * (TABLE_SIZES + 1))
+#: The table of every group never measured (none is stored for it): no estimate of any size.
+_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), {})
 
 
 @dataclass
@@ -115,9 +121,12 @@ class BatchTimes:
         if table is None or not table.since_s <= now_s <= table.until_s:
             table = self._table(group, now_s)
         size = size_class(rows)
-        if size <= TABLE_SIZES:
-            return table.seconds[size]
-        return self._computed(group, size, now_s)
+        if size > TABLE_SIZES:
+            return self._computed(group, size, now_s)
+        seconds = table.seconds[size]
+        if seconds is _UNKNOWN:  # first asked since the table was made
+            seconds = table.seconds[size] = self._computed(group, size, now_s)
+        return seconds
 
     def slowest(self, group: Hashable, rows: int) -> float:
         """The longest ``estimate`` of any batch of ``group`` of up to ``rows`` rows (0.0
@@ -127,28 +136,25 @@ class BatchTimes:
         if table is None or not table.since_s <= now_s <= table.until_s:
             table = self._table(group, now_s)
         top = size_class(rows)
-        if top <= TABLE_SIZES:
-            return table.slowest_s[top]
-        known = [self._computed(group, size, now_s) for size in range(1, top + 1)]
-        return max((seconds for seconds in known if seconds is not None), default=0.0)
+        slowest_s = table.slowest_s.get(top)
+        if slowest_s is None:
+            known = [self._computed(group, size, now_s) for size in range(1, top + 1)]
+            slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
+            table.slowest_s[top] = slowest_s
+        return slowest_s
 
     def _table(self, group: Hashable, now_s: float) -> _Table:
         """``group``'s estimates now, and until when they hold: until its first fresh
         measurement goes stale (a record drops the table). Kept for measured groups only."""
         if group not in self._durations:
             return _UNMEASURED
-        seconds: list[float | None] = [None]
-        seconds.extend(self._computed(group, size, now_s) for size in range(1, TABLE_SIZES + 1))
-        slowest_s = [0.0]
-        for estimate_s in seconds[1:]:
-            slowest_s.append(max(slowest_s[-1], estimate_s or 0.0))
         fresh = [
             known.newest_at_s
             for known in self._durations.get(group, {}).values()
             if known.newest_at_s >= now_s - FRESH_FOR_S
         ]
         until_s = min(fresh) + FRESH_FOR_S if fresh else math.inf
-        table = self._tables[group] = _Table(now_s, until_s, seconds, slowest_s)
+        table = self._tables[group] = _Table(now_s, until_s, [_UNKNOWN] * (TABLE_SIZES + 1), {})
         return table
 
     def _computed(self, group: Hashable, size: int, now_s: float) -> float | None:
