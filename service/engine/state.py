@@ -48,7 +48,7 @@ class ServedModel:
         spec = self._grouping_input
         try:
             if spec.variable_axis is None:  # fixed shapes: the shape is the group
-                return instances[spec.name].shape[1:], 0
+                return instances.arrays[spec.name].shape[1:], 0
             return batch_group(self.manifest, instances, self.length_edges)
         except (KeyError, ValueError, IndexError) as error:
             raise InvalidInputError(
