@@ -40,7 +40,8 @@ PREPARED_TIMEOUT_S = 120.0
 class QueuedRequest(Protocol):
     """A request queued in an engine (``engine.batch_ticket.Ticket``)."""
 
-    tag: object
+    tag: Any
+    """The bridge's: the request's call id and the version computing it."""
 
     def outputs(self) -> list[NamedArrays]: ...
 
@@ -277,7 +278,7 @@ class _Connection(asyncio.Protocol):
         computed: list[tuple[contract.Answer, NamedArrays]] = []
         queued = self._queued
         for ticket in tickets:
-            call_id, version = cast(tuple[int, str], ticket.tag)
+            call_id, version = ticket.tag  # (int, str), as _submitted set it
             queued.pop(call_id, None)
             outcome = self._outcome(call_id, ticket)
             if isinstance(outcome, NamedArrays):
