@@ -24,7 +24,7 @@ from service.engine.batch_selection import (
     pick_group,
     plan_batch,
 )
-from service.engine.estimates import BatchTimes
+from service.engine.estimates import BatchTimes, size_class
 from service.errors import DeadlineUnreachableError, OverloadedError
 from service.types import Priority
 from tests.fixtures import SteppedClock
@@ -318,3 +318,25 @@ def test_after_a_streak_of_high_batches_the_oldest_normal_requests_lead_from_any
     assert plan.batch == [normal]
     assert filler.high_streak == 0
     assert filler.last_group == "n"
+
+
+def test_a_plan_asks_each_size_class_once_and_decides_as_asking_each_time() -> None:
+    """A batch of 64 one-row requests grows through 7 size classes: its plan asks the
+    estimates (they are by size class, as ``BatchTimes``'s) 7 times, not once an entry."""
+    times = BatchTimes(lambda: 0.0)
+    for rows in (1, 8, 64):
+        times.record("g", rows, 0.001 * rows)
+    asked: list[int] = []
+
+    def counted(group: Hashable, rows: int) -> float | None:
+        asked.append(rows)
+        return times.estimate(group, rows)
+
+    deadlines = [10.0] * 40 + [0.05] + [10.0] * 30  # the 41st: 48 rows (~0.06 s) are late
+    [group] = queue_of(*(entry(deadline_s=deadline_s) for deadline_s in deadlines))
+    quantum = Quantum(1.0, times.fastest)
+    plan = plan_batch(group, ("normal",), Limits(64, 0, quantum), counted, now_s=0.0)
+    # 41 rows (class 6, scaled from 64 rows: 0.064 s) would end past 0.05 s: it waits.
+    assert len(plan.batch) == 40
+    assert plan.taken == {"normal": 40}
+    assert len({size_class(rows) for rows in asked}) == len(asked)

@@ -421,6 +421,30 @@ async def test_requests_of_one_loop_turn_cross_in_one_frame_and_a_batch_answers_
         assert batches == 1
 
 
+async def test_answers_packed_as_one_block_give_each_front_end_exactly_its_own_rows(
+    socket_path: Path, repository: Path
+) -> None:
+    """Two front ends' frames of requests of 1 to 3 rows share batches; each batch's answers
+    for a front end are packed as one block (``DataPacker.pack_all``): every request gets
+    its own rows back, in its own row count."""
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_batch_size=16) as _,
+        client_of(socket_path) as first,
+        client_of(socket_path) as second,
+    ):
+        sent = [
+            (client, value_rows(index + 0.25 + 100 * side, count=1 + index % 3))  # never 13
+            for index in range(24)
+            for side, client in enumerate((first, second))
+        ]
+        async with asyncio.timeout(PROMPTLY_S):
+            results = await asyncio.gather(
+                *(client.infer(request(client, rows)) for client, rows in sent)
+            )
+    for (_, rows), result in zip(sent, results, strict=True):
+        np.testing.assert_array_equal(result.outputs["y"], 2 * rows + 1)
+
+
 async def test_a_request_refused_in_a_coalesced_frame_fails_alone(
     socket_path: Path, repository: Path
 ) -> None:

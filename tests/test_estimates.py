@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from service.engine import estimates
 from service.engine.estimates import BatchTimes, size_class
 
@@ -82,3 +84,30 @@ def test_one_loaded_measurement_does_not_keep_a_size_looking_slow() -> None:
     assert times.fastest("g", 8) == 0.060  # beyond what was measured: doubled
     times.record("g", 2, 0.015)  # measured unloaded at last
     assert times.fastest("g", 2) == 0.015
+
+
+def test_tabled_estimates_read_as_computed_afresh_whatever_the_times_of_reads() -> None:
+    """Estimates are tabled per group until a record or a measurement going stale changes
+    them: read at any moment, they are those of a ``BatchTimes`` that never read before."""
+    rng = random.Random(7)
+    now = [1000.0]
+    times = BatchTimes(lambda: now[0])
+    records: list[tuple[float, str, int, float]] = []
+    afresh_now = [0.0]
+    for _ in range(300):
+        if rng.random() < 0.3:
+            group, rows, seconds = rng.choice("gh"), rng.randint(1, 300), rng.random()
+            times.record(group, rows, seconds)
+            records.append((now[0], group, rows, seconds))
+        now[0] += rng.choice((0.0, 0.2, 1.0, estimates.FRESH_FOR_S / 2))
+        afresh = BatchTimes(lambda: afresh_now[0])
+        for at_s, group, rows, seconds in records:
+            afresh_now[0] = at_s
+            afresh.record(group, rows, seconds)
+        afresh_now[0] = now[0]
+        for group in "ghx":
+            for rows in (1, 2, 3, 5, 64, 200, 70_000):
+                assert times.estimate(group, rows) == afresh.estimate(group, rows)
+            known = [afresh.estimate(group, rows) for rows in range(1, 257)]
+            slowest = max((seconds for seconds in known if seconds is not None), default=0.0)
+            assert times.slowest(group, 256) == slowest

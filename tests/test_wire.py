@@ -258,6 +258,9 @@ class RecordingTransport(asyncio.WriteTransport):
     def writelines(self, data: object) -> None:
         self.writes.append([bytes(part) for part in data])  # type: ignore[attr-defined]
 
+    def write(self, data: object) -> None:
+        self.writes.append([bytes(data)])  # type: ignore[call-overload]
+
     def is_closing(self) -> bool:
         return False
 
@@ -285,6 +288,24 @@ async def test_a_frame_sent_now_goes_out_at_once_after_what_was_queued_before_it
     assert [frame.header["id"] for frame in frames] == [1, 2]
     await asyncio.sleep(0)
     assert len(transport.writes) == 1  # nothing left for the end of the turn
+
+
+async def test_a_small_frame_of_many_buffers_is_written_as_one_buffer() -> None:
+    """A batch's answers (a buffer and its padding per answer) cross as one buffer: one copy
+    of a few kilobytes costs less than the transport's handling of 128 small buffers. A
+    large frame keeps its buffers (never copied)."""
+    transport = RecordingTransport()
+    writer = wire.FrameWriter(transport, asyncio.get_running_loop())
+    parts = [bytes([index]) * 16 for index in range(128)]
+    writer.send_now(wire.Kind.ANSWERS, b"header", parts)
+    assert len(transport.writes) == 1
+    assert len(transport.writes[0]) == 1
+    assert transport.writes[0][0] == b"".join(
+        wire.encode_typed(wire.Kind.ANSWERS, b"header", parts)
+    )
+    large = [bytes(wire.JOIN_BYTES // 2 + 1)] * 2
+    writer.send_now(wire.Kind.ANSWERS, b"header", large)
+    assert len(transport.writes[1]) == 3  # prefix and header, then each buffer as it was
 
 
 def submits_frame(requests: list[NamedArrays]) -> tuple[list[contract.Submit], bytearray]:
@@ -334,3 +355,47 @@ def test_a_frame_whose_block_overruns_its_data_is_refused_as_one_by_one_would() 
     submits, data = submits_frame([rows(1, 4) for _ in range(8)])
     with pytest.raises(wire.ProtocolError):
         contract.unpack_all(submits, data[:-16])
+
+
+def unpacked_answers(
+    packer: contract.DataPacker, specs: list[list[contract.ArraySpec]]
+) -> list[NamedArrays]:
+    data = bytearray(b"".join(bytes(part) for part in packer.buffers))
+    return [contract.unpack(arrays, data) for arrays in specs]
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        [rows(1, 4, start=index) for index in range(64)],  # a batch's one-row answers: a block
+        [rows(count, 8, start=count) for count in (1, 3, 0, 2)],  # varying rows, one empty
+        [rows(2, 4), rows(2, 4, "float64")],  # dtypes differ
+        [rows(1, 3), rows(1, 3)],  # 12-byte rows: padded, one by one
+        [rows(1, 4), NamedArrays({"x": np.ones((1, 2, 2), np.float32)})],  # row shapes differ
+        [rows(1, 4), NamedArrays({"y": np.ones((1, 4), np.float32)})],  # names differ
+        [NamedArrays({"x": np.ones((2, 4)), "y": np.ones((2, 1))})] * 2,  # two arrays each
+        [NamedArrays({"x": np.arange(32, dtype=np.float32).reshape(4, 8)[:, ::2]})] * 2,  # strided
+        [rows(600, 4), rows(600, 4)],  # large: viewed, not copied
+        [rows(1, 4)],  # one answer
+    ],
+)
+def test_a_batch_of_answers_packed_at_once_unpacks_as_each_packed_alone(
+    answers: list[NamedArrays],
+) -> None:
+    """``pack_all`` (a batch's answers for one front end, as one block when alike) gives
+    each answer the arrays ``pack`` gives it, after whatever the packer held before."""
+    alone = contract.DataPacker()
+    at_once = contract.DataPacker()
+    for packer in (alone, at_once):
+        packer.pack(rows(1, 3))  # something packed before: the block starts where it ends
+    specs_alone = [alone.pack(named) for named in answers]
+    specs_at_once = at_once.pack_all(answers)
+    for one, other in zip(
+        unpacked_answers(alone, specs_alone), unpacked_answers(at_once, specs_at_once), strict=True
+    ):
+        assert one.names == other.names
+        for name in one.names:
+            assert one[name].dtype == other[name].dtype
+            np.testing.assert_array_equal(one[name], other[name])
+    if len(answers) == 64:
+        assert len(at_once.buffers) == 3  # the earlier array, its padding, and the block

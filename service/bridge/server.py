@@ -40,7 +40,8 @@ PREPARED_TIMEOUT_S = 120.0
 class QueuedRequest(Protocol):
     """A request queued in an engine (``engine.batch_ticket.Ticket``)."""
 
-    tag: object
+    tag: Any
+    """The bridge's: the request's call id and the version computing it."""
 
     def outputs(self) -> list[NamedArrays]: ...
 
@@ -272,22 +273,30 @@ class _Connection(asyncio.Protocol):
 
     def deliver(self, tickets: Sequence[QueuedRequest]) -> None:
         """The requests one batch finished for this front end (or one a deadline or a cancel
-        did): their answers in one frame."""
+        did): their answers in one frame, the arrays of all packed at once."""
         answers: list[contract.Answer] = []
-        packer = contract.DataPacker()
+        computed: list[tuple[contract.Answer, NamedArrays]] = []
         queued = self._queued
         for ticket in tickets:
-            call_id, version = cast(tuple[int, str], ticket.tag)
+            call_id, version = ticket.tag  # (int, str), as _submitted set it
             queued.pop(call_id, None)
-            answer = self._answer(call_id, version, ticket, packer)
-            if answer is not None:
+            outcome = self._outcome(call_id, ticket)
+            if isinstance(outcome, NamedArrays):
+                answer = contract.Answer(call_id, version, [], list(ticket.traced_batches()))
+                computed.append((answer, outcome))
                 answers.append(answer)
+            elif outcome is not None:
+                answers.append(outcome)
+        packer = contract.DataPacker()
+        if computed:
+            specs = packer.pack_all([outputs for _, outputs in computed])
+            for (answer, _), arrays in zip(computed, specs, strict=True):
+                answer.arrays = arrays
         if answers:
             self._send_answers(answers, packer.buffers)
 
-    def _answer(
-        self, call_id: int, version: str, ticket: QueuedRequest, packer: contract.DataPacker
-    ) -> contract.Answer | None:
+    def _outcome(self, call_id: int, ticket: QueuedRequest) -> NamedArrays | contract.Answer | None:
+        """The request's outputs, or its error's answer (None: withdrawn, answer nobody)."""
         try:
             chunks = ticket.outputs()
         except asyncio.CancelledError:
@@ -298,10 +307,7 @@ class _Connection(asyncio.Protocol):
             logger.exception("bridge_request_failed", extra={"call_id": call_id})
             failure = ServiceError("internal error in the engine")
             return contract.Answer(call_id, error=contract.WireError.of(failure))
-        outputs = chunks[0] if len(chunks) == 1 else NamedArrays.concatenate(chunks)
-        return contract.Answer(
-            call_id, version, packer.pack(outputs), list(ticket.traced_batches())
-        )
+        return chunks[0] if len(chunks) == 1 else NamedArrays.concatenate(chunks)
 
     def _send_answers(
         self, answers: list[contract.Answer], data: Sequence[bytes | memoryview]

@@ -73,6 +73,8 @@ Data = Sequence[bytes | memoryview]
 #: Each array starts at a multiple of this many bytes within a frame's data, so the arrays
 #: rebuilt in place are aligned for every dtype.
 ALIGNMENT = 16
+#: Frames up to this size are joined into one buffer before they are written.
+JOIN_BYTES = 256 << 10
 
 
 def encode(kind: Kind, header: dict[str, Any], data: Data = ()) -> list[bytes | memoryview]:
@@ -176,7 +178,12 @@ class FrameWriter:
             return
         queued, self._queued = self._queued, []
         queued.extend(encode_typed(kind, header, data))
-        self._transport.writelines(queued)
+        if len(queued) > 2 and sum(len(part) for part in queued) <= JOIN_BYTES:
+            # Many small buffers (a batch's answers, one or two each): one copy into one
+            # buffer costs less than the transport's handling of each.
+            self._transport.write(b"".join(queued))
+        else:
+            self._transport.writelines(queued)
 
     def _flush(self) -> None:
         queued, self._queued = self._queued, []

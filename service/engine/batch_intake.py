@@ -24,6 +24,7 @@ from service.engine.batch_guards import RowLimit
 from service.engine.batch_queue import BatchQueue, Entry, Group
 from service.engine.batch_selection import Quantum
 from service.engine.batch_ticket import ChunkedTicket, Sink, SoloTicket, Ticket
+from service.engine.estimates import BatchTimes
 from service.errors import InvalidInputError, NotReadyError, QueueFullError, ServiceError
 from service.metrics import DropReason, ModelMetrics
 from service.types import Priority
@@ -57,7 +58,7 @@ class Intake:
         queue: BatchQueue,
         deadlines: Deadlines,
         metrics: ModelMetrics,
-        times: batch_admission.Durations,
+        times: BatchTimes,
         quantum: Quantum,
         row_limit: RowLimit,
         max_batch_cost: int,
@@ -275,9 +276,6 @@ class Intake:
         at either priority: each group with every request of the frame queued, its batches
         each as slow as its slowest measured size; with a token budget, one row a batch."""
         row_limit = self._row_limit.rows
-        sizes = {row_limit}
-        for exponent in range(1, row_limit.bit_length()):
-            sizes |= {1 << exponent, (1 << exponent) - 1}
         waits: dict[Priority, float] = {}
         for priority in ("normal", "high"):
             waits[priority] = max(0.0, self._running_until_s() - now_s)
@@ -288,8 +286,7 @@ class Intake:
             rows = grown[0] + (queued.rows if queued is not None else 0)
             high_rows = grown[1] + (queued.high_rows if queued is not None else 0)
             cost = grown[2] + (queued.cost if queued is not None else 0)
-            known = [self._times.estimate(key, size) for size in sizes]
-            slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
+            slowest_s = self._times.slowest(key, row_limit)  # a look-up: tabled per group
             per_batch = 1 if self._max_batch_cost and cost else row_limit
             waits["normal"] += -(-rows // per_batch) * slowest_s
             waits["high"] += -(-high_rows // per_batch) * slowest_s

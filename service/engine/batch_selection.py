@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from service.engine.batch_queue import Entry, Group
 from service.engine.estimates import size_class
@@ -32,7 +32,9 @@ from service.types import Priority
 #: batch is filled with normal requests first.
 HIGH_PRIORITY_STREAK_LIMIT = 3
 
-#: Seconds a batch of ``rows`` rows of a group takes, or None when never measured.
+#: Seconds a batch of ``rows`` rows of a group takes, or None when never measured; as
+#: ``estimates.BatchTimes``'s, it depends on ``rows`` through its size class only
+#: (``estimates.size_class``): one plan asks each size class once (``_BySizeClass``).
 Estimate = Callable[[Hashable, int], "float | None"]
 
 
@@ -164,6 +166,10 @@ def plan_batch(
     lane at its first entry that does not fit; skip the entries whose caller is ``gone``.
     Reads the queue; changes nothing."""
     plan = Plan()
+    estimate = _BySizeClass(estimate)
+    if limits.quantum.max_batch_s:
+        quantum = replace(limits.quantum, batch_seconds=_BySizeClass(limits.quantum.batch_seconds))
+        limits = replace(limits, quantum=quantum)
     rows = cost = 0
     finish_by_s = math.inf  # the earliest deadline in the batch
     for priority in order:
@@ -186,6 +192,25 @@ def plan_batch(
             finish_by_s = min(finish_by_s, entry.deadline_s)
         plan.taken[priority] = taken
     return plan
+
+
+class _BySizeClass:
+    """An ``Estimate`` of one group asked once per size class: a plan's entries are of one
+    group, and a batch's rows grow through a few size classes as it fills."""
+
+    __slots__ = ("_estimate", "_known")
+
+    def __init__(self, estimate: Estimate) -> None:
+        self._estimate = estimate
+        self._known: dict[int, float | None] = {}
+
+    def __call__(self, group: Hashable, rows: int) -> float | None:
+        size = size_class(rows)
+        known = self._known
+        if size in known:
+            return known[size]
+        seconds = known[size] = self._estimate(group, rows)
+        return seconds
 
 
 def fits(

@@ -219,15 +219,21 @@ class Engine:
             if frame is None:
                 frame = frames[id(served)] = (served, [], [])
             frame[1].append(index)
+            # Built as a plain tuple: a NamedTuple's own constructor is a Python call, and
+            # this runs once a request.
             frame[2].append(
-                Submission(
-                    instances,
-                    group,
-                    cost_per_row,
-                    request.priority,
-                    request.deadline_s,
-                    request.request_id,
-                    request.trace,
+                tuple.__new__(
+                    Submission,
+                    (
+                        instances,
+                        group,
+                        cost_per_row,
+                        request.priority,
+                        request.deadline_s,
+                        request.request_id,
+                        request.trace,
+                        None,
+                    ),
                 )
             )
         for served, indexes, submissions in frames.values():

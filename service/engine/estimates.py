@@ -26,8 +26,10 @@ Admission answers 422 ``deadline_unreachable`` only when even that exceeds the t
 request the recent durations alone make late is refused for load (429 with ``Retry-After``);
 the time quantum (``batch_selection.Quantum``) reads it too.
 
-The batcher asks for an estimate on every request, so each is a lookup: the median is taken
-when a duration is recorded (once per batch), not when it is read.
+The batcher asks for an estimate on every request and every entry of a batch it plans, so each
+is a lookup: the median is taken when a duration is recorded (once per batch), and each
+group's estimates of every size class are tabled when first asked after a change (a record,
+or a measurement going stale: the table says until when it holds), not at each read.
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ def size_class(rows: int) -> int:
     return max(1, rows).bit_length()
 
 
+#: A size class of a table not asked yet.
+_UNKNOWN = -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """A group's estimates by size class (index 0 unused), each computed when first asked,
+    unchanged from ``since_s`` to ``until_s`` unless a duration is recorded (a batch is
+    planned with a few sizes between two records); ``slowest_s``: by size class, the
+    longest estimate of it and every class below."""
+
+    since_s: float
+    until_s: float
+    seconds: list[float | None]
+    slowest_s: dict[int, float]
+
+
+#: The table of every group never measured (none is stored for it): no estimate of any size.
+_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), {})
+
+
 @dataclass
 class _Durations:
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))
@@ -69,11 +92,14 @@ class BatchTimes:
         self._durations: dict[Hashable, dict[int, _Durations]] = {}
         self._fastest: dict[Hashable, list[float]] = {}
         """By group, ``fastest`` by size class (index 0 unused), computed when it changes."""
+        self._tables: dict[Hashable, _Table] = {}
+        """By group, ``estimate`` of every size class of the table, while it holds."""
 
     def record(self, group: Hashable, rows: int, seconds: float) -> None:
         by_size = self._durations.setdefault(group, {})
         durations = by_size.setdefault(size_class(rows), _Durations())
         now_s = self._now()
+        self._tables.pop(group, None)
         samples = durations.samples
         while samples and samples[0][0] < now_s - FRESH_FOR_S:
             samples.popleft()
@@ -90,11 +116,53 @@ class BatchTimes:
 
     def estimate(self, group: Hashable, rows: int) -> float | None:
         """Seconds a batch of ``rows`` rows of ``group`` should take now; None if unknown."""
+        now_s = self._now()
+        table = self._tables.get(group)
+        if table is None or not table.since_s <= now_s <= table.until_s:
+            table = self._table(group, now_s)
+        size = size_class(rows)
+        if size > TABLE_SIZES:
+            return self._computed(group, size, now_s)
+        seconds = table.seconds[size]
+        if seconds is _UNKNOWN:  # first asked since the table was made
+            seconds = table.seconds[size] = self._computed(group, size, now_s)
+        return seconds
+
+    def slowest(self, group: Hashable, rows: int) -> float:
+        """The longest ``estimate`` of any batch of ``group`` of up to ``rows`` rows (0.0
+        when none is known): what admission assumes of every batch ahead of a frame."""
+        now_s = self._now()
+        table = self._tables.get(group)
+        if table is None or not table.since_s <= now_s <= table.until_s:
+            table = self._table(group, now_s)
+        top = size_class(rows)
+        slowest_s = table.slowest_s.get(top)
+        if slowest_s is None:
+            known = [self._computed(group, size, now_s) for size in range(1, top + 1)]
+            slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
+            table.slowest_s[top] = slowest_s
+        return slowest_s
+
+    def _table(self, group: Hashable, now_s: float) -> _Table:
+        """``group``'s estimates now, and until when they hold: until its first fresh
+        measurement goes stale (a record drops the table). Kept for measured groups only."""
+        if group not in self._durations:
+            return _UNMEASURED
+        fresh = [
+            known.newest_at_s
+            for known in self._durations.get(group, {}).values()
+            if known.newest_at_s >= now_s - FRESH_FOR_S
+        ]
+        until_s = min(fresh) + FRESH_FOR_S if fresh else math.inf
+        table = self._tables[group] = _Table(now_s, until_s, [_UNKNOWN] * (TABLE_SIZES + 1), {})
+        return table
+
+    def _computed(self, group: Hashable, size: int, now_s: float) -> float | None:
+        """The estimate of size class ``size`` at ``now_s``, from the durations."""
         by_size = self._durations.get(group)
         if not by_size:
             return None
-        fresh_since_s = self._now() - FRESH_FOR_S
-        size = size_class(rows)
+        fresh_since_s = now_s - FRESH_FOR_S
         durations = by_size.get(size)
         if durations is not None and durations.newest_at_s >= fresh_since_s:
             return durations.typical_s

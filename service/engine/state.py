@@ -45,15 +45,22 @@ class ServedModel:
         """The batch group and token cost per row of ``instances``, computed here from their
         shapes: which requests may share a batch is the engine's to decide, not a front
         end's to claim (a wrong group would put unequal shapes in one batch)."""
-        spec = self._grouping_input
+        fixed = self._fixed_shape_input
         try:
-            if spec.variable_axis is None:  # fixed shapes: the shape is the group
-                return instances[spec.name].shape[1:], 0
+            if fixed is not None:  # fixed shapes: the shape is the group
+                return instances.arrays[fixed].shape[1:], 0
             return batch_group(self.manifest, instances, self.length_edges)
         except (KeyError, ValueError, IndexError) as error:
             raise InvalidInputError(
                 f"the instances do not fit {self.manifest.label}'s inputs: {error}"
             ) from error
+
+    @functools.cached_property
+    def _fixed_shape_input(self) -> str | None:
+        """The grouping input's name when its shape is fixed (its shape is then the group),
+        else None; read once a request, so not recomputed from the manifest each time."""
+        spec = self._grouping_input
+        return spec.name if spec.variable_axis is None else None
 
     @functools.cached_property
     def _grouping_input(self) -> TensorSpec:
