@@ -193,6 +193,6 @@ def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or going mid-read
         return False
     return state != "Z"
