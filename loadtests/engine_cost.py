@@ -273,7 +273,8 @@ def one_run(
     )
     sweep.log(
         f"  r{round_number} c={concurrency} {run.label}: {run.requests_per_s:,.0f} req/s, "
-        f"p50 {run.p50_ms:.2f} ms, rows/batch {rows or 0:.1f}, "
+        f"p50 {run.p50_ms:.2f} ms, rows/batch {rows or 0:.1f} "
+        f"({run.full_batch_share or 0:.0%} over {FULL_BATCH_OVER_ROWS:.0f}), "
         + ", ".join(f"{role} {us:.0f} µs" for role, us in run.cpu_us.items())
     )
     return run
@@ -285,6 +286,7 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
         writer = csv.writer(file)
         writer.writerow(
             ["label", "round", "c", "req_s", "p50_ms", "p99_ms", "rows_per_batch",
+             "full_batch_share",
              *(f"cpu_us_{role.replace(' ', '_')}" for role in ROLES)]
         )  # fmt: skip
         for run in runs:
@@ -292,6 +294,7 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
                 [run.label, run.round, run.concurrency, round(run.requests_per_s),
                  round(run.p50_ms, 3), round(run.p99_ms, 3),
                  "" if run.rows_per_batch is None else round(run.rows_per_batch, 1),
+                 "" if run.full_batch_share is None else round(run.full_batch_share, 3),
                  *(round(run.cpu_us[role], 1) for role in ROLES)]
             )  # fmt: skip
     lines = ["# Engine cost: this checkout against the baseline, interleaved", "", notes, ""]
