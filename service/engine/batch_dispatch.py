@@ -5,8 +5,7 @@
 - ``adaptive``: as soon as it holds as many rows as the last batch had, or as the front ends
   hold requests (bodies read, not yet answered: ``expected``), never more than the row limit;
   otherwise as ``fixed``, except that right after a batch is answered it also waits, at most
-  ``max_wait_ms`` from when the answers were handed back (``batch_fill``: in one process the
-  loop writes them first), for the clients that batch answered to come back: at 64 closed-loop
+  ``max_wait_ms``, for the clients that batch answered to come back: at 64 closed-loop
   clients the oldest request has usually waited ``max_wait_ms`` while the device ran, and
   dispatching at once cut the batch at the 40 clients back so far (batches of 40 and 63,
   alternately). A lone client never waits for batch-mates that are not coming (the last batch
@@ -44,8 +43,7 @@ class Dispatch:
     def due_at_s(self, group: Group, answered_s: float, refill: bool) -> float:
         """When ``group``, not ready, becomes due anyway: its oldest request has waited
         ``max_wait_s``, and (adaptive, ``refill``: no other group is ready to run instead)
-        ``max_wait_s`` has passed since the last batch's answers were handed back at
-        ``answered_s``."""
+        ``max_wait_s`` has passed since the last batch was answered at ``answered_s``."""
         oldest = group.oldest()
         if oldest is None:
             return float("inf")
