@@ -1637,39 +1637,6 @@ async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
     assert model.batch_rows == [4, 2]
 
 
-async def test_the_wait_for_the_clients_answered_counts_from_when_they_took_their_answers(
-    make_batcher: BatcherFactory, clock: SteppedClock
-) -> None:
-    """In one process the event loop writes a batch's answers before it can read the clients'
-    next requests. At 64 clients on a loaded host writing them took longer than max_wait, so
-    the next batch was cut at once, holding only the requests queued while the device ran:
-    batches of 30 and 34 rows, alternately. The wait now counts from when the callers have
-    had their answers."""
-    model = RecordingDoubler()
-    device = ManualExecutor()
-    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
-
-    async def client(row: int) -> list[Payload]:
-        answer = await batcher.submit([row], group="g")
-        clock.advance(0.04)  # writing its answer takes the loop 40 ms: 160 ms for the four
-        return answer
-
-    first = [asyncio.create_task(client(row)) for row in (1, 2, 3, 4)]
-    await wait_until(lambda: device.pending == 1)
-    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
-    await wait_until(lambda: batcher.queue_depth == 2)
-    await settle_after(clock, 0.2)  # they have waited past max_wait while the device ran
-    device.finish_next()
-    await settle_after(clock, 0.05)
-    assert device.pending == 0, "the clients just answered are not back yet: wait for them"
-    rest = [asyncio.create_task(batcher.submit([row], group="g")) for row in (7, 8)]
-    await wait_until(lambda: device.pending == 1)
-    device.finish_next()
-    async with asyncio.timeout(PROMPTLY_S):
-        await asyncio.gather(*first, *back, *rest)
-    assert model.batch_rows == [4, 4]
-
-
 async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
     """Instances per device: the batcher feeds two device threads, so a second batch is
     collected while the first runs (one instance waits for the device to be free)."""

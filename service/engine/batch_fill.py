@@ -1,14 +1,7 @@
 """Taking one batch out of the queue, and what the next choice remembers of it: the group
 of the last batch (round robin), how many batches high-priority requests have led in a row
-(anti-starvation), the rows of the last batch (the adaptive policy's target), and since when
-the clients it answered may come back (the adaptive policy's refill wait). The choice itself
-is ``batch_selection``'s pure functions; this applies it to the queue.
-
-The refill wait counts from when the answered callers have had their turn on the event loop,
-not from when the device returned: in one process that turn is where the HTTP front end
-writes the answers, and only after it can the clients' next requests be read. At 64 clients on
-a loaded host writing 30 answers outlasted ``max_wait_ms``, so the next batch was cut at once
-with only the requests queued while the device ran (batches of 30 and 34 rows, alternately).
+(anti-starvation), and the rows of the last batch (the adaptive policy's target). The choice
+itself is ``batch_selection``'s pure functions; this applies it to the queue.
 """
 
 from __future__ import annotations
@@ -32,22 +25,6 @@ class BatchFiller:
         self.last_batch_rows = 1
         self.high_streak = 0
         self.last_group: Hashable | None = None
-        self.refill_from_s = -float("inf")
-        """Since when the clients of the last batch answered may be back (the refill wait)."""
-        self._handing_back = False
-
-    def answered(self, now_s: float) -> None:
-        """A batch's answers were delivered: its callers take them on the loop's next turn."""
-        self.refill_from_s = now_s
-        self._handing_back = True
-
-    def handed_back(self, now_s: float) -> None:
-        """The collector's first turn after an answer, behind the callers' turns: they have
-        their answers, and the wait for them to come back counts from now. A later turn (no
-        answer since) changes nothing."""
-        if self._handing_back:
-            self.refill_from_s = now_s
-            self._handing_back = False
 
     def take(
         self,

@@ -141,6 +141,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             finished=self._deliveries.finished,
             added=self._added,
         )
+        self._answered_s = -float("inf")
         self._target_rows = max_batch_size
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
@@ -300,7 +301,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 for entry in batch:
                     entry.reject(InferenceError("internal error while running the batch"))
         finally:
-            self._filler.answered(self._clock.now())
+            self._answered_s = self._clock.now()
             self._turn.release()
 
     async def _next_batch(self) -> list[Entry] | None:
@@ -330,13 +331,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 # ready: the device would wait for every answer of the last batch to be written.
                 yielded = True
                 await asyncio.sleep(0)
-                self._filler.handed_back(self._clock.now())
                 continue
             now_s = self._clock.now()
             refill = not ready
             due_at = {
-                g.key: self._dispatch.due_at_s(g, self._filler.refill_from_s, refill)
-                for g in self._queue
+                g.key: self._dispatch.due_at_s(g, self._answered_s, refill) for g in self._queue
             }
             due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
             if (due or self._closing) and await self._turn.take():
