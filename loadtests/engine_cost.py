@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +40,9 @@ from loadtests import configs, memory, servers, sweep
 from loadtests.report import BASELINE_SUFFIX, Point
 
 ROLES = ("front end", "engine loop", "device", "other")
+#: A batch of more than this many rows (a bucket edge of the batch size histogram) counts as
+#: full in ``Run.full_batch_share``: the issue's bimodal fill was 40 or 63 rows of 64.
+FULL_BATCH_OVER_ROWS = 48.0
 DEFAULT_CONFIGS = ("mlp-single", "mlp-w2", "digits-batched", "digits-w2")
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -162,9 +165,15 @@ class Run:
     rows_per_batch: float | None
     cpu_us: dict[str, float] = field(default_factory=dict)
     """CPU per answered request by role, in µs."""
+    full_batch_share: float | None = None
+    """Share of the run's batches with more than ``FULL_BATCH_OVER_ROWS`` rows (/metrics)."""
 
 
-def measure(args: argparse.Namespace) -> list[Run]:
+def measure(
+    args: argparse.Namespace, after_round: Callable[[int], None] = lambda round_number: None
+) -> list[Run]:
+    """Every run of every round; ``after_round(n)`` is called once round ``n`` is done, with
+    every server still up and idle (another measurement can take its turn there)."""
     sweep_args = sweep.parse_args(
         ["--configs", *args.configs, "--concurrency", *map(str, args.concurrency),
          "--duration-s", str(args.duration_s), "--repeats", str(args.rounds),
@@ -198,6 +207,7 @@ def measure(args: argparse.Namespace) -> list[Run]:
                 for concurrency in args.concurrency:
                     for contender in order:
                         runs.append(one_run(harness, contender, concurrency, round_index + 1))
+                after_round(round_index + 1)
     return runs
 
 
@@ -239,11 +249,13 @@ def one_run(
         concurrency=concurrency,
         ceiling="-",
     )
+    buckets_before = servers.batch_size_buckets(contender.server.url)
     before = thread_cpu_by_role(contender.server.pid)
     result, rows = harness.measure_run(
         contender.server.url, harness.script(configuration.workload), point
     )
     after = thread_cpu_by_role(contender.server.pid)
+    buckets_after = servers.batch_size_buckets(contender.server.url)
     answered = max(1, result.requests)
     run = Run(
         label=contender.label,
@@ -255,10 +267,14 @@ def one_run(
         p99_ms=result.p99_ms,
         rows_per_batch=rows,
         cpu_us={role: (after[role] - before[role]) / answered * 1e6 for role in ROLES},
+        full_batch_share=servers.share_of_batches_over(
+            buckets_before, buckets_after, FULL_BATCH_OVER_ROWS
+        ),
     )
     sweep.log(
         f"  r{round_number} c={concurrency} {run.label}: {run.requests_per_s:,.0f} req/s, "
-        f"p50 {run.p50_ms:.2f} ms, rows/batch {rows or 0:.1f}, "
+        f"p50 {run.p50_ms:.2f} ms, rows/batch {rows or 0:.1f} "
+        f"({run.full_batch_share or 0:.0%} over {FULL_BATCH_OVER_ROWS:.0f}), "
         + ", ".join(f"{role} {us:.0f} µs" for role, us in run.cpu_us.items())
     )
     return run
@@ -270,6 +286,7 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
         writer = csv.writer(file)
         writer.writerow(
             ["label", "round", "c", "req_s", "p50_ms", "p99_ms", "rows_per_batch",
+             "full_batch_share",
              *(f"cpu_us_{role.replace(' ', '_')}" for role in ROLES)]
         )  # fmt: skip
         for run in runs:
@@ -277,6 +294,7 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
                 [run.label, run.round, run.concurrency, round(run.requests_per_s),
                  round(run.p50_ms, 3), round(run.p99_ms, 3),
                  "" if run.rows_per_batch is None else round(run.rows_per_batch, 1),
+                 "" if run.full_batch_share is None else round(run.full_batch_share, 3),
                  *(round(run.cpu_us[role], 1) for role in ROLES)]
             )  # fmt: skip
     lines = ["# Engine cost: this checkout against the baseline, interleaved", "", notes, ""]
@@ -323,7 +341,16 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def forward_us_per_row(configuration_names: Sequence[str], rows: int = 64) -> dict[str, float]:
+    """``forward_cpu_s_per_row`` in µs for each workload of the named configurations."""
+    workloads = {
+        (workload := configs.CONFIGURATIONS[name].workload).name: workload
+        for name in configuration_names
+    }
+    return {name: forward_cpu_s_per_row(w, rows) * 1e6 for name, w in workloads.items()}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-checkout", type=Path, required=True)
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
@@ -336,12 +363,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ours-only", action="store_true", help="no baseline servers: compare --configs"
     )
     args = parser.parse_args(argv)
+    args.baseline_checkout = args.baseline_checkout.resolve()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     runs = measure(args)
-    forward_us = {
-        name: forward_cpu_s_per_row(configs.CONFIGURATIONS[c].workload, 64) * 1e6
-        for c in args.configs
-        if (name := configs.CONFIGURATIONS[c].workload.name)
-    }
+    forward_us = forward_us_per_row(args.configs)
     notes = (
         f"{args.rounds} interleaved round(s), wrk one thread, {args.duration_s:.0f} s per run, "
         f"baseline {args.baseline_checkout}; a machine shared with other engineers: compare "

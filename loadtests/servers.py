@@ -308,3 +308,40 @@ def dropped_by_reason(url: str) -> dict[str, float]:
     for reason, value in _DROPPED.findall(text):
         totals[reason] = totals.get(reason, 0.0) + float(value)
     return totals
+
+
+_BATCH_BUCKETS = re.compile(
+    r'^batchserve_batch_size_rows_bucket\{(?:[^}]*,)?le="([^"]+)"[^}]*\}\s+(\S+)$', re.MULTILINE
+)
+
+
+def batch_size_buckets(url: str) -> dict[float, float] | None:
+    """Batches so far with at most ``le`` rows, for each bucket edge of ``/metrics``'s
+    ``batchserve_batch_size_rows`` histogram, over every model; None if not exported."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.TransportError:
+        return None
+    return parse_batch_size_buckets(text)
+
+
+def parse_batch_size_buckets(text: str) -> dict[float, float] | None:
+    """``batch_size_buckets`` of a ``/metrics`` page's text."""
+    counts: dict[float, float] = {}
+    for edge, value in _BATCH_BUCKETS.findall(text):
+        counts[float(edge)] = counts.get(float(edge), 0.0) + float(value)
+    return counts or None
+
+
+def share_of_batches_over(
+    before: dict[float, float] | None, after: dict[float, float] | None, rows: float
+) -> float | None:
+    """Of the batches run between two ``batch_size_buckets`` readings, the share that held
+    more than ``rows`` rows (a bucket edge); None without both readings or without batches."""
+    if before is None or after is None or rows not in after:
+        return None
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    at_most = after[rows] - before.get(rows, 0.0)
+    return (total - at_most) / total
