@@ -14,6 +14,7 @@ only ever returns the array the general path would have built.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ _INSTANCES_ONLY = b'{"instances":}'.translate(None, _NUMBER_BYTES)
 #: are held exactly by float64 (beyond 2**53 the general path's int64 -> float32 rounding
 #: could differ from float64 -> float32). NaN fails the comparisons.
 _MAX_MAGNITUDE = 2.0**50
+_max, _min = np.maximum.reduce, np.minimum.reduce
 #: The target dtypes whose arrays this path builds as the general path does.
 FAST_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
@@ -46,12 +48,28 @@ def plain_float_array(
     if body.translate(None, _NUMBER_BYTES) != _INSTANCES_ONLY:
         return None
     try:
-        array = np.array(instances, dtype=np.float64)
+        array = _float64_rows(instances, instance_shape)
     except (ValueError, TypeError, OverflowError, RecursionError):
         return None  # ragged, too deep, or an integer beyond float64: the general path says
-    if array.shape[1:] != instance_shape or array.size == 0:
+    if array is None or array.shape[1:] != instance_shape or array.size == 0:
         return None
-    # Two reductions: a dot product would be one, but warns when it overflows.
-    if not (array.max() < _MAX_MAGNITUDE and array.min() > -_MAX_MAGNITUDE):
+    # Two reductions (a dot product would be one, but warns when it overflows), called as
+    # ufuncs: ``array.max()`` goes through a Python wrapper in numpy.
+    if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
         return None
     return array.astype(dtype, copy=False)
+
+
+def _float64_rows(instances: list[Any], instance_shape: tuple[int, ...]) -> Array | None:
+    """The nested lists as float64. Rows of one axis (the common case, a feature vector)
+    are read as one stream of numbers, at half the cost of ``np.array`` discovering their
+    shape, once every row is known to be a list of the right length (an item that is a list
+    makes ``fromiter`` raise); deeper instances go through ``np.array``."""
+    if len(instance_shape) != 1:
+        return np.array(instances, dtype=np.float64)
+    width = instance_shape[0]
+    for row in instances:
+        if type(row) is not list or len(row) != width:
+            return None
+    flat = np.fromiter(chain.from_iterable(instances), np.float64, len(instances) * width)
+    return flat.reshape(len(instances), width)

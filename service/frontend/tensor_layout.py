@@ -37,12 +37,19 @@ class TensorLayout:
     spec: TensorSpec
     length_edges: tuple[int, ...] = ()
     max_instances: int = 1024
+    dtype: np.dtype[Any] = field(init=False, repr=False, compare=False)
+    """The spec's ``numpy_dtype`` (a property that builds it), read once."""
+    variable_axis: int | None = field(init=False, repr=False, compare=False)
+    """The spec's ``variable_axis`` (a property that searches its shape), read once."""
     fast_instance_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
     """The instance shape when JSON instances may take ``numeric_json``'s fast path (a float
     tensor of fixed shape), else None."""
 
     def __post_init__(self) -> None:
-        fast = self.spec.variable_axis is None and self.spec.numpy_dtype in FAST_DTYPES
+        dtype = self.spec.numpy_dtype
+        fast = self.spec.variable_axis is None and dtype in FAST_DTYPES
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "variable_axis", self.spec.variable_axis)
         object.__setattr__(self, "fast_instance_shape", self.spec.instance_shape if fast else None)
 
     def parse(self, body: bytes, media_type: str) -> Array:
@@ -58,13 +65,11 @@ class TensorLayout:
         """The JSON instances of this tensor (``body`` is the whole request's) as one array."""
         self.check_count(len(instances))
         if self.fast_instance_shape is not None:
-            fast = plain_float_array(
-                instances, body, self.spec.numpy_dtype, self.fast_instance_shape
-            )
+            fast = plain_float_array(instances, body, self.dtype, self.fast_instance_shape)
             if fast is not None:  # finite, of the right shape, numbers only: the range is left
                 self._check_range(fast)
                 return fast
-        if self.spec.variable_axis is None:
+        if self.variable_axis is None:
             array = _json_to_array(instances, self.spec)
         else:
             array = self._pad_together([_json_to_array(item, self.spec) for item in instances])
