@@ -4,12 +4,13 @@ array in one numpy call, with two cheap checks in place of the general path's pa
 The general path (``tensor_layout._json_to_array`` then ``TensorLayout.validated``) lets numpy
 discover the nested lists' dtype, checks the kind, the magnitude before narrowing, booleans
 and finiteness: five passes over the values, about half of a front end's own Python per
-``/predict`` request on a 256-float instance (py-spy). Here the body's bytes prove there is
-nothing but numbers in it, numpy converts the lists to float64 directly, and their maximum
-and minimum prove every value finite and small enough that float64 holds it exactly as an
-integer and the target dtype holds it finitely. Whatever this path cannot prove it leaves to
-the general path (``None``), which then answers or refuses exactly as before: the fast path
-only ever returns the array the general path would have built.
+``/predict`` request on a 256-float instance (py-spy). Here the body's bytes prove there is no
+string, boolean or null in it, numpy converts the lists to float64 directly (refusing
+anything else), and their maximum and minimum prove every value finite and small enough
+that float64 holds it exactly as an integer and the target dtype holds it finitely.
+Whatever this path cannot prove it leaves to the general path (``None``), which then answers
+or refuses exactly as before: the fast path only ever returns the array the general path
+would have built.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ import numpy as np
 
 from service.types import Array
 
-#: The bytes of JSON numbers, the lists holding them and the whitespace between them.
-_NUMBER_BYTES = b"0123456789.,-+eE[] \t\r\n"
-#: What is left of ``{"instances": [...]}`` once those are deleted (the key loses its e's).
-_INSTANCES_ONLY = b'{"instances":}'.translate(None, _NUMBER_BYTES)
 #: Values below this in magnitude are finite in float32 and float64, and integers among them
 #: are held exactly by float64 (beyond 2**53 the general path's int64 -> float32 rounding
 #: could differ from float64 -> float32). NaN fails the comparisons.
@@ -41,11 +38,9 @@ def plain_float_array(
     *``instance_shape``), or None when the general path must decide.
 
     ``body`` is the whole JSON document, already read as an object whose only key is
-    ``instances`` (``bodies.read_instances``): once numbers, brackets, commas and whitespace
-    are deleted from it, only that key may be left, so there is no string, boolean, null or
-    object anywhere in it.
+    ``instances`` (``bodies.read_instances``).
     """
-    if body.translate(None, _NUMBER_BYTES) != _INSTANCES_ONLY:
+    if not _numbers_and_lists(body):
         return None
     try:
         array = _float64_rows(instances, instance_shape)
@@ -73,3 +68,21 @@ def _float64_rows(instances: list[Any], instance_shape: tuple[int, ...]) -> Arra
             return None
     flat = np.fromiter(chain.from_iterable(instances), np.float64, len(instances) * width)
     return flat.reshape(len(instances), width)
+
+
+def _numbers_and_lists(body: bytes) -> bool:
+    """Whether ``body``, a JSON object whose only key is ``instances``, holds no other
+    string (its two quotes are the key's) and no ``true``, ``false`` or ``null`` (a ``u`` or
+    an ``l``; the key has neither): numbers, lists and empty objects are left, and the
+    conversion to float64 refuses an object or a list where a number belongs. Five
+    single-byte searches (``memchr``), where deleting the number bytes with
+    ``bytes.translate`` cost 20,000 instructions on a 5 kB body."""
+    first = body.find(b'"')
+    second = body.find(b'"', first + 1)
+    return (
+        first >= 0
+        and second > first
+        and body.find(b'"', second + 1) < 0
+        and b"u" not in body
+        and b"l" not in body
+    )
