@@ -182,6 +182,13 @@ def test_the_fast_path_takes_plain_numbers_and_leaves_the_rest() -> None:
     assert taken is not None
     assert taken.dtype == f32
     assert taken.tolist() == [[1.5, -2.0]]
+    for dtype in (f32, np.dtype(np.float64)):  # its own memory, as the general path's
+        rows = plain_float_array(
+            [[1.5, -2], [3, 4]], b'{"instances": [[1.5, -2], [3, 4]]}', dtype, shape
+        )
+        assert rows is not None
+        assert rows.flags.writeable
+        assert rows.flags.c_contiguous
     cases: list[tuple[list[Any], bytes]] = [
         ([[True, 2]], b'{"instances": [[true, 2]]}'),  # booleans: refused by the general path
         ([["1", 2]], b'{"instances": [["1", 2]]}'),  # a string numpy would read as 1

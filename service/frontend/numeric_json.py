@@ -15,6 +15,8 @@ would have built.
 
 from __future__ import annotations
 
+import functools
+import struct
 from itertools import chain
 from typing import Any
 
@@ -44,7 +46,7 @@ def plain_float_array(
         return None
     try:
         array = _float64_rows(instances, instance_shape)
-    except (ValueError, TypeError, OverflowError, RecursionError):
+    except (ValueError, TypeError, OverflowError, RecursionError, struct.error):
         return None  # ragged, too deep, or an integer beyond float64: the general path says
     if array is None or array.shape[1:] != instance_shape or array.size == 0:
         return None
@@ -52,22 +54,28 @@ def plain_float_array(
     # ufuncs: ``array.max()`` goes through a Python wrapper in numpy.
     if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
         return None
-    return array.astype(dtype, copy=False)
+    return array.astype(dtype)  # a copy: the packed buffer is read-only
 
 
 def _float64_rows(instances: list[Any], instance_shape: tuple[int, ...]) -> Array | None:
     """The nested lists as float64. Rows of one axis (the common case, a feature vector)
-    are read as one stream of numbers, at half the cost of ``np.array`` discovering their
-    shape, once every row is known to be a list of the right length (an item that is a list
-    makes ``fromiter`` raise); deeper instances go through ``np.array``."""
+    are packed as C doubles by ``struct`` (a fifth of ``np.array``'s cost, which discovers
+    their shape first), once every row is known to be a list of the right length (``struct``
+    refuses an item that is not a number); deeper instances go through ``np.array``."""
     if len(instance_shape) != 1:
         return np.array(instances, dtype=np.float64)
     width = instance_shape[0]
     for row in instances:
         if type(row) is not list or len(row) != width:
             return None
-    flat = np.fromiter(chain.from_iterable(instances), np.float64, len(instances) * width)
-    return flat.reshape(len(instances), width)
+    count = len(instances) * width
+    packed = _doubles(count).pack(*(instances[0] if len(instances) == 1 else chain(*instances)))
+    return np.frombuffer(packed, np.float64).reshape(len(instances), width)
+
+
+@functools.lru_cache(maxsize=64)
+def _doubles(count: int) -> struct.Struct:
+    return struct.Struct(f"{count}d")
 
 
 def _numbers_and_lists(body: bytes) -> bool:
