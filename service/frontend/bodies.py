@@ -108,6 +108,9 @@ def encode_npz(arrays: NamedArrays) -> bytes:
     return buffer.getvalue()
 
 
+_MISSING = object()
+
+
 def read_instances(body: bytes) -> list[Any]:
     """The ``instances`` list of a JSON body ``{"instances": [...]}``: 400 when the body is
     not JSON, 422 when it is not that object (handlers read their bodies with it too)."""
@@ -119,12 +122,12 @@ def read_instances(body: bytes) -> list[Any]:
         raise InvalidInputError(
             f'the body must be a JSON object {{"instances": [...]}}, got {json_type(document)}'
         )
-    unknown = sorted(set(document) - {"instances"})
-    if unknown:
-        raise InvalidInputError(f"unknown field(s) {unknown}; the body takes only 'instances'")
-    if "instances" not in document:
+    instances = document.get("instances", _MISSING) if len(document) == 1 else _MISSING
+    if instances is _MISSING:  # the usual body (one key) builds no sets
+        unknown = sorted(set(document) - {"instances"})
+        if unknown:
+            raise InvalidInputError(f"unknown field(s) {unknown}; the body takes only 'instances'")
         raise InvalidInputError("missing field 'instances' (a list of instances)")
-    instances = document["instances"]
     if not isinstance(instances, list):
         raise InvalidInputError(f"'instances' must be a list, got {json_type(instances)}")
     return instances

@@ -53,8 +53,11 @@ class InputLayout:
             for spec in self.manifest.inputs
         }
         object.__setattr__(self, "tensors", tensors)
+        object.__setattr__(self, "only", next(iter(tensors.items())) if len(tensors) == 1 else None)
 
     tensors: dict[str, TensorLayout] = field(init=False, repr=False, compare=False)
+    only: tuple[str, TensorLayout] | None = field(init=False, repr=False, compare=False)
+    """The name and layout of a model's one input (None with several): read per request."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -84,16 +87,17 @@ class InputLayout:
         """``{"instances": [...]}``: each instance the bare value of a one-input model, or an
         object keyed by input name."""
         instances = read_instances(body)
-        if len(self.tensors) == 1 and not (instances and isinstance(instances[0], dict)):
-            name = self.names[0]
-            parsed = NamedArrays({name: self.tensors[name].parse_instances(instances, body)})
-            spec = self.tensors[name].spec
-            own = (
-                [_length(value, spec.variable_axis) or 0 for value in instances]
-                if spec.variable_axis is not None
-                else None
+        only = self.only
+        if only is not None and not (instances and isinstance(instances[0], dict)):
+            name, tensor = only
+            # One array, validated to its spec's rank (at least the batch axis): one row count.
+            parsed = NamedArrays.of_rows({name: tensor.parse_instances(instances, body)})
+            axis = tensor.variable_axis
+            if axis is None:
+                return parsed
+            return self._with_own_lengths(
+                parsed, [_length(value, axis) or 0 for value in instances]
             )
-            return self._with_own_lengths(parsed, own)
         columns: dict[str, list[Any]] = {name: [] for name in self.names}
         for index, instance in enumerate(instances):
             if not isinstance(instance, dict):

@@ -7,7 +7,7 @@ longest one.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from service.errors import (
     InvalidInputError,
 )
 from service.frontend.bodies import NPY_MEDIA_TYPE, ZIP_MAGICS, check_npy_data_size, read_instances
+from service.frontend.numeric_json import FAST_DTYPES, plain_float_array
 from service.manifest import TensorSpec
 from service.types import Array
 
@@ -36,6 +37,20 @@ class TensorLayout:
     spec: TensorSpec
     length_edges: tuple[int, ...] = ()
     max_instances: int = 1024
+    dtype: np.dtype[Any] = field(init=False, repr=False, compare=False)
+    """The spec's ``numpy_dtype`` (a property that builds it), read once."""
+    variable_axis: int | None = field(init=False, repr=False, compare=False)
+    """The spec's ``variable_axis`` (a property that searches its shape), read once."""
+    fast_instance_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    """The instance shape when JSON instances may take ``numeric_json``'s fast path (a float
+    tensor of fixed shape), else None."""
+
+    def __post_init__(self) -> None:
+        dtype = self.spec.numpy_dtype
+        fast = self.spec.variable_axis is None and dtype in FAST_DTYPES
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "variable_axis", self.spec.variable_axis)
+        object.__setattr__(self, "fast_instance_shape", self.spec.instance_shape if fast else None)
 
     def parse(self, body: bytes, media_type: str) -> Array:
         if media_type == NPY_MEDIA_TYPE:
@@ -49,7 +64,12 @@ class TensorLayout:
     def parse_instances(self, instances: list[Any], body: bytes) -> Array:
         """The JSON instances of this tensor (``body`` is the whole request's) as one array."""
         self.check_count(len(instances))
-        if self.spec.variable_axis is None:
+        if self.fast_instance_shape is not None:
+            fast = plain_float_array(instances, body, self.dtype, self.fast_instance_shape)
+            if fast is not None:  # finite, of the right shape, numbers only: the range is left
+                self._check_range(fast)
+                return fast
+        if self.variable_axis is None:
             array = _json_to_array(instances, self.spec)
         else:
             array = self._pad_together([_json_to_array(item, self.spec) for item in instances])
