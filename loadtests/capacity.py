@@ -213,6 +213,25 @@ def front_end(
     results.put(asyncio.run(run()))
 
 
+def engine_env(checkout: Path, scratch: Path, socket_path: str) -> dict[str, str]:
+    """The variables of an engine process of ``checkout`` serving the zero-cost model packaged
+    under ``scratch`` on ``socket_path``, with no multiprocess metrics directory."""
+    env = os.environ | {
+        "PYTHONPATH": f"{checkout}:{scratch}",
+        "BATCHSERVE_MODEL_REPOSITORY": str(scratch / "models"),
+        "BATCHSERVE_MODEL_NAME": "zero",
+        "BATCHSERVE_DEVICE": "cpu",
+        "BATCHSERVE_TORCH_THREADS": "1",
+        "BATCHSERVE_MAX_BATCH_SIZE": "64",
+        "BATCHSERVE_MAX_QUEUE_SIZE": "100000",
+        "BATCHSERVE_LOG_LEVEL": "warning",
+        "_BATCHSERVE_ENGINE_SOCKET": socket_path,
+        "_BATCHSERVE_ENGINE_DEVICE": "cpu",
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkout", type=Path, default=Path(__file__).resolve().parents[1])
@@ -232,20 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         repository = Path(scratch) / "models"
         package(repository)
         path = str(Path(scratch) / "engine.sock")
-        env = os.environ | {
-            "PYTHONPATH": f"{args.checkout}:{scratch}",
-            "BATCHSERVE_MODEL_REPOSITORY": str(repository),
-            "BATCHSERVE_MODEL_NAME": "zero",
-            "BATCHSERVE_DEVICE": "cpu",
-            "BATCHSERVE_TORCH_THREADS": "1",
-            "BATCHSERVE_MAX_BATCH_SIZE": "64",
-            "BATCHSERVE_MAX_QUEUE_SIZE": "100000",
-            "BATCHSERVE_LOG_LEVEL": "warning",
-            "PROMETHEUS_MULTIPROC_DIR": "",
-            "_BATCHSERVE_ENGINE_SOCKET": path,
-            "_BATCHSERVE_ENGINE_DEVICE": "cpu",
-        }
-        env.pop("PROMETHEUS_MULTIPROC_DIR")
+        env = engine_env(args.checkout, Path(scratch), path)
         engine = subprocess.Popen(
             [sys.executable, "-m", "service.engine.process"],
             cwd=args.checkout,

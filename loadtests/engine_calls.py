@@ -36,19 +36,7 @@ def profiled_run(checkout: Path, per_frame: int, window: int, frontends: int, du
         repository = Path(scratch) / "models"
         capacity.package(repository)
         path = str(Path(scratch) / "engine.sock")
-        env = os.environ | {
-            "PYTHONPATH": f"{checkout}:{scratch}",
-            "BATCHSERVE_MODEL_REPOSITORY": str(repository),
-            "BATCHSERVE_MODEL_NAME": "zero",
-            "BATCHSERVE_DEVICE": "cpu",
-            "BATCHSERVE_TORCH_THREADS": "1",
-            "BATCHSERVE_MAX_BATCH_SIZE": "64",
-            "BATCHSERVE_MAX_QUEUE_SIZE": "100000",
-            "BATCHSERVE_LOG_LEVEL": "warning",
-            "_BATCHSERVE_ENGINE_SOCKET": path,
-            "_BATCHSERVE_ENGINE_DEVICE": "cpu",
-        }
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        env = capacity.engine_env(checkout, Path(scratch), path)
         engine = subprocess.Popen(
             [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "service.engine.process"],
             cwd=checkout,

@@ -230,7 +230,7 @@ def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> Non
     try:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        while _group_alive(process.pid) and time.monotonic() < deadline:
+        while group_alive(process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -238,11 +238,12 @@ def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> Non
         if process.poll() is None:
             process.wait(timeout=10)
         kill_deadline = time.monotonic() + 10
-        while _group_alive(process.pid) and time.monotonic() < kill_deadline:
+        while group_alive(process.pid) and time.monotonic() < kill_deadline:
             time.sleep(0.1)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group ``pgid`` is left."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -3,7 +3,6 @@ warm-up rule and TorchServe's configuration (no TorchServe or Java needed)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -134,14 +133,6 @@ def test_the_run_arguments_are_bounded() -> None:
     assert peer_rounds.parse_args(["--rounds", "3"]).rounds == 3
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize(
     "script",
     [
@@ -153,4 +144,4 @@ def test_stopping_torchserve_leaves_no_process_of_its_group(script: str) -> None
     process = subprocess.Popen(["sh", "-c", script], start_new_session=True)
     torchserve_peer.stop_group(process, timeout_s=0.5)
     assert process.returncode is not None
-    assert not _group_alive(process.pid)
+    assert not torchserve_peer.group_alive(process.pid)
