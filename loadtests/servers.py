@@ -310,27 +310,51 @@ def dropped_by_reason(url: str) -> dict[str, float]:
     return totals
 
 
-_BATCH_BUCKETS = re.compile(
-    r'^batchserve_batch_size_rows_bucket\{(?:[^}]*,)?le="([^"]+)"[^}]*\}\s+(\S+)$', re.MULTILINE
-)
+def histogram_buckets(url: str, name: str) -> dict[float, float] | None:
+    """Observations so far of at most ``le``, for each bucket edge of ``/metrics``'s histogram
+    ``name``, summed over its labels; None if not exported."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.TransportError:
+        return None
+    return parse_histogram_buckets(text, name)
+
+
+def parse_histogram_buckets(text: str, name: str) -> dict[float, float] | None:
+    """``histogram_buckets`` of a ``/metrics`` page's text."""
+    pattern = re.compile(
+        rf'^{re.escape(name)}_bucket\{{(?:[^}}]*,)?le="([^"]+)"[^}}]*\}}\s+(\S+)$', re.MULTILINE
+    )
+    counts: dict[float, float] = {}
+    for edge, value in pattern.findall(text):
+        counts[float(edge)] = counts.get(float(edge), 0.0) + float(value)
+    return counts or None
 
 
 def batch_size_buckets(url: str) -> dict[float, float] | None:
     """Batches so far with at most ``le`` rows, for each bucket edge of ``/metrics``'s
     ``batchserve_batch_size_rows`` histogram, over every model; None if not exported."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.TransportError:
-        return None
-    return parse_batch_size_buckets(text)
+    return histogram_buckets(url, "batchserve_batch_size_rows")
 
 
 def parse_batch_size_buckets(text: str) -> dict[float, float] | None:
     """``batch_size_buckets`` of a ``/metrics`` page's text."""
-    counts: dict[float, float] = {}
-    for edge, value in _BATCH_BUCKETS.findall(text):
-        counts[float(edge)] = counts.get(float(edge), 0.0) + float(value)
-    return counts or None
+    return parse_histogram_buckets(text, "batchserve_batch_size_rows")
+
+
+def bucket_bound(
+    before: dict[float, float] | None, after: dict[float, float] | None, quantile: float
+) -> float | None:
+    """Upper edge of the bucket holding ``quantile`` of the observations made between two
+    ``histogram_buckets`` readings (1.0: the bucket of the largest); None without any."""
+    if after is None:
+        return None
+    before = before or {}
+    edges = sorted(after)
+    total = after[edges[-1]] - before.get(edges[-1], 0.0)
+    if total <= 0:
+        return None
+    return next(e for e in edges if after[e] - before.get(e, 0.0) >= quantile * total)
 
 
 def share_of_batches_over(

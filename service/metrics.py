@@ -37,6 +37,8 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 BATCH_SIZE_BUCKETS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 FRONTEND_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+#: A 504 should leave at its deadline; how late it leaves shows event-loop or engine delays.
+OVERRUN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: A standby takes over in a heartbeat or two (0.25 s each); a restart takes seconds.
 TAKEOVER_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -78,6 +80,14 @@ class FrontendMetrics:
             "Time from receiving a request to sending its answer, by route and status code.",
             ["route", "status"],
             buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.deadline_overrun = Histogram(
+            "batchserve_deadline_overrun_seconds",
+            "How long after its deadline a request answered 504 by its engine got that "
+            "answer, as its front end saw it (0 for one refused before its deadline, as unable "
+            "to finish in time): deadlines are kept while this stays near 0.",
+            buckets=OVERRUN_BUCKETS_S,
             registry=r,
         )
         self.in_flight = Gauge(

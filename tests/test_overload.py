@@ -333,6 +333,12 @@ def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs_past_its_e
         after = scrape(server)
         assert value(after, "batchserve_batch_size_rows_count") == 1
         assert value(after, "batchserve_batch_size_rows_sum") == 1  # the probe never ran
+        # The server's own view of both 504s: answered after their deadlines, by less than
+        # the client saw (the client's clock also counts the HTTP round trip).
+        assert value(after, "batchserve_deadline_overrun_seconds_count") == 2
+        overrun_s = value(after, "batchserve_deadline_overrun_seconds_sum")
+        client_overrun_s = blocked.latency_s + probe.latency_s - 2 * deadline_s
+        assert 0 <= overrun_s <= max(0.0, client_overrun_s) + 0.02
         assert answers(server.url + "/readyz")
 
 

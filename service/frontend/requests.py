@@ -131,6 +131,9 @@ class HeldRequest:
                     return await self.frontend.engine.infer(request)
                 return await request_spans.infer(self.frontend, request)
         except DeadlineExceededError as error:
+            # 0 for one refused early, as unable to finish in time
+            overrun_s = max(0.0, time.monotonic() - self.deadline.at_s)
+            self.frontend.metrics.deadline_overrun.observe(overrun_s)
             raise self.deadline.exceeded(error) from None
 
 
