@@ -184,3 +184,13 @@ def test_the_share_of_full_batches_comes_from_the_histograms_buckets() -> None:
     assert servers.share_of_batches_over(counts, counts, 48.0) is None  # no batch ran
     assert servers.share_of_batches_over(None, counts, 48.0) is None
     assert servers.parse_batch_size_buckets("up 1\n") is None
+
+
+def test_a_quantiles_bucket_counts_only_what_was_observed_between_two_readings() -> None:
+    before = {0.001: 2.0, 0.02: 2.0, 0.1: 2.0, float("inf"): 2.0}
+    after = {0.001: 5.0, 0.02: 8.0, 0.1: 9.0, float("inf"): 9.0}  # 3, 3 and 1 since
+    assert servers.bucket_bound(before, after, 0.5) == 0.02
+    assert servers.bucket_bound(before, after, 1.0) == 0.1
+    assert servers.bucket_bound(None, after, 0.5) == 0.001  # from the start: 5 of 9
+    assert servers.bucket_bound(after, after, 0.5) is None  # nothing observed since
+    assert servers.bucket_bound(before, None, 0.5) is None
