@@ -34,6 +34,20 @@ class ServiceError(Exception):
         }
 
 
+def forget_traceback(error: BaseException) -> None:
+    """Drop the tracebacks of ``error`` and the exceptions it was raised during, once it is
+    answered. A frame of its own traceback often holds it (``refused = ...; raise refused``, a
+    future's exception): a reference cycle of the exception, its frames and all they hold,
+    which only the garbage collector frees. In a storm of refusals those collections paused
+    the event loop for 7-34 ms each (issue 23)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__context__
+
+
 def error_from_wire(document: dict[str, Any]) -> ServiceError:
     """The error an engine sent, as the class its code names (``QueueFullError`` for
     ``queue_full``), with the same status, message and headers."""

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import tracing
-from service.errors import FrontendBusyError, ServiceError
+from service.errors import FrontendBusyError, ServiceError, forget_traceback
 from service.frontend import request_spans
 from service.frontend.inference_routes import INFERENCE_LABELS, RouteMatch, match_inference
 from service.frontend.oip import rest as v2
@@ -123,6 +123,7 @@ class ServiceMiddleware:
             )
         except ServiceError as error:
             await self.holds.hold(scope.get("client"), error)
+            forget_traceback(error)
             return service_error_response(error, request_id)
         except ClientDisconnectedError:
             return None
@@ -146,6 +147,7 @@ class ServiceMiddleware:
             )
         except ServiceError as error:
             await self.holds.hold(scope.get("client"), error)
+            forget_traceback(error)
             return v2.error_response(error)
         except ClientDisconnectedError:
             return None

@@ -21,6 +21,7 @@ from service.errors import (
     BadRequestError,
     InvalidInputError,
     ServiceError,
+    forget_traceback,
     grpc_status_name,
 )
 from service.frontend import request_spans
@@ -188,6 +189,7 @@ async def _answering(
         code = grpc.StatusCode[grpc_status_name(type(error))]
         if code == grpc.StatusCode.INTERNAL:
             logger.error("grpc_request_failed", extra={"error": error.message})
+        forget_traceback(error)
         await context.abort(code, error.message)
         raise  # abort raises; this line is never reached
 
