@@ -4,6 +4,7 @@ priority, token budget, deadlines), dispatch and admission as functions of their
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -305,6 +306,34 @@ async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:
     await asyncio.sleep(0)
     assert expired == [late]
     deadlines.close()
+
+
+async def test_answered_frames_behind_another_front_ends_deadlines_do_not_pile_up() -> None:
+    """A front end whose deadlines all come after another's: its frames never reach the
+    heap's head while the other has a request waiting, so only compaction lets go of them.
+    Compaction counts entries, not frames: at 64 requests a frame, 1,024 frames of answered
+    entries (65,536) stayed alive, walked by every full garbage collection."""
+    clock = SteppedClock()
+    deadlines = Deadlines(clock, lambda expired: None)
+    waiting = entry(deadline_s=10.0)  # the first front end's request, never answered here
+    deadlines.add(waiting)
+    gc.collect()
+    alive_before = _entries_alive()
+    for _ in range(2_000):
+        frame = [entry(deadline_s=1_000.0) for _ in range(64)]
+        deadlines.add_all(frame)
+        for answered in frame:
+            answered.done = True
+    del frame, answered
+    gc.collect()
+    kept = _entries_alive() - alive_before
+    assert kept <= 2 * COMPACT_AT_LEAST + 64
+    assert len(deadlines) == kept + 1  # and the waiting one
+    deadlines.close()
+
+
+def _entries_alive() -> int:
+    return sum(1 for each in gc.get_objects() if type(each) is Entry)
 
 
 def test_after_a_streak_of_high_batches_the_oldest_normal_requests_lead_from_any_group() -> None:
