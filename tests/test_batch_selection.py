@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
+import random
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -15,11 +17,15 @@ from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
 from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
 from service.engine.batch_fill import BatchFiller
-from service.engine.batch_queue import BatchQueue, Entry
+from service.engine.batch_queue import BatchQueue, Entry, Group
 from service.engine.batch_selection import (
     HIGH_PRIORITY_STREAK_LIMIT,
+    NO_QUANTUM,
+    Estimate,
     Limits,
+    Plan,
     Quantum,
+    finishes_late,
     is_full,
     lead_priority,
     pick_group,
@@ -369,3 +375,93 @@ def test_a_plan_asks_each_size_class_once_and_decides_as_asking_each_time() -> N
     assert len(plan.batch) == 40
     assert plan.taken == {"normal": 40}
     assert len({size_class(rows) for rows in asked}) == len(asked)
+
+
+def _plan_one_rule_at_a_time(
+    group: Group, order: tuple[Priority, ...], limits: Limits, estimate: Estimate, now_s: float
+) -> Plan:
+    """The plan as its rules read, each asked as a function (``Quantum.allows``,
+    ``finishes_late``): what ``plan_batch``'s loop, written out once a request, must equal."""
+    plan = Plan()
+    rows = cost = 0
+    finish_by_s = math.inf
+    for priority in order:
+        taken = 0
+        for each in group.lanes[priority]:
+            if each.abandoned:
+                plan.gone.append(each)
+            elif not plan.batch and finishes_late(each, each.rows, math.inf, estimate, now_s):
+                plan.late.append(each)
+            elif plan.batch and not (
+                rows + each.rows <= limits.row_limit
+                and not (limits.max_batch_cost and cost + each.cost > limits.max_batch_cost)
+                and limits.quantum.allows(each.group, rows + each.rows, cost + each.cost)
+                and not finishes_late(each, rows + each.rows, finish_by_s, estimate, now_s)
+            ):
+                break
+            else:
+                plan.batch.append(each)
+                rows, cost = rows + each.rows, cost + each.cost
+                finish_by_s = min(finish_by_s, each.deadline_s)
+            taken += 1
+        plan.taken[priority] = taken
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_plan_equals_its_rules_asked_one_at_a_time(seed: int) -> None:
+    """Random lanes (rows, costs, deadlines, priorities), limits (rows, token budget, a
+    quantum with a floor or none) and estimates: the plan is the rules' plan."""
+    rng = random.Random(seed)
+    times = BatchTimes(lambda: 0.0)
+    for rows in rng.sample([1, 2, 5, 8, 16, 33, 64], 3):
+        times.record("g", rows, rng.uniform(0.0005, 0.002) * rows)
+    entries = [
+        entry(
+            rng.choice([1, 1, 1, 2, 3, 7, 20]),
+            priority=rng.choice(["normal", "normal", "high"]),
+            arrival_s=index * 0.001,
+            deadline_s=rng.choice([100.0, 100.0, 0.02, 0.05, 0.2]),
+            cost=rng.choice([0, 8, 32, 128]),
+        )
+        for index in range(rng.randint(1, 90))
+    ]
+    [group] = queue_of(*entries)
+    quantum = rng.choice(
+        [NO_QUANTUM, Quantum(0.03, times.fastest), Quantum(0.01, times.fastest, floor_cost=64)]
+    )
+    limits = Limits(rng.choice([8, 32, 64]), rng.choice([0, 256, 2048]), quantum)
+    order: tuple[Priority, ...] = rng.choice([("high", "normal"), ("normal", "high")])
+    now_s = rng.choice([0.0, 0.01])
+    planned = plan_batch(group, order, limits, times.estimate, now_s, lambda each: each.abandoned)
+    expected = _plan_one_rule_at_a_time(group, order, limits, times.estimate, now_s)
+    assert planned == expected
+
+
+def test_a_frame_queued_at_once_is_queued_as_one_by_one() -> None:
+    """``BatchQueue.add_all`` (a frame's entries of one group): the same lanes, in order, and
+    the same totals as ``add`` of each."""
+    rng = random.Random(7)
+    frame = [
+        entry(rng.randint(1, 9), priority=rng.choice(["normal", "high"]), cost=rng.randint(0, 64))
+        for _ in range(50)
+    ]
+    at_once, one_by_one = BatchQueue(), BatchQueue()
+    at_once.add(entry(3, priority="high", cost=5))  # a group already queued
+    one_by_one.add(entry(3, priority="high", cost=5))
+    grown = at_once.add_all(frame[:30])
+    assert grown is at_once.add_all(frame[30:])
+    copies = [entry(each.rows, priority=each.priority, cost=each.cost) for each in frame]
+    for each in copies:
+        one_by_one.add(each)
+    [group], [expected] = list(at_once), list(one_by_one)
+    assert (group.rows, group.cost, group.high_rows) == (
+        expected.rows,
+        expected.cost,
+        expected.high_rows,
+    )
+    for priority in ("normal", "high"):
+        lane = [(each.rows, each.cost) for each in group.lanes[priority]]
+        assert lane == [(each.rows, each.cost) for each in expected.lanes[priority]]
+    assert at_once.entries == one_by_one.entries == 51
+    assert all(each.queued for each in frame)

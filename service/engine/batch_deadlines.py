@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections.abc import Callable
 
 from service.engine.batch_clock import Clock, Timer
@@ -59,7 +60,7 @@ class Deadlines:
         if self._entries >= self._compact_at:
             self._compact()
             heap = self._heap
-        earliest_s = min(entry.deadline_s for entry in entries)
+        earliest_s = min(map(_deadline_s, entries))
         heapq.heappush(heap, (earliest_s, next(self._order), entries))
         self._entries += len(entries)
         if earliest_s < self._armed_s:
@@ -105,5 +106,10 @@ class Deadlines:
             self._armed_s = float("inf")
 
 
+#: Read in C by ``map``: a generator's step per entry cost more than the read.
+_done = operator.attrgetter("done")
+_deadline_s = operator.attrgetter("deadline_s")
+
+
 def _all_done(entries: list[Entry]) -> bool:
-    return all(entry.done for entry in entries)
+    return all(map(_done, entries))
