@@ -1,10 +1,10 @@
 """Summarise a ``py-spy record -f raw`` profile: each function's inclusive and self share.
 
-``python -m loadtests.pyspy_summary PROFILE [--top 45] [--only FRAME] [--by-line 30]``: one line per function
-(``name (file)``, site-packages and checkout prefixes cut), inclusive share of the samples
-first, then the top self shares. ``--only`` keeps the stacks that contain ``FRAME`` (e.g.
-``measure.<locals>.client`` for ``loadtests/frontend_asgi_cost.py``: its request path without
-the start-up imports).
+``python -m loadtests.pyspy_summary PROFILE [--top 45] [--only FRAME] [--by-line 30]``: one
+line per function (``name (file)``, site-packages and checkout prefixes cut), inclusive share
+of the samples first, then the top self shares. ``--only`` keeps the stacks that contain
+``FRAME`` (e.g. ``measure.<locals>.client`` for ``loadtests/frontend_asgi_cost.py``: its
+request path without the start-up imports). ``--by-line`` adds the top self shares by line.
 """
 
 from __future__ import annotations
