@@ -86,6 +86,22 @@ def user_system_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user and system) of a process's main thread (the engine's event loop)
+    and of its other threads together (the device thread, torch's and uvloop's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1]
+        except OSError:
+            continue  # the thread ended
+        name = "loop" if task.name == str(pid) else "other threads"
+        ticks = fields.split()
+        found[name] = found.get(name, 0.0) + (int(ticks[11]) + int(ticks[12])) / tick
+    return found
+
+
 def frames_in(buffer: bytearray) -> tuple[list[tuple[int, bytes]], int]:
     """Whole frames at the start of ``buffer`` (kind, header) and the bytes they took."""
     frames, offset = [], 0
@@ -245,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw output file")
     parser.add_argument("--profile-rate", type=int, default=300, help="py-spy samples a second")
+    parser.add_argument("--profile-native", action="store_true", help="py-spy --native")
+    parser.add_argument(
+        "--profile-gil", action="store_true", help="py-spy --gil: samples holding the GIL only"
+    )
     args = parser.parse_args(argv)
     others = [cpu for cpu in os.sched_getaffinity(0) if cpu != args.engine_cpu] or [0]
     with tempfile.TemporaryDirectory(prefix="capacity-") as scratch:
@@ -270,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.frontends)
             ]  # fmt: skip
             user_before, system_before = user_system_seconds(engine.pid)
+            threads_before = thread_seconds(engine.pid)
             started_s = time.monotonic()
             for worker in workers:
                 worker.start()
@@ -279,12 +300,15 @@ def main(argv: list[str] | None = None) -> int:
                     [str(Path(sys.executable).parent / "py-spy"), "record",
                      "-r", str(args.profile_rate), "-d", str(int(args.duration_s) - 1),
                      "-f", "raw", "--threads",
+                     *(["--native"] if args.profile_native else []),
+                     *(["--gil"] if args.profile_gil else []),
                      "-p", str(engine.pid), "-o", str(args.profile)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
             answered = sum(results.get(timeout=args.duration_s + 60) for _ in workers)
             elapsed_s = time.monotonic() - started_s
             user_after, system_after = user_system_seconds(engine.pid)
+            threads_after = thread_seconds(engine.pid)
             user_s, system_s = user_after - user_before, system_after - system_before
             cpu_s = user_s + system_s
             for worker in workers:
@@ -304,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         "engine_system_us_per_request": round(system_s / max(1, answered) * 1e6, 2),
         "requests_per_s_per_engine_core": round(answered / cpu_s) if cpu_s else None,
         "engine_cores_used": round(cpu_s / elapsed_s, 2),
+        "engine_thread_us_per_request": {
+            name: round((seconds - threads_before.get(name, 0.0)) / max(1, answered) * 1e6, 2)
+            for name, seconds in sorted(threads_after.items())
+            if seconds - threads_before.get(name, 0.0) > 0
+        },
     }
     print(json.dumps(figures))
     if args.out is not None:

@@ -4,6 +4,9 @@ priority, token budget, deadlines), dispatch and admission as functions of their
 from __future__ import annotations
 
 import asyncio
+import gc
+import math
+import random
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -14,11 +17,15 @@ from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal
 from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
 from service.engine.batch_dispatch import Dispatch
 from service.engine.batch_fill import BatchFiller
-from service.engine.batch_queue import BatchQueue, Entry
+from service.engine.batch_queue import BatchQueue, Entry, Group
 from service.engine.batch_selection import (
     HIGH_PRIORITY_STREAK_LIMIT,
+    NO_QUANTUM,
+    Estimate,
     Limits,
+    Plan,
     Quantum,
+    finishes_late,
     is_full,
     lead_priority,
     pick_group,
@@ -307,6 +314,34 @@ async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:
     deadlines.close()
 
 
+async def test_answered_frames_behind_another_front_ends_deadlines_do_not_pile_up() -> None:
+    """A front end whose deadlines all come after another's: its frames never reach the
+    heap's head while the other has a request waiting, so only compaction lets go of them.
+    Compaction counts entries, not frames: at 64 requests a frame, 1,024 frames of answered
+    entries (65,536) stayed alive, walked by every full garbage collection."""
+    clock = SteppedClock()
+    deadlines = Deadlines(clock, lambda expired: None)
+    waiting = entry(deadline_s=10.0)  # the first front end's request, never answered here
+    deadlines.add(waiting)
+    gc.collect()
+    alive_before = _entries_alive()
+    for _ in range(2_000):
+        frame = [entry(deadline_s=1_000.0) for _ in range(64)]
+        deadlines.add_all(frame)
+        for answered in frame:
+            answered.done = True
+    del frame, answered
+    gc.collect()
+    kept = _entries_alive() - alive_before
+    assert kept <= 2 * COMPACT_AT_LEAST + 64
+    assert len(deadlines) == kept + 1  # and the waiting one
+    deadlines.close()
+
+
+def _entries_alive() -> int:
+    return sum(1 for each in gc.get_objects() if type(each) is Entry)
+
+
 def test_after_a_streak_of_high_batches_the_oldest_normal_requests_lead_from_any_group() -> None:
     """Anti-starvation looks at every group, not only the groups due."""
     normal, high = entry(group="n", arrival_s=0.0), entry(group="h", priority="high")
@@ -340,3 +375,93 @@ def test_a_plan_asks_each_size_class_once_and_decides_as_asking_each_time() -> N
     assert len(plan.batch) == 40
     assert plan.taken == {"normal": 40}
     assert len({size_class(rows) for rows in asked}) == len(asked)
+
+
+def _plan_one_rule_at_a_time(
+    group: Group, order: tuple[Priority, ...], limits: Limits, estimate: Estimate, now_s: float
+) -> Plan:
+    """The plan as its rules read, each asked as a function (``Quantum.allows``,
+    ``finishes_late``): what ``plan_batch``'s loop, written out once a request, must equal."""
+    plan = Plan()
+    rows = cost = 0
+    finish_by_s = math.inf
+    for priority in order:
+        taken = 0
+        for each in group.lanes[priority]:
+            if each.abandoned:
+                plan.gone.append(each)
+            elif not plan.batch and finishes_late(each, each.rows, math.inf, estimate, now_s):
+                plan.late.append(each)
+            elif plan.batch and not (
+                rows + each.rows <= limits.row_limit
+                and not (limits.max_batch_cost and cost + each.cost > limits.max_batch_cost)
+                and limits.quantum.allows(each.group, rows + each.rows, cost + each.cost)
+                and not finishes_late(each, rows + each.rows, finish_by_s, estimate, now_s)
+            ):
+                break
+            else:
+                plan.batch.append(each)
+                rows, cost = rows + each.rows, cost + each.cost
+                finish_by_s = min(finish_by_s, each.deadline_s)
+            taken += 1
+        plan.taken[priority] = taken
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_plan_equals_its_rules_asked_one_at_a_time(seed: int) -> None:
+    """Random lanes (rows, costs, deadlines, priorities), limits (rows, token budget, a
+    quantum with a floor or none) and estimates: the plan is the rules' plan."""
+    rng = random.Random(seed)
+    times = BatchTimes(lambda: 0.0)
+    for rows in rng.sample([1, 2, 5, 8, 16, 33, 64], 3):
+        times.record("g", rows, rng.uniform(0.0005, 0.002) * rows)
+    entries = [
+        entry(
+            rng.choice([1, 1, 1, 2, 3, 7, 20]),
+            priority=rng.choice(["normal", "normal", "high"]),
+            arrival_s=index * 0.001,
+            deadline_s=rng.choice([100.0, 100.0, 0.02, 0.05, 0.2]),
+            cost=rng.choice([0, 8, 32, 128]),
+        )
+        for index in range(rng.randint(1, 90))
+    ]
+    [group] = queue_of(*entries)
+    quantum = rng.choice(
+        [NO_QUANTUM, Quantum(0.03, times.fastest), Quantum(0.01, times.fastest, floor_cost=64)]
+    )
+    limits = Limits(rng.choice([8, 32, 64]), rng.choice([0, 256, 2048]), quantum)
+    order: tuple[Priority, ...] = rng.choice([("high", "normal"), ("normal", "high")])
+    now_s = rng.choice([0.0, 0.01])
+    planned = plan_batch(group, order, limits, times.estimate, now_s, lambda each: each.abandoned)
+    expected = _plan_one_rule_at_a_time(group, order, limits, times.estimate, now_s)
+    assert planned == expected
+
+
+def test_a_frame_queued_at_once_is_queued_as_one_by_one() -> None:
+    """``BatchQueue.add_all`` (a frame's entries of one group): the same lanes, in order, and
+    the same totals as ``add`` of each."""
+    rng = random.Random(7)
+    frame = [
+        entry(rng.randint(1, 9), priority=rng.choice(["normal", "high"]), cost=rng.randint(0, 64))
+        for _ in range(50)
+    ]
+    at_once, one_by_one = BatchQueue(), BatchQueue()
+    at_once.add(entry(3, priority="high", cost=5))  # a group already queued
+    one_by_one.add(entry(3, priority="high", cost=5))
+    grown = at_once.add_all(frame[:30])
+    assert grown is at_once.add_all(frame[30:])
+    copies = [entry(each.rows, priority=each.priority, cost=each.cost) for each in frame]
+    for each in copies:
+        one_by_one.add(each)
+    [group], [expected] = list(at_once), list(one_by_one)
+    assert (group.rows, group.cost, group.high_rows) == (
+        expected.rows,
+        expected.cost,
+        expected.high_rows,
+    )
+    for priority in ("normal", "high"):
+        lane = [(each.rows, each.cost) for each in group.lanes[priority]]
+        assert lane == [(each.rows, each.cost) for each in expected.lanes[priority]]
+    assert at_once.entries == one_by_one.entries == 51
+    assert all(each.queued for each in frame)

@@ -6,13 +6,17 @@ answer; here the entries queued together (a front end's frame, one group) cost o
 earliest deadline of all. When an item's deadline comes, its entries whose own deadline has
 come expire and the others go back in the heap under theirs. Entries answered before their
 deadline stay in the heap, let go of their payload (``Entry.done``), until their deadline comes
-up or the heap is compacted.
+up or the heap is compacted. The heap is compacted by the entries it holds, not its items: an
+item is a frame's entries, and a front end whose deadlines all come later than another's (its
+items never reach the head while the other has one waiting) would otherwise keep 1,024
+frames of answered entries alive, each walked by every full garbage collection.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections.abc import Callable
 
 from service.engine.batch_clock import Clock, Timer
@@ -20,7 +24,7 @@ from service.engine.batch_queue import Entry
 
 #: The heap is compacted (answered entries dropped) when it holds this many entries, or twice
 #: what it held after the last compaction, whichever is more.
-COMPACT_AT_LEAST = 1024
+COMPACT_AT_LEAST = 4096
 
 
 class Deadlines:
@@ -35,9 +39,11 @@ class Deadlines:
         self._timer: Timer | None = None
         self._armed_s = float("inf")
         self._compact_at = COMPACT_AT_LEAST
+        self._entries = 0  # in the heap's items, answered or not
 
     def __len__(self) -> int:
-        return len(self._heap)
+        """Entries watched, and answered ones not let go of yet."""
+        return self._entries
 
     def add(self, entry: Entry) -> None:
         self.add_all([entry])
@@ -50,11 +56,13 @@ class Deadlines:
         # The oldest items are usually answered: let go of them (and of the outputs a
         # ``SoloTicket`` holds) now rather than at their deadline.
         while heap and _all_done(heap[0][2]):
-            heapq.heappop(heap)
-        if len(heap) >= self._compact_at:
+            self._entries -= len(heapq.heappop(heap)[2])
+        if self._entries >= self._compact_at:
             self._compact()
-        earliest_s = min(entry.deadline_s for entry in entries)
+            heap = self._heap
+        earliest_s = min(map(_deadline_s, entries))
         heapq.heappush(heap, (earliest_s, next(self._order), entries))
+        self._entries += len(entries)
         if earliest_s < self._armed_s:
             self._arm(earliest_s)
 
@@ -73,11 +81,13 @@ class Deadlines:
         later: list[Entry] = []
         while heap and (heap[0][0] <= now_s or _all_done(heap[0][2])):
             _, _, entries = heapq.heappop(heap)
+            self._entries -= len(entries)
             for entry in entries:
                 if not entry.done:
                     (expired if entry.deadline_s <= now_s else later).append(entry)
         if later:
             heapq.heappush(heap, (min(e.deadline_s for e in later), next(self._order), later))
+            self._entries += len(later)
         if expired:
             self._expire(expired)
         if heap:
@@ -86,7 +96,8 @@ class Deadlines:
     def _compact(self) -> None:
         self._heap = [item for item in self._heap if not _all_done(item[2])]
         heapq.heapify(self._heap)
-        self._compact_at = max(COMPACT_AT_LEAST, 2 * len(self._heap))
+        self._entries = sum(len(item[2]) for item in self._heap)
+        self._compact_at = max(COMPACT_AT_LEAST, 2 * self._entries)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -95,5 +106,10 @@ class Deadlines:
             self._armed_s = float("inf")
 
 
+#: Read in C by ``map``: a generator's step per entry cost more than the read.
+_done = operator.attrgetter("done")
+_deadline_s = operator.attrgetter("deadline_s")
+
+
 def _all_done(entries: list[Entry]) -> bool:
-    return all(entry.done for entry in entries)
+    return all(map(_done, entries))

@@ -6,7 +6,8 @@ itself is ``batch_selection``'s pure functions; this applies it to the queue.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import operator
+from collections.abc import Callable, Hashable
 
 from service.engine.batch_queue import BatchQueue, Entry, Group
 from service.engine.batch_selection import (
@@ -46,12 +47,13 @@ class BatchFiller:
         for priority, taken in plan.taken.items():
             if taken:
                 queue.pop_heads(group, priority, taken)
-        self.last_batch_rows = max(1, sum(entry.rows for entry in plan.batch))
+        self.last_batch_rows = max(1, sum(map(_rows, plan.batch)))
         self.last_group = group.key
         led_by_high = bool(plan.batch) and plan.batch[0].priority == "high"
         self.high_streak = self.high_streak + 1 if led_by_high and normal_waiting else 0
         return plan
 
 
-def _caller_gone(entry: Entry) -> bool:
-    return entry.abandoned
+#: Whether an entry's caller has gone (``Entry.abandoned``), read without a call of ours.
+_caller_gone: Callable[[Entry], bool] = operator.attrgetter("abandoned")
+_rows = operator.attrgetter("rows")

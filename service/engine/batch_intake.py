@@ -205,12 +205,10 @@ class Intake:
                 by_group.setdefault(group, []).extend(entries)  # not the ticket's own list
         was_empty = not self._queue
         groups = []
-        add = self._queue.add
+        add_all = self._queue.add_all
         for queued in by_group.values():
             self._deadlines.add_all(queued)
-            for entry in queued:
-                grown = add(entry)
-            groups.append(grown)
+            groups.append(add_all(queued))
         self._added(groups, was_empty)
         return admitted
 

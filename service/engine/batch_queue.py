@@ -158,6 +158,28 @@ class BatchQueue:
         self.entries += 1
         return group
 
+    def add_all(self, entries: list[Entry]) -> Group:
+        """``add`` each of ``entries``, all of one group (a frame's), in order: its totals
+        counted once for them all."""
+        key = entries[0].group
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = Group(key)
+        lanes = group.lanes
+        rows = cost = high_rows = 0
+        for entry in entries:
+            lanes[entry.priority].append(entry)
+            entry.queued = True
+            rows += entry.rows
+            cost += entry.cost
+            if entry.priority == "high":
+                high_rows += entry.rows
+        group.rows += rows
+        group.cost += cost
+        group.high_rows += high_rows
+        self.entries += len(entries)
+        return group
+
     def remove(self, entry: Entry) -> None:
         """Take a queued entry out from anywhere in its group."""
         group = self.groups[entry.group]

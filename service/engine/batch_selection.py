@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from service.engine.batch_queue import Entry, Group
 from service.engine.estimates import size_class
@@ -164,12 +164,19 @@ def plan_batch(
 ) -> Plan:
     """Fill one batch from ``group``'s lanes in ``order``, each in arrival order, stopping a
     lane at its first entry that does not fit; skip the entries whose caller is ``gone``.
-    Reads the queue; changes nothing."""
+    Reads the queue; changes nothing.
+
+    An entry fits a batch of ``rows`` and ``cost`` when the larger batch stays within the row
+    limit, the token budget and the time quantum (``Quantum.allows``), and is still estimated
+    to end before every deadline in it (``finishes_late``). This runs once a request: those
+    rules are written out here, each estimate asked once per size class (``Estimate``)."""
     plan = Plan()
-    estimate = _BySizeClass(estimate)
-    if limits.quantum.max_batch_s:
-        quantum = replace(limits.quantum, batch_seconds=_BySizeClass(limits.quantum.batch_seconds))
-        limits = replace(limits, quantum=quantum)
+    batch = plan.batch
+    estimated = _BySizeClass(estimate)
+    quantum = limits.quantum
+    max_batch_s, floor_cost = quantum.max_batch_s, quantum.floor_cost
+    quantum_seconds = _BySizeClass(quantum.batch_seconds)
+    row_limit, max_cost = limits.row_limit, limits.max_batch_cost
     rows = cost = 0
     finish_by_s = math.inf  # the earliest deadline in the batch
     for priority in order:
@@ -179,17 +186,29 @@ def plan_batch(
                 plan.gone.append(entry)
                 taken += 1
                 continue
-            if not plan.batch and finishes_late(entry, entry.rows, math.inf, estimate, now_s):
-                plan.late.append(entry)
-                taken += 1
-                continue
-            if plan.batch and not fits(rows, cost, entry, limits, finish_by_s, estimate, now_s):
-                break
-            plan.batch.append(entry)
+            if not batch:
+                if finishes_late(entry, entry.rows, math.inf, estimated, now_s):
+                    plan.late.append(entry)
+                    taken += 1
+                    continue
+            else:
+                grown_rows = rows + entry.rows
+                grown_cost = cost + entry.cost
+                if grown_rows > row_limit or (max_cost and grown_cost > max_cost):
+                    break
+                if max_batch_s and not 0 < grown_cost <= floor_cost:  # Quantum.allows
+                    seconds = quantum_seconds(entry.group, grown_rows)
+                    if seconds is not None and seconds > max_batch_s:
+                        break
+                seconds = estimated(entry.group, grown_rows)  # finishes_late
+                if seconds is not None and now_s + seconds > min(finish_by_s, entry.deadline_s):
+                    break
+            batch.append(entry)
             taken += 1
             rows += entry.rows
             cost += entry.cost
-            finish_by_s = min(finish_by_s, entry.deadline_s)
+            if entry.deadline_s < finish_by_s:
+                finish_by_s = entry.deadline_s
         plan.taken[priority] = taken
     return plan
 
@@ -205,30 +224,9 @@ class _BySizeClass:
         self._known: dict[int, float | None] = {}
 
     def __call__(self, group: Hashable, rows: int) -> float | None:
-        size = size_class(rows)
+        size = rows.bit_length() if rows > 1 else 1  # size_class, inline: once a request
         known = self._known
         if size in known:
             return known[size]
         seconds = known[size] = self._estimate(group, rows)
         return seconds
-
-
-def fits(
-    rows: int,
-    cost: int,
-    entry: Entry,
-    limits: Limits,
-    finish_by_s: float,
-    estimate: Estimate,
-    now_s: float,
-) -> bool:
-    """Whether ``entry`` may join a batch of ``rows`` rows and ``cost``: within the row limit,
-    the token budget and the time quantum, and the larger batch still estimated to end
-    before every deadline in it."""
-    if rows + entry.rows > limits.row_limit:
-        return False
-    if limits.max_batch_cost and cost + entry.cost > limits.max_batch_cost:
-        return False
-    if not limits.quantum.allows(entry.group, rows + entry.rows, cost + entry.cost):
-        return False
-    return not finishes_late(entry, rows + entry.rows, finish_by_s, estimate, now_s)
