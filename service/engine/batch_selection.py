@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from service.engine.batch_queue import Entry, Group
 from service.engine.estimates import size_class
@@ -168,8 +168,13 @@ def plan_batch(
     plan = Plan()
     estimate = _BySizeClass(estimate)
     if limits.quantum.max_batch_s:
-        quantum = replace(limits.quantum, batch_seconds=_BySizeClass(limits.quantum.batch_seconds))
-        limits = replace(limits, quantum=quantum)
+        # Built directly: dataclasses.replace introspects the fields each time, which cost
+        # more than the rest of a one-row batch's plan (loadtests/c1_batcher.py).
+        old = limits.quantum
+        quantum = Quantum(
+            old.max_batch_s, _BySizeClass(old.batch_seconds), old.max_chunks, old.floor_cost
+        )
+        limits = Limits(limits.row_limit, limits.max_batch_cost, quantum)
     rows = cost = 0
     finish_by_s = math.inf  # the earliest deadline in the batch
     for priority in order:
