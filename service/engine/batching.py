@@ -341,11 +341,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 await asyncio.sleep(0)
                 continue
             now_s = self._clock.now()
-            refill = not ready
-            due_at = {
-                g.key: self._dispatch.due_at_s(g, self._answered_s, refill) for g in self._queue
-            }
-            due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
+            due_at: dict[Hashable, float] = {}
+            if ready:  # a ready group runs now: the due times of the others, not a table
+                due = [
+                    g
+                    for g in self._queue
+                    if g in ready or self._dispatch.due_at_s(g, self._answered_s, False) <= now_s
+                ]
+            else:
+                due_at = {
+                    g.key: self._dispatch.due_at_s(g, self._answered_s, True) for g in self._queue
+                }
+                due = [g for g in self._queue if due_at[g.key] <= now_s]
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
