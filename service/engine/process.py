@@ -34,6 +34,7 @@ from service.bridge.interface import EngineStatus, SwitchResult
 from service.bridge.server import BridgeServer
 from service.config import Settings, SettingsError, load_settings
 from service.engine.engine import Engine, FrameRequest, Queued
+from service.garbage import collect_young_garbage_rarely
 from service.logs import configure_logging
 from service.manifest import Manifest
 from service.metrics import EngineMetrics, ProcessMetrics
@@ -53,14 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: How often the engine refreshes its memory gauges and checks that its supervisor is there.
 HOUSEKEEPING_INTERVAL_S = 1.0
-#: Net new container objects between two young garbage collections (Python's default: 700).
-#: A request's objects (its entry, arrays, answer) die by reference count within
-#: milliseconds; at 700 the collector ran every ten or so requests, walking the requests in
-#: flight and moving them into the older generations, whose collections then walked them
-#: again: 2-3 µs a request of the engine's loop (``docs/bench/engine-cost/capacity-8.md``).
-#: At this threshold a steady load, whose live objects stay bounded, seldom triggers one;
-#: garbage cycles wait for one a little longer.
-YOUNG_COLLECTION_OBJECTS = 50_000
 
 
 class _StartedEngine:
@@ -210,7 +203,7 @@ def main() -> int:
     # loading runs before the first model serves (each walks it: 0.1 s quiet, 1 s on a busy
     # host), which would otherwise delay readiness and pause the heartbeats.
     gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_OBJECTS, *gc.get_threshold()[1:])
+    collect_young_garbage_rarely()
     heartbeat = os.environ.get(ENGINE_HEARTBEAT_FILE_ENV)
     traced = tracing.start_from_environment("engine")
     try:

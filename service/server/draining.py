@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from service.config import Settings
 from service.frontend.state import FrontendState
+from service.garbage import collect_young_garbage_rarely
 from service.server.http_limits import limited_protocol
 
 
@@ -60,6 +61,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        collect_young_garbage_rarely()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
