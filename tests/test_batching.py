@@ -1674,6 +1674,67 @@ async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
     assert model.batch_rows == [4, 2]
 
 
+async def test_the_wait_for_the_clients_answered_lasts_their_turnaround_measured(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """``--workers 2`` at 64 clients: a front end in its own process took longer than
+    max_wait to send its answered clients' next requests, so the wait ended with half of
+    them back and batches were cut at 26-40 rows of 64. Now the wait lasts as long as the
+    clients of the last batches took to be all back (here 0.2 s, max_wait 0.1 s)."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (1, 2, 3, 4)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.2)  # the clients come back 0.2 s after their answer
+    second = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (5, 6, 7, 8)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    others = [asyncio.create_task(batcher.submit([row], group="g", source="b")) for row in (9, 10)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)  # these have waited past max_wait while the device ran
+    device.finish_next()
+    await settle_after(clock, 0.15)  # past max_wait since the answer, within the turnaround
+    assert device.pending == 0, "the clients just answered are still coming back: wait"
+    back = [asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (11, 12)]
+    await wait_until(lambda: device.pending == 1)
+    await device.finish_until(
+        lambda: all(task.done() for task in [*first, *second, *others, *back])
+    )
+    assert model.batch_rows == [4, 4, 4]
+
+
+async def test_the_wait_for_clients_answered_ends_at_their_turnaround_if_some_never_come(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (1, 2, 3, 4)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.2)
+    second = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (5, 6, 7, 8)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    back = [asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (9, 10)]
+    await settle_after(clock, 0.1)  # max_wait since the answer: two are still out
+    assert device.pending == 0
+    await settle_after(clock, 0.06)  # the turnaround (0.2 s) has passed: they are not coming
+    await wait_until(lambda: device.pending == 1)
+    await device.finish_until(lambda: all(task.done() for task in [*first, *second, *back]))
+    assert model.batch_rows == [4, 4, 2]
+
+
 async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
     """Instances per device: the batcher feeds two device threads, so a second batch is
     collected while the first runs (one instance waits for the device to be free)."""

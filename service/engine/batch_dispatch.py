@@ -4,8 +4,8 @@
   ``max_wait_ms``.
 - ``adaptive``: as soon as it holds as many rows as the last batch had, or as the front ends
   hold requests (bodies read, not yet answered: ``expected``), never more than the row limit;
-  otherwise as ``fixed``, except that right after a batch is answered it also waits, at most
-  ``max_wait_ms``, for the clients that batch answered to come back: at 64 closed-loop
+  otherwise as ``fixed``, except that right after a batch is answered it also waits
+  (``batch_refill``) for the clients that batch answered to come back: at 64 closed-loop
   clients the oldest request has usually waited ``max_wait_ms`` while the device ran, and
   dispatching at once cut the batch at the 40 clients back so far (batches of 40 and 63,
   alternately). A lone client never waits for batch-mates that are not coming (the last batch
@@ -40,14 +40,18 @@ class Dispatch:
         """Full, or (adaptive) holding as many rows as the batch should have."""
         return is_full(group, limits) or (self.adaptive and group.rows >= target_rows)
 
-    def due_at_s(self, group: Group, answered_s: float, refill: bool) -> float:
+    def due_at_s(
+        self, group: Group, refill_until_s: float, refill: bool, run_s: float = 0.0
+    ) -> float:
         """When ``group``, not ready, becomes due anyway: its oldest request has waited
-        ``max_wait_s``, and (adaptive, ``refill``: no other group is ready to run instead)
-        ``max_wait_s`` has passed since the last batch was answered at ``answered_s``."""
+        ``max_wait_s``, and (adaptive, ``refill``: no other group is ready to run instead) the
+        wait for the last batch's clients is over at ``refill_until_s``; that wait never
+        starts a batch of ``run_s`` seconds too late for the deadline of a head of ``group``."""
         oldest = group.oldest()
         if oldest is None:
             return float("inf")
         due_s = oldest.arrival_s + self.max_wait_s
-        if refill and self.adaptive:
-            due_s = max(due_s, answered_s + self.max_wait_s)
+        if refill and self.adaptive and refill_until_s > due_s:
+            heads = [lane[0].deadline_s for lane in group.lanes.values() if lane]
+            due_s = max(due_s, min(refill_until_s, min(heads) - run_s))
         return due_s
