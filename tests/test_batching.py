@@ -1735,6 +1735,43 @@ async def test_the_wait_for_clients_answered_ends_at_their_turnaround_if_some_ne
     assert model.batch_rows == [4, 4, 2]
 
 
+async def test_each_batch_is_counted_by_why_it_was_taken(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """``batchserve_batch_dispatches_total{reason}``: how --workers 2's early cuts were found
+    (the wait for the last batch's clients over: ``refill``)."""
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, metrics=metrics, executor=device, max_batch_size=4, max_wait_ms=100
+    )
+    first = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: device.pending == 1)  # full
+    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)
+    device.finish_next()
+    await settle_after(clock, 0.11)  # the wait for the 4 clients answered is over
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    alone = asyncio.create_task(batcher.submit([7], group="g"))
+    await settle_after(clock, 0.11)  # two answered, one back: max_wait from its arrival, later
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, *back, alone)
+    assert model.batch_rows == [4, 2, 1]
+    counted = {
+        reason: sample_total(
+            metrics.registry, "batchserve_batch_dispatches_total", {"reason": reason}
+        )
+        for reason in ("full", "target", "waited", "refill", "drain")
+    }
+    assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 1, "drain": 0}
+
+
 async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
     """Instances per device: the batcher feeds two device threads, so a second batch is
     collected while the first runs (one instance waits for the device to be free)."""

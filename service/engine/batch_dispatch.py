@@ -15,10 +15,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from service.config import BatchPolicy
 from service.engine.batch_queue import Group
 from service.engine.batch_selection import Limits, is_full
+
+#: Why a batch was taken (``batchserve_batch_dispatches``'s ``reason``).
+DispatchReason = Literal["full", "target", "waited", "refill", "drain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +59,21 @@ class Dispatch:
             heads = [lane[0].deadline_s for lane in group.lanes.values() if lane]
             due_s = max(due_s, min(refill_until_s, min(heads) - run_s))
         return due_s
+
+    def reason(
+        self, ready: list[Group], due: list[Group], limits: Limits, refill_until_s: float
+    ) -> DispatchReason:
+        """Why a batch is taken now from ``ready`` or ``due`` groups (neither: draining): a
+        group full, or at the adaptive target; else a group due when the wait for the last
+        batch's clients ended (``refill_until_s``, later than its oldest's ``max_wait``), or
+        when its oldest had waited ``max_wait``."""
+        if ready:
+            return "full" if any(is_full(group, limits) for group in ready) else "target"
+        if not due:
+            return "drain"
+        for group in due:
+            oldest = group.oldest()
+            late_s = float("inf") if oldest is None else oldest.arrival_s + self.max_wait_s
+            if self.adaptive and refill_until_s > late_s:
+                return "refill"
+        return "waited"

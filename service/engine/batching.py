@@ -351,6 +351,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
+                self._metrics.dispatched(self._dispatch.reason(ready, due, limits, until_s))
                 return self._take(due or list(self._queue))
             self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
