@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -1733,6 +1733,41 @@ async def test_the_wait_for_clients_answered_ends_at_their_turnaround_if_some_ne
     await wait_until(lambda: device.pending == 1)
     await device.finish_until(lambda: all(task.done() for task in [*first, *second, *back]))
     assert model.batch_rows == [4, 4, 2]
+
+
+async def test_no_wait_for_clients_answered_when_the_quantum_would_not_let_the_batch_grow(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """The overload soak (textenc, 512 tokens, one row a batch by the quantum, front ends
+    holding more than the queue): every batch waited for the refill, the device idle, though
+    the queue held more rows than the next batch could take."""
+    model = RecordingDoubler()
+
+    def sixty_ms_a_row(payloads: list[Payload]) -> Sequence[Payload | Exception]:
+        clock.advance(0.06 * len(payloads))  # the quantum (0.1 s) allows one row a batch
+        return model(payloads)
+
+    device = ManualExecutor()
+    batcher = make_batcher(
+        sixty_ms_a_row,
+        executor=device,
+        max_batch_size=4,
+        max_wait_ms=100,
+        max_batch_ms=100,
+        measured=False,
+        expected_requests=lambda: 8,
+    )
+    for rows in range(1, 5):
+        for _ in range(3):
+            batcher.times.record("g", rows, 0.06 * rows)
+    tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3)]
+    await wait_until(lambda: device.pending == 1)
+    await settle_after(clock, 0.2)  # the queued ones have waited past max_wait
+    device.finish_next()
+    await settle_after(clock, 0.01)
+    assert device.pending == 1, "the next row goes at once: no wait for the client answered"
+    await device.finish_until(lambda: all(task.done() for task in tasks))
+    assert model.batch_rows == [1, 1, 1]
 
 
 async def test_each_batch_is_counted_by_why_it_was_taken(

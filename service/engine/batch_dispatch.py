@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,19 +62,18 @@ class Dispatch:
         return due_s
 
     def reason(
-        self, ready: list[Group], due: list[Group], limits: Limits, refill_until_s: float
+        self, ready: list[Group], due: list[Group], limits: Limits, due_at_s: dict[Hashable, float]
     ) -> DispatchReason:
         """Why a batch is taken now from ``ready`` or ``due`` groups (neither: draining): a
-        group full, or at the adaptive target; else a group due when the wait for the last
-        batch's clients ended (``refill_until_s``, later than its oldest's ``max_wait``), or
-        when its oldest had waited ``max_wait``."""
+        group full, or at the adaptive target; else a group due (``due_at_s``, by group key)
+        later than its oldest's ``max_wait``, which only the wait for the last batch's
+        clients sets (``refill``); else ``waited``."""
         if ready:
             return "full" if any(is_full(group, limits) for group in ready) else "target"
         if not due:
             return "drain"
         for group in due:
             oldest = group.oldest()
-            late_s = float("inf") if oldest is None else oldest.arrival_s + self.max_wait_s
-            if self.adaptive and refill_until_s > late_s:
+            if oldest is not None and due_at_s[group.key] > oldest.arrival_s + self.max_wait_s:
                 return "refill"
         return "waited"

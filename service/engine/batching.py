@@ -351,12 +351,15 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
-                self._metrics.dispatched(self._dispatch.reason(ready, due, limits, until_s))
+                self._metrics.dispatched(self._dispatch.reason(ready, due, limits, due_at))
                 return self._take(due or list(self._queue))
             self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
 
     def _due_at_s(self, group: Group, refill_until_s: float, refill: bool) -> float:
+        # No refill wait where the quantum would not let the batch grow by a row anyway.
+        grown_cost = group.cost + group.cost // group.rows
+        refill = refill and self._quantum.allows(group.key, group.rows + 1, grown_cost)
         run_s = (self.times.estimate(group.key, self._target_rows) or 0.0) if refill else 0.0
         return self._dispatch.due_at_s(group, refill_until_s, refill, run_s)
 
