@@ -149,8 +149,9 @@ class Settings(BaseSettings):
 
     batch_policy: BatchPolicy = "adaptive"
     """``adaptive``: once the device is free, dispatch at once unless requests are still being
-    received (then wait for them, at most ``max_wait_ms``); ``fixed``: always wait up to
-    ``max_wait_ms`` for a full batch."""
+    received (then wait for them, at most ``max_wait_ms``) or the clients the last batch
+    answered are still coming back (then wait as long as they lately took, at most 4 x
+    ``max_wait_ms``); ``fixed``: always wait up to ``max_wait_ms`` for a full batch."""
 
     length_buckets: Annotated[tuple[int, ...], NoDecode] = ()
     """Bucket edges for variable-length inputs (``8,32,128,512``); requests share a batch only

@@ -204,6 +204,14 @@ class EngineMetrics:
             ["model", "reason"],
             registry=r,
         )
+        self.batch_dispatches = Counter(
+            "batchserve_batch_dispatches",
+            "Batches taken, by why: full, target (the adaptive target reached), waited (the "
+            "oldest request waited max_wait_ms), refill (the wait for the clients the last "
+            "batch answered ended), drain.",
+            ["model", "reason"],
+            registry=r,
+        )
         self.batch_failures = Counter(
             "batchserve_batch_failures",
             "Batched forward passes that raised and were retried by halves.",
@@ -265,10 +273,19 @@ class ModelMetrics:
         self.out_of_memory = metrics.out_of_memory.labels(model)
         self.effective_max_batch_size = metrics.effective_max_batch_size.labels(model)
         self._dropped = metrics.dropped
+        self._dispatches = metrics.batch_dispatches
+        self._dispatch_counters: dict[str, Counter] = {}
 
     def dropped(self, reason: str) -> Counter:
         """The counter of this model's requests dropped for ``reason``."""
         return self._dropped.labels(self.model, reason)
+
+    def dispatched(self, reason: str) -> None:
+        """One batch taken, for ``reason`` (``batch_dispatch.DispatchReason``)."""
+        counter = self._dispatch_counters.get(reason)
+        if counter is None:
+            counter = self._dispatch_counters[reason] = self._dispatches.labels(self.model, reason)
+        counter.inc()
 
 
 class ProcessMetrics:

@@ -154,10 +154,10 @@ def test_the_adaptive_target_is_the_last_batch_or_the_load_held_within_the_row_l
 def test_a_group_is_due_at_max_wait_and_after_a_refill_wait_only_when_none_is_ready() -> None:
     [group] = queue_of(entry(arrival_s=10.0))
     adaptive, fixed = Dispatch("adaptive", 0.5), Dispatch("fixed", 0.5)
-    assert adaptive.due_at_s(group, answered_s=0.0, refill=True) == 10.5
-    assert adaptive.due_at_s(group, answered_s=10.2, refill=True) == pytest.approx(10.7)
-    assert adaptive.due_at_s(group, answered_s=10.2, refill=False) == 10.5
-    assert fixed.due_at_s(group, answered_s=10.2, refill=True) == 10.5
+    assert adaptive.due_at_s(group, refill_until_s=0.5, refill=True) == 10.5
+    assert adaptive.due_at_s(group, refill_until_s=10.7, refill=True) == pytest.approx(10.7)
+    assert adaptive.due_at_s(group, refill_until_s=10.7, refill=False) == 10.5
+    assert fixed.due_at_s(group, refill_until_s=10.7, refill=True) == 10.5
     assert adaptive.is_ready(group, target_rows=1, limits=Limits(4, 0))
     assert not fixed.is_ready(group, target_rows=1, limits=Limits(4, 0))
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -1672,6 +1672,139 @@ async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
     async with asyncio.timeout(PROMPTLY_S):
         await asyncio.gather(*first, *back)
     assert model.batch_rows == [4, 2]
+
+
+async def test_the_wait_for_the_clients_answered_lasts_their_turnaround_measured(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """``--workers 2`` at 64 clients: a front end in its own process took longer than
+    max_wait to send its answered clients' next requests, so the wait ended with half of
+    them back and batches were cut at 26-40 rows of 64. Now the wait lasts as long as the
+    clients of the last batches took to be all back (here 0.2 s, max_wait 0.1 s)."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (1, 2, 3, 4)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.2)  # the clients come back 0.2 s after their answer
+    second = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (5, 6, 7, 8)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    others = [asyncio.create_task(batcher.submit([row], group="g", source="b")) for row in (9, 10)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)  # these have waited past max_wait while the device ran
+    device.finish_next()
+    await settle_after(clock, 0.15)  # past max_wait since the answer, within the turnaround
+    assert device.pending == 0, "the clients just answered are still coming back: wait"
+    back = [asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (11, 12)]
+    await wait_until(lambda: device.pending == 1)
+    await device.finish_until(
+        lambda: all(task.done() for task in [*first, *second, *others, *back])
+    )
+    assert model.batch_rows == [4, 4, 4]
+
+
+async def test_the_wait_for_clients_answered_ends_at_their_turnaround_if_some_never_come(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
+    first = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (1, 2, 3, 4)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.2)
+    second = [
+        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (5, 6, 7, 8)
+    ]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    back = [asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (9, 10)]
+    await settle_after(clock, 0.1)  # max_wait since the answer: two are still out
+    assert device.pending == 0
+    await settle_after(clock, 0.06)  # the turnaround (0.2 s) has passed: they are not coming
+    await wait_until(lambda: device.pending == 1)
+    await device.finish_until(lambda: all(task.done() for task in [*first, *second, *back]))
+    assert model.batch_rows == [4, 4, 2]
+
+
+async def test_no_wait_for_clients_answered_when_the_quantum_would_not_let_the_batch_grow(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """The overload soak (textenc, 512 tokens, one row a batch by the quantum, front ends
+    holding more than the queue): every batch waited for the refill, the device idle, though
+    the queue held more rows than the next batch could take."""
+    model = RecordingDoubler()
+
+    def sixty_ms_a_row(payloads: list[Payload]) -> Sequence[Payload | Exception]:
+        clock.advance(0.06 * len(payloads))  # the quantum (0.1 s) allows one row a batch
+        return model(payloads)
+
+    device = ManualExecutor()
+    batcher = make_batcher(
+        sixty_ms_a_row,
+        executor=device,
+        max_batch_size=4,
+        max_wait_ms=100,
+        max_batch_ms=100,
+        measured=False,
+        expected_requests=lambda: 8,
+    )
+    for rows in range(1, 5):
+        for _ in range(3):
+            batcher.times.record("g", rows, 0.06 * rows)
+    tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3)]
+    await wait_until(lambda: device.pending == 1)
+    await settle_after(clock, 0.2)  # the queued ones have waited past max_wait
+    device.finish_next()
+    await settle_after(clock, 0.01)
+    assert device.pending == 1, "the next row goes at once: no wait for the client answered"
+    await device.finish_until(lambda: all(task.done() for task in tasks))
+    assert model.batch_rows == [1, 1, 1]
+
+
+async def test_each_batch_is_counted_by_why_it_was_taken(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """``batchserve_batch_dispatches_total{reason}``: how --workers 2's early cuts were found
+    (the wait for the last batch's clients over: ``refill``)."""
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, metrics=metrics, executor=device, max_batch_size=4, max_wait_ms=100
+    )
+    first = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4)]
+    await wait_until(lambda: device.pending == 1)  # full
+    back = [asyncio.create_task(batcher.submit([row], group="g")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.2)
+    device.finish_next()
+    await settle_after(clock, 0.11)  # the wait for the 4 clients answered is over
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.05)
+    alone = asyncio.create_task(batcher.submit([7], group="g"))
+    await settle_after(clock, 0.11)  # two answered, one back: max_wait from its arrival, later
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*first, *back, alone)
+    assert model.batch_rows == [4, 2, 1]
+    counted = {
+        reason: sample_total(
+            metrics.registry, "batchserve_batch_dispatches_total", {"reason": reason}
+        )
+        for reason in ("full", "target", "waited", "refill", "drain")
+    }
+    assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 1, "drain": 0}
 
 
 async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:

@@ -30,6 +30,7 @@ from service.engine.batch_fill import BatchFiller
 from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
 from service.engine.batch_intake import Admitted, Intake, Submission
 from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
+from service.engine.batch_refill import Returns
 from service.engine.batch_run import BatchFunction, BatchRun, Deliveries, OutputT, PayloadT
 from service.engine.batch_selection import Limits, Quantum
 from service.engine.batch_spans import BatchTracer
@@ -142,7 +143,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             finished=self._deliveries.finished,
             added=self._added,
         )
-        self._answered_s = -float("inf")
+        self._returns = Returns()
         self._target_rows = max_batch_size
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
@@ -215,6 +216,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         rows), ``NotReadyError`` (draining, stalled); the ticket fails with
         ``DeadlineExceededError`` or ``InferenceError`` (the model failed on its input).
         """
+        self._returns.arrived(source, 1, self._clock.now())
         return self._intake.enqueue(
             Submission(payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag),
             source,
@@ -231,6 +233,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Queue the requests of one frame from one front end at once (``batch_intake``): for
         each, in order, its ticket or the error ``enqueue`` would have raised for it had the
         requests been queued one by one."""
+        self._returns.arrived(source, len(submissions), self._clock.now())
         return self._intake.enqueue_frame(submissions, source, sink)
 
     def refusal_of_any(
@@ -309,7 +312,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 for entry in batch:
                     entry.reject(InferenceError("internal error while running the batch"))
         finally:
-            self._answered_s = self._clock.now()
+            self._returns.answered(batch, self._clock.now())
             self._turn.release()
 
     async def _next_batch(self) -> list[Entry] | None:
@@ -341,24 +344,24 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 await asyncio.sleep(0)
                 continue
             now_s = self._clock.now()
-            due_at: dict[Hashable, float] = {}
-            if ready:  # a ready group runs now: the due times of the others, not a table
-                due = [
-                    g
-                    for g in self._queue
-                    if g in ready or self._dispatch.due_at_s(g, self._answered_s, False) <= now_s
-                ]
-            else:
-                due_at = {
-                    g.key: self._dispatch.due_at_s(g, self._answered_s, True) for g in self._queue
-                }
-                due = [g for g in self._queue if due_at[g.key] <= now_s]
+            refill = not ready
+            until_s = self._returns.until_s(self._dispatch.max_wait_s)
+            due_at = {g.key: self._due_at_s(g, until_s, refill) for g in self._queue}
+            due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
+                self._metrics.dispatched(self._dispatch.reason(ready, due, limits, due_at))
                 return self._take(due or list(self._queue))
             self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
+
+    def _due_at_s(self, group: Group, refill_until_s: float, refill: bool) -> float:
+        # No refill wait where the quantum would not let the batch grow by a row anyway.
+        grown_cost = group.cost + group.cost // group.rows
+        refill = refill and self._quantum.allows(group.key, group.rows + 1, grown_cost)
+        run_s = (self.times.estimate(group.key, self._target_rows) or 0.0) if refill else 0.0
+        return self._dispatch.due_at_s(group, refill_until_s, refill, run_s)
 
     async def _sleep_until(self, when_s: float | None) -> None:
         """Wait for an enqueue that can change the decision, or until ``when_s``."""

@@ -1,0 +1,70 @@
+"""``batch_refill``: how long the adaptive policy waits for the clients a batch answered."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.batch_dispatch import Dispatch
+from service.engine.batch_queue import Entry
+from service.engine.batch_refill import (
+    REFILL_CAP_FACTOR,
+    Returns,
+    next_turnaround_s,
+    refill_until_s,
+)
+from tests.test_batch_selection import entry, queue_of
+
+
+def from_source(source: str) -> Entry:
+    answered = entry()
+    answered.source = source
+    return answered
+
+
+def test_the_wait_is_max_wait_or_the_turnaround_while_clients_are_out_within_a_cap() -> None:
+    assert refill_until_s(10.0, outstanding=0, turnaround_s=0.3, max_wait_s=0.1) == 10.1
+    assert refill_until_s(10.0, outstanding=3, turnaround_s=0.0, max_wait_s=0.1) == 10.1
+    assert refill_until_s(10.0, outstanding=3, turnaround_s=0.3, max_wait_s=0.1) == 10.3
+    capped = refill_until_s(10.0, outstanding=3, turnaround_s=9.0, max_wait_s=0.1)
+    assert capped == pytest.approx(10.0 + REFILL_CAP_FACTOR * 0.1)
+
+
+def test_the_turnaround_follows_complete_returns_and_rises_on_late_ones() -> None:
+    assert next_turnaround_s(0.0, 0.2, complete=True) == 0.2  # the first one is the estimate
+    assert next_turnaround_s(0.2, 0.1, complete=True) == pytest.approx(0.175)
+    assert next_turnaround_s(0.2, 0.6, complete=True) == pytest.approx(0.3)
+    # Not all back yet when the next batch was answered: at least that long.
+    assert next_turnaround_s(0.2, 0.1, complete=False) == 0.2
+    assert next_turnaround_s(0.2, 0.6, complete=False) == pytest.approx(0.3)
+
+
+def test_returns_count_the_clients_of_the_last_batch_by_front_end() -> None:
+    returns = Returns()
+    returns.arrived("a", 5, now_s=1.0)  # nothing answered yet: nobody owed
+    assert returns.outstanding == 0
+    returns.answered([from_source("a"), from_source("a"), from_source("b")], now_s=2.0)
+    assert returns.outstanding == 3
+    returns.arrived("a", 5, now_s=2.1)  # more than it was answered: two of them are back
+    assert returns.outstanding == 1
+    returns.arrived("c", 1, now_s=2.2)  # another front end's client is not one of them
+    assert returns.outstanding == 1
+    assert returns.until_s(max_wait_s=0.1) == pytest.approx(2.1)  # no turnaround known yet
+    returns.arrived("b", 1, now_s=2.3)
+    assert returns.outstanding == 0
+    assert returns.turnaround_s == pytest.approx(0.3)  # all back 0.3 s after the answer
+
+    returns.answered([from_source("a"), from_source("b")], now_s=3.0)
+    assert returns.until_s(max_wait_s=0.1) == pytest.approx(3.3)
+    returns.arrived("b", 1, now_s=3.05)
+    returns.answered([from_source("a")], now_s=3.5)  # "a" not back 0.5 s after: later
+    assert returns.turnaround_s == pytest.approx(0.3 + 0.25 * 0.2)
+
+
+def test_the_refill_wait_never_makes_the_head_of_a_group_late() -> None:
+    [group] = queue_of(entry(arrival_s=10.0, deadline_s=10.4))
+    adaptive = Dispatch("adaptive", 0.1)
+    assert adaptive.due_at_s(group, refill_until_s=10.3, refill=True) == pytest.approx(10.3)
+    # A batch that takes 0.2 s must start by 10.2 to answer its head by 10.4.
+    assert adaptive.due_at_s(group, 10.3, refill=True, run_s=0.2) == pytest.approx(10.2)
+    # Never before the head's own max_wait, as without a refill wait.
+    assert adaptive.due_at_s(group, 10.3, refill=True, run_s=0.35) == pytest.approx(10.1)
