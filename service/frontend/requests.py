@@ -142,13 +142,16 @@ class DisconnectWatcher:
 
     The cancellation drops the request's queued work (it is never computed) and surfaces as
     ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
-    it tried to write the answer. Watching costs a task, so it starts only once the request
-    has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the ones
-    for which dropping queued work matters least. One timer per event loop (``_Waiting``)
-    starts the watches that are due, rather than a timer per request.
+    it tried to write the answer. Watching costs a task (30-50 µs), so it starts only once the
+    request has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the
+    ones for which dropping queued work matters least. At 20 ms most requests of 64 closed-loop
+    clients over two front ends crossed it (their batch waits for its clients' turnaround):
+    the front ends spent more than the fuller batches saved
+    (``docs/bench/engine-cost/w2-fill.md``). One timer per event loop (``_Waiting``) starts the
+    watches that are due, rather than a timer per request.
     """
 
-    WATCH_AFTER_S = 0.02
+    WATCH_AFTER_S = 0.1
 
     __slots__ = ("_caller", "_receive", "_waiting", "_watch", "disconnected")
 
