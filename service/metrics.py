@@ -11,10 +11,11 @@ aggregated across processes (``multiprocess_mode``).
 from __future__ import annotations
 
 import bisect
+import glob
 import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from prometheus_client import (
     multiprocess,
 )
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 
 #: Request latencies on this kind of server run from about 0.5 ms to seconds.
 LATENCY_BUCKETS_S = (
@@ -350,9 +352,32 @@ def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, 
 def _collected(registry: CollectorRegistry) -> CollectorRegistry:
     if os.environ.get(MULTIPROCESS_DIR_ENV):
         aggregate = CollectorRegistry()
-        multiprocess.MultiProcessCollector(aggregate)  # type: ignore[no-untyped-call]
+        _CollectorOfStartedFiles(aggregate)  # type: ignore[no-untyped-call]
         return aggregate
     return registry
+
+
+class _CollectorOfStartedFiles(multiprocess.MultiProcessCollector):
+    """prometheus-client's collector of every process's files, without those a process is
+    creating just then: its file is empty from its creation until it is sized, and a scrape in
+    that moment (an engine restarting) failed on it with a 500 (``struct.error``). An empty
+    file holds no value yet, so nothing is left out."""
+
+    def collect(self) -> Iterable[Metric]:
+        files = glob.glob(os.path.join(self._path, "*.db"))
+        started = [path for path in files if _size_bytes(path) >= _FILE_HEADER_BYTES]
+        return self.merge(started, accumulate=True)  # type: ignore[no-untyped-call,no-any-return]
+
+
+#: What a metric file starts with once sized: how much of it is used.
+_FILE_HEADER_BYTES = 8
+
+
+def _size_bytes(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:  # the folder cleared meanwhile
+        return 0
 
 
 def resident_memory_bytes() -> int:
