@@ -11,11 +11,10 @@ aggregated across processes (``multiprocess_mode``).
 from __future__ import annotations
 
 import bisect
-import glob
 import os
 import resource
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -27,10 +26,10 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
-    multiprocess,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import Metric
+
+from service.metric_files import CollectorOfStartedFiles
 
 #: Request latencies on this kind of server run from about 0.5 ms to seconds.
 LATENCY_BUCKETS_S = (
@@ -41,6 +40,8 @@ BATCH_SIZE_BUCKETS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 10
 FRONTEND_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 #: A 504 should leave at its deadline; how late it leaves shows event-loop or engine delays.
 OVERRUN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: An event loop wakes within a millisecond when idle; a stall of 50 ms delays every request.
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: A standby takes over in a heartbeat or two (0.25 s each); a restart takes seconds.
 TAKEOVER_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -90,6 +91,14 @@ class FrontendMetrics:
             "answer, as its front end saw it (0 for one refused before its deadline, as unable "
             "to finish in time): deadlines are kept while this stays near 0.",
             buckets=OVERRUN_BUCKETS_S,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "batchserve_event_loop_lag_seconds",
+            "How much later than asked a front end's event loop woke a task that asks every "
+            "100 ms: what holds the loop (a costly parse or handler, a garbage collection) "
+            "delays every request of that process by as much.",
+            buckets=LOOP_LAG_BUCKETS_S,
             registry=r,
         )
         self.in_flight = Gauge(
@@ -352,32 +361,9 @@ def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, 
 def _collected(registry: CollectorRegistry) -> CollectorRegistry:
     if os.environ.get(MULTIPROCESS_DIR_ENV):
         aggregate = CollectorRegistry()
-        _CollectorOfStartedFiles(aggregate)  # type: ignore[no-untyped-call]
+        CollectorOfStartedFiles(aggregate)  # type: ignore[no-untyped-call]
         return aggregate
     return registry
-
-
-class _CollectorOfStartedFiles(multiprocess.MultiProcessCollector):
-    """prometheus-client's collector of every process's files, without those a process is
-    creating just then: its file is empty from its creation until it is sized, and a scrape in
-    that moment (an engine restarting) failed on it with a 500 (``struct.error``). An empty
-    file holds no value yet, so nothing is left out."""
-
-    def collect(self) -> Iterable[Metric]:
-        files = glob.glob(os.path.join(self._path, "*.db"))
-        started = [path for path in files if _size_bytes(path) >= _FILE_HEADER_BYTES]
-        return self.merge(started, accumulate=True)  # type: ignore[no-untyped-call,no-any-return]
-
-
-#: What a metric file starts with once sized: how much of it is used.
-_FILE_HEADER_BYTES = 8
-
-
-def _size_bytes(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except FileNotFoundError:  # the folder cleared meanwhile
-        return 0
 
 
 def resident_memory_bytes() -> int:

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.config import Settings
+from service.frontend.loop_lag import watch_loop_lag
 from service.frontend.state import FrontendState
 from service.garbage import collect_young_garbage_rarely
 from service.server.http_limits import limited_protocol
@@ -62,7 +63,11 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         collect_young_garbage_rarely()
-        await super().serve(sockets)
+        lag = asyncio.create_task(watch_loop_lag(self._frontend.metrics.loop_lag))
+        try:
+            await super().serve(sockets)
+        finally:
+            lag.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """SIGTERM or SIGINT (or the gunicorn worker, when its master is gone).
