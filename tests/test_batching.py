@@ -1674,6 +1674,24 @@ async def test_the_wait_for_the_clients_answered_is_bounded_by_max_wait(
     assert model.batch_rows == [4, 2]
 
 
+def submitted(batcher: Batcher, rows: Sequence[int], source: str) -> list[Any]:
+    """One request of one row for each of ``rows``, from front end ``source``, group "g"."""
+    return [asyncio.create_task(batcher.submit([row], group="g", source=source)) for row in rows]
+
+
+async def answered_with_turnaround(
+    batcher: Batcher, device: ManualExecutor, clock: SteppedClock
+) -> list[Any]:
+    """A batch of 1-4 answered, its clients back 0.2 s later (5-8), their batch running."""
+    first = submitted(batcher, (1, 2, 3, 4), "a")
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    await settle_after(clock, 0.2)  # the clients come back 0.2 s after their answer
+    second = submitted(batcher, (5, 6, 7, 8), "a")
+    await wait_until(lambda: device.pending == 1)
+    return [*first, *second]
+
+
 async def test_the_wait_for_the_clients_answered_lasts_their_turnaround_measured(
     make_batcher: BatcherFactory, clock: SteppedClock
 ) -> None:
@@ -1684,27 +1702,16 @@ async def test_the_wait_for_the_clients_answered_lasts_their_turnaround_measured
     model = RecordingDoubler()
     device = ManualExecutor()
     batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
-    first = [
-        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (1, 2, 3, 4)
-    ]
-    await wait_until(lambda: device.pending == 1)
-    device.finish_next()
-    await settle_after(clock, 0.2)  # the clients come back 0.2 s after their answer
-    second = [
-        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (5, 6, 7, 8)
-    ]
-    await wait_until(lambda: device.pending == 1)
-    others = [asyncio.create_task(batcher.submit([row], group="g", source="b")) for row in (9, 10)]
+    earlier = await answered_with_turnaround(batcher, device, clock)
+    others = submitted(batcher, (9, 10), "b")
     await wait_until(lambda: batcher.queue_depth == 2)
     await settle_after(clock, 0.2)  # these have waited past max_wait while the device ran
     device.finish_next()
     await settle_after(clock, 0.15)  # past max_wait since the answer, within the turnaround
     assert device.pending == 0, "the clients just answered are still coming back: wait"
-    back = [asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (11, 12)]
+    back = submitted(batcher, (11, 12), "a")
     await wait_until(lambda: device.pending == 1)
-    await device.finish_until(
-        lambda: all(task.done() for task in [*first, *second, *others, *back])
-    )
+    await device.finish_until(lambda: all(task.done() for task in [*earlier, *others, *back]))
     assert model.batch_rows == [4, 4, 4]
 
 
@@ -1714,24 +1721,15 @@ async def test_the_wait_for_clients_answered_ends_at_their_turnaround_if_some_ne
     model = RecordingDoubler()
     device = ManualExecutor()
     batcher = make_batcher(model, executor=device, max_batch_size=4, max_wait_ms=100)
-    first = [
-        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (1, 2, 3, 4)
-    ]
-    await wait_until(lambda: device.pending == 1)
-    device.finish_next()
-    await settle_after(clock, 0.2)
-    second = [
-        asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (5, 6, 7, 8)
-    ]
-    await wait_until(lambda: device.pending == 1)
+    earlier = await answered_with_turnaround(batcher, device, clock)
     device.finish_next()
     await settle_after(clock, 0.05)
-    back = [asyncio.create_task(batcher.submit([row], group="g", source="a")) for row in (9, 10)]
+    back = submitted(batcher, (9, 10), "a")
     await settle_after(clock, 0.1)  # max_wait since the answer: two are still out
     assert device.pending == 0
     await settle_after(clock, 0.06)  # the turnaround (0.2 s) has passed: they are not coming
     await wait_until(lambda: device.pending == 1)
-    await device.finish_until(lambda: all(task.done() for task in [*first, *second, *back]))
+    await device.finish_until(lambda: all(task.done() for task in [*earlier, *back]))
     assert model.batch_rows == [4, 4, 2]
 
 
