@@ -142,7 +142,7 @@ class DisconnectWatcher:
 
     The cancellation drops the request's queued work (it is never computed) and surfaces as
     ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
-    it tried to write the answer. Watching costs a task (30-50 µs), so it starts only once the
+    it tried to write the answer. Watching costs a task, so it starts only once the
     request has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the
     ones for which dropping queued work matters least. At 20 ms most requests of 64 closed-loop
     clients over two front ends crossed it (their batch waits for its clients' turnaround):
