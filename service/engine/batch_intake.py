@@ -114,7 +114,7 @@ class Intake:
         )
         was_empty = not self._queue
         self._deadlines.add_all(entries)
-        self._added([self._queue.add(entry) for entry in entries], was_empty)
+        self._added([self._queue.add_all(entries)], was_empty)  # one group: the request's
         return ticket
 
     def refusal_of_any(self, priority: Priority, deadline_s: float | None) -> ServiceError | None:

@@ -149,18 +149,11 @@ class BatchQueue:
         return self.entries > 0
 
     def add(self, entry: Entry) -> Group:
-        group = self.groups.get(entry.group)
-        if group is None:
-            group = self.groups[entry.group] = Group(entry.group)
-        group.lanes[entry.priority].append(entry)
-        group.count(entry, +1)
-        entry.queued = True
-        self.entries += 1
-        return group
+        return self.add_all([entry])
 
     def add_all(self, entries: list[Entry]) -> Group:
-        """``add`` each of ``entries``, all of one group (a frame's), in order: its totals
-        counted once for them all."""
+        """Queue ``entries``, all of one group (a request's chunks, or a frame's requests), in
+        order: its totals counted once for them all."""
         key = entries[0].group
         group = self.groups.get(key)
         if group is None:

@@ -209,11 +209,7 @@ class SoloTicket(Entry, Generic[OutputT]):
             self.done = True
             self.payload = None
             self._output = output  # type: ignore[assignment]
-            # _settle, written out: this runs once a request.
-            waiter = self._waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-            self._finished(self)
+            self._settle()
 
     def reject(self, error: BaseException) -> None:
         if not self.done:
