@@ -316,6 +316,26 @@ CONFIGURATIONS: dict[str, Configuration] = {
             "PeerMLP, workers=2, batch_policy=fixed",
             _MLP | _TWO_WORKERS | {"BATCHSERVE_BATCH_POLICY": "fixed"},
         ),
+        Configuration(
+            "mlp-w2-batch32",
+            MLP,
+            "PeerMLP, workers=2, max_batch_size=32",
+            _MLP | _TWO_WORKERS | {"BATCHSERVE_MAX_BATCH_SIZE": "32"},
+        ),
+        Configuration(
+            "mlp-w2-threads2",
+            MLP,
+            "PeerMLP, workers=2, torch_threads=2",
+            _MLP | _TWO_WORKERS | {"BATCHSERVE_TORCH_THREADS": "2"},
+        ),
+        Configuration(
+            "mlp-w2-i2-b32",
+            MLP,
+            "PeerMLP, workers=2, two instances, max_batch_size=32",
+            _MLP
+            | _TWO_WORKERS
+            | {"BATCHSERVE_DEVICE_INSTANCES": "2", "BATCHSERVE_MAX_BATCH_SIZE": "32"},
+        ),
         Configuration("digits-w2", DIGITS, "digits, workers=2", _TWO_WORKERS),
         Configuration(
             "mlp-w2-instances2",

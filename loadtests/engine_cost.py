@@ -16,8 +16,15 @@ the server used per answered request, from ``/proc`` (utime + stime of each thre
   - ``forward (est.)``: the model's own CPU per row at the batch size seen, measured in this
     process (one torch thread), times rows per request: what no server can avoid.
 
+Beside the CPU: a batch's wall time on the device thread (collation, forward, split: the mean
+of ``batchserve_inference_duration_seconds`` over the run) and how much of it the device
+threads spent ready to run but waiting for a CPU (``/proc/.../schedstat``, per batch). On a
+shared 2-core host the second is often as large as the forward's own CPU: a preempted forward
+holds up every request of its batch.
+
 Ratios (ours / baseline) are given per round and as their median. Writes ``runs.csv`` and
-``report.md`` to ``--out``.
+``report.md`` to ``--out``. ``--baseline-of`` starts the baseline only for the configurations
+named (the others are compared with the first of ``--configs``).
 
     python -m loadtests.engine_cost --baseline-checkout /path/to/12e05c8 --rounds 3
 """
@@ -43,12 +50,25 @@ ROLES = ("front end", "engine loop", "device", "other")
 #: A batch of more than this many rows (a bucket edge of the batch size histogram) counts as
 #: full in ``Run.full_batch_share``: the issue's bimodal fill was 40 or 63 rows of 64.
 FULL_BATCH_OVER_ROWS = 48.0
+#: The server's histogram of one batch's wall time on the device thread.
+BATCH_WALL_HISTOGRAM = "batchserve_inference_duration_seconds"
 DEFAULT_CONFIGS = ("mlp-single", "mlp-w2", "digits-batched", "digits-w2")
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_by_role(root: int) -> dict[str, float]:
     """CPU seconds so far of each role in ``root``'s process tree (see the module text)."""
+    return _by_role(root, _task_cpu_s)
+
+
+def thread_wait_by_role(root: int) -> dict[str, float]:
+    """Seconds so far that each role's threads in ``root``'s tree were ready to run but waited
+    for a CPU (``/proc/.../schedstat``'s run-queue time): on a shared host, where a batch's
+    wall time goes beyond its CPU."""
+    return _by_role(root, _task_run_queue_s)
+
+
+def _by_role(root: int, seconds_of: Callable[[int, int], float]) -> dict[str, float]:
     parents = memory._parents(memory.PROC)
     pids = memory.descendants(root, parents)
     commands = {pid: memory._command(pid, memory.PROC) for pid in pids}
@@ -59,7 +79,7 @@ def thread_cpu_by_role(root: int) -> dict[str, float]:
     used = dict.fromkeys(ROLES, 0.0)
     for pid in pids:
         for task in _tasks(pid):
-            seconds = _task_cpu_s(pid, task)
+            seconds = seconds_of(pid, task)
             role = roles[pid]
             if pid in runs_model and task != pid:
                 used["device"] += seconds
@@ -86,6 +106,14 @@ def _task_cpu_s(pid: int, task: int) -> float:
         return 0.0
     fields = text.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+
+
+def _task_run_queue_s(pid: int, task: int) -> float:
+    try:
+        text = Path(f"/proc/{pid}/task/{task}/schedstat").read_text()
+    except OSError:
+        return 0.0
+    return int(text.split()[1]) / 1e9
 
 
 BASELINE_MLP = """
@@ -167,6 +195,12 @@ class Run:
     """CPU per answered request by role, in µs."""
     full_batch_share: float | None = None
     """Share of the run's batches with more than ``FULL_BATCH_OVER_ROWS`` rows (/metrics)."""
+    device_wait_ms: float | None = None
+    """Time the device thread(s) waited for a CPU (run queue), per batch."""
+    batch_wall_ms: float | None = None
+    """Wall time of one batch on the device thread (collate, forward, split), the run's mean
+    (``batchserve_inference_duration_seconds``): beside the forward's CPU, how long a batch
+    held the device, waits for the GIL and the CPU included."""
 
 
 def measure(
@@ -196,7 +230,7 @@ def measure(
                 configuration = configs.CONFIGURATIONS[name]
                 sweep.log(f"start {name}")
                 contenders.append(harness.start_contender(pool, configuration, None))
-                if args.ours_only:
+                if args.ours_only or (args.baseline_of and name not in args.baseline_of):
                     continue
                 sweep.log(f"start {name}{BASELINE_SUFFIX}")
                 contenders.append(
@@ -250,12 +284,16 @@ def one_run(
         ceiling="-",
     )
     buckets_before = servers.batch_size_buckets(contender.server.url)
+    batches_before = servers.histogram_totals(contender.server.url, BATCH_WALL_HISTOGRAM)
     before = thread_cpu_by_role(contender.server.pid)
+    waited_before = thread_wait_by_role(contender.server.pid)
     result, rows = harness.measure_run(
         contender.server.url, harness.script(configuration.workload), point
     )
     after = thread_cpu_by_role(contender.server.pid)
+    waited_after = thread_wait_by_role(contender.server.pid)
     buckets_after = servers.batch_size_buckets(contender.server.url)
+    batches_after = servers.histogram_totals(contender.server.url, BATCH_WALL_HISTOGRAM)
     answered = max(1, result.requests)
     run = Run(
         label=contender.label,
@@ -270,14 +308,39 @@ def one_run(
         full_batch_share=servers.share_of_batches_over(
             buckets_before, buckets_after, FULL_BATCH_OVER_ROWS
         ),
+        batch_wall_ms=mean_between(batches_before, batches_after, scale=1e3),
+        device_wait_ms=per_batch_ms(
+            waited_after["device"] - waited_before["device"], batches_before, batches_after
+        ),
     )
     sweep.log(
         f"  r{round_number} c={concurrency} {run.label}: {run.requests_per_s:,.0f} req/s, "
         f"p50 {run.p50_ms:.2f} ms, rows/batch {rows or 0:.1f} "
         f"({run.full_batch_share or 0:.0%} over {FULL_BATCH_OVER_ROWS:.0f}), "
+        f"batch wall {run.batch_wall_ms or 0:.2f} ms "
+        f"(device thread waited for a CPU {run.device_wait_ms or 0:.2f} ms), "
         + ", ".join(f"{role} {us:.0f} µs" for role, us in run.cpu_us.items())
     )
     return run
+
+
+def mean_between(
+    before: tuple[float, float] | None, after: tuple[float, float] | None, scale: float = 1.0
+) -> float | None:
+    """The mean of a histogram's observations between two (sum, count) readings, times
+    ``scale``; None when either is missing or nothing was observed between them."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * scale
+
+
+def per_batch_ms(
+    seconds: float, before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    """``seconds`` spread over the batches counted between two (sum, count) readings, in ms."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return seconds / (after[1] - before[1]) * 1e3
 
 
 def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: str) -> None:
@@ -286,7 +349,7 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
         writer = csv.writer(file)
         writer.writerow(
             ["label", "round", "c", "req_s", "p50_ms", "p99_ms", "rows_per_batch",
-             "full_batch_share",
+             "full_batch_share", "batch_wall_ms", "device_wait_ms",
              *(f"cpu_us_{role.replace(' ', '_')}" for role in ROLES)]
         )  # fmt: skip
         for run in runs:
@@ -295,6 +358,8 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
                  round(run.p50_ms, 3), round(run.p99_ms, 3),
                  "" if run.rows_per_batch is None else round(run.rows_per_batch, 1),
                  "" if run.full_batch_share is None else round(run.full_batch_share, 3),
+                 "" if run.batch_wall_ms is None else round(run.batch_wall_ms, 3),
+                 "" if run.device_wait_ms is None else round(run.device_wait_ms, 3),
                  *(round(run.cpu_us[role], 1) for role in ROLES)]
             )  # fmt: skip
     lines = ["# Engine cost: this checkout against the baseline, interleaved", "", notes, ""]
@@ -302,12 +367,13 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
     for concurrency in sorted({run.concurrency for run in runs}, reverse=True):
         lines += [f"## c={concurrency}", "",
                   "| configuration | req/s ours (rounds) | req/s reference | ratio per round | "
-                  "median ratio | p50 ms ours / base | rows/batch ours (rounds) |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+                  "median ratio | p50 ms ours / base | rows/batch ours (rounds) | "
+                  "batch wall ms ours (rounds) | of it waiting for a CPU, ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for name in labels:
             ours = [r for r in runs if r.label == name and r.concurrency == concurrency]
             reference = name + BASELINE_SUFFIX
-            if not any(r.label == reference for r in runs):  # --ours-only: against the first
+            if not any(r.label == reference for r in runs):  # no baseline: against the first
                 reference = labels[0]
             base = [r for r in runs if r.label == reference and r.concurrency == concurrency]
             ratios = [o.requests_per_s / b.requests_per_s for o, b in zip(ours, base, strict=False)
@@ -319,7 +385,9 @@ def write(runs: Sequence[Run], out: Path, forward_us: dict[str, float], notes: s
                 f"{statistics.median(ratios) if ratios else float('nan'):.2f} | "
                 f"{statistics.median(r.p50_ms for r in ours):.2f} / "
                 f"{statistics.median(r.p50_ms for r in base):.2f} | "
-                f"{' · '.join(f'{r.rows_per_batch or 0:.1f}' for r in ours)} |"
+                f"{' · '.join(f'{r.rows_per_batch or 0:.1f}' for r in ours)} | "
+                f"{' · '.join(f'{r.batch_wall_ms or 0:.2f}' for r in ours)} | "
+                f"{' · '.join(f'{r.device_wait_ms or 0:.2f}' for r in ours)} |"
             )
         lines.append("")
     lines += ["## CPU per answered request by role (µs, median over rounds, c=64)", "",
@@ -361,6 +429,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/engine-cost"))
     parser.add_argument(
         "--ours-only", action="store_true", help="no baseline servers: compare --configs"
+    )
+    parser.add_argument(
+        "--baseline-of",
+        nargs="+",
+        default=[],
+        metavar="CONFIG",
+        help="start the baseline only for these of --configs (the others compare to the first)",
     )
     args = parser.parse_args(argv)
     args.baseline_checkout = args.baseline_checkout.resolve()

@@ -292,6 +292,27 @@ def batch_counters(url: str) -> tuple[float, float] | None:
     return totals["sum"], totals["count"]
 
 
+def histogram_totals(url: str, name: str) -> tuple[float, float] | None:
+    """(sum, count) so far of ``/metrics``'s histogram ``name``, over its labels; None if the
+    server does not export it."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.TransportError:
+        return None
+    return parse_histogram_totals(text, name)
+
+
+def parse_histogram_totals(text: str, name: str) -> tuple[float, float] | None:
+    """``histogram_totals`` of a ``/metrics`` page's text."""
+    pattern = re.compile(rf"^{re.escape(name)}_(sum|count)(?:\{{[^}}]*\}})?\s+(\S+)$", re.MULTILINE)
+    totals: dict[str, float] = {}
+    for kind, value in pattern.findall(text):
+        totals[kind] = totals.get(kind, 0.0) + float(value)
+    if "sum" not in totals or "count" not in totals:
+        return None
+    return totals["sum"], totals["count"]
+
+
 _DROPPED = re.compile(
     r'^batchserve_dropped_requests_total\{[^}]*reason="([a-z_]+)"[^}]*\} ([0-9.e+]+)$', re.M
 )

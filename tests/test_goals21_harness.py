@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests import goals21, servers
+from loadtests import engine_cost, goals21, servers
 from loadtests.engine_cost import Run
 from loadtests.goals21 import Capacity, Goal
 
@@ -194,3 +194,24 @@ def test_a_quantiles_bucket_counts_only_what_was_observed_between_two_readings()
     assert servers.bucket_bound(None, after, 0.5) == 0.001  # from the start: 5 of 9
     assert servers.bucket_bound(after, after, 0.5) is None  # nothing observed since
     assert servers.bucket_bound(before, None, 0.5) is None
+
+
+def test_a_batchs_wall_time_is_the_histograms_mean_between_two_readings() -> None:
+    page = (
+        'batchserve_inference_duration_seconds_bucket{model="a",le="0.01"} 3.0\n'
+        'batchserve_inference_duration_seconds_sum{model="a"} 0.03\n'
+        'batchserve_inference_duration_seconds_count{model="a"} 3.0\n'
+        'batchserve_inference_duration_seconds_sum{model="b"} 0.01\n'
+        'batchserve_inference_duration_seconds_count{model="b"} 1.0\n'
+        "batchserve_batch_size_rows_sum 9.0\n"
+    )
+    before = servers.parse_histogram_totals(page, "batchserve_inference_duration_seconds")
+    assert before == pytest.approx((0.04, 4.0))
+    assert servers.parse_histogram_totals(page, "batchserve_missing") is None
+    after = (0.04 + 0.05, 4.0 + 5.0)  # five more batches of 10 ms
+    assert engine_cost.mean_between(before, after, scale=1e3) == pytest.approx(10.0)
+    assert engine_cost.mean_between(before, before) is None  # no batch between the readings
+    assert engine_cost.mean_between(None, after) is None
+    # 20 ms waited for a CPU by the device threads over those five batches: 4 ms a batch
+    assert engine_cost.per_batch_ms(0.02, before, after) == pytest.approx(4.0)
+    assert engine_cost.per_batch_ms(0.02, before, before) is None
