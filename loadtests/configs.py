@@ -336,6 +336,12 @@ CONFIGURATIONS: dict[str, Configuration] = {
             | _TWO_WORKERS
             | {"BATCHSERVE_DEVICE_INSTANCES": "2", "BATCHSERVE_MAX_BATCH_SIZE": "32"},
         ),
+        Configuration(
+            "mlp-w3",
+            MLP,
+            "PeerMLP, workers=3 (more front ends than cores)",
+            _MLP | {WORKERS_VARIABLE: "3"},
+        ),
         Configuration("digits-w2", DIGITS, "digits, workers=2", _TWO_WORKERS),
         Configuration(
             "mlp-w2-instances2",
