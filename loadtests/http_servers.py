@@ -14,6 +14,8 @@ after round, the order rotated each round, so a busy shared machine weighs on ev
   gunicorn, ``BatchserveWorker`` (``DrainingServer``, the limited httptools protocol, uvloop),
   one worker; batchserve's front end answering ``/predict`` with zero rows (``ZeroEngine``).
 - ``granian-ceiling``: the same app (``create_app_from_environment``) under granian.
+- ``uvicorn-starlette``, ``granian-starlette``: a bare Starlette app (one route reading the
+  body, a ``Response``): what the framework adds before batchserve's own code.
 - ``uvicorn-limited-bare``: the bare app on uvicorn with our ``LimitedHttpToolsProtocol``.
 - ``granian-bare-st``, ``granian-ceiling-st``: granian's single-threaded runtime
   (``--runtime-mode st``); ``granian-bare-t2``: two runtime threads.
@@ -78,7 +80,25 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": BARE_ANSWER})
 
 
-def serve_uvicorn_bare(port: int, *, limited: bool) -> None:
+def starlette_app() -> Any:
+    """Starlette's least: one route for every path, ``await request.body()``, a ``Response``
+    of ``BARE_ANSWER``: what the framework adds to the bare app, before our middleware."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def answer(request: Request) -> Response:
+        await request.body()
+        return Response(BARE_ANSWER, media_type="application/json")
+
+    return Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST"])])
+
+
+APPS: dict[str, Callable[[], Any]] = {"bare": lambda: bare_app, "starlette": starlette_app}
+
+
+def serve_uvicorn(port: int, app: str, *, limited: bool) -> None:
     """uvicorn as a front end runs it (httptools, uvloop, no access log, no Server header)."""
     import uvicorn
 
@@ -87,7 +107,7 @@ def serve_uvicorn_bare(port: int, *, limited: bool) -> None:
 
     http: Any = limited_protocol(load_settings()) if limited else "httptools"
     config = uvicorn.Config(
-        bare_app,
+        APPS[app](),
         host="127.0.0.1",
         port=port,
         loop="uvloop",
@@ -125,6 +145,7 @@ def granian_command(target: str, *, factory: bool, extra: Sequence[str] = ()) ->
 
 _SELF = "loadtests.http_servers"
 _BARE = f"{_SELF}:bare_app"
+_STARLETTE = f"{_SELF}:starlette_app"
 _CEILING = "service.server.tuning.ceiling:create_app_from_environment"
 #: name -> (command, whether it serves batchserve's front end).
 SERVERS: dict[str, tuple[list[str], bool]] = {
@@ -135,11 +156,19 @@ SERVERS: dict[str, tuple[list[str], bool]] = {
         True,
     ),
     "granian-ceiling": (granian_command(_CEILING, factory=True), True),
+    "uvicorn-starlette": (
+        [sys.executable, "-m", _SELF, "serve-uvicorn", "--app", "starlette", "--port", "{port}"],
+        False,
+    ),
+    "granian-starlette": (granian_command(_STARLETTE, factory=True), False),
     "uvicorn-limited-bare": (
         [sys.executable, "-m", _SELF, "serve-uvicorn", "--limited", "--port", "{port}"],
         False,
     ),
-    "granian-bare-st": (granian_command(_BARE, factory=False, extra=["--runtime-mode", "st"]), False),
+    "granian-bare-st": (
+        granian_command(_BARE, factory=False, extra=["--runtime-mode", "st"]),
+        False,
+    ),
     "granian-ceiling-st": (
         granian_command(_CEILING, factory=True, extra=["--runtime-mode", "st"]),
         True,
@@ -154,6 +183,7 @@ DEFAULT_SERVERS = ("uvicorn-bare", "granian-bare", "uvicorn-ceiling", "granian-c
 PAIRS = (
     ("granian-bare", "uvicorn-bare"),
     ("granian-ceiling", "uvicorn-ceiling"),
+    ("granian-starlette", "uvicorn-starlette"),
     ("granian-bare-st", "uvicorn-bare"),
     ("granian-ceiling-st", "uvicorn-ceiling"),
     ("granian-bare-t2", "uvicorn-bare"),
@@ -217,7 +247,8 @@ def summary(runs: Sequence[Run]) -> str:
     """Markdown: medians per server, then the ratios of ``PAIRS``."""
     names = list(dict.fromkeys(run.server for run in runs))
     lines = [
-        "| server | req/s | CPU µs/request (tree) | serving process | p99 ms | load 1 min | rounds |",
+        "| server | req/s | CPU µs/request (tree) | serving process | p99 ms | load 1 min "
+        "| rounds |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in names:
@@ -238,9 +269,7 @@ def summary(runs: Sequence[Run]) -> str:
         if cpu is None or rate is None:
             continue
         rounds = " · ".join(f"{ratio:.2f}" for ratio in cpu[1])
-        lines.append(
-            f"| {numerator} / {denominator} | {cpu[0]:.2f}x | {rate[0]:.2f}x | {rounds} |"
-        )
+        lines.append(f"| {numerator} / {denominator} | {cpu[0]:.2f}x | {rate[0]:.2f}x | {rounds} |")
     return "\n".join(lines)
 
 
@@ -305,9 +334,11 @@ def run_rounds(args: argparse.Namespace) -> list[Run]:
                 metrics_dir.mkdir()
                 env = _environment(repository, metrics_dir)
                 started[name] = pool.start(command, env, root / f"{name}.log", 120.0)
-            for name, server in started.items():
+            for server in started.values():
                 servers.check_answers(server.url, request_bodies[:2], headers)
-                wrk.run_wrk(server.url + "/predict", script, concurrency=args.concurrency, duration_s=2)
+                wrk.run_wrk(
+                    server.url + "/predict", script, concurrency=args.concurrency, duration_s=2
+                )
             for round_index in range(args.rounds):
                 for name in round_order(list(started), round_index):
                     run = measure(
@@ -337,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve-uvicorn", help="(used by the harness) uvicorn serving the bare app"
     )
     uvicorn_command.add_argument("--port", type=int, required=True)
+    uvicorn_command.add_argument("--app", choices=list(APPS), default="bare")
     uvicorn_command.add_argument(
         "--limited", action="store_true", help="with batchserve's LimitedHttpToolsProtocol"
     )
@@ -351,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="write every run here as JSON")
     args = parser.parse_args(argv)
     if args.command == "serve-uvicorn":
-        serve_uvicorn_bare(args.port, limited=args.limited)
+        serve_uvicorn(args.port, args.app, limited=args.limited)
         return 0
     if not 1 <= args.rounds <= 20 or not 1 <= args.duration_s <= 30:
         parser.error(
