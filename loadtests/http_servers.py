@@ -18,7 +18,8 @@ after round, the order rotated each round, so a busy shared machine weighs on ev
   body, a ``Response``): what the framework adds before batchserve's own code.
 - ``uvicorn-limited-bare``: the bare app on uvicorn with our ``LimitedHttpToolsProtocol``.
 - ``granian-bare-st``, ``granian-ceiling-st``: granian's single-threaded runtime
-  (``--runtime-mode st``); ``granian-bare-t2``: two runtime threads.
+  (``--runtime-mode st``); ``granian-bare-rust``, ``granian-ceiling-rust``: its Rust task
+  implementation (``--task-impl rust``, experimental); ``granian-bare-t2``: two runtime threads.
 
 Load: wrk, one thread, ``--concurrency`` connections (64), POST of the MLP's bodies (one
 256-float JSON instance each, ``loadtests.bodies.mlp_bodies``). CPU per request: ``utime +
@@ -173,6 +174,14 @@ SERVERS: dict[str, tuple[list[str], bool]] = {
         granian_command(_CEILING, factory=True, extra=["--runtime-mode", "st"]),
         True,
     ),
+    "granian-bare-rust": (
+        granian_command(_BARE, factory=False, extra=["--task-impl", "rust"]),
+        False,
+    ),
+    "granian-ceiling-rust": (
+        granian_command(_CEILING, factory=True, extra=["--task-impl", "rust"]),
+        True,
+    ),
     "granian-bare-t2": (
         granian_command(_BARE, factory=False, extra=["--runtime-threads", "2"]),
         False,
@@ -186,6 +195,8 @@ PAIRS = (
     ("granian-starlette", "uvicorn-starlette"),
     ("granian-bare-st", "uvicorn-bare"),
     ("granian-ceiling-st", "uvicorn-ceiling"),
+    ("granian-bare-rust", "uvicorn-bare"),
+    ("granian-ceiling-rust", "uvicorn-ceiling"),
     ("granian-bare-t2", "uvicorn-bare"),
     ("uvicorn-limited-bare", "uvicorn-bare"),
 )
