@@ -10,8 +10,9 @@ orchestrator's SIGTERM) would, and prints what granian did, one line per probe:
 
 - ``head_431``: a request whose headers exceed 32 KiB (our ``max_header_bytes``), with
   granian's default buffer and with ``--http1-buffer-size 32768``;
-- ``head_timeout``: half a request head, then silence, with ``--http1-header-read-timeout
-  2000``: when granian closes, and what it answers;
+- ``head_timeout``: half a request head, then silence, and a connection that sends nothing,
+  with ``--http1-header-read-timeout 2000`` (HTTP/1 and 2 detected, and ``--http 1``): when
+  granian closes, and what it answers;
 - ``keep_alive_idle``: a kept-alive connection left idle after its answer: when granian closes
   it (default settings, and with the header-read timeout of 2 s);
 - ``disconnect``: the app awaits ``receive()`` after the body while the request waits (as our
@@ -262,14 +263,18 @@ def probe_head_431(folder: Path) -> list[str]:
 
 def probe_head_timeout(folder: Path) -> list[str]:
     lines = []
-    with granian(folder, ["--http1-header-read-timeout", "2000"]) as server:
-        with server.connect() as connection:
-            connection.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-            closed_s, sent = wait_closed(connection, 8.0)
-            lines.append(f"half a head, timeout 2 s: {_closing(closed_s, sent)}")
-        with server.connect() as connection:
-            closed_s, sent = wait_closed(connection, 8.0)
-            lines.append(f"connected, nothing sent, timeout 2 s: {_closing(closed_s, sent)}")
+    timeout = ["--http1-header-read-timeout", "2000"]
+    for label, extra in (("--http auto", timeout), ("--http 1", [*timeout, "--http", "1"])):
+        with granian(folder, extra) as server:
+            with server.connect() as connection:
+                connection.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                closed_s, sent = wait_closed(connection, 8.0)
+                lines.append(f"half a head, timeout 2 s, {label}: {_closing(closed_s, sent)}")
+            with server.connect() as connection:
+                closed_s, sent = wait_closed(connection, 8.0)
+                lines.append(
+                    f"connected, nothing sent, timeout 2 s, {label}: {_closing(closed_s, sent)}"
+                )
     return lines
 
 
