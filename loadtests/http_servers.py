@@ -17,6 +17,8 @@ after round, the order rotated each round, so a busy shared machine weighs on ev
 - ``uvicorn-starlette``, ``granian-starlette``: a bare Starlette app (one route reading the
   body, a ``Response``): what the framework adds before batchserve's own code.
 - ``uvicorn-limited-bare``: the bare app on uvicorn with our ``LimitedHttpToolsProtocol``.
+- ``uvicorn-ceiling-plain``: the ceiling's app on plain uvicorn (uvicorn's own httptools
+  protocol, no gunicorn, no ``DrainingServer``): what our worker and protocol add to it.
 - ``granian-bare-st``, ``granian-ceiling-st``: granian's single-threaded runtime
   (``--runtime-mode st``); ``granian-bare-rust``, ``granian-ceiling-rust``: its Rust task
   implementation (``--task-impl rust``, experimental); ``granian-bare-t2``: two runtime threads.
@@ -96,7 +98,18 @@ def starlette_app() -> Any:
     return Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST"])])
 
 
-APPS: dict[str, Callable[[], Any]] = {"bare": lambda: bare_app, "starlette": starlette_app}
+def ceiling_app() -> Any:
+    """batchserve's front end over ``ZeroEngine``, from the ``BATCHSERVE_*`` variables."""
+    from service.server.tuning.ceiling import create_app_from_environment
+
+    return create_app_from_environment()
+
+
+APPS: dict[str, Callable[[], Any]] = {
+    "bare": lambda: bare_app,
+    "starlette": starlette_app,
+    "ceiling": ceiling_app,
+}
 
 
 def serve_uvicorn(port: int, app: str, *, limited: bool) -> None:
@@ -162,6 +175,10 @@ SERVERS: dict[str, tuple[list[str], bool]] = {
         False,
     ),
     "granian-starlette": (granian_command(_STARLETTE, factory=True), False),
+    "uvicorn-ceiling-plain": (
+        [sys.executable, "-m", _SELF, "serve-uvicorn", "--app", "ceiling", "--port", "{port}"],
+        True,
+    ),
     "uvicorn-limited-bare": (
         [sys.executable, "-m", _SELF, "serve-uvicorn", "--limited", "--port", "{port}"],
         False,
@@ -199,6 +216,7 @@ PAIRS = (
     ("granian-ceiling-rust", "uvicorn-ceiling"),
     ("granian-bare-t2", "uvicorn-bare"),
     ("uvicorn-limited-bare", "uvicorn-bare"),
+    ("uvicorn-ceiling", "uvicorn-ceiling-plain"),
 )
 
 
@@ -376,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command")
     uvicorn_command = commands.add_parser(
-        "serve-uvicorn", help="(used by the harness) uvicorn serving the bare app"
+        "serve-uvicorn", help="(used by the harness) plain uvicorn serving one of the apps"
     )
     uvicorn_command.add_argument("--port", type=int, required=True)
     uvicorn_command.add_argument("--app", choices=list(APPS), default="bare")
