@@ -85,7 +85,8 @@ async def _lifespan(receive: Any, send: Any) -> None:
 
 async def probe_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """``/client``: the client address the app sees; ``/slow?s=N``: answered after N s;
-    ``/watch``: after the body, waits 2 s on ``receive()`` and records what came; else 200."""
+    ``/watch?s=N``: after the body, waits N s (2) on ``receive()`` and records what came;
+    else 200."""
     if scope["type"] == "lifespan":
         await _lifespan(receive, send)
         return
@@ -103,12 +104,13 @@ async def probe_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         _event("slow_answered")
         await _answer(send)
     elif path == "/watch":
+        seconds = float(scope["query_string"].decode().partition("=")[2] or "2")
         started = time.monotonic()
         try:
-            message = await asyncio.wait_for(receive(), 2.0)
+            message = await asyncio.wait_for(receive(), seconds)
             _event("watch", got=message["type"], after_s=round(time.monotonic() - started, 2))
         except TimeoutError:
-            _event("watch", got=None, after_s=2.0)
+            _event("watch", got=None, after_s=seconds)
         await _answer(send)
     else:
         await _answer(send)
