@@ -5,7 +5,8 @@
   and how late each 504 came after its deadline. Clients send their next request as soon as
   they have an answer, 429 included: the harshest client there is. Once with the engine in
   the HTTP process (``engine_mode=in_process``, the default at one worker) and once in its
-  own process (``engine_mode=process``).
+  own process (``engine_mode=process``). ``--protocol grpc``: the same over gRPC
+  ``ModelInfer``, a connection per client (``loadtests.grpc_load``).
 - ``recovery``: after the 64-client storm of ``goodput``, one client sends a request every
   100 ms: how soon it is answered 200 again, and what it was answered meanwhile (a stale
   duration estimate refused such requests 422 for up to 30 s).
@@ -24,6 +25,7 @@ time and count. Writes a Markdown report to stdout.
     python -m loadtests.attacks --scenario fairness --duration-s 20
     python -m loadtests.attacks --scenario goodput --clients 1,64 --engine-mode in_process \
         --set BATCHSERVE_REFUSAL_HOLD_MS=0            # a setting changed on every server
+    python -m loadtests.attacks --scenario goodput --clients 1,64 --protocol grpc
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ OVERRUN = "batchserve_deadline_overrun_seconds"
 LOOP_LAG = "batchserve_event_loop_lag_seconds"
 GOODPUT_CLIENTS = (1, 4, 64)
 ENGINE_MODES = ("in_process", "process")
+PROTOCOLS = ("http", "grpc")
 DEADLINE_MS = 300
 SLOW_UPLOADS = 8
 SCENARIOS = [
@@ -130,6 +133,25 @@ async def closed_loop(
     return outcomes, time.monotonic() - started_s
 
 
+async def grpc_closed_loop(
+    address: str, request: bytes, clients: int, duration_s: float
+) -> tuple[list[Outcome], float]:
+    """``closed_loop`` over gRPC ``ModelInfer`` (``loadtests.grpc_load``)."""
+    # Imported here: the server's protocol module and tritonclient's (which the tests of this
+    # harness sit beside) define the same protobuf symbols, and one process cannot hold both.
+    from loadtests import grpc_load
+
+    outcomes: list[Outcome] = []
+
+    def record(status: int | str, latency_s: float, sent_s: float) -> None:
+        outcomes.append(Outcome(status, latency_s, sent_s))
+
+    elapsed_s = await grpc_load.closed_loop(
+        address, request, clients, duration_s, record, MAX_REQUESTS_PER_CLIENT
+    )
+    return outcomes, elapsed_s
+
+
 async def loop_lags(work: Awaitable[T]) -> tuple[T, list[tuple[float, float]]]:
     """``work``'s result, and how far this event loop fell behind a 1 ms ticker meanwhile:
     (when the tick started, its lag), every tick. A load generator late to read an answer
@@ -160,6 +182,36 @@ def percentile_ms(values: Sequence[float], quantile: float) -> float:
 # --------------------------------------------------------------------------- goodput
 
 
+def token_ids_of(body: bytes) -> list[int]:
+    """The token ids of a one-row ``token_body``."""
+    ids: list[int] = json.loads(body)["instances"][0]
+    return ids
+
+
+def grpc_token_request(ids: Sequence[int]) -> bytes:
+    from loadtests import grpc_load  # see grpc_closed_loop
+
+    return grpc_load.token_request("textenc", ids)
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """Where the goodput attack's clients send, and what, over HTTP or gRPC."""
+
+    protocol: str
+    host: str
+    port: int
+    grpc_port: int
+    body: bytes
+    ids: Sequence[int]
+
+    def load(self, clients: int, duration_s: float) -> Awaitable[tuple[list[Outcome], float]]:
+        if self.protocol == "grpc":
+            address = f"{self.host}:{self.grpc_port}"
+            return grpc_closed_loop(address, grpc_token_request(self.ids), clients, duration_s)
+        return closed_loop(self.host, self.port, self.body, clients, duration_s)
+
+
 def goodput_settings(engine_mode: str) -> dict[str, str]:
     return {
         "BATCHSERVE_MODEL_NAME": "textenc",
@@ -176,11 +228,13 @@ def goodput(
     clients_list: Sequence[int] = GOODPUT_CLIENTS,
     engine_modes: Sequence[str] = ENGINE_MODES,
     tokens: int = 512,
+    protocol: str = "http",
 ) -> list[str]:
     rng = np.random.default_rng(0)
     body = token_body(rng, 1, tokens)
+    ids = [int(token) for token in token_ids_of(body)]
     lines = [
-        "## Goodput under overload",
+        "## Goodput under overload" + (" (gRPC)" if protocol == "grpc" else ""),
         "",
         f"`textenc`, {tokens} tokens per request, `max_queue_size=8`, deadline {DEADLINE_MS} ms; "
         f"closed loop for {duration_s:.0f} s per point, the next request sent as soon as an "
@@ -193,8 +247,12 @@ def goodput(
     ]
     for engine_mode in engine_modes:
         settings = goodput_settings(engine_mode)
+        grpc_port = servers.free_port()
+        if protocol == "grpc":
+            settings["BATCHSERVE_GRPC_PORT"] = str(grpc_port)
         with server(settings, scratch, f"goodput-{engine_mode}") as (host, port):
-            asyncio.run(closed_loop(host, port, body, 1, 2.0))  # warm-up
+            target = LoadTarget(protocol, host, port, grpc_port, body, ids)
+            asyncio.run(target.load(1, 2.0))  # warm-up
             one_client = None
             for clients in clients_list:
                 url = f"http://{host}:{port}"
@@ -202,7 +260,7 @@ def goodput(
                 overrun_before = servers.histogram_buckets(url, OVERRUN)
                 loop_lag_before = servers.histogram_buckets(url, LOOP_LAG)
                 (outcomes, elapsed_s), lags = asyncio.run(
-                    loop_lags(closed_loop(host, port, body, clients, duration_s))
+                    loop_lags(target.load(clients, duration_s))
                 )
                 lag_s = max((lag for _, lag in lags), default=0.0)
                 dropped_after = servers.dropped_by_reason(url)
@@ -485,6 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--engine-mode", choices=ENGINE_MODES, action="append", help="goodput, recovery"
     )
     parser.add_argument(
+        "--protocol", choices=PROTOCOLS, default="http", help="goodput: the clients' protocol"
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -501,7 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         scratch = Path(folder)
         for scenario in chosen:
             if scenario == "goodput":
-                report += goodput(scratch, args.duration_s, clients, engine_modes, args.tokens)
+                report += goodput(
+                    scratch, args.duration_s, clients, engine_modes, args.tokens, args.protocol
+                )
             elif scenario == "recovery":
                 report += recovery(scratch, args.duration_s, engine_modes, args.tokens)
             elif scenario == "fairness":
