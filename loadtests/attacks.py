@@ -39,16 +39,16 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from loadtests import hostile, servers
+from loadtests import hostile, sched_sampler, servers
 from loadtests.soak import HttpConnection
 
 T = TypeVar("T")
@@ -59,6 +59,8 @@ GOODPUT_CLIENTS = (1, 4, 64)
 ENGINE_MODES = ("in_process", "process")
 PROTOCOLS = ("http", "grpc")
 DEADLINE_MS = 300
+#: A 504 the client saw later than this after its deadline is looked into (the goal: 20 ms).
+LATE_504_MS = 20.0
 SLOW_UPLOADS = 8
 SCENARIOS = [
     "goodput",
@@ -80,6 +82,8 @@ class Outcome:
     status: int | str
     latency_s: float
     sent_s: float = 0.0
+    #: The first request of its client: its latency includes opening the connection.
+    first: bool = False
 
 
 def token_body(rng: np.random.Generator, rows: int, length: int) -> bytes:
@@ -89,6 +93,15 @@ def token_body(rng: np.random.Generator, rows: int, length: int) -> bytes:
 
 @contextmanager
 def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tuple[str, int]]:
+    with server_process(settings, scratch, name) as (host, port, _):
+        yield host, port
+
+
+@contextmanager
+def server_process(
+    settings: Mapping[str, str], scratch: Path, name: str
+) -> Iterator[tuple[str, int, int]]:
+    """A server's host, port and process id."""
     env = servers.server_env(
         {
             "BATCHSERVE_DEVICE": "cpu",
@@ -99,11 +112,11 @@ def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tu
         }
     )
     log = scratch / f"{name}.log"
-    with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=180) as url:
-        parts = urlsplit(url)
+    with servers.serving(servers.batchserve_command(), env, log, ready_timeout_s=180) as running:
+        parts = urlsplit(running.url)
         assert parts.hostname is not None
         assert parts.port is not None
-        yield parts.hostname, parts.port
+        yield parts.hostname, parts.port, running.pid
 
 
 async def closed_loop(
@@ -116,7 +129,7 @@ async def closed_loop(
     async def client() -> None:
         connection = HttpConnection(host, port)
         try:
-            for _ in range(MAX_REQUESTS_PER_CLIENT):
+            for index in range(MAX_REQUESTS_PER_CLIENT):
                 if time.monotonic() - started_s >= duration_s:
                     return
                 sent_s = time.monotonic()
@@ -125,7 +138,7 @@ async def closed_loop(
                     status: int | str = response.status
                 except (OSError, asyncio.IncompleteReadError) as error:
                     status = type(error).__name__
-                outcomes.append(Outcome(status, time.monotonic() - sent_s, sent_s))
+                outcomes.append(Outcome(status, time.monotonic() - sent_s, sent_s, index == 0))
         finally:
             await connection.close()
 
@@ -173,6 +186,34 @@ def lag_during_s(lags: Sequence[tuple[float, float]], start_s: float, end_s: flo
     )
 
 
+def late_504s(
+    point: str,
+    outcomes: Sequence[Outcome],
+    lags: Sequence[tuple[float, float]],
+    samples: Sequence[sched_sampler.Sample],
+) -> list[str]:
+    """A line for each 504 the client saw over ``LATE_504_MS`` after its deadline, with where
+    the time went: the load generator's loop lag, and the server loop's waits for a core and
+    for a lock (``sched_sampler``; none without samples) while it was out."""
+    lines = []
+    for outcome in outcomes:
+        late_s = outcome.latency_s - DEADLINE_MS / 1000
+        if outcome.status != 504 or late_s * 1000 <= LATE_504_MS:
+            continue
+        window = (outcome.sent_s, outcome.sent_s + outcome.latency_s)
+        generator_s = lag_during_s(lags, *window)
+        runqueue_s = sched_sampler.runqueue_wait_s(samples, *window)
+        lock_s = sched_sampler.lock_wait_s(samples, *window)
+        opened = " (its connection opened)" if outcome.first else ""
+        lines.append(
+            f"- {point}: a 504 {late_s * 1000:.1f} ms late{opened}"
+            f"; the load generator's lag {generator_s * 1000:.1f} ms; the server loop waited "
+            f"for a core {runqueue_s * 1000:.1f} ms, on a lock about {lock_s * 1000:.0f} ms"
+            f"; left {(late_s - generator_s - runqueue_s) * 1000:.1f} ms"
+        )
+    return lines
+
+
 def percentile_ms(values: Sequence[float], quantile: float) -> float:
     if not values:
         return float("nan")
@@ -194,6 +235,10 @@ def grpc_token_request(ids: Sequence[int]) -> bytes:
     return grpc_load.token_request("textenc", ids)
 
 
+#: What a closed loop gives: every answer, and the seconds it ran.
+LoadResult = tuple[list["Outcome"], float]
+
+
 @dataclass(frozen=True)
 class LoadTarget:
     """Where the goodput attack's clients send, and what, over HTTP or gRPC."""
@@ -205,7 +250,7 @@ class LoadTarget:
     body: bytes
     ids: Sequence[int]
 
-    def load(self, clients: int, duration_s: float) -> Awaitable[tuple[list[Outcome], float]]:
+    def load(self, clients: int, duration_s: float) -> Coroutine[Any, Any, LoadResult]:
         if self.protocol == "grpc":
             address = f"{self.host}:{self.grpc_port}"
             return grpc_closed_loop(address, grpc_token_request(self.ids), clients, duration_s)
@@ -250,7 +295,8 @@ def goodput(
         grpc_port = servers.free_port()
         if protocol == "grpc":
             settings["BATCHSERVE_GRPC_PORT"] = str(grpc_port)
-        with server(settings, scratch, f"goodput-{engine_mode}") as (host, port):
+        late_lines: list[str] = []
+        with server_process(settings, scratch, f"goodput-{engine_mode}") as (host, port, pid):
             target = LoadTarget(protocol, host, port, grpc_port, body, ids)
             asyncio.run(target.load(1, 2.0))  # warm-up
             one_client = None
@@ -259,8 +305,21 @@ def goodput(
                 dropped_before = servers.dropped_by_reason(url)
                 overrun_before = servers.histogram_buckets(url, OVERRUN)
                 loop_lag_before = servers.histogram_buckets(url, LOOP_LAG)
-                (outcomes, elapsed_s), lags = asyncio.run(
-                    loop_lags(target.load(clients, duration_s))
+                # The front end's loop is the server's main thread in one process; with an
+                # engine process, ``pid`` is the supervisor's: nothing to sample.
+                sampled = engine_mode == "in_process"
+                sched_out = scratch / f"sched-{engine_mode}-{clients}.txt"
+                sampler = sched_sampler.start(pid, pid, sched_out) if sampled else None
+                try:
+                    (outcomes, elapsed_s), lags = asyncio.run(
+                        loop_lags(target.load(clients, duration_s))
+                    )
+                finally:
+                    if sampler is not None:
+                        sched_sampler.stop(sampler)
+                samples = sched_sampler.parse(sched_out.read_text()) if sampled else []
+                late_lines += late_504s(
+                    f"{engine_mode}, {clients} clients", outcomes, lags, samples
                 )
                 lag_s = max((lag for _, lag in lags), default=0.0)
                 dropped_after = servers.dropped_by_reason(url)
@@ -304,6 +363,7 @@ def goodput(
                     f" | {'-' if server_lag is None else f'{server_lag * 1000:g}'}"
                     f" | {lag_s * 1000:.1f} |"
                 )
+    lines += ["", *late_lines] if late_lines else []
     lines += [
         "",
         "A 504 before the deadline (negative) is a request the batcher found could not finish "
