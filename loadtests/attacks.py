@@ -204,12 +204,14 @@ def late_504s(
         generator_s = lag_during_s(lags, *window)
         runqueue_s = sched_sampler.runqueue_wait_s(samples, *window)
         lock_s = sched_sampler.lock_wait_s(samples, *window)
+        ran_s = sched_sampler.on_cpu_s(samples, *window)
         opened = " (its connection opened)" if outcome.first else ""
         lines.append(
             f"- {point}: a 504 {late_s * 1000:.1f} ms late{opened}"
-            f"; the load generator's lag {generator_s * 1000:.1f} ms; the server loop waited "
-            f"for a core {runqueue_s * 1000:.1f} ms, on a lock about {lock_s * 1000:.0f} ms"
-            f"; left {(late_s - generator_s - runqueue_s) * 1000:.1f} ms"
+            f"; the load generator's lag {generator_s * 1000:.1f} ms; the server loop, in the "
+            f"{outcome.latency_s * 1000:.0f} ms it was out, waited for a core "
+            f"{runqueue_s * 1000:.1f} ms, on a lock about {lock_s * 1000:.0f} ms, ran "
+            f"{ran_s * 1000:.1f} ms; left {(late_s - generator_s - runqueue_s) * 1000:.1f} ms"
         )
     return lines
 

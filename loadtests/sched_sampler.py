@@ -55,10 +55,24 @@ def runqueue_wait_s(samples: Sequence[Sample], start_s: float, end_s: float) -> 
     rise from the last sample at or before ``start_s`` to the first at or after ``end_s``."""
     if not samples:
         return 0.0
+    first, last = _bracket(samples, start_s, end_s)
+    return (samples[last].runqueue_ns - samples[first].runqueue_ns) / 1e9
+
+
+def on_cpu_s(samples: Sequence[Sample], start_s: float, end_s: float) -> float:
+    """Seconds the thread ran between ``start_s`` and ``end_s`` (as ``runqueue_wait_s``)."""
+    if not samples:
+        return 0.0
+    first, last = _bracket(samples, start_s, end_s)
+    return (samples[last].on_cpu_ns - samples[first].on_cpu_ns) / 1e9
+
+
+def _bracket(samples: Sequence[Sample], start_s: float, end_s: float) -> tuple[int, int]:
+    """The last sample at or before ``start_s`` and the first at or after ``end_s``."""
     times = [sample.at_s for sample in samples]
     first = max(0, bisect.bisect_right(times, start_s) - 1)
     last = min(len(samples) - 1, bisect.bisect_left(times, end_s))
-    return (samples[last].runqueue_ns - samples[first].runqueue_ns) / 1e9
+    return first, last
 
 
 def lock_wait_s(
@@ -72,11 +86,18 @@ def lock_wait_s(
 
 
 def start(
-    pid: int, tid: int, out: Path, interval_ms: float = INTERVAL_MS
+    pid: int, tid: int, out: Path, interval_ms: float = INTERVAL_MS, ready_timeout_s: float = 60.0
 ) -> subprocess.Popen[bytes]:
-    """The sampler of ``pid``'s thread ``tid``, writing to ``out`` until terminated."""
+    """The sampler of ``pid``'s thread ``tid``, writing to ``out`` until terminated, once it
+    has taken its first sample (an interpreter starts in a few hundred milliseconds on a busy
+    machine: a storm begun before would go unsampled)."""
+    ready = out.with_name(out.name + ".ready")
     command = [sys.executable, "-m", "loadtests.sched_sampler", str(pid), str(tid), str(out)]
-    return subprocess.Popen([*command, "--interval-ms", str(interval_ms)])
+    sampler = subprocess.Popen([*command, "--interval-ms", str(interval_ms), "--ready", str(ready)])
+    deadline_s = time.monotonic() + ready_timeout_s
+    while not ready.exists() and sampler.poll() is None and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    return sampler
 
 
 def stop(sampler: subprocess.Popen[bytes]) -> None:
@@ -90,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("tid", type=int)
     parser.add_argument("out", type=Path)
     parser.add_argument("--interval-ms", type=float, default=INTERVAL_MS)
+    parser.add_argument("--ready", type=Path, help="a file made once the first sample is taken")
     args = parser.parse_args(argv)
     # Terminated: leave through the ``with`` below, so what was sampled is written out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -104,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (OSError, ValueError):
                 return 0  # the thread or the process has ended
             out.write(f"{time.monotonic():.6f} {on_cpu} {runqueue} {wchan}\n")
+            if args.ready is not None and not args.ready.exists():
+                args.ready.touch()
             next_s += interval_s
             time.sleep(max(0.0, next_s - time.monotonic()))
 

@@ -13,7 +13,7 @@ import pytest
 
 from loadtests import sched_sampler
 from loadtests.attacks import DEADLINE_MS, Outcome, lag_during_s, late_504s, loop_lags
-from loadtests.sched_sampler import Sample, lock_wait_s, parse, runqueue_wait_s
+from loadtests.sched_sampler import Sample, lock_wait_s, on_cpu_s, parse, runqueue_wait_s
 
 
 def test_a_requests_share_of_the_load_generators_lag_is_that_of_the_ticks_it_overlapped() -> None:
@@ -49,6 +49,8 @@ def test_a_threads_waits_for_a_core_and_for_a_lock_are_read_between_samples() ->
     assert runqueue_wait_s(samples, 10.011, 10.014) == 0.0
     assert runqueue_wait_s([], 10.0, 11.0) == 0.0
     assert lock_wait_s(samples, 10.0, 10.015, interval_s=0.005) == pytest.approx(0.005)
+    ran = samples_of((10.0, 1_000_000, 0, "0"), (10.01, 9_000_000, 0, "ep_poll"))
+    assert on_cpu_s(ran, 10.002, 10.008) == pytest.approx(0.008)
     assert parse("10.0 1 2 ep_poll\n10.005 3 4 futex_wait_queue\n10.01 5") == samples_of(
         (10.0, 1, 2, "ep_poll"), (10.005, 3, 4, "futex_wait_queue")
     )
