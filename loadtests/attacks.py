@@ -193,25 +193,28 @@ def late_504s(
     samples: Sequence[sched_sampler.Sample],
 ) -> list[str]:
     """A line for each 504 the client saw over ``LATE_504_MS`` after its deadline, with where
-    the time went: the load generator's loop lag, and the server loop's waits for a core and
-    for a lock (``sched_sampler``; none without samples) while it was out."""
+    the time went. The server starts a deadline once it has read the request's headers, so a
+    504 ``late`` after the client's deadline was read up to ``late`` after it was sent: what
+    the server's loop did in those first ``late`` seconds (wait for a core, wait on a lock,
+    run other requests; ``sched_sampler``, none without samples) delayed that read; the load
+    generator's loop lag (its send, its read of the answer) is the rest."""
     lines = []
     for outcome in outcomes:
         late_s = outcome.latency_s - DEADLINE_MS / 1000
         if outcome.status != 504 or late_s * 1000 <= LATE_504_MS:
             continue
-        window = (outcome.sent_s, outcome.sent_s + outcome.latency_s)
-        generator_s = lag_during_s(lags, *window)
-        runqueue_s = sched_sampler.runqueue_wait_s(samples, *window)
-        lock_s = sched_sampler.lock_wait_s(samples, *window)
-        ran_s = sched_sampler.on_cpu_s(samples, *window)
+        generator_s = lag_during_s(lags, outcome.sent_s, outcome.sent_s + outcome.latency_s)
+        head = (outcome.sent_s, outcome.sent_s + late_s)
+        runqueue_s = sched_sampler.runqueue_wait_s(samples, *head)
+        lock_s = sched_sampler.lock_wait_s(samples, *head)
+        ran_s = sched_sampler.on_cpu_s(samples, *head)
+        left_s = late_s - generator_s - runqueue_s - lock_s - ran_s
         opened = " (its connection opened)" if outcome.first else ""
         lines.append(
-            f"- {point}: a 504 {late_s * 1000:.1f} ms late{opened}"
-            f"; the load generator's lag {generator_s * 1000:.1f} ms; the server loop, in the "
-            f"{outcome.latency_s * 1000:.0f} ms it was out, waited for a core "
-            f"{runqueue_s * 1000:.1f} ms, on a lock about {lock_s * 1000:.0f} ms, ran "
-            f"{ran_s * 1000:.1f} ms; left {(late_s - generator_s - runqueue_s) * 1000:.1f} ms"
+            f"- {point}: a 504 {late_s * 1000:.1f} ms late{opened}; the load generator's lag "
+            f"{generator_s * 1000:.1f} ms; in its first {late_s * 1000:.0f} ms the server loop "
+            f"waited for a core {runqueue_s * 1000:.1f} ms, on a lock about "
+            f"{lock_s * 1000:.0f} ms, ran {ran_s * 1000:.1f} ms; left {left_s * 1000:.1f} ms"
         )
     return lines
 
