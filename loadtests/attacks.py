@@ -5,7 +5,8 @@
   and how late each 504 came after its deadline. Clients send their next request as soon as
   they have an answer, 429 included: the harshest client there is. Once with the engine in
   the HTTP process (``engine_mode=in_process``, the default at one worker) and once in its
-  own process (``engine_mode=process``).
+  own process (``engine_mode=process``). ``--protocol grpc``: the same over gRPC
+  ``ModelInfer``, a connection per client (``loadtests.grpc_load``).
 - ``recovery``: after the 64-client storm of ``goodput``, one client sends a request every
   100 ms: how soon it is answered 200 again, and what it was answered meanwhile (a stale
   duration estimate refused such requests 422 for up to 30 s).
@@ -24,6 +25,7 @@ time and count. Writes a Markdown report to stdout.
     python -m loadtests.attacks --scenario fairness --duration-s 20
     python -m loadtests.attacks --scenario goodput --clients 1,64 --engine-mode in_process \
         --set BATCHSERVE_REFUSAL_HOLD_MS=0            # a setting changed on every server
+    python -m loadtests.attacks --scenario goodput --clients 1,64 --protocol grpc
 """
 
 from __future__ import annotations
@@ -37,16 +39,16 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from loadtests import hostile, servers
+from loadtests import hostile, sched_sampler, servers
 from loadtests.soak import HttpConnection
 
 T = TypeVar("T")
@@ -55,7 +57,10 @@ OVERRUN = "batchserve_deadline_overrun_seconds"
 LOOP_LAG = "batchserve_event_loop_lag_seconds"
 GOODPUT_CLIENTS = (1, 4, 64)
 ENGINE_MODES = ("in_process", "process")
+PROTOCOLS = ("http", "grpc")
 DEADLINE_MS = 300
+#: A 504 the client saw later than this after its deadline is looked into (the goal: 20 ms).
+LATE_504_MS = 20.0
 SLOW_UPLOADS = 8
 SCENARIOS = [
     "goodput",
@@ -77,6 +82,8 @@ class Outcome:
     status: int | str
     latency_s: float
     sent_s: float = 0.0
+    #: The first request of its client: its latency includes opening the connection.
+    first: bool = False
 
 
 def token_body(rng: np.random.Generator, rows: int, length: int) -> bytes:
@@ -86,6 +93,15 @@ def token_body(rng: np.random.Generator, rows: int, length: int) -> bytes:
 
 @contextmanager
 def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tuple[str, int]]:
+    with server_process(settings, scratch, name) as (host, port, _):
+        yield host, port
+
+
+@contextmanager
+def server_process(
+    settings: Mapping[str, str], scratch: Path, name: str
+) -> Iterator[tuple[str, int, int]]:
+    """A server's host, port and process id."""
     env = servers.server_env(
         {
             "BATCHSERVE_DEVICE": "cpu",
@@ -96,11 +112,11 @@ def server(settings: Mapping[str, str], scratch: Path, name: str) -> Iterator[tu
         }
     )
     log = scratch / f"{name}.log"
-    with servers.running(servers.batchserve_command(), env, log, ready_timeout_s=180) as url:
-        parts = urlsplit(url)
+    with servers.serving(servers.batchserve_command(), env, log, ready_timeout_s=180) as running:
+        parts = urlsplit(running.url)
         assert parts.hostname is not None
         assert parts.port is not None
-        yield parts.hostname, parts.port
+        yield parts.hostname, parts.port, running.pid
 
 
 async def closed_loop(
@@ -113,7 +129,7 @@ async def closed_loop(
     async def client() -> None:
         connection = HttpConnection(host, port)
         try:
-            for _ in range(MAX_REQUESTS_PER_CLIENT):
+            for index in range(MAX_REQUESTS_PER_CLIENT):
                 if time.monotonic() - started_s >= duration_s:
                     return
                 sent_s = time.monotonic()
@@ -122,12 +138,31 @@ async def closed_loop(
                     status: int | str = response.status
                 except (OSError, asyncio.IncompleteReadError) as error:
                     status = type(error).__name__
-                outcomes.append(Outcome(status, time.monotonic() - sent_s, sent_s))
+                outcomes.append(Outcome(status, time.monotonic() - sent_s, sent_s, index == 0))
         finally:
             await connection.close()
 
     await asyncio.gather(*(client() for _ in range(clients)))
     return outcomes, time.monotonic() - started_s
+
+
+async def grpc_closed_loop(
+    address: str, request: bytes, clients: int, duration_s: float
+) -> tuple[list[Outcome], float]:
+    """``closed_loop`` over gRPC ``ModelInfer`` (``loadtests.grpc_load``)."""
+    # Imported here: the server's protocol module and tritonclient's (which the tests of this
+    # harness sit beside) define the same protobuf symbols, and one process cannot hold both.
+    from loadtests import grpc_load
+
+    outcomes: list[Outcome] = []
+
+    def record(status: int | str, latency_s: float, sent_s: float) -> None:
+        outcomes.append(Outcome(status, latency_s, sent_s))
+
+    elapsed_s = await grpc_load.closed_loop(
+        address, request, clients, duration_s, record, MAX_REQUESTS_PER_CLIENT
+    )
+    return outcomes, elapsed_s
 
 
 async def loop_lags(work: Awaitable[T]) -> tuple[T, list[tuple[float, float]]]:
@@ -151,6 +186,39 @@ def lag_during_s(lags: Sequence[tuple[float, float]], start_s: float, end_s: flo
     )
 
 
+def late_504s(
+    point: str,
+    outcomes: Sequence[Outcome],
+    lags: Sequence[tuple[float, float]],
+    samples: Sequence[sched_sampler.Sample],
+) -> list[str]:
+    """A line for each 504 the client saw over ``LATE_504_MS`` after its deadline, with where
+    the time went. The server starts a deadline once it has read the request's headers, so a
+    504 ``late`` after the client's deadline was read up to ``late`` after it was sent: what
+    the server's loop did in those first ``late`` seconds (wait for a core, wait on a lock,
+    run other requests; ``sched_sampler``, none without samples) delayed that read; the load
+    generator's loop lag (its send, its read of the answer) is the rest."""
+    lines = []
+    for outcome in outcomes:
+        late_s = outcome.latency_s - DEADLINE_MS / 1000
+        if outcome.status != 504 or late_s * 1000 <= LATE_504_MS:
+            continue
+        generator_s = lag_during_s(lags, outcome.sent_s, outcome.sent_s + outcome.latency_s)
+        head = (outcome.sent_s, outcome.sent_s + late_s)
+        runqueue_s = sched_sampler.runqueue_wait_s(samples, *head)
+        lock_s = sched_sampler.lock_wait_s(samples, *head)
+        ran_s = sched_sampler.on_cpu_s(samples, *head)
+        left_s = late_s - generator_s - runqueue_s - lock_s - ran_s
+        opened = " (its connection opened)" if outcome.first else ""
+        lines.append(
+            f"- {point}: a 504 {late_s * 1000:.1f} ms late{opened}; the load generator's lag "
+            f"{generator_s * 1000:.1f} ms; in its first {late_s * 1000:.0f} ms the server loop "
+            f"waited for a core {runqueue_s * 1000:.1f} ms, on a lock about "
+            f"{lock_s * 1000:.0f} ms, ran {ran_s * 1000:.1f} ms; left {left_s * 1000:.1f} ms"
+        )
+    return lines
+
+
 def percentile_ms(values: Sequence[float], quantile: float) -> float:
     if not values:
         return float("nan")
@@ -158,6 +226,40 @@ def percentile_ms(values: Sequence[float], quantile: float) -> float:
 
 
 # --------------------------------------------------------------------------- goodput
+
+
+def token_ids_of(body: bytes) -> list[int]:
+    """The token ids of a one-row ``token_body``."""
+    ids: list[int] = json.loads(body)["instances"][0]
+    return ids
+
+
+def grpc_token_request(ids: Sequence[int]) -> bytes:
+    from loadtests import grpc_load  # see grpc_closed_loop
+
+    return grpc_load.token_request("textenc", ids)
+
+
+#: What a closed loop gives: every answer, and the seconds it ran.
+LoadResult = tuple[list["Outcome"], float]
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """Where the goodput attack's clients send, and what, over HTTP or gRPC."""
+
+    protocol: str
+    host: str
+    port: int
+    grpc_port: int
+    body: bytes
+    ids: Sequence[int]
+
+    def load(self, clients: int, duration_s: float) -> Coroutine[Any, Any, LoadResult]:
+        if self.protocol == "grpc":
+            address = f"{self.host}:{self.grpc_port}"
+            return grpc_closed_loop(address, grpc_token_request(self.ids), clients, duration_s)
+        return closed_loop(self.host, self.port, self.body, clients, duration_s)
 
 
 def goodput_settings(engine_mode: str) -> dict[str, str]:
@@ -176,11 +278,13 @@ def goodput(
     clients_list: Sequence[int] = GOODPUT_CLIENTS,
     engine_modes: Sequence[str] = ENGINE_MODES,
     tokens: int = 512,
+    protocol: str = "http",
 ) -> list[str]:
     rng = np.random.default_rng(0)
     body = token_body(rng, 1, tokens)
+    ids = [int(token) for token in token_ids_of(body)]
     lines = [
-        "## Goodput under overload",
+        "## Goodput under overload" + (" (gRPC)" if protocol == "grpc" else ""),
         "",
         f"`textenc`, {tokens} tokens per request, `max_queue_size=8`, deadline {DEADLINE_MS} ms; "
         f"closed loop for {duration_s:.0f} s per point, the next request sent as soon as an "
@@ -193,16 +297,34 @@ def goodput(
     ]
     for engine_mode in engine_modes:
         settings = goodput_settings(engine_mode)
-        with server(settings, scratch, f"goodput-{engine_mode}") as (host, port):
-            asyncio.run(closed_loop(host, port, body, 1, 2.0))  # warm-up
+        grpc_port = servers.free_port()
+        if protocol == "grpc":
+            settings["BATCHSERVE_GRPC_PORT"] = str(grpc_port)
+        late_lines: list[str] = []
+        with server_process(settings, scratch, f"goodput-{engine_mode}") as (host, port, pid):
+            target = LoadTarget(protocol, host, port, grpc_port, body, ids)
+            asyncio.run(target.load(1, 2.0))  # warm-up
             one_client = None
             for clients in clients_list:
                 url = f"http://{host}:{port}"
                 dropped_before = servers.dropped_by_reason(url)
                 overrun_before = servers.histogram_buckets(url, OVERRUN)
                 loop_lag_before = servers.histogram_buckets(url, LOOP_LAG)
-                (outcomes, elapsed_s), lags = asyncio.run(
-                    loop_lags(closed_loop(host, port, body, clients, duration_s))
+                # The front end's loop is the server's main thread in one process; with an
+                # engine process, ``pid`` is the supervisor's: nothing to sample.
+                sampled = engine_mode == "in_process"
+                sched_out = scratch / f"sched-{engine_mode}-{clients}.txt"
+                sampler = sched_sampler.start(pid, pid, sched_out) if sampled else None
+                try:
+                    (outcomes, elapsed_s), lags = asyncio.run(
+                        loop_lags(target.load(clients, duration_s))
+                    )
+                finally:
+                    if sampler is not None:
+                        sched_sampler.stop(sampler)
+                samples = sched_sampler.parse(sched_out.read_text()) if sampled else []
+                late_lines += late_504s(
+                    f"{engine_mode}, {clients} clients", outcomes, lags, samples
                 )
                 lag_s = max((lag for _, lag in lags), default=0.0)
                 dropped_after = servers.dropped_by_reason(url)
@@ -246,6 +368,7 @@ def goodput(
                     f" | {'-' if server_lag is None else f'{server_lag * 1000:g}'}"
                     f" | {lag_s * 1000:.1f} |"
                 )
+    lines += ["", *late_lines] if late_lines else []
     lines += [
         "",
         "A 504 before the deadline (negative) is a request the batcher found could not finish "
@@ -485,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--engine-mode", choices=ENGINE_MODES, action="append", help="goodput, recovery"
     )
     parser.add_argument(
+        "--protocol", choices=PROTOCOLS, default="http", help="goodput: the clients' protocol"
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -501,7 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         scratch = Path(folder)
         for scenario in chosen:
             if scenario == "goodput":
-                report += goodput(scratch, args.duration_s, clients, engine_modes, args.tokens)
+                report += goodput(
+                    scratch, args.duration_s, clients, engine_modes, args.tokens, args.protocol
+                )
             elif scenario == "recovery":
                 report += recovery(scratch, args.duration_s, engine_modes, args.tokens)
             elif scenario == "fairness":

@@ -61,3 +61,12 @@ def test_the_connections_remembered_are_bounded() -> None:
     for port in range(refusal_hold.MAX_CONNECTIONS + 10):
         holds.refused(("10.0.0.1", port), QueueFullError("full"))
     assert len(holds) <= refusal_hold.MAX_CONNECTIONS
+
+
+def test_a_hold_ends_before_the_callers_own_deadline() -> None:
+    """A gRPC call held past its deadline would see ``DEADLINE_EXCEEDED``, not the refusal."""
+    share = refusal_hold.DEADLINE_SHARE_HELD
+    assert hold_s(9.0, now_s=5.0, max_hold_s=2.0, time_left_s=1.0) == share
+    assert hold_s(9.0, now_s=5.0, max_hold_s=2.0, time_left_s=10.0) == 2.0
+    assert hold_s(9.0, now_s=5.0, max_hold_s=2.0, time_left_s=-1.0) == 0.0
+    assert hold_s(None, now_s=5.0, max_hold_s=2.0, time_left_s=1.0) == 0.0

@@ -11,8 +11,12 @@ it, and costs one refusal per ``Retry-After``, not thousands a second. A client 
 never waits. How much of it is a draw between ``HELD_FRACTION`` and 1 for each refusal: held
 whole, the clients refused together came back together, once a second, and the queue (a
 deadline's worth of work) sat empty between their waves. The connections are known by their
-address (``scope["client"]``); a client that opens a new connection for every retry is not
-held, but pays for a connection each time.
+address (``scope["client"]`` over HTTP, ``context.peer()`` over gRPC); a client that opens a
+new connection for every retry is not held, but pays for a connection each time. A gRPC
+connection carries many calls at once: each call refused before the connection's last
+``Retry-After`` passed is held (calls refused together wait up to ``refusal_hold_ms`` each),
+as one client resending at once. A call with a deadline of its own is answered by
+``DEADLINE_SHARE_HELD`` of the time it had left: told it was refused, not that it ran late.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ HELD_FRACTION = 0.5
 #: Connections remembered at most; beyond, those whose ``Retry-After`` has passed are
 #: forgotten, and if none has, all are (a flood of connections then goes unheld).
 MAX_CONNECTIONS = 4096
+#: A held refusal is answered once this share of its caller's time left (a gRPC deadline) has
+#: passed, at the latest.
+DEADLINE_SHARE_HELD = 0.8
 
 
 def retry_after_s(error: ServiceError) -> float | None:
@@ -41,12 +48,18 @@ def retry_after_s(error: ServiceError) -> float | None:
         return 1.0
 
 
-def hold_s(retry_at_s: float | None, now_s: float, max_hold_s: float) -> float:
+def hold_s(
+    retry_at_s: float | None, now_s: float, max_hold_s: float, time_left_s: float | None = None
+) -> float:
     """How long a refusal is held: until the connection's last ``Retry-After`` ends
-    (``retry_at_s``; None: never refused), at most ``max_hold_s``."""
+    (``retry_at_s``; None: never refused), at most ``max_hold_s`` and ``DEADLINE_SHARE_HELD``
+    of the caller's ``time_left_s`` (None: no deadline of its own)."""
     if retry_at_s is None:
         return 0.0
-    return min(max(0.0, retry_at_s - now_s), max_hold_s)
+    seconds = min(max(0.0, retry_at_s - now_s), max_hold_s)
+    if time_left_s is not None:
+        seconds = min(seconds, max(0.0, time_left_s * DEADLINE_SHARE_HELD))
+    return seconds
 
 
 class RefusalHolds:
@@ -68,14 +81,18 @@ class RefusalHolds:
         """Connections remembered."""
         return len(self._retry_at_s)
 
-    def refused(self, connection: Hashable, error: ServiceError) -> float:
+    def refused(
+        self, connection: Hashable, error: ServiceError, time_left_s: float | None = None
+    ) -> float:
         """Seconds to hold ``error`` before it is answered on ``connection`` (0 for an error
-        that is not a refusal for load, or with holds off)."""
+        that is not a refusal for load, or with holds off); ``time_left_s``: the caller's
+        own deadline, if it set one."""
         retry_s = retry_after_s(error)
         if retry_s is None or not self._max_hold_s:
             return 0.0
         now_s = self._now()
-        seconds = hold_s(self._retry_at_s.pop(connection, None), now_s, self._max_hold_s)
+        retry_at_s = self._retry_at_s.pop(connection, None)
+        seconds = hold_s(retry_at_s, now_s, self._max_hold_s, time_left_s)
         if len(self._retry_at_s) >= MAX_CONNECTIONS:
             self._forget(now_s)
         share = HELD_FRACTION + (1.0 - HELD_FRACTION) * self._draw()
@@ -86,8 +103,10 @@ class RefusalHolds:
         live = {key: at_s for key, at_s in self._retry_at_s.items() if at_s > now_s}
         self._retry_at_s = live if len(live) < MAX_CONNECTIONS else {}
 
-    async def hold(self, connection: Hashable, error: ServiceError) -> None:
+    async def hold(
+        self, connection: Hashable, error: ServiceError, time_left_s: float | None = None
+    ) -> None:
         """Wait before ``error`` is answered on ``connection``, as ``refused`` says."""
-        seconds = self.refused(connection, error)
+        seconds = self.refused(connection, error, time_left_s)
         if seconds > 0:
             await asyncio.sleep(seconds)

@@ -3,8 +3,10 @@
 ``ModelInfer`` takes inputs as typed contents or ``raw_input_contents`` and answers every
 output as ``raw_output_contents`` (what tritonclient reads). It validates like the REST route,
 takes the call's gRPC deadline as the request's deadline, leaves the queue when the caller
-cancels, and counts in the same request metrics (route ``grpc:ModelInfer``). Every front end
-of a server listens on the port (``SO_REUSEPORT``), like the HTTP one.
+cancels, and counts in the same request metrics (route ``grpc:ModelInfer``). A refusal for
+load (``RESOURCE_EXHAUSTED``) sent on a connection before its last ``Retry-After`` passed is
+held as over HTTP (``refusal_hold``). Every front end of a server listens on the port
+(``SO_REUSEPORT``), like the HTTP one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from service import tracing
 from service.errors import (
@@ -36,6 +40,7 @@ from service.frontend.oip.tensors import (
     InferOptions,
     RequestedOutput,
 )
+from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.requests import Deadline
 from service.frontend.state import FrontendState
 
@@ -70,6 +75,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
+        self.holds = RefusalHolds(frontend.settings.refusal_hold_ms)
 
     async def ServerLive(  # noqa: N802 - the protocol's names
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -111,7 +117,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 outputs=[tensor(**tensor_metadata(spec)) for spec in manifest.outputs],
             )
 
-        return await _answering(context, metadata)
+        return await _answering(context, metadata, pb.ModelMetadataResponse)
 
     async def ModelInfer(  # noqa: N802
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -133,10 +139,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         tally.started()
         self.frontend.receiving += 1
         try:
-            return await self._infer(request, context)
-        except ServiceError as error:
-            status = str(error.status_code)
-            raise
+            try:
+                return await self._infer(request, context)
+            except ServiceError as error:
+                status = str(error.status_code)
+                _set_status(context, error)
+                await self.holds.hold(context.peer(), error, context.time_remaining())
+                return pb.ModelInferResponse()
         except BaseException:
             status = "499" if context.cancelled() else "500"
             raise
@@ -147,51 +156,64 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
-        async def infer() -> pb.ModelInferResponse:
-            frontend = self.frontend
-            deadline = Deadline.start(frontend.settings).sooner(
-                context.time_remaining(), GRPC_DEADLINE
+        """The call's answer; a ``ServiceError`` for any refusal."""
+        frontend = self.frontend
+        deadline = Deadline.start(frontend.settings).sooner(context.time_remaining(), GRPC_DEADLINE)
+        model = frontend.serving_model(request.model_name, request.model_version or None)
+        options = InferOptions(
+            outputs=tuple(_requested(output) for output in request.outputs),
+            parameters=_parameters(request.parameters),
+        )
+        result, answered = await run_inference(
+            frontend,
+            model,
+            _inputs(request),
+            options,
+            deadline=deadline,
+            priority=batch_priority(options.parameters),
+            request_id=request.id or "grpc",
+        )
+        response = pb.ModelInferResponse(
+            model_name=model.manifest.name, model_version=result.version, id=request.id
+        )
+        for tensor in answered:
+            response.outputs.add(
+                name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape)
             )
-            model = frontend.serving_model(request.model_name, request.model_version or None)
-            options = InferOptions(
-                outputs=tuple(_requested(output) for output in request.outputs),
-                parameters=_parameters(request.parameters),
-            )
-            result, answered = await run_inference(
-                frontend,
-                model,
-                _inputs(request),
-                options,
-                deadline=deadline,
-                priority=batch_priority(options.parameters),
-                request_id=request.id or "grpc",
-            )
-            response = pb.ModelInferResponse(
-                model_name=model.manifest.name, model_version=result.version, id=request.id
-            )
-            for tensor in answered:
-                response.outputs.add(
-                    name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape)
-                )
-                response.raw_output_contents.append(binary_of(tensor))
-            return response
-
-        return await _answering(context, infer)
+            response.raw_output_contents.append(binary_of(tensor))
+        return response
 
 
 async def _answering(
-    context: grpc.aio.ServicerContext[Any, Any], call: Callable[[], Awaitable[Reply]]
+    context: grpc.aio.ServicerContext[Any, Any],
+    call: Callable[[], Awaitable[Reply]],
+    empty: Callable[[], Reply],
 ) -> Reply:
-    """``call``'s reply, or the gRPC status its ``ServiceError`` maps to (with its message)."""
+    """``call``'s reply, or the gRPC status its ``ServiceError`` maps to (with its message)
+    and an ``empty()`` reply, which grpc does not send with a status other than OK."""
     try:
         return await call()
     except ServiceError as error:
-        code = grpc.StatusCode[grpc_status_name(type(error))]
-        if code == grpc.StatusCode.INTERNAL:
-            logger.error("grpc_request_failed", extra={"error": error.message})
-        forget_traceback(error)
-        await context.abort(code, error.message)
-        raise  # abort raises; this line is never reached
+        _set_status(context, error)
+        return empty()
+
+
+def _set_status(context: grpc.aio.ServicerContext[Any, Any], error: ServiceError) -> None:
+    """Make ``error`` the call's status. Not by ``context.abort``: grpc keeps the
+    ``AbortError`` it raises in a frame of that error's own traceback, a reference cycle (about
+    40 objects a refusal) that only the garbage collector frees, and in a storm of refusals
+    its collections paused the event loop (issue 23)."""
+    code = grpc.StatusCode[grpc_status_name(type(error))]
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("grpc_request_failed", extra={"error": error.message})
+    forget_traceback(error)
+    context.set_code(code)
+    context.set_details(error.message)
+    if tracing.current is not None:
+        span = trace.get_current_span()
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if error.status_code >= 500:
+            span.set_status(Status(StatusCode.ERROR, error.message))
 
 
 def _inputs(request: pb.ModelInferRequest) -> list[InferInput]:
