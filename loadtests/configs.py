@@ -342,6 +342,12 @@ CONFIGURATIONS: dict[str, Configuration] = {
             "PeerMLP, workers=3 (more front ends than cores)",
             _MLP | {WORKERS_VARIABLE: "3"},
         ),
+        Configuration(
+            "mlp-w4",
+            MLP,
+            "PeerMLP, workers=4 (twice as many front ends as cores)",
+            _MLP | {WORKERS_VARIABLE: "4"},
+        ),
         Configuration("digits-w2", DIGITS, "digits, workers=2", _TWO_WORKERS),
         Configuration(
             "mlp-w2-instances2",
