@@ -179,7 +179,9 @@ class Settings(BaseSettings):
     """Longest a refusal for load (429) is held on a connection that sent its request before
     the ``Retry-After`` of its last 429 had passed: such a client is made to wait it out, so
     clients that resend at once cost one refusal per ``Retry-After`` each, not a storm that
-    takes the model's CPU. A connection's first 429 is answered at once. 0: never held."""
+    takes the model's CPU. A connection's first 429 is answered at once. The same holds over
+    gRPC (``RESOURCE_EXHAUSTED``, by the connection's peer), answered before the call's own
+    deadline. 0: never held."""
 
     request_timeout_ms: float = Field(default=10_000.0, ge=1.0, le=600_000.0)
     """Deadline of a request from its arrival; past it the request is answered 504."""
