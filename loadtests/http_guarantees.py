@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtests import servers
+from loadtests import http_servers, servers
 
 EVENTS_ENV = "HTTP_PROBE_EVENTS"
 STARTUP_S_ENV = "HTTP_PROBE_STARTUP_S"
@@ -130,21 +130,8 @@ class Granian:
         self.events = folder / f"events-{self.port}.jsonl"
         self.log = folder / f"granian-{self.port}.log"
         command = [
-            sys.executable,
-            "-m",
-            "granian",
-            "--interface",
-            "asgi",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--workers",
-            "1",
-            "--log-level",
-            "warning",
-            *extra,
-            target,
+            part.format(port=self.port)
+            for part in http_servers.granian_command(target, factory=False, extra=extra)
         ]
         full_env = dict(os.environ) | {EVENTS_ENV: str(self.events)} | (env or {})
         with self.log.open("wb") as log:
