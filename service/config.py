@@ -138,8 +138,10 @@ class Settings(BaseSettings):
 
     device_instances: int = Field(default=1, ge=1, le=64)
     """Model instances per device (Triton's instance groups): device threads fed by the one
-    batcher, each running a batch at a time on ``torch_threads`` divided between them. 1 for a
-    GPU; on a CPU host, 2 or more let one engine use every core (see Benchmarks)."""
+    batcher, each running a batch at a time on ``torch_threads`` divided between them; the
+    adaptive policy splits the requests the front ends hold into a batch an instance, so that
+    all run at once. 1 for a GPU; on a CPU host, 2 or more let one engine use every core (see
+    Benchmarks)."""
 
     max_batch_size: int = Field(default=64, ge=1, le=4096)
     """Most rows (instances) run in one forward pass."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from service.engine.batch_dispatch import Dispatch
 from service.engine.batching import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, Ticket
 from service.errors import (
     DeadlineExceededError,
@@ -1817,3 +1818,37 @@ async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherF
     await device.finish_until(lambda: all(task.done() for task in tasks))
     assert [task.result() for task in tasks] == [[[2 * row]] for row in (1, 2, 3, 4, 5)]
     assert model.batch_rows[:2] == [2, 2]
+
+
+async def test_with_two_instances_the_clients_held_are_split_into_a_batch_for_each(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Adaptive, two instances, the front ends holding 8 requests: batches of 4 (8 split
+    between the instances), both running at once, not one batch of 8 with an instance idle
+    while its clients turn around."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model,
+        executor=device,
+        max_batch_size=8,
+        max_wait_ms=10_000,
+        instances=2,
+        expected_requests=lambda: 8,
+    )
+    tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in range(8)]
+    await wait_until(lambda: device.pending == 2)
+    assert batcher.queue_depth == 0
+    await device.finish_until(lambda: all(task.done() for task in tasks))
+    assert [task.result() for task in tasks] == [[[2 * row]] for row in range(8)]
+    assert model.batch_rows == [4, 4]
+
+
+def test_the_adaptive_target_splits_the_requests_held_between_the_instances() -> None:
+    dispatch = Dispatch("adaptive", 0.005)
+    assert dispatch.target_rows(64, 64, 64) == 64  # one instance: every client in one batch
+    assert dispatch.target_rows(64, 64, 64, instances=2) == 32
+    assert dispatch.target_rows(64, 5, 64, instances=2) == 3  # rounded up: none left over
+    assert dispatch.target_rows(64, 64, 16, instances=2) == 16  # never over the row limit
+    assert dispatch.target_rows(7, 0, 64, instances=2) == 7  # nothing said: the last batch's
+    assert Dispatch("fixed", 0.005).target_rows(1, 0, 64, instances=2) == 64

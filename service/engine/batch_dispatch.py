@@ -9,7 +9,8 @@
   clients the oldest request has usually waited ``max_wait_ms`` while the device ran, and
   dispatching at once cut the batch at the 40 clients back so far (batches of 40 and 63,
   alternately). A lone client never waits for batch-mates that are not coming (the last batch
-  had one row), nor for uploads still arriving.
+  had one row), nor for uploads still arriving. With several device instances, the requests
+  the front ends hold are split into a batch an instance, so that all of them run at once.
 """
 
 from __future__ import annotations
@@ -35,11 +36,27 @@ class Dispatch:
     def adaptive(self) -> bool:
         return self.policy == "adaptive"
 
-    def target_rows(self, last_batch_rows: int, expected: int, row_limit: int) -> int:
-        """Rows a batch should have before it is dispatched without waiting."""
+    def target_rows(
+        self, last_batch_rows: int, expected: int, row_limit: int, instances: int = 1
+    ) -> int:
+        """Rows a batch should have before it is dispatched without waiting. With several
+        ``instances`` (adaptive), the requests the front ends hold are split into a
+        batch an instance, run at once: one batch of them all would leave the other instances
+        idle while its clients turn around."""
+        split = self.split_rows(expected, row_limit, instances)
+        if split:
+            return split
         if not self.adaptive:
             return row_limit
         return max(1, min(row_limit, max(last_batch_rows, expected)))
+
+    def split_rows(self, expected: int, row_limit: int, instances: int) -> int:
+        """With several ``instances``, the rows of a batch an instance for the ``expected``
+        requests the front ends hold, which also cap a batch; 0 where no split applies (one
+        instance, or no word from the front ends)."""
+        if instances < 2 or expected < 1:
+            return 0
+        return max(1, min(row_limit, -(-expected // instances)))
 
     def is_ready(self, group: Group, target_rows: int, limits: Limits) -> bool:
         """Full, or (adaptive) holding as many rows as the batch should have."""

@@ -1,11 +1,13 @@
-"""Taking one batch out of the queue, and what the next choice remembers of it: the group
-of the last batch (round robin), how many batches high-priority requests have led in a row
-(anti-starvation), and the rows of the last batch (the adaptive policy's target). The choice
-itself is ``batch_selection``'s pure functions; this applies it to the queue.
+"""Taking one batch out of the queue (and answering what it skipped), and what the next
+choice remembers of it: the group of the last batch (round robin), how many batches
+high-priority requests have led in a row (anti-starvation), and the rows of the last batch (the
+adaptive policy's target). The choice itself is ``batch_selection``'s pure functions; this
+applies it to the queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import operator
 from collections.abc import Callable, Hashable
 
@@ -18,6 +20,8 @@ from service.engine.batch_selection import (
     pick_group,
     plan_batch,
 )
+from service.errors import DeadlineExceededError
+from service.metrics import DropReason, ModelMetrics
 from service.types import Priority
 
 
@@ -57,3 +61,22 @@ class BatchFiller:
 #: Whether an entry's caller has gone (``Entry.abandoned``), read without a call of ours.
 _caller_gone: Callable[[Entry], bool] = operator.attrgetter("abandoned")
 _rows = operator.attrgetter("rows")
+
+
+def answer_skipped(
+    plan: Plan, metrics: ModelMetrics, estimate: Estimate, request_timeout_s: float
+) -> None:
+    """Answer what filling a batch skipped, uncomputed: entries whose caller has gone
+    (cancelled), and entries that cannot finish by their deadline even alone (504)."""
+    for entry in plan.gone:
+        metrics.dropped(DropReason.CANCELLED).inc()
+        entry.reject(asyncio.CancelledError())
+    for entry in plan.late:
+        seconds = estimate(entry.group, entry.rows) or 0.0
+        metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+        entry.reject(
+            DeadlineExceededError(
+                f"the request could not be answered within {request_timeout_s * 1e3:.0f}"
+                f" ms: its rows would take about {seconds * 1000:.0f} ms"
+            )
+        )

@@ -26,7 +26,7 @@ from service.config import BatchPolicy
 from service.engine.batch_clock import Clock, MonotonicClock, Timer
 from service.engine.batch_deadlines import Deadlines
 from service.engine.batch_dispatch import Dispatch
-from service.engine.batch_fill import BatchFiller
+from service.engine.batch_fill import BatchFiller, answer_skipped
 from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
 from service.engine.batch_intake import Admitted, Intake, Submission
 from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
@@ -144,7 +144,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             added=self._added,
         )
         self._returns = Returns()
-        self._target_rows = max_batch_size
+        self._target_rows = self._cap_rows = max_batch_size
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
         self._closing = False
@@ -185,7 +185,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
-        return Limits(self._row_limit.rows, self.max_batch_cost, self._quantum)
+        return Limits(min(self._row_limit.rows, self._cap_rows), self.max_batch_cost, self._quantum)
 
     def enqueue(
         self,
@@ -318,11 +318,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         self._row_limit.restore(self._clock.now())
-        limits = self._limits()
         expected = self._expected_requests() if self._dispatch.adaptive else 0
+        rows, instances = self._row_limit.rows, self._instances
         self._target_rows = self._dispatch.target_rows(
-            self._filler.last_batch_rows, expected, limits.row_limit
+            self._filler.last_batch_rows, expected, rows, instances
         )
+        self._cap_rows = self._dispatch.split_rows(expected, rows, instances) or rows
         yielded = not self._dispatch.adaptive
         while True:
             if not self._queue:
@@ -384,16 +385,5 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._queue, candidates, self._limits(), self.times.estimate, self._clock.now()
         )
         self._depth.changed()
-        for entry in taken.gone:
-            self._metrics.dropped(DropReason.CANCELLED).inc()
-            entry.reject(asyncio.CancelledError())
-        for entry in taken.late:  # cannot finish by its deadline even alone: 504, uncomputed
-            seconds = self.times.estimate(entry.group, entry.rows) or 0.0
-            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
-            entry.reject(
-                DeadlineExceededError(
-                    f"the request could not be answered within {self._request_timeout_s * 1e3:.0f}"
-                    f" ms: its rows would take about {seconds * 1000:.0f} ms"
-                )
-            )
+        answer_skipped(taken, self._metrics, self.times.estimate, self._request_timeout_s)
         return taken.batch
