@@ -128,6 +128,21 @@ def test_every_caller_gets_its_own_rows_from_batches_shared_by_both_front_ends(
     assert scraped(server.url, "batchserve_batch_frontends_bucket", {"le": "2.0"}) == batches
 
 
+def test_two_device_instances_answer_every_caller_its_own_rows(tmp_path: Path) -> None:
+    """Two instances: the requests the front ends hold are split into a batch an instance,
+    run at once on two device threads (``Dispatch.split_rows``); each caller still gets
+    exactly its own rows."""
+    inputs = [digits(1 + index % 3, seed=1000 + index) for index in range(120)]
+    with serve_with_engines(tmp_path, WORKERS, BATCHSERVE_DEVICE_INSTANCES="2") as server:
+        wait_until_serving(server, WORKERS)
+        responses = asyncio.run(predictions(server.url, inputs))
+        batches = scraped(server.url, "batchserve_batch_size_rows_count")
+    for expected, response in zip(reference(inputs), responses, strict=True):
+        assert response.status_code == 200, response.text
+        np.testing.assert_allclose(response.json()["predictions"], expected, rtol=1e-5, atol=1e-5)
+    assert batches < len(inputs), "requests should have been batched together"
+
+
 def test_the_front_ends_and_the_supervisor_never_load_torch(server: Running) -> None:
     engines = engine_pids(server)
     front_ends = frontend_pids(server)
