@@ -136,7 +136,9 @@ def run_rounds(args: argparse.Namespace) -> list[Run]:
                 started[name] = pool.start(command, env, root / f"{index}.log", 120.0)
             for server in started.values():
                 servers.check_answers(server.url, request_bodies[:2], headers)
-                wrk.run_wrk(server.url + "/predict", script, concurrency=args.concurrency, duration_s=2)
+                wrk.run_wrk(
+                    server.url + "/predict", script, concurrency=args.concurrency, duration_s=2
+                )
             names = list(started)
             for round_index in range(args.rounds):
                 shift = round_index % len(names)
