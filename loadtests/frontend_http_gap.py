@@ -132,8 +132,12 @@ def run_rounds(args: argparse.Namespace) -> list[Run]:
                 name = f"{index}:{checkout}"
                 metrics_dir = root / f"metrics-{index}"
                 metrics_dir.mkdir()
-                env = ceiling_env(Path(checkout).resolve(), repository, metrics_dir)
-                started[name] = pool.start(command, env, root / f"{index}.log", 120.0)
+                folder_of_checkout = Path(checkout).resolve()
+                env = ceiling_env(folder_of_checkout, repository, metrics_dir)
+                # In the checkout: ``python -m`` puts the working directory before PYTHONPATH.
+                started[name] = pool.start(
+                    command, env, root / f"{index}.log", 120.0, cwd=folder_of_checkout
+                )
             for server in started.values():
                 servers.check_answers(server.url, request_bodies[:2], headers)
                 wrk.run_wrk(
