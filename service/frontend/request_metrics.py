@@ -9,8 +9,8 @@ scrapes is exact), when a request arrives at an idle front end (so in-flight sho
 when this process renders ``/metrics`` (``flush``), and otherwise at most ``FLUSH_EVERY_S``
 apart, so a scrape of another process lags this one's counts by that much at most.
 
-Going idle and leaving it are written at the end of the event loop's turn, once for all the
-requests of the turn: a request served without waiting (its body in, its answer computed at
+Going idle and leaving it are written once a loop turn (``call_soon``), for all the requests
+of the turn: a request served without waiting (its body in, its answer computed at
 once, as the HTTP ceiling's) starts and ends in one step of its task, and writing the files at
 both ends cost 11 % of such a front end's CPU (py-spy under wrk at 64 connections).
 
