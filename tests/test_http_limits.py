@@ -132,6 +132,28 @@ async def test_a_request_line_trickling_in_is_cut_at_the_head_timeout() -> None:
     assert status_and_body(trickled)[0] == 408
 
 
+async def test_a_later_head_trickling_in_on_a_kept_alive_connection_is_cut_too() -> None:
+    """The timer of a later request's head is armed only when a read ends with the head
+    incomplete: a head sent in pieces after a first answer is still cut at the timeout."""
+    async with serving(keep_alive_timeout_s=30) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = await asyncio.wait_for(reader.readuntil(b"hello"), timeout=10.0)
+        started_s = time.monotonic()
+        answered = asyncio.create_task(reader.read())
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            if answered.done():
+                break
+            writer.write(bytes([byte]))
+            await asyncio.sleep(0.05)
+        trickled = await asyncio.wait_for(answered, timeout=10.0)
+        trickled_s = time.monotonic() - started_s
+        writer.close()
+    assert status_and_body(first) == (200, b"hello")
+    assert status_and_body(trickled)[0] == 408
+    assert HEAD_TIMEOUT_S * 0.9 <= trickled_s < HEAD_TIMEOUT_S + 2.0
+
+
 async def test_the_head_timer_spares_slow_answers_and_restarts_for_the_next_request() -> None:
     async with serving(keep_alive_timeout_s=1) as port:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -57,3 +59,30 @@ def test_under_load_the_tally_is_written_at_most_flush_every_s_apart() -> None:
     tally.answered("/predict", "200", 0.002)
     assert sample_total(registry, "batchserve_requests_total") == 1
     assert sample_total(registry, "batchserve_in_flight_requests") == 1
+
+
+async def test_on_an_event_loop_going_idle_is_written_once_at_the_end_of_the_turn() -> None:
+    """Requests that start and end in one step (answered without waiting) are written once
+    for the turn, not twice each; what a scrape then reads is exact."""
+    registry = CollectorRegistry()
+    metrics = FrontendMetrics(registry)
+    writes: list[int] = []
+    tally = RequestTally(metrics, flush_every_s=3600)
+    flush = tally.flush
+
+    def counted_flush() -> None:
+        writes.append(1)
+        flush()
+
+    tally.flush = counted_flush  # type: ignore[method-assign]
+    for _ in range(3):
+        tally.started()
+        tally.answered("/predict", "200", 0.002)
+    assert sample_total(registry, "batchserve_requests_total") == 0  # not yet: same turn
+    await asyncio.sleep(0)
+    assert len(writes) == 1
+    assert sample_total(registry, "batchserve_requests_total") == 3
+    assert sample_total(registry, "batchserve_in_flight_requests") == 0
+    tally.started()
+    await asyncio.sleep(0)
+    assert sample_total(registry, "batchserve_in_flight_requests") == 1  # shown a turn later

@@ -9,12 +9,18 @@ scrapes is exact), when a request arrives at an idle front end (so in-flight sho
 when this process renders ``/metrics`` (``flush``), and otherwise at most ``FLUSH_EVERY_S``
 apart, so a scrape of another process lags this one's counts by that much at most.
 
+Going idle and leaving it are written once a loop turn (``call_soon``), for all the requests
+of the turn: a request served without waiting (its body in, its answer computed at
+once, as the HTTP ceiling's) starts and ends in one step of its task, and writing the files at
+both ends cost 11 % of such a front end's CPU (py-spy under wrk at 64 connections).
+
 A request traced with an exemplar is written at once: the exemplar belongs to its own
 observation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from service import tracing
@@ -35,11 +41,12 @@ class RequestTally:
         self._in_flight_written = 0
         self._latencies: dict[tuple[str, str], list[float]] = {}
         self._flushed_s = time.perf_counter()
+        self._flush_pending = False
 
     def started(self) -> None:
         self.in_flight += 1
         if self.in_flight == 1:
-            self.flush()
+            self._flush_soon()
 
     def answered(self, route: str, status: str, latency_s: float, in_flight: bool = True) -> None:
         """One request of ``route`` answered ``status`` after ``latency_s``; ``in_flight``:
@@ -56,11 +63,26 @@ class RequestTally:
                 self._latencies[route, status] = [latency_s]
             else:
                 latencies.append(latency_s)
-        if self.in_flight == 0 or time.perf_counter() - self._flushed_s >= self._flush_every_s:
+        if self.in_flight == 0:
+            self._flush_soon()
+        elif time.perf_counter() - self._flushed_s >= self._flush_every_s:
             self.flush()
+
+    def _flush_soon(self) -> None:
+        """``flush`` at the end of this turn of the event loop (at once outside one)."""
+        if self._flush_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._flush_pending = True
+        loop.call_soon(self.flush)
 
     def flush(self) -> None:
         """Write what was tallied since the last flush to the metrics."""
+        self._flush_pending = False
         self._flushed_s = time.perf_counter()
         if self.in_flight != self._in_flight_written:
             self._metrics.in_flight.set(self.in_flight)

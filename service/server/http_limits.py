@@ -58,15 +58,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head = True
         self._received_head_bytes = 0
         """Bytes received since the head began: all head, while it has not ended."""
-        self._parsed_head_bytes = 0
-        """The request line and headers parsed so far, exactly."""
         self._head_too_large = False
+        self._in_head = False
+        """A head has begun and not ended (its timer is armed once a ``data_received`` ends
+        with it incomplete: most heads arrive whole in one, and need no timer)."""
         self._head_timer: asyncio.TimerHandle | None = None
         self._discarded_bytes: int | None = None
         """Bytes dropped since a refusal; None until one."""
+        self._head_held: HeadHeldTransport
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._head_held = HeadHeldTransport(transport, self.loop)
         self._start_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -101,40 +104,40 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._reading_head and self._received_head_bytes > self.max_head_bytes:
             self._refuse(431)
+            return
+        if self._in_head and self._head_timer is None:
+            self._start_head_timer()  # a later request's head, begun in this data, not ended
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._reading_head = True
-        self._parsed_head_bytes = 0
-        if self._head_timer is None:  # a later request on a kept-alive connection
-            self._start_head_timer()
-
-    def on_url(self, url: bytes) -> None:
-        self._count_head_bytes(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head_bytes(len(name) + len(value) + _HEADER_OVERHEAD_BYTES)
-        super().on_header(name, value)
+        self._in_head = True
 
     def on_headers_complete(self) -> None:
+        """Refuses a head over the limit that ended within one read (a head still incomplete
+        is counted in ``data_received``): its exact size, the URL and each header's name
+        and value with their separators, counted once it is whole rather than header by
+        header as it is parsed."""
+        parsed = len(self.url) + _HEADER_OVERHEAD_BYTES * len(self.headers)
+        for name, value in self.headers:
+            parsed += len(name) + len(value)
+        if parsed > self.max_head_bytes:
+            self._head_too_large = True
+            raise _HeadTooLargeError
         self._reading_head = False
-        self._stop_head_timer()
+        self._in_head = False
+        if self._head_timer is not None:
+            self._stop_head_timer()
         super().on_headers_complete()
         if self.cycle is not None:
-            self.cycle.transport = HeadHeldTransport(self.transport, self.loop)
+            # One per connection: its responses are written one after another.
+            self.cycle.transport = self._head_held
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         # What follows on this connection is the next request's head.
         self._reading_head = True
         self._received_head_bytes = 0
-
-    def _count_head_bytes(self, count: int) -> None:
-        self._parsed_head_bytes += count
-        if self._parsed_head_bytes > self.max_head_bytes:
-            self._head_too_large = True
-            raise _HeadTooLargeError
 
     def _start_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
