@@ -49,6 +49,7 @@ import orjson
 
 from loadtests import bodies, configs, servers, wrk
 from loadtests.frontend_cost import cpu_ticks, process_tree
+from loadtests.frontend_http_gap import ceiling_env
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -332,19 +333,9 @@ def measure(
 
 
 def _environment(repository: Path, metrics_dir: Path) -> dict[str, str]:
-    env = servers.server_env(
-        {
-            "BATCHSERVE_MODEL_REPOSITORY": str(repository),
-            "BATCHSERVE_MODEL_NAME": configs.MLP_MODEL.name,
-            "BATCHSERVE_LOG_LEVEL": "warning",
-            # One gunicorn front end and no engine: the ceiling's front end of ``--workers``.
-            "BATCHSERVE_WORKERS": "1",
-            "BATCHSERVE_ENGINE_MODE": "process",
-        }
-    )
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    return env
+    """One gunicorn front end and no engine (the ceiling's front end of ``--workers``), this
+    checkout's code."""
+    return ceiling_env(Path(__file__).resolve().parents[1], repository, metrics_dir)
 
 
 def run_rounds(args: argparse.Namespace) -> list[Run]:
