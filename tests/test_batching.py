@@ -1847,8 +1847,10 @@ async def test_with_two_instances_the_clients_held_are_split_into_a_batch_for_ea
 def test_the_adaptive_target_splits_the_requests_held_between_the_instances() -> None:
     dispatch = Dispatch("adaptive", 0.005)
     assert dispatch.target_rows(64, 64, 64) == 64  # one instance: every client in one batch
-    assert dispatch.target_rows(64, 64, 64, instances=2) == 32
-    assert dispatch.target_rows(64, 5, 64, instances=2) == 3  # rounded up: none left over
-    assert dispatch.target_rows(64, 64, 16, instances=2) == 16  # never over the row limit
-    assert dispatch.target_rows(7, 0, 64, instances=2) == 7  # nothing said: the last batch's
-    assert Dispatch("fixed", 0.005).target_rows(1, 0, 64, instances=2) == 64
+    assert dispatch.split_rows(64, 64, instances=1) == 0
+    assert dispatch.split_rows(64, 64, instances=2) == 32
+    assert dispatch.split_rows(5, 64, instances=2) == 3  # rounded up: none left over
+    assert dispatch.split_rows(64, 16, instances=2) == 16  # never over the row limit
+    assert dispatch.split_rows(0, 64, instances=2) == 0  # nothing said: no split, and
+    assert dispatch.target_rows(7, 0, 64) == 7  # the target is the last batch's rows
+    assert Dispatch("fixed", 0.005).target_rows(1, 0, 64) == 64

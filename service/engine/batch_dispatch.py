@@ -36,24 +36,19 @@ class Dispatch:
     def adaptive(self) -> bool:
         return self.policy == "adaptive"
 
-    def target_rows(
-        self, last_batch_rows: int, expected: int, row_limit: int, instances: int = 1
-    ) -> int:
-        """Rows a batch should have before it is dispatched without waiting. With several
-        ``instances`` (adaptive), the requests the front ends hold are split into a
-        batch an instance, run at once: one batch of them all would leave the other instances
-        idle while its clients turn around."""
-        split = self.split_rows(expected, row_limit, instances)
-        if split:
-            return split
+    def target_rows(self, last_batch_rows: int, expected: int, row_limit: int) -> int:
+        """Rows a batch should have before it is dispatched without waiting (one instance;
+        several: ``split_rows``)."""
         if not self.adaptive:
             return row_limit
         return max(1, min(row_limit, max(last_batch_rows, expected)))
 
     def split_rows(self, expected: int, row_limit: int, instances: int) -> int:
         """With several ``instances``, the rows of a batch an instance for the ``expected``
-        requests the front ends hold, which also cap a batch; 0 where no split applies (one
-        instance, or no word from the front ends)."""
+        requests the front ends hold (adaptive: the batcher passes 0 otherwise): the target,
+        and also the cap, of a batch, so that all instances run at once where one batch of
+        every request would leave the others idle while its clients turn around; 0 where no
+        split applies (one instance, or no word from the front ends)."""
         if instances < 2 or expected < 1:
             return 0
         return max(1, min(row_limit, -(-expected // instances)))

@@ -319,11 +319,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         self._row_limit.restore(self._clock.now())
         expected = self._expected_requests() if self._dispatch.adaptive else 0
-        rows, instances = self._row_limit.rows, self._instances
-        self._target_rows = self._dispatch.target_rows(
-            self._filler.last_batch_rows, expected, rows, instances
+        rows = self._row_limit.rows
+        split = self._dispatch.split_rows(expected, rows, self._instances)
+        self._target_rows = split or self._dispatch.target_rows(
+            self._filler.last_batch_rows, expected, rows
         )
-        self._cap_rows = self._dispatch.split_rows(expected, rows, instances) or rows
+        self._cap_rows = split or rows
         yielded = not self._dispatch.adaptive
         while True:
             if not self._queue:
