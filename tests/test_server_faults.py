@@ -130,7 +130,11 @@ def test_an_engine_killed_under_load_is_answered_503_at_once_and_comes_back(
         assert statuses <= {200, 503}, statuses
         slowest = max(outcome.seconds for outcome in outcomes)
         assert slowest < PROMPTLY_S, f"a request took {slowest:.2f} s"
-        assert any(o.status == 503 and o.sent_s > killed_at[0] for o in outcomes)
+        # The kill is answered 503, not waited out: the requests it caught in flight (and any
+        # sent before the front ends have a ready engine again). Which of them are sent after
+        # the kill is a race between the front ends' seeing the loss and the replacement's
+        # start: on a loaded host every request sent after it was once answered 200.
+        assert any(o.status == 503 and o.sent_s + o.seconds > killed_at[0] for o in outcomes)
         # The replacement engine serves the rest of the load.
         late = [o for o in outcomes if o.sent_s > max(o.sent_s for o in outcomes) - 1.0]
         assert late
