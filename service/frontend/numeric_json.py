@@ -10,17 +10,20 @@ anything else), and their maximum and minimum prove every value finite and small
 that float64 holds it exactly as an integer and the target dtype holds it finitely.
 Whatever this path cannot prove it leaves to the general path (``None``), which then answers
 or refuses exactly as before: the fast path only ever returns the array the general path
-would have built.
+would have built. A body of feature-vector rows (``plain_float_rows``) is not even read by
+orjson: simdjson writes its numbers straight into a buffer of doubles.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
+import threading
 from itertools import chain
 from typing import Any
 
 import numpy as np
+import simdjson
 
 from service.types import Array
 
@@ -55,6 +58,53 @@ def plain_float_array(
     if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
         return None
     return array.astype(dtype)  # a copy: the packed buffer is read-only
+
+
+def plain_float_rows(body: bytes, width: int, max_rows: int) -> Array | None:
+    """The rows of a body ``{"instances": [[...], ...]}`` of 1 to ``max_rows`` rows of
+    ``width`` plain numbers each, as float64 values that the ``_MAX_MAGNITUDE`` bound holds
+    exactly, parsed without a Python object per value; None when the general path must decide.
+
+    simdjson parses the body and writes its numbers straight into a buffer of doubles
+    (``as_buffer``), where orjson built a ``float`` per value that ``struct`` packed back. It
+    answers only what it proves the general path reads alike: the body is ASCII (simdjson
+    skips a byte-order mark that orjson refuses) and holds no string but its key and no
+    literal (``_numbers_and_lists``); simdjson checks the whole document's grammar, as strict
+    as orjson's, and rounds every number correctly, as orjson does (``-0`` is the integer 0
+    in both); the instances are ``count`` lists of ``width`` elements each and the body's
+    ``[`` are ``count`` + 1 (the instances' and one per row), so no element is a list
+    (``as_buffer`` refuses an object), and the values are within ``_MAX_MAGNITUDE``.
+    """
+    if width < 1 or not (body.isascii() and _numbers_and_lists(body)):
+        return None
+    parser = _parsers.__dict__.get("parser")
+    if parser is None:
+        parser = _parsers.parser = simdjson.Parser()
+    try:
+        document = parser.parse(body)
+        rows = document.get("instances") if isinstance(document, simdjson.Object) else None
+        if not isinstance(rows, simdjson.Array):
+            return None
+        count = len(rows)
+        if not (0 < count <= max_rows and body.count(b"[") == count + 1):
+            return None
+        for row in rows:
+            if type(row) is not simdjson.Array or len(row) != width:
+                return None
+        packed = rows.as_buffer(of_type="d")
+    except (ValueError, TypeError, KeyError, RuntimeError):
+        return None  # not JSON, not this object, a number simdjson does not hold: the general path
+    finally:
+        document = rows = row = None  # the parser parses the next one once its proxies are gone
+    array = np.frombuffer(packed, np.float64).reshape(count, width)
+    if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
+        return None
+    return array
+
+
+#: A simdjson parser per thread (handlers parse large bodies in a pool): one reuses its
+#: buffers from body to body.
+_parsers = threading.local()
 
 
 def _float64_rows(instances: list[Any], instance_shape: tuple[int, ...]) -> Array | None:

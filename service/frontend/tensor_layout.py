@@ -17,7 +17,7 @@ from service.errors import (
     InvalidInputError,
 )
 from service.frontend.bodies import NPY_MEDIA_TYPE, ZIP_MAGICS, check_npy_data_size, read_instances
-from service.frontend.numeric_json import FAST_DTYPES, plain_float_array
+from service.frontend.numeric_json import FAST_DTYPES, plain_float_array, plain_float_rows
 from service.manifest import TensorSpec
 from service.types import Array
 
@@ -44,13 +44,19 @@ class TensorLayout:
     fast_instance_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
     """The instance shape when JSON instances may take ``numeric_json``'s fast path (a float
     tensor of fixed shape), else None."""
+    plain_width: int | None = field(init=False, repr=False, compare=False)
+    """The instance width when a whole JSON body may take ``numeric_json.plain_float_rows``
+    (a fast instance shape of one axis), else None."""
 
     def __post_init__(self) -> None:
         dtype = self.spec.numpy_dtype
         fast = self.spec.variable_axis is None and dtype in FAST_DTYPES
+        shape = self.spec.instance_shape if fast else None
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "variable_axis", self.spec.variable_axis)
-        object.__setattr__(self, "fast_instance_shape", self.spec.instance_shape if fast else None)
+        object.__setattr__(self, "fast_instance_shape", shape)
+        width = shape[0] if shape is not None and len(shape) == 1 and shape[0] > 0 else None
+        object.__setattr__(self, "plain_width", width)
 
     def parse(self, body: bytes, media_type: str) -> Array:
         if media_type == NPY_MEDIA_TYPE:
@@ -59,7 +65,23 @@ class TensorLayout:
 
     def parse_json(self, body: bytes) -> Array:
         """``{"instances": [...]}`` -> one array in the spec's dtype."""
+        plain = self.parse_plain_json(body)
+        if plain is not None:
+            return plain
         return self.parse_instances(read_instances(body), body)
+
+    def parse_plain_json(self, body: bytes) -> Array | None:
+        """The whole body's instances as ``parse_json`` would give them, parsed without a
+        Python float per value (``numeric_json.plain_float_rows``), or None when only the
+        general path can say (it then answers or refuses as before)."""
+        if self.plain_width is None:
+            return None
+        rows = plain_float_rows(body, self.plain_width, self.max_instances)
+        if rows is None:
+            return None
+        array = rows.astype(self.dtype)  # a copy: the parsed buffer is read-only
+        self._check_range(array)
+        return array
 
     def parse_instances(self, instances: list[Any], body: bytes) -> Array:
         """The JSON instances of this tensor (``body`` is the whole request's) as one array."""
