@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from service.bridge.interface import InferenceResult, ModelInfo
+from service.bridge.interface import ModelInfo
 from service.errors import (
     BadRequestError,
     HandlerError,
@@ -221,16 +221,25 @@ async def _serve_body(
         handler = frontend.handler_for(model)
         if model is not first_model:  # switched while the body arrived: its handler decides
             media_type = body_media_type(headers.content_type, handler.media_types)
-        handler_request = HandlerRequest(
-            body=body,
-            media_type=media_type,
-            content_type=headers.content_type or JSON_MEDIA_TYPE,
-            query=_query(query_string, handler),
-            deadline_s=deadline.at_s,
-        )
+        query = _query(query_string, handler)
         answer_type = _answer_type(headers.accept, model, handler)
+        inline = type(handler) is Handler and cheap_to_parse(body)
+        # The base handler's small body needs no request object (its preprocess reads the
+        # body and media type only); a handler's own steps, or a thread, get one.
+        handler_request = (
+            None if inline else _handler_request(body, media_type, headers, query, deadline.at_s)
+        )
         with request_spans.child("parse"):
-            instances = await _preprocess(frontend, handler, handler_request)
+            if handler_request is None:
+                instances = _handled(handler.context.layout.parse, body, media_type)
+            else:
+                instances = await off_the_loop(
+                    frontend.handler_pool,
+                    deadline.at_s,
+                    _handled,
+                    handler.preprocess,
+                    handler_request,
+                )
         result = await held.infer(model, instances, headers.batch_priority(), receive)
     name, version = model.manifest.name, result.version
     response_headers = {"X-Model-Version": f"{name}@{version}"}
@@ -242,7 +251,15 @@ async def _serve_body(
             encode_npz(result.outputs), media_type=NPZ_MEDIA_TYPE, headers=response_headers
         )
     result = per_token.at_own_lengths(result, instances, model.manifest)
-    predictions = _postprocess(handler, result, handler_request)
+    outputs = result.outputs
+    if type(handler) is Handler and type(outputs) is NamedArrays and len(outputs.names) == 1:
+        # On the event loop, the whole array at once: orjson writes it far faster than a list
+        # of rows.
+        predictions: object = outputs[outputs.names[0]]
+    else:  # softmax and top-k of a few rows cost less than a thread hop
+        if handler_request is None:
+            handler_request = _handler_request(body, media_type, headers, query, deadline.at_s)
+        predictions = _handled(handler.postprocess, outputs, handler_request)
     return json_answer(
         {"model": name, "version": version, "predictions": predictions},
         (b"x-model-version", response_headers["X-Model-Version"].encode("latin-1")),
@@ -278,24 +295,16 @@ def _answer_type(accept: str | None, model: ModelInfo, handler: Handler) -> str:
     return answer
 
 
-async def _preprocess(
-    frontend: FrontendState, handler: Handler, request: HandlerRequest
-) -> NamedArrays:
-    """A small tensor body parsed inline; a version's own handler, or a large body, in the
-    handler threads, waited for until the deadline at most (504)."""
-    if type(handler) is Handler and cheap_to_parse(request.body):
-        return _handled(handler.preprocess, request)
-    pool = frontend.handler_pool
-    return await off_the_loop(pool, request.deadline_s, _handled, handler.preprocess, request)
-
-
-def _postprocess(handler: Handler, result: InferenceResult, request: HandlerRequest) -> object:
-    """On the event loop: softmax and top-k of a few rows cost less than a thread hop."""
-    outputs = result.outputs
-    if type(handler) is Handler and type(outputs) is NamedArrays and len(outputs.names) == 1:
-        # The whole array at once: orjson writes it far faster than a list of rows.
-        return outputs[outputs.names[0]]
-    return _handled(handler.postprocess, outputs, request)
+def _handler_request(
+    body: bytes, media_type: str, headers: PredictHeaders, query: dict[str, str], deadline_s: float
+) -> HandlerRequest:
+    return HandlerRequest(
+        body=body,
+        media_type=media_type,
+        content_type=headers.content_type or JSON_MEDIA_TYPE,
+        query=query,
+        deadline_s=deadline_s,
+    )
 
 
 def _handled(step: Callable[..., T], *args: object) -> T:
