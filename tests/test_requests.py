@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import random
+import re
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -26,7 +29,8 @@ from service.bridge.interface import (
 from service.config import Settings
 from service.errors import DeadlineExceededError, QueueFullError, ServiceError
 from service.frontend.app import create_frontend_app
-from service.frontend.requests import SERVER_TIMEOUT, Deadline, HeldRequest
+from service.frontend.middleware import request_id_of
+from service.frontend.requests import SERVER_TIMEOUT, Deadline, DisconnectWatcher, HeldRequest
 from service.frontend.state import FrontendState
 from service.manifest import Architecture, Manifest, TensorSpec
 from service.metrics import FrontendMetrics, ProcessMetrics
@@ -266,3 +270,37 @@ async def test_an_error_answer_leaves_no_garbage_for_the_collector(
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_a_request_id_is_the_clients_one_plain_token_else_a_fresh_one() -> None:
+    ids = random.Random()
+
+    def of(*values: bytes) -> str:
+        headers = [(b"host", b"x"), *((b"x-request-id", value) for value in values)]
+        return request_id_of({"headers": headers}, ids)
+
+    assert of(b"abc-1.2_X") == "abc-1.2_X"
+    for refused in ((b"a b",), (b"x" * 65,), (b"",), (b"one", b"two"), (b"\xe9",)):
+        fresh = of(*refused)
+        assert re.fullmatch(r"[0-9a-f]{32}", fresh), fresh
+    random.seed(0)  # a seeded global generator does not make ids repeat
+    fresh_ids = {of() for _ in range(2000)}
+    assert len(fresh_ids) == 2000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", value) for value in fresh_ids)
+    assert any(value.startswith("0") for value in fresh_ids)  # zero-padded to 32 digits
+
+
+def test_a_disconnect_watch_waits_on_the_loop_it_runs_on_when_loops_change() -> None:
+    async def watched() -> asyncio.AbstractEventLoop:
+        async def receive() -> Message:
+            return {"type": "http.request"}
+
+        with DisconnectWatcher(receive) as watcher:
+            return watcher._waiting.loop
+
+    for _ in range(3):  # each asyncio.run is a new loop: its own _Waiting, its own timer
+        loop = asyncio.new_event_loop()
+        try:
+            assert loop.run_until_complete(watched()) is loop
+        finally:
+            loop.close()

@@ -163,9 +163,12 @@ class DisconnectWatcher:
     def __enter__(self) -> DisconnectWatcher:
         loop = asyncio.get_running_loop()
         self._caller = asyncio.current_task(loop)
-        waiting = _WAITING.get(loop)
-        if waiting is None:
-            waiting = _WAITING[loop] = _Waiting(loop, self.WATCH_AFTER_S)
+        waiting = _last_waiting[0]
+        if waiting is None or waiting.loop is not loop:  # tests run several loops in turn
+            waiting = _WAITING.get(loop)
+            if waiting is None:
+                waiting = _WAITING[loop] = _Waiting(loop, self.WATCH_AFTER_S)
+            _last_waiting[0] = waiting  # found again without WeakKeyDictionary's weak reference
         self._waiting = waiting
         waiting.add(self)
         return self
@@ -199,6 +202,7 @@ class _Waiting:
     one timer starts each one's watch once it has waited ``after_s``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, after_s: float) -> None:
+        self.loop = loop
         self._loop = loop
         self._after_s = after_s
         self._since: dict[DisconnectWatcher, float] = {}
@@ -227,3 +231,5 @@ class _Waiting:
 _WAITING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waiting] = (
     weakref.WeakKeyDictionary()
 )
+_last_waiting: list[_Waiting | None] = [None]
+"""The ``_Waiting`` of the loop a watcher last started on (held by ``_WAITING`` too)."""
