@@ -4,6 +4,7 @@ awaited, bounded and cancellable, as a plain ``await receive()`` is."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Generator
 from typing import Any
 
 import pytest
@@ -62,3 +63,26 @@ async def test_a_receive_that_is_no_coroutine_is_handed_back_to_await() -> None:
     message, pending = received_or_pending(lambda: future)
     assert message is None
     assert pending is future
+
+
+class _ReturningAtOnce(Coroutine[Any, Any, dict[str, Any]]):
+    """A coroutine that is no ``async def``'s: it returns ``BODY`` when first sent to."""
+
+    def send(self, value: Any) -> Any:
+        raise StopIteration(BODY)
+
+    def throw(self, *args: Any) -> Any:
+        raise StopIteration(BODY)
+
+    def close(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, Any, dict[str, Any]]:
+        return BODY
+        yield
+
+
+async def test_a_coroutine_of_another_type_is_run_as_an_async_defs_is() -> None:
+    message, pending = received_or_pending(_ReturningAtOnce)
+    assert message == BODY
+    assert pending is None
