@@ -43,6 +43,14 @@ class QueuedRequest(Protocol):
     tag: Any
     """The bridge's: the request's call id and the version computing it."""
 
+    output: NamedArrays | None
+    """Its outputs once computed, when it ran in one batch (else None: ask ``outputs``)."""
+
+    @property
+    def batches(self) -> tuple[tuple[str, int], ...]:
+        """``traced_batches()``, read without a call where the ticket holds them."""
+        ...
+
     def outputs(self) -> list[NamedArrays]: ...
 
     def cancel(self) -> None: ...
@@ -275,23 +283,30 @@ class _Connection(asyncio.Protocol):
         """The requests one batch finished for this front end (or one a deadline or a cancel
         did): their answers in one frame, the arrays of all packed at once."""
         answers: list[contract.Answer] = []
-        computed: list[tuple[contract.Answer, NamedArrays]] = []
+        computed: list[contract.Answer] = []
+        outputs: list[NamedArrays] = []
         queued = self._queued
         for ticket in tickets:
             call_id, version = ticket.tag  # (int, str), as _submitted set it
             queued.pop(call_id, None)
-            outcome = self._outcome(call_id, ticket)
-            if isinstance(outcome, NamedArrays):
-                answer = contract.Answer(call_id, version, [], list(ticket.traced_batches()))
-                computed.append((answer, outcome))
-                answers.append(answer)
-            elif outcome is not None:
-                answers.append(outcome)
+            output = ticket.output  # computed in one batch: no call to ask it
+            if output is None:
+                outcome = self._outcome(call_id, ticket)
+                if outcome is None:
+                    continue
+                if not isinstance(outcome, NamedArrays):
+                    answers.append(outcome)
+                    continue
+                output = outcome
+            batches = ticket.batches
+            computed.append(contract.Answer(call_id, version, [], list(batches) if batches else []))
+            outputs.append(output)
         packer = contract.DataPacker()
         if computed:
-            specs = packer.pack_all([outputs for _, outputs in computed])
-            for (answer, _), arrays in zip(computed, specs, strict=True):
+            specs = packer.pack_all(outputs)
+            for answer, arrays in zip(computed, specs, strict=True):
                 answer.arrays = arrays
+            answers += computed
         if answers:
             self._send_answers(answers, packer.buffers)
 

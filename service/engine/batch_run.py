@@ -22,7 +22,7 @@ from service.engine.batch_clock import Clock
 from service.engine.batch_guards import RowLimit, StallWatch, failure_for
 from service.engine.batch_queue import Entry
 from service.engine.batch_spans import BatchTracer
-from service.engine.batch_ticket import Sink, Ticket
+from service.engine.batch_ticket import Sink, Ticket, settle_batch
 from service.engine.estimates import BatchTimes
 from service.errors import DeviceOutOfMemoryError
 from service.metrics import ModelMetrics, observe_many
@@ -65,6 +65,13 @@ class Deliveries:
             _deliver(sink, [ticket])
         else:
             self._gathering.setdefault(sink, []).append(ticket)
+
+    def answer(self, batch: list[Entry], outputs: Sequence[object]) -> None:
+        """Answer a batch's entries with its outputs (``settle_batch``), then hand each sink
+        its finished tickets at once."""
+        with self.per_batch():
+            assert self._gathering is not None
+            settle_batch(batch, outputs, self._gathering)
 
     @contextlib.contextmanager
     def per_batch(self) -> Iterator[None]:
@@ -161,12 +168,7 @@ class BatchRun(Generic[PayloadT, OutputT]):
             await self._isolating_failures(batch[middle:])
             return
         self._metrics.inference_latency.observe(time.perf_counter() - started_s)
-        with self._deliveries.per_batch():
-            for entry, output in zip(batch, outputs, strict=True):
-                if isinstance(output, Exception):
-                    entry.reject(output)
-                else:
-                    entry.resolve(output)
+        self._deliveries.answer(batch, outputs)
 
     async def _forward(
         self, payloads: list[PayloadT], rows: int, group: Hashable
