@@ -200,6 +200,7 @@ class SoloTicket(Entry, Generic[OutputT]):
         self.index = 0
         self.queued = False
         self.done = False
+        self.awaited = False  # until wait() is called
         self.tag = tag
         self.sink = sink
         self._withdraw = withdraw
@@ -235,6 +236,7 @@ class SoloTicket(Entry, Generic[OutputT]):
 
     async def wait(self) -> list[OutputT]:
         if not self.done:
+            self.awaited = True
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
