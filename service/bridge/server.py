@@ -43,8 +43,10 @@ class QueuedRequest(Protocol):
     tag: Any
     """The bridge's: the request's call id and the version computing it."""
 
-    output: NamedArrays | None
-    """Its outputs once computed, when it ran in one batch (else None: ask ``outputs``)."""
+    @property
+    def output(self) -> NamedArrays | None:
+        """Its outputs once computed, when it ran in one batch (else None: ask ``outputs``)."""
+        ...
 
     @property
     def batches(self) -> tuple[tuple[str, int], ...]:

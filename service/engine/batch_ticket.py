@@ -38,6 +38,17 @@ class Ticket(Protocol[OutputT]):
     """What the caller knows the request by (the bridge: its call id and version)."""
 
     @property
+    def output(self) -> OutputT | None:
+        """Its output once computed in one batch (else None: ask ``outputs``), read by a
+        sink without a call."""
+        ...
+
+    @property
+    def batches(self) -> tuple[tuple[str, int], ...]:
+        """``traced_batches()``, read without a call where the ticket holds them."""
+        ...
+
+    @property
     def sink(self) -> Sink | None: ...
 
     def outputs(self) -> list[OutputT]:

@@ -198,30 +198,60 @@ class Engine:
         in order, its ticket and version, or the error ``enqueue`` would have raised for it
         had they been queued one by one."""
         self.state.frontend_loads[id(sink)] = (frontend_load, time.monotonic())
-        results: list[Queued | None] = []
+        results: list[Queued | None] = [None] * len(requests)  # each set below
         models: dict[tuple[str, str], ServedModel | ServiceError] = {}
         frames: dict[int, tuple[ServedModel, list[int], list[Submission]]] = {}
+        # What the previous request asked, reused while the next asks the same (a frame's
+        # requests are mostly alike): its model's, its frame's, its group's.
+        model = version = None
+        served: ServedModel | ServiceError | None = None
+        live: ServedModel | None = None  # served, unless refused
+        refused: ServiceError | None = None  # why, if so
+        indexes: list[int] = []
+        submissions: list[Submission] = []
+        grouping = ""
+        known_shape: tuple[int, ...] | None = None
+        group: tuple[int, ...] = ()
+        cost_per_row = 0
         for index, (request, instances) in enumerate(requests):
-            key = (request.model, request.version)
-            served = models.get(key)
-            if served is None:
-                served = models[key] = self._serving(request.model, request.version)
-            if isinstance(served, ServiceError):
-                results.append(served)
+            if request.model != model or request.version != version:
+                model, version = request.model, request.version
+                key = (model, version)
+                served = models.get(key)
+                if served is None:
+                    served = models[key] = self._serving(model, version)
+                if isinstance(served, ServiceError):
+                    live, refused = None, served
+                else:
+                    live = served
+                    frame = frames.get(id(served))
+                    if frame is None:
+                        frame = frames[id(served)] = (served, [], [])
+                    _, indexes, submissions = frame
+                    grouping = served.grouping_name
+                    known_shape = None
+            if live is None:
+                results[index] = refused  # its model's refusal
                 continue
+            # The group and cost follow from the grouping input's instance shape alone
+            # (``ServedModel.grouping_name``): asked again only when that shape changes.
             try:
-                group, cost_per_row = served.group_of(instances)
-            except ServiceError as error:
-                results.append(error)
-                continue
-            results.append(None)  # once its batcher has admitted it
-            frame = frames.get(id(served))
-            if frame is None:
-                frame = frames[id(served)] = (served, [], [])
-            frame[1].append(index)
+                shape = instances.arrays[grouping].shape
+                rows: int | None = shape[0]
+                instance_shape = shape[1:]
+            except (KeyError, IndexError):
+                rows, instance_shape = None, None  # group_of says what is wrong
+            if instance_shape is None or instance_shape != known_shape:
+                try:
+                    group, cost_per_row = live.group_of(instances)
+                except ServiceError as error:
+                    results[index] = error
+                    continue
+                known_shape = instance_shape
+            indexes.append(index)
             # Built as a plain tuple: a NamedTuple's own constructor is a Python call, and
             # this runs once a request.
-            frame[2].append(
+            submissions.append(
                 tuple.__new__(
                     Submission,
                     (
@@ -233,6 +263,7 @@ class Engine:
                         request.request_id,
                         request.trace,
                         None,
+                        rows,
                     ),
                 )
             )
@@ -243,7 +274,7 @@ class Engine:
                 results[index] = (
                     outcome if isinstance(outcome, ServiceError) else (outcome, version)
                 )
-        return [outcome for outcome in results if outcome is not None]
+        return results  # type: ignore[return-value]  # every one set
 
     def _serving(self, model: str, version: str) -> ServedModel | ServiceError:
         """The model serving requests prepared for ``model@version``, or why none does."""
