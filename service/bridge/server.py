@@ -285,8 +285,7 @@ class _Connection(asyncio.Protocol):
         """The requests one batch finished for this front end (or one a deadline or a cancel
         did): their answers in one frame, the arrays of all packed at once."""
         answers: list[contract.Answer] = []
-        computed: list[contract.Answer] = []
-        outputs: list[NamedArrays] = []
+        computed: list[tuple[contract.Answer, NamedArrays]] = []
         queued = self._queued
         for ticket in tickets:
             call_id, version = ticket.tag  # (int, str), as _submitted set it
@@ -301,14 +300,14 @@ class _Connection(asyncio.Protocol):
                     continue
                 output = outcome
             batches = ticket.batches
-            computed.append(contract.Answer(call_id, version, [], list(batches) if batches else []))
-            outputs.append(output)
+            answer = contract.Answer(call_id, version, [], list(batches) if batches else [])
+            computed.append((answer, output))
         packer = contract.DataPacker()
         if computed:
-            specs = packer.pack_all(outputs)
-            for answer, arrays in zip(computed, specs, strict=True):
+            specs = packer.pack_all([output for _, output in computed])
+            for (answer, _), arrays in zip(computed, specs, strict=True):
                 answer.arrays = arrays
-            answers += computed
+            answers += [answer for answer, _ in computed]
         if answers:
             self._send_answers(answers, packer.buffers)
 
