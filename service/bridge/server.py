@@ -285,7 +285,9 @@ class _Connection(asyncio.Protocol):
         """The requests one batch finished for this front end (or one a deadline or a cancel
         did): their answers in one frame, the arrays of all packed at once."""
         answers: list[contract.Answer] = []
-        computed: list[tuple[contract.Answer, NamedArrays]] = []
+        # Each computed request's id, version, traced batches and outputs, answered once the
+        # outputs of all are packed.
+        computed: list[tuple[int, str, tuple[tuple[str, int], ...], NamedArrays]] = []
         queued = self._queued
         for ticket in tickets:
             call_id, version = ticket.tag  # (int, str), as _submitted set it
@@ -299,15 +301,16 @@ class _Connection(asyncio.Protocol):
                     answers.append(outcome)
                     continue
                 output = outcome
-            batches = ticket.batches
-            answer = contract.Answer(call_id, version, [], list(batches) if batches else [])
-            computed.append((answer, output))
+            computed.append((call_id, version, ticket.batches, output))
         packer = contract.DataPacker()
         if computed:
-            specs = packer.pack_all([output for _, output in computed])
-            for (answer, _), arrays in zip(computed, specs, strict=True):
-                answer.arrays = arrays
-            answers += [answer for answer, _ in computed]
+            specs = packer.pack_all([each[3] for each in computed])
+            answers += [
+                contract.Answer(call_id, version, arrays, list(batches))
+                if batches  # traced
+                else contract.Answer(call_id, version, arrays)
+                for (call_id, version, batches, _), arrays in zip(computed, specs, strict=True)
+            ]
         if answers:
             self._send_answers(answers, packer.buffers)
 

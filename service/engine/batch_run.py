@@ -32,6 +32,8 @@ logger = logging.getLogger("service.engine.batching")
 #: Read in C by ``map``, once a request: a generator's step cost more than the read.
 _rows = operator.attrgetter("rows")
 _source = operator.attrgetter("source")
+_trace = operator.attrgetter("trace")
+_arrival_s = operator.attrgetter("arrival_s")
 
 
 class Rows(Protocol):
@@ -124,12 +126,16 @@ class BatchRun(Generic[PayloadT, OutputT]):
             return
         started_s = self._clock.now()
         queue_wait = self._metrics.queue_wait
-        waits_s = []
-        for entry in batch:
-            if entry.trace is None:
-                waits_s.append(started_s - entry.arrival_s)
-            else:  # its exemplar belongs to its own observation
-                queue_wait.observe(started_s - entry.arrival_s, tracing.exemplar_of(entry.trace))
+        if any(map(_trace, batch)):
+            waits_s = []
+            for entry in batch:
+                if entry.trace is None:
+                    waits_s.append(started_s - entry.arrival_s)
+                else:  # its exemplar belongs to its own observation
+                    exemplar = tracing.exemplar_of(entry.trace)
+                    queue_wait.observe(started_s - entry.arrival_s, exemplar)
+        else:  # none traced (the common case): no step a request but the subtraction
+            waits_s = [started_s - arrival_s for arrival_s in map(_arrival_s, batch)]
         observe_many(queue_wait, waits_s)  # a write per bucket touched, not two per request
         if self._tracer is not None:
             self._tracer.queue_waits(batch, started_s)
