@@ -257,8 +257,7 @@ class Intake:
         last_kind: tuple[Hashable, Priority, int | tuple[int, ...]] | None = None
         last_left_s = 0.0
         for index, submission in enumerate(submissions):
-            payload, group, cost_per_row, priority, deadline_s = submission[:5]
-            total_rows = submission[8]
+            payload, group, cost_per_row, priority, deadline_s, _, _, _, total_rows = submission
             if total_rows is None:
                 total_rows = len(payload)
             if total_rows < 1:

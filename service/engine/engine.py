@@ -59,6 +59,11 @@ FrameRequest = tuple[FrameHeader, NamedArrays]
 Queued = tuple[Ticket[NamedArrays], str] | ServiceError
 
 
+def _any_refused(admitted: Sequence[object]) -> bool:
+    """Whether some of a frame's outcomes is a refusal; each one's type read in C."""
+    return any(issubclass(kind, ServiceError) for kind in set(map(type, admitted)))
+
+
 class Engine:
     """Loads and serves several models on one device, each one version at a time."""
 
@@ -210,7 +215,9 @@ class Engine:
         indexes: list[int] = []
         submissions: list[Submission] = []
         grouping = ""
-        known_shape: tuple[int, ...] | None = None
+        known_shape: tuple[int, ...] | None = None  # the group's instance shape
+        known_full: tuple[int, ...] | None = None  # and the rows of the previous request
+        rows: int | None = None
         group: tuple[int, ...] = ()
         cost_per_row = 0
         for index, (request, instances) in enumerate(requests):
@@ -229,7 +236,7 @@ class Engine:
                         frame = frames[id(served)] = (served, [], [])
                     _, indexes, submissions = frame
                     grouping = served.grouping_name
-                    known_shape = None
+                    known_shape = known_full = None
             if live is None:
                 results[index] = refused  # its model's refusal
                 continue
@@ -237,17 +244,21 @@ class Engine:
             # (``ServedModel.grouping_name``): asked again only when that shape changes.
             try:
                 shape = instances.arrays[grouping].shape
-                rows: int | None = shape[0]
-                instance_shape = shape[1:]
-            except (KeyError, IndexError):
-                rows, instance_shape = None, None  # group_of says what is wrong
-            if instance_shape is None or instance_shape != known_shape:
+            except KeyError:
+                shape = None  # group_of says what is wrong
+            if shape is None or shape != known_full:  # else: like the previous request
                 try:
-                    group, cost_per_row = live.group_of(instances)
-                except ServiceError as error:
-                    results[index] = error
-                    continue
-                known_shape = instance_shape
+                    rows, instance_shape = shape[0], shape[1:]  # type: ignore[index]
+                except (TypeError, IndexError):
+                    rows, instance_shape = None, None  # group_of says what is wrong
+                if instance_shape is None or instance_shape != known_shape:
+                    try:
+                        group, cost_per_row = live.group_of(instances)
+                    except ServiceError as error:
+                        results[index] = error
+                        continue
+                    known_shape = instance_shape
+                known_full = shape if instance_shape is not None else None
             indexes.append(index)
             # Built as a plain tuple: a NamedTuple's own constructor is a Python call, and
             # this runs once a request.
@@ -270,6 +281,8 @@ class Engine:
         for served, indexes, submissions in frames.values():
             version = served.manifest.version
             admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=sink)
+            if len(indexes) == len(results) and not _any_refused(admitted):
+                return [(ticket, version) for ticket in admitted]  # type: ignore[misc]
             for index, outcome in zip(indexes, admitted, strict=True):
                 results[index] = (
                     outcome if isinstance(outcome, ServiceError) else (outcome, version)
