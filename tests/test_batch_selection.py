@@ -142,6 +142,40 @@ def test_entries_whose_caller_left_are_taken_out_uncomputed() -> None:
     assert plan.batch == [kept]
 
 
+def test_a_plan_asks_whether_the_caller_left_only_of_entries_a_caller_may_await() -> None:
+    """A front end's request (``Entry.awaited`` False: no in-process caller) is never asked
+    ``gone``: only a cancel withdraws it, and withdrawn entries are not queued."""
+    awaited, unawaited = entry(arrival_s=0.0), entry(arrival_s=1.0)
+    unawaited.awaited = False
+    [group] = queue_of(awaited, unawaited)
+    asked: list[Entry] = []
+    plan = plan_batch(
+        group, ("normal",), Limits(4, 0), never_measured, 0.0, lambda e: not asked.append(e)
+    )
+    assert asked == [awaited]
+    assert plan.gone == [awaited]
+    assert plan.batch == [unawaited]
+
+
+def test_a_plan_reads_the_estimate_of_a_smaller_size_class_after_a_lane_stops_at_a_large_one() -> (
+    None
+):
+    """The plan reads an estimate again only when the grown rows leave the size class it
+    read last, downwards too: a lane stopped at a 20-row request (too slow for the batch's
+    deadline), the next lane's one row still joins as a batch of 2."""
+
+    def slow_from_16_rows(group: Hashable, rows: int) -> float:
+        return 5.0 if rows >= 16 else 0.01
+
+    first = entry(priority="high", deadline_s=1.0)
+    large = entry(20, priority="high", arrival_s=1.0)
+    small = entry(arrival_s=2.0)
+    [group] = queue_of(first, large, small)
+    plan = plan_batch(group, ("high", "normal"), Limits(64, 0), slow_from_16_rows, 0.0)
+    assert plan.batch == [first, small]
+    assert plan.taken == {"high": 1, "normal": 1}
+
+
 def test_the_adaptive_target_is_the_last_batch_or_the_load_held_within_the_row_limit() -> None:
     adaptive, fixed = Dispatch("adaptive", 0.005), Dispatch("fixed", 0.005)
     assert adaptive.target_rows(last_batch_rows=3, expected=0, row_limit=8) == 3

@@ -1854,3 +1854,58 @@ def test_the_adaptive_target_splits_the_requests_held_between_the_instances() ->
     assert dispatch.split_rows(0, 64, instances=2) == 0  # nothing said: no split, and
     assert dispatch.target_rows(7, 0, 64) == 7  # the target is the last batch's rows
     assert Dispatch("fixed", 0.005).target_rows(1, 0, 64) == 64
+
+
+# ----------------------------------------------------------------- a batch's answers settled
+
+
+async def test_one_batch_settles_front_ends_in_process_callers_chunks_failures_and_cancels(
+    make_batcher: BatcherFactory,
+) -> None:
+    """A batch answered without a method chain per request (``settle_batch``) still answers
+    each of its kinds of request as ``resolve`` and ``reject`` would: two front ends' requests
+    (one delivery each, with exactly their tickets), an in-process caller awaiting ``wait()``
+    (and a front end's request awaited in process too),
+    the last chunk of a request in several, a request the model fails alone, and one
+    cancelled while its batch ran (not answered again, not delivered twice)."""
+    device = ManualExecutor()
+    model = PoisonAnsweringModel(poison=-1)
+    batcher = make_batcher(model, executor=device, max_batch_size=8)
+    blocker = asyncio.create_task(batcher.submit([0] * 8, group="x"))
+    await wait_until(lambda: device.pending == 1)
+    one, two = RecordingSink(), RecordingSink()
+    first = batcher.enqueue([1], group="g", sink=one, source=one, tag="first")
+    waited = asyncio.create_task(batcher.submit([2], group="g"))
+    await asyncio.sleep(0)  # its caller awaits its ticket now
+    second = batcher.enqueue([3], group="g", sink=two, source=two, tag="second")
+    failing = batcher.enqueue([-1], group="g", sink=one, source=one, tag="failing")
+    leaving = batcher.enqueue([5], group="g", sink=two, source=two, tag="leaving")
+    both = batcher.enqueue([7], group="g", sink=two, source=two, tag="both")
+    awaiting_both = asyncio.create_task(both.wait())  # a sink's, awaited in process too
+    chunked = batcher.enqueue(list(range(10, 20)), group="g", sink=one, source=one)
+    last = batcher.enqueue([6], group="g", sink=one, source=one, tag="last")
+    device.finish_next()  # the blocker
+    await wait_until(lambda: device.pending == 1)  # first .. leaving and 3 rows of chunks
+    leaving.cancel()  # while its batch runs
+    assert two.deliveries == [[leaving]]
+    await device.finish_until(lambda: len(one.tickets) == 4 and len(two.deliveries) == 2)
+
+    assert await blocker == [[0] * 8]
+    assert await waited == [[4]]
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await awaiting_both == [[14]]
+    assert [ticket.outputs() for ticket in (first, second, last)] == [[[2]], [[6]], [[12]]]
+    assert first.output == [2]
+    with pytest.raises(InferenceError):
+        failing.outputs()
+    assert failing.output is None
+    with pytest.raises(asyncio.CancelledError):
+        leaving.outputs()
+    assert leaving.output is None
+    assert flatten(chunked.outputs()) == [2 * row for row in range(10, 20)]
+    assert chunked.output is None  # several chunks: read with outputs()
+    assert two.deliveries == [[leaving], [second, both]]
+    # The first batch's requests of front end one, in one delivery, in queue order.
+    assert one.deliveries[0] == [first, failing]
+    assert one.deliveries[1:] == [[chunked, last]]  # its last chunk's batch finished both
+    assert 5 in model.computed_rows  # computed, but answered as cancelled: nobody asked

@@ -27,6 +27,7 @@ from service.engine.engine import Engine
 from service.errors import (
     DeadlineExceededError,
     EngineUnavailableError,
+    InvalidInputError,
     NotReadyError,
     QueueFullError,
 )
@@ -504,3 +505,40 @@ async def test_the_engine_groups_requests_by_their_arrays(
             np.testing.assert_array_equal(result.outputs["y"], 2 * value_rows(value) + 1)
         batches = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_count")
         assert batches == 1
+
+
+async def test_one_frame_of_mixed_requests_answers_each_as_it_would_alone(
+    socket_path: Path, repository: Path
+) -> None:
+    """The engine reuses what the previous request of a frame asked (its model, its group
+    from its instance shape): a frame that changes model, shape and kind mid-way still gets
+    each request's own answer or refusal. One SUBMITS frame: rows of two widths (two groups,
+    never one batch: no batch fails), a model not served (503), an input of the wrong name
+    (422), and a request in several chunks (answered after the others of its batch)."""
+    async with (
+        engine_behind_a_socket(socket_path, repository, max_batch_size=4) as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        wide = np.full((2, FEATURES + 2), 1.5, dtype=np.float32)
+        large = np.arange(10 * FEATURES, dtype=np.float32).reshape(10, FEATURES) / 4  # no 13
+        stray = dataclasses.replace(request(client, value_rows(3.0)), model="elsewhere")
+        misnamed = dataclasses.replace(
+            request(client, value_rows(4.0)), instances=NamedArrays({"z": value_rows(4.0)})
+        )
+        sent = [value_rows(1.0), wide, value_rows(2.0, count=2), large, value_rows(5.0), wide]
+        async with asyncio.timeout(PROMPTLY_S):
+            outcomes = await asyncio.gather(
+                *(client.infer(request(client, rows)) for rows in sent[:3]),
+                client.infer(stray),
+                client.infer(misnamed),
+                *(client.infer(request(client, rows)) for rows in sent[3:]),
+                return_exceptions=True,
+            )
+        assert isinstance(outcomes[3], NotReadyError)
+        assert isinstance(outcomes[4], InvalidInputError)
+        answered = outcomes[:3] + outcomes[5:]
+        for rows, outcome in zip(sent, answered, strict=True):
+            assert not isinstance(outcome, BaseException)
+            np.testing.assert_array_equal(outcome.outputs["y"], 2 * rows + 1)
+        registry = engine.state.metrics.registry
+        assert sample_total(registry, "batchserve_batch_failures_total") == 0

@@ -11,6 +11,8 @@ bytes, rebuilt in place without a copy.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -180,24 +182,25 @@ class DataPacker:
         block = _answer_block(outputs)
         if block is None:
             return [self.pack(named) for named in outputs]
-        name, dtype_name, row_bytes, arrays = block
-        specs = []
-        offset = self._offset
-        for array in arrays:
-            shape = array.shape
-            specs.append([ArraySpec(name, dtype_name, shape, offset)])
-            offset += shape[0] * row_bytes
-        self.buffers.append(b"".join([array.tobytes() for array in arrays]))
-        self._offset = offset  # a multiple of ALIGNMENT: every row is
+        name, dtype_name, row_bytes, arrays, shapes = block
+        ends = list(itertools.accumulate([shape[0] * row_bytes for shape in shapes]))
+        start = self._offset
+        specs = [
+            [ArraySpec(name, dtype_name, shape, start + offset)]
+            for shape, offset in zip(shapes, [0, *ends[:-1]], strict=True)
+        ]
+        self.buffers.append(b"".join(map(np.ndarray.tobytes, arrays)))
+        self._offset = start + ends[-1]  # a multiple of ALIGNMENT: every row is
         return specs
 
 
 def _answer_block(
     outputs: Sequence[NamedArrays],
-) -> tuple[str, str, int, list[np.ndarray[Any, Any]]] | None:
-    """The one array of each of ``outputs``, with its name, dtype name and bytes a row,
+) -> tuple[str, str, int, list[np.ndarray[Any, Any]], list[tuple[int, ...]]] | None:
+    """The one array of each of ``outputs`` and its shape, with their name, dtype name and
+    bytes a row,
     when they are alike but for their rows, small, and rows of a multiple of ``ALIGNMENT``
-    bytes; else None."""
+    bytes; else None. Runs once per answer: each check reads every answer in C (``map``)."""
     if len(outputs) < 2 or len(outputs[0].arrays) != 1:
         return None
     [(name, first)] = outputs[0].arrays.items()
@@ -209,26 +212,28 @@ def _answer_block(
         row_bytes *= size
     if row_bytes == 0 or row_bytes % ALIGNMENT:
         return None
-    arrays = []
-    total_bytes = 0
-    for named in outputs:
-        named_arrays = named.arrays
-        array = named_arrays.get(name)
-        if (
-            array is None
-            or len(named_arrays) != 1
-            or array.dtype != dtype
-            or array.shape[1:] != row_shape
-        ):
-            return None
-        total_bytes += array.nbytes
-        arrays.append(array)
-    if total_bytes > COPY_BYTES * 16:
+    named_arrays = list(map(_arrays, outputs))
+    if set(map(len, named_arrays)) != {1}:
+        return None
+    try:
+        arrays = list(map(operator.getitem, named_arrays, itertools.repeat(name)))
+    except KeyError:
+        return None
+    shapes: list[tuple[int, ...]] = list(map(_shape, arrays))
+    if set(map(_dtype_of, arrays)) != {dtype} or {shape[1:] for shape in shapes} != {row_shape}:
+        return None
+    if sum(map(_nbytes, arrays)) > COPY_BYTES * 16:
         return None  # large answers: viewed, not copied (``pack``)
     dtype_name = _DTYPE_NAMES.get(dtype)
     if dtype_name is None:
         dtype_name = _DTYPE_NAMES[dtype] = dtype.str
-    return name, dtype_name, row_bytes, arrays
+    return name, dtype_name, row_bytes, arrays, shapes
+
+
+_arrays = operator.attrgetter("arrays")
+_shape = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
+_nbytes = operator.attrgetter("nbytes")
 
 
 #: numpy dtypes by ``dtype.str``, as the arrays of every request name them (a few kinds).

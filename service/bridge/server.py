@@ -43,6 +43,16 @@ class QueuedRequest(Protocol):
     tag: Any
     """The bridge's: the request's call id and the version computing it."""
 
+    @property
+    def output(self) -> NamedArrays | None:
+        """Its outputs once computed, when it ran in one batch (else None: ask ``outputs``)."""
+        ...
+
+    @property
+    def batches(self) -> tuple[tuple[str, int], ...]:
+        """``traced_batches()``, read without a call where the ticket holds them."""
+        ...
+
     def outputs(self) -> list[NamedArrays]: ...
 
     def cancel(self) -> None: ...
@@ -275,23 +285,32 @@ class _Connection(asyncio.Protocol):
         """The requests one batch finished for this front end (or one a deadline or a cancel
         did): their answers in one frame, the arrays of all packed at once."""
         answers: list[contract.Answer] = []
-        computed: list[tuple[contract.Answer, NamedArrays]] = []
+        # Each computed request's id, version, traced batches and outputs, answered once the
+        # outputs of all are packed.
+        computed: list[tuple[int, str, tuple[tuple[str, int], ...], NamedArrays]] = []
         queued = self._queued
         for ticket in tickets:
             call_id, version = ticket.tag  # (int, str), as _submitted set it
             queued.pop(call_id, None)
-            outcome = self._outcome(call_id, ticket)
-            if isinstance(outcome, NamedArrays):
-                answer = contract.Answer(call_id, version, [], list(ticket.traced_batches()))
-                computed.append((answer, outcome))
-                answers.append(answer)
-            elif outcome is not None:
-                answers.append(outcome)
+            output = ticket.output  # computed in one batch: no call to ask it
+            if output is None:
+                outcome = self._outcome(call_id, ticket)
+                if outcome is None:
+                    continue
+                if not isinstance(outcome, NamedArrays):
+                    answers.append(outcome)
+                    continue
+                output = outcome
+            computed.append((call_id, version, ticket.batches, output))
         packer = contract.DataPacker()
         if computed:
-            specs = packer.pack_all([outputs for _, outputs in computed])
-            for (answer, _), arrays in zip(computed, specs, strict=True):
-                answer.arrays = arrays
+            specs = packer.pack_all([each[3] for each in computed])
+            answers += [
+                contract.Answer(call_id, version, arrays, list(batches))
+                if batches  # traced
+                else contract.Answer(call_id, version, arrays)
+                for (call_id, version, batches, _), arrays in zip(computed, specs, strict=True)
+            ]
         if answers:
             self._send_answers(answers, packer.buffers)
 

@@ -41,6 +41,21 @@ class Submission(NamedTuple):
     request_id: str = "-"
     trace: str | None = None
     tag: object = None
+    rows: int | None = None
+    """``len(payload)`` when its caller has it already (None: counted here)."""
+
+
+#: No group of any request (a group is compared with ``!=``, so not None, which may be one).
+_NO_GROUP: Hashable = object()
+
+
+def _keep_tightest(
+    tightest: dict[tuple[Hashable, Priority, int | tuple[int, ...]], float],
+    kind: tuple[Hashable, Priority, int | tuple[int, ...]],
+    left_s: float,
+) -> None:
+    if left_s < tightest.get(kind, float("inf")):
+        tightest[kind] = left_s
 
 
 #: A queued request as its caller holds it (a ``Ticket``), or why it was refused.
@@ -165,20 +180,31 @@ class Intake:
         planned = self._plan(submissions)
         if planned is None:
             return [self._one_of_frame(submission, source, sink) for submission in submissions]
-        arrival_s, split = planned
+        arrival_s, chunked = planned
         default_deadline_s = arrival_s + self._request_timeout_s
         admitted: list[Admitted] = []
         by_group: dict[Hashable, list[Entry]] = {}
         withdraw, finished = self._withdraw, self._finished
-        for submission, pieces in zip(submissions, split, strict=True):
-            payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
+        # A frame's requests are mostly of one group: its list is looked up when it changes.
+        last_group: Hashable = _NO_GROUP
+        queued: list[Entry] = []
+        for index, submission in enumerate(submissions):
+            payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag, rows = (
+                submission
+            )
             if deadline_s is None:
                 deadline_s = default_deadline_s
-            if isinstance(pieces, int):  # one chunk: one object (the common case)
+            if group != last_group:
+                last_group = group
+                queued = by_group.setdefault(group, [])
+            pieces = chunked.get(index) if chunked else None
+            if pieces is None:  # one chunk: one object (the common case)
+                if rows is None:
+                    rows = len(payload)
                 solo: SoloTicket[Any] = SoloTicket(
                     payload,
-                    pieces,
-                    pieces * cost_per_row,
+                    rows,
+                    rows * cost_per_row,
                     group,
                     priority,
                     arrival_s,
@@ -192,17 +218,13 @@ class Intake:
                     finished,
                 )
                 admitted.append(solo)
-                queued = by_group.get(group)
-                if queued is None:
-                    by_group[group] = [solo]
-                else:
-                    queued.append(solo)
+                queued.append(solo)
             else:
                 ticket, entries = self._entries(
                     submission, *pieces, arrival_s, deadline_s, source, sink
                 )
                 admitted.append(ticket)
-                by_group.setdefault(group, []).extend(entries)  # not the ticket's own list
+                queued.extend(entries)  # not the ticket's own list
         was_empty = not self._queue
         groups = []
         add_all = self._queue.add_all
@@ -214,10 +236,12 @@ class Intake:
 
     def _plan(
         self, submissions: Sequence[Submission]
-    ) -> tuple[float, list[int | tuple[list[Any], list[int]]]] | None:
-        """Every request's rows (one chunk) or chunks and their rows, when the whole frame is
-        admitted (see the module's docstring); None when some request might be refused."""
-        split: list[int | tuple[list[Any], list[int]]] = []
+    ) -> tuple[float, dict[int, tuple[list[Any], list[int]]]] | None:
+        """The chunks and their rows of each request (by its index) in more than one chunk,
+        when the whole frame is admitted (see the module's docstring); None when some request
+        might be refused. Runs once a request: what it asks per kind of request is looked up
+        again only when the kind changes from the previous request's."""
+        chunked: dict[int, tuple[list[Any], list[int]]] = {}
         chunk_count = 0
         growth: dict[Hashable, list[int]] = {}  # group: [rows, high rows, cost]
         tightest: dict[tuple[Hashable, Priority, int | tuple[int, ...]], float] = {}
@@ -225,36 +249,53 @@ class Intake:
         default_left_s = self._request_timeout_s
         per_chunk: dict[int, int] = {}  # cost per row: rows per chunk
         max_batch_size, max_batch_cost = self._row_limit.max_batch_size, self._max_batch_cost
-        for submission in submissions:
-            payload, group, cost_per_row, priority, deadline_s = submission[:5]
-            total_rows = len(payload)
+        split_rows = not self._quantum.max_batch_s  # several rows may share one chunk
+        last_cost, chunk_rows = -1, 0
+        last_group: Hashable = _NO_GROUP
+        grown = [0, 0, 0]
+        # The kind of the previous request, and its tightest time left so far.
+        last_kind: tuple[Hashable, Priority, int | tuple[int, ...]] | None = None
+        last_left_s = 0.0
+        for index, submission in enumerate(submissions):
+            payload, group, cost_per_row, priority, deadline_s, _, _, _, total_rows = submission
+            if total_rows is None:
+                total_rows = len(payload)
             if total_rows < 1:
                 return None  # refused alone: one by one says why
-            chunk_rows = per_chunk.get(cost_per_row)
-            if chunk_rows is None:
-                chunk_rows = per_chunk[cost_per_row] = batch_admission.chunk_rows(
-                    max_batch_size, max_batch_cost, cost_per_row
-                )
+            if cost_per_row != last_cost:
+                last_cost = cost_per_row
+                known = per_chunk.get(cost_per_row)
+                if known is None:
+                    known = per_chunk[cost_per_row] = batch_admission.chunk_rows(
+                        max_batch_size, max_batch_cost, cost_per_row
+                    )
+                chunk_rows = known
             kind: tuple[Hashable, Priority, int | tuple[int, ...]]
-            if total_rows <= chunk_rows and (total_rows == 1 or not self._quantum.max_batch_s):
-                split.append(total_rows)
+            if total_rows <= chunk_rows and (total_rows == 1 or split_rows):
                 chunk_count += 1
                 kind = (group, priority, total_rows)
             else:
                 chunks, rows = self._chunks(submission)
-                split.append((chunks, rows))
+                chunked[index] = (chunks, rows)
                 chunk_count += len(chunks)
                 kind = (group, priority, tuple(rows))
-            grown = growth.get(group)
-            if grown is None:
-                grown = growth[group] = [0, 0, 0]
+            if group != last_group:
+                last_group = group
+                grown = growth.setdefault(group, [0, 0, 0])
             grown[0] += total_rows
             grown[2] += total_rows * cost_per_row
             if priority == "high":
                 grown[1] += total_rows
             left_s = default_left_s if deadline_s is None else deadline_s - arrival_s
-            if left_s < tightest.get(kind, float("inf")):
-                tightest[kind] = left_s
+            if kind == last_kind:
+                if left_s < last_left_s:
+                    last_left_s = left_s
+            else:
+                if last_kind is not None:
+                    _keep_tightest(tightest, last_kind, last_left_s)
+                last_kind, last_left_s = kind, left_s
+        if last_kind is not None:
+            _keep_tightest(tightest, last_kind, last_left_s)
         if self._queue.entries + chunk_count > self._max_queue_size:
             return None
         waits = self._pessimistic_waits_s(growth, arrival_s)
@@ -265,7 +306,7 @@ class Intake:
             )
             if refused is not None:
                 return None
-        return arrival_s, split
+        return arrival_s, chunked
 
     def _pessimistic_waits_s(
         self, growth: dict[Hashable, list[int]], now_s: float

@@ -30,6 +30,7 @@ class Entry:
 
     __slots__ = (
         "arrival_s",
+        "awaited",
         "batches",
         "cost",
         "deadline_s",
@@ -80,6 +81,10 @@ class Entry:
         """Which chunk of its request this is."""
         self.queued = False
         self.done = False
+        self.awaited = True
+        """Whether its caller may be gone (``abandoned``) without having withdrawn it yet:
+        False only for a request that no in-process caller awaits (a front end's), whose
+        ``abandoned`` a batch plan then need not ask."""
 
     @property
     def abandoned(self) -> bool:

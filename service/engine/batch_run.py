@@ -22,7 +22,7 @@ from service.engine.batch_clock import Clock
 from service.engine.batch_guards import RowLimit, StallWatch, failure_for
 from service.engine.batch_queue import Entry
 from service.engine.batch_spans import BatchTracer
-from service.engine.batch_ticket import Sink, Ticket
+from service.engine.batch_ticket import Sink, Ticket, settle_batch
 from service.engine.estimates import BatchTimes
 from service.errors import DeviceOutOfMemoryError
 from service.metrics import ModelMetrics, observe_many
@@ -32,6 +32,8 @@ logger = logging.getLogger("service.engine.batching")
 #: Read in C by ``map``, once a request: a generator's step cost more than the read.
 _rows = operator.attrgetter("rows")
 _source = operator.attrgetter("source")
+_trace = operator.attrgetter("trace")
+_arrival_s = operator.attrgetter("arrival_s")
 
 
 class Rows(Protocol):
@@ -65,6 +67,13 @@ class Deliveries:
             _deliver(sink, [ticket])
         else:
             self._gathering.setdefault(sink, []).append(ticket)
+
+    def answer(self, batch: list[Entry], outputs: Sequence[object]) -> None:
+        """Answer a batch's entries with its outputs (``settle_batch``), then hand each sink
+        its finished tickets at once."""
+        with self.per_batch():
+            assert self._gathering is not None
+            settle_batch(batch, outputs, self._gathering)
 
     @contextlib.contextmanager
     def per_batch(self) -> Iterator[None]:
@@ -117,12 +126,16 @@ class BatchRun(Generic[PayloadT, OutputT]):
             return
         started_s = self._clock.now()
         queue_wait = self._metrics.queue_wait
-        waits_s = []
-        for entry in batch:
-            if entry.trace is None:
-                waits_s.append(started_s - entry.arrival_s)
-            else:  # its exemplar belongs to its own observation
-                queue_wait.observe(started_s - entry.arrival_s, tracing.exemplar_of(entry.trace))
+        if any(map(_trace, batch)):
+            waits_s = []
+            for entry in batch:
+                if entry.trace is None:
+                    waits_s.append(started_s - entry.arrival_s)
+                else:  # its exemplar belongs to its own observation
+                    exemplar = tracing.exemplar_of(entry.trace)
+                    queue_wait.observe(started_s - entry.arrival_s, exemplar)
+        else:  # none traced (the common case): no step a request but the subtraction
+            waits_s = [started_s - arrival_s for arrival_s in map(_arrival_s, batch)]
         observe_many(queue_wait, waits_s)  # a write per bucket touched, not two per request
         if self._tracer is not None:
             self._tracer.queue_waits(batch, started_s)
@@ -161,12 +174,7 @@ class BatchRun(Generic[PayloadT, OutputT]):
             await self._isolating_failures(batch[middle:])
             return
         self._metrics.inference_latency.observe(time.perf_counter() - started_s)
-        with self._deliveries.per_batch():
-            for entry, output in zip(batch, outputs, strict=True):
-                if isinstance(output, Exception):
-                    entry.reject(output)
-                else:
-                    entry.resolve(output)
+        self._deliveries.answer(batch, outputs)
 
     async def _forward(
         self, payloads: list[PayloadT], rows: int, group: Hashable

@@ -163,13 +163,15 @@ def plan_batch(
     gone: Callable[[Entry], bool] = lambda entry: False,
 ) -> Plan:
     """Fill one batch from ``group``'s lanes in ``order``, each in arrival order, stopping a
-    lane at its first entry that does not fit; skip the entries whose caller is ``gone``.
+    lane at its first entry that does not fit; skip the entries whose caller is ``gone``
+    (asked only of an entry some caller may have left: ``Entry.awaited``).
     Reads the queue; changes nothing.
 
     An entry fits a batch of ``rows`` and ``cost`` when the larger batch stays within the row
     limit, the token budget and the time quantum (``Quantum.allows``), and is still estimated
     to end before every deadline in it (``finishes_late``). This runs once a request: those
-    rules are written out here, each estimate asked once per size class (``Estimate``)."""
+    rules are written out here, each estimate asked once per size class (``Estimate``), and
+    read again only when the batch's rows reach the next size class."""
     plan = Plan()
     batch = plan.batch
     estimated = _BySizeClass(estimate)
@@ -179,10 +181,17 @@ def plan_batch(
     row_limit, max_cost = limits.row_limit, limits.max_batch_cost
     rows = cost = 0
     finish_by_s = math.inf  # the earliest deadline in the batch
+    # Per size class of the grown batch (rows from ``class_rows`` to below
+    # ``next_class_rows``; asked again when the grown rows leave it, which a lane that
+    # stopped at a large entry can make them do downwards): when it would end by its
+    # estimate (-inf: unmeasured), and whether it exceeds the quantum (None: not asked yet).
+    class_rows = next_class_rows = 0
+    ends_s = -math.inf
+    over_quantum: bool | None = None
     for priority in order:
         taken = 0
         for entry in group.lanes[priority]:
-            if gone(entry):
+            if entry.awaited and gone(entry):
                 plan.gone.append(entry)
                 taken += 1
                 continue
@@ -196,12 +205,19 @@ def plan_batch(
                 grown_cost = cost + entry.cost
                 if grown_rows > row_limit or (max_cost and grown_cost > max_cost):
                     break
+                if not class_rows <= grown_rows < next_class_rows:  # size_class, inline
+                    class_rows = 1 << (grown_rows.bit_length() - 1)
+                    next_class_rows = class_rows << 1
+                    seconds = estimated(entry.group, grown_rows)
+                    ends_s = -math.inf if seconds is None else now_s + seconds
+                    over_quantum = None
                 if max_batch_s and not 0 < grown_cost <= floor_cost:  # Quantum.allows
-                    seconds = quantum_seconds(entry.group, grown_rows)
-                    if seconds is not None and seconds > max_batch_s:
+                    if over_quantum is None:
+                        seconds = quantum_seconds(entry.group, grown_rows)
+                        over_quantum = seconds is not None and seconds > max_batch_s
+                    if over_quantum:
                         break
-                seconds = estimated(entry.group, grown_rows)  # finishes_late
-                if seconds is not None and now_s + seconds > min(finish_by_s, entry.deadline_s):
+                if ends_s > finish_by_s or ends_s > entry.deadline_s:  # finishes_late
                     break
             batch.append(entry)
             taken += 1

@@ -38,6 +38,17 @@ class Ticket(Protocol[OutputT]):
     """What the caller knows the request by (the bridge: its call id and version)."""
 
     @property
+    def output(self) -> OutputT | None:
+        """Its output once computed in one batch (else None: ask ``outputs``), read by a
+        sink without a call."""
+        ...
+
+    @property
+    def batches(self) -> tuple[tuple[str, int], ...]:
+        """``traced_batches()``, read without a call where the ticket holds them."""
+        ...
+
+    @property
     def sink(self) -> Sink | None: ...
 
     def outputs(self) -> list[OutputT]:
@@ -72,6 +83,9 @@ class ChunkedTicket(Generic[OutputT]):
         "sink",
         "tag",
     )
+
+    output: None = None
+    """Only a ``SoloTicket`` holds its output here (read by its sink without a call)."""
 
     def __init__(
         self,
@@ -126,6 +140,11 @@ class ChunkedTicket(Generic[OutputT]):
     def traced_batches(self) -> tuple[tuple[str, int], ...]:
         return tuple(batch for entry in self._entries for batch in entry.batches)
 
+    @property
+    def batches(self) -> tuple[tuple[str, int], ...]:
+        """``traced_batches()``, as a ``SoloTicket`` holds them."""
+        return self.traced_batches()
+
     def cancel(self) -> None:
         if self._pending:
             self._withdraw(self._entries)
@@ -157,7 +176,7 @@ class ChunkedTicket(Generic[OutputT]):
 class SoloTicket(Entry, Generic[OutputT]):
     """A request that fits in one batch: its one queue entry and its ticket in one object."""
 
-    __slots__ = ("_error", "_finished", "_output", "_waiter", "_withdraw", "sink", "tag")
+    __slots__ = ("_error", "_finished", "_waiter", "_withdraw", "output", "sink", "tag")
 
     def __init__(
         self,
@@ -192,11 +211,13 @@ class SoloTicket(Entry, Generic[OutputT]):
         self.index = 0
         self.queued = False
         self.done = False
+        self.awaited = False  # until wait() is called
         self.tag = tag
         self.sink = sink
         self._withdraw = withdraw
         self._finished = finished
-        self._output: OutputT | None = None
+        self.output: OutputT | None = None
+        """Its output once computed (None until then, or when it failed or was withdrawn)."""
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -208,7 +229,7 @@ class SoloTicket(Entry, Generic[OutputT]):
         if not self.done:
             self.done = True
             self.payload = None
-            self._output = output  # type: ignore[assignment]
+            self.output = output  # type: ignore[assignment]
             self._settle()
 
     def reject(self, error: BaseException) -> None:
@@ -222,10 +243,11 @@ class SoloTicket(Entry, Generic[OutputT]):
         error = self._error
         if error is not None:
             raise asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error
-        return [self._output]  # type: ignore[list-item]
+        return [self.output]  # type: ignore[list-item]
 
     async def wait(self) -> list[OutputT]:
         if not self.done:
+            self.awaited = True
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -246,3 +268,35 @@ class SoloTicket(Entry, Generic[OutputT]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         self._finished(self)
+
+
+def settle_batch(
+    batch: Sequence[Entry], outputs: Sequence[object], gathering: dict[Sink, list[Ticket[Any]]]
+) -> None:
+    """Answer each entry of a batch that ran with its output (an exception: its error), each
+    finished ticket gathered for its sink in ``gathering``; the batch's caller delivers them.
+
+    The common case (a front end's request in one entry, no in-process waiter, answered) is
+    settled here inline, as ``resolve`` and its ``finished`` would: this runs once a request,
+    and their chain of calls cost more than the rest of answering it."""
+    last_sink: Sink | None = None
+    last_tickets: list[Ticket[Any]] = []
+    for entry, output in zip(batch, outputs, strict=True):
+        if isinstance(output, Exception):
+            entry.reject(output)
+        elif (
+            type(entry) is SoloTicket
+            and entry.sink is not None
+            and entry._waiter is None
+            and not entry.done
+        ):
+            entry.done = True
+            entry.payload = None
+            entry.output = output
+            sink = entry.sink
+            if sink is not last_sink:
+                last_sink = sink
+                last_tickets = gathering.setdefault(sink, [])
+            last_tickets.append(entry)
+        else:
+            entry.resolve(output)

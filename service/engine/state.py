@@ -56,6 +56,13 @@ class ServedModel:
             ) from error
 
     @functools.cached_property
+    def grouping_name(self) -> str:
+        """The input whose instance shape (its shape past the rows) alone decides the group
+        and cost ``group_of`` gives: requests whose arrays of that name have one instance
+        shape share them."""
+        return self._grouping_input.name
+
+    @functools.cached_property
     def _fixed_shape_input(self) -> str | None:
         """The grouping input's name when its shape is fixed (its shape is then the group),
         else None; read once a request, so not recomputed from the manifest each time."""
