@@ -131,3 +131,17 @@ def refusal(
             retry_after_s=max(1, math.ceil(ahead_s)),
         )
     return None
+
+
+#: A kind of request of a frame, admitted by one check: its group, priority and chunk rows.
+Kind = tuple[Hashable, Priority, int | tuple[int, ...]]
+
+#: No group of any request (a group is compared with ``!=``, so not None, which may be one).
+NO_GROUP: Hashable = object()
+
+
+def keep_tightest(tightest: dict[Kind, float], kind: Kind | None, left_s: float) -> None:
+    """Keep in ``tightest`` the least time left of any request of ``kind`` seen (None: none
+    seen yet, nothing to keep)."""
+    if kind is not None and left_s < tightest.get(kind, float("inf")):
+        tightest[kind] = left_s

@@ -45,19 +45,6 @@ class Submission(NamedTuple):
     """``len(payload)`` when its caller has it already (None: counted here)."""
 
 
-#: No group of any request (a group is compared with ``!=``, so not None, which may be one).
-_NO_GROUP: Hashable = object()
-
-
-def _keep_tightest(
-    tightest: dict[tuple[Hashable, Priority, int | tuple[int, ...]], float],
-    kind: tuple[Hashable, Priority, int | tuple[int, ...]],
-    left_s: float,
-) -> None:
-    if left_s < tightest.get(kind, float("inf")):
-        tightest[kind] = left_s
-
-
 #: A queued request as its caller holds it (a ``Ticket``), or why it was refused.
 Admitted = Ticket[Any] | ServiceError
 
@@ -186,7 +173,7 @@ class Intake:
         by_group: dict[Hashable, list[Entry]] = {}
         withdraw, finished = self._withdraw, self._finished
         # A frame's requests are mostly of one group: its list is looked up when it changes.
-        last_group: Hashable = _NO_GROUP
+        last_group: Hashable = batch_admission.NO_GROUP
         queued: list[Entry] = []
         for index, submission in enumerate(submissions):
             payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag, rows = (
@@ -244,17 +231,16 @@ class Intake:
         chunked: dict[int, tuple[list[Any], list[int]]] = {}
         chunk_count = 0
         growth: dict[Hashable, list[int]] = {}  # group: [rows, high rows, cost]
-        tightest: dict[tuple[Hashable, Priority, int | tuple[int, ...]], float] = {}
+        tightest: dict[batch_admission.Kind, float] = {}
         arrival_s = self._clock.now()
         default_left_s = self._request_timeout_s
-        per_chunk: dict[int, int] = {}  # cost per row: rows per chunk
         max_batch_size, max_batch_cost = self._row_limit.max_batch_size, self._max_batch_cost
         split_rows = not self._quantum.max_batch_s  # several rows may share one chunk
         last_cost, chunk_rows = -1, 0
-        last_group: Hashable = _NO_GROUP
+        last_group: Hashable = batch_admission.NO_GROUP
         grown = [0, 0, 0]
         # The kind of the previous request, and its tightest time left so far.
-        last_kind: tuple[Hashable, Priority, int | tuple[int, ...]] | None = None
+        last_kind: batch_admission.Kind | None = None
         last_left_s = 0.0
         for index, submission in enumerate(submissions):
             payload, group, cost_per_row, priority, deadline_s, _, _, _, total_rows = submission
@@ -264,13 +250,8 @@ class Intake:
                 return None  # refused alone: one by one says why
             if cost_per_row != last_cost:
                 last_cost = cost_per_row
-                known = per_chunk.get(cost_per_row)
-                if known is None:
-                    known = per_chunk[cost_per_row] = batch_admission.chunk_rows(
-                        max_batch_size, max_batch_cost, cost_per_row
-                    )
-                chunk_rows = known
-            kind: tuple[Hashable, Priority, int | tuple[int, ...]]
+                chunk_rows = batch_admission.chunk_rows(max_batch_size, max_batch_cost, last_cost)
+            kind: batch_admission.Kind
             if total_rows <= chunk_rows and (total_rows == 1 or split_rows):
                 chunk_count += 1
                 kind = (group, priority, total_rows)
@@ -287,15 +268,12 @@ class Intake:
             if priority == "high":
                 grown[1] += total_rows
             left_s = default_left_s if deadline_s is None else deadline_s - arrival_s
-            if kind == last_kind:
-                if left_s < last_left_s:
-                    last_left_s = left_s
-            else:
-                if last_kind is not None:
-                    _keep_tightest(tightest, last_kind, last_left_s)
+            if kind != last_kind:
+                batch_admission.keep_tightest(tightest, last_kind, last_left_s)
                 last_kind, last_left_s = kind, left_s
-        if last_kind is not None:
-            _keep_tightest(tightest, last_kind, last_left_s)
+            elif left_s < last_left_s:
+                last_left_s = left_s
+        batch_admission.keep_tightest(tightest, last_kind, last_left_s)
         if self._queue.entries + chunk_count > self._max_queue_size:
             return None
         waits = self._pessimistic_waits_s(growth, arrival_s)

@@ -19,13 +19,9 @@ closed, open-loop traffic), the wait is the turnaround measured, capped.
 
 from __future__ import annotations
 
-import operator
-from collections import Counter
 from collections.abc import Hashable, Iterable
 
 from service.engine.batch_queue import Entry
-
-_source = operator.attrgetter("source")
 
 #: The refill wait never ends later than this many ``max_wait`` after the answer.
 REFILL_CAP_FACTOR = 4.0
@@ -75,7 +71,9 @@ class Returns:
     def answered(self, batch: Iterable[Entry], now_s: float) -> None:
         if self.outstanding > 0:  # the last batch's clients not all back: a lower bound
             self._measured(now_s, complete=False)
-        owed: dict[Hashable, int] = Counter(map(_source, batch))  # counted in C: once a request
+        owed: dict[Hashable, int] = {}
+        for entry in batch:
+            owed[entry.source] = owed.get(entry.source, 0) + 1
         self._owed = owed
         self.outstanding = sum(owed.values())
         self.answered_s = now_s
