@@ -181,16 +181,16 @@ class BatchRun(Generic[PayloadT, OutputT]):
     ) -> Sequence[OutputT | Exception]:
         """``run_batch`` in the executor, watched for a batch that never comes back."""
         estimate_s = self.times.estimate(group, rows)
-        self.running_until_s = self._clock.now() + (estimate_s or 0.0)
+        now_s = self._clock.now()
+        self.running_until_s = now_s + (estimate_s or 0.0)
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(self._executor, self._timed_run_batch, payloads)
-        watchdog = self._stall.watch()
+        watched = self._stall.started(now_s)
         try:
             outputs, seconds = await running
         finally:
             self.running_until_s = 0.0
-            if watchdog is not None:
-                watchdog.cancel()
+            self._stall.finished(watched)
         self.times.record(group, rows, seconds)
         return outputs
 

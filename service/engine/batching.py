@@ -302,6 +302,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._turn.release()
             self._deadlines.close()
             self._cancel_wakeup_timer()
+            self._stall.close()
 
     async def _run(self, batch: list[Entry]) -> None:
         try:
