@@ -1909,3 +1909,34 @@ async def test_one_batch_settles_front_ends_in_process_callers_chunks_failures_a
     assert one.deliveries[0] == [first, failing]
     assert one.deliveries[1:] == [[chunked, last]]  # its last chunk's batch finished both
     assert 5 in model.computed_rows  # computed, but answered as cancelled: nobody asked
+
+
+async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Every group full at once (the collector takes them without their due times): the
+    oldest request's group first, each batch counted ``full``, none mixed."""
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=2)
+    blocker = asyncio.create_task(batcher.submit([0, 0], group="x"))
+    await wait_until(lambda: device.pending == 1)
+    queued = []
+    for group, rows in (("b", (1, 2)), ("a", (3, 4)), ("b", (5, 6))):
+        queued += [asyncio.create_task(batcher.submit([row], group=group)) for row in rows]
+        depth = len(queued)
+        await wait_until(lambda depth=depth: batcher.queue_depth == depth)  # arrival order
+    for _ in range(4):
+        await wait_until(lambda: device.pending == 1)
+        device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(blocker, *queued)
+    assert model.batches == [[[0, 0]], [[1], [2]], [[3], [4]], [[5], [6]]]
+    counted = {
+        reason: sample_total(
+            metrics.registry, "batchserve_batch_dispatches_total", {"reason": reason}
+        )
+        for reason in ("full", "target", "waited", "refill", "drain")
+    }
+    assert counted == {"full": 4, "target": 0, "waited": 0, "refill": 0, "drain": 0}

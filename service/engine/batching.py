@@ -145,6 +145,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         )
         self._returns = Returns()
         self._target_rows = self._cap_rows = max_batch_size
+        self._last_limits = Limits(max_batch_size, max_batch_cost, self._quantum)
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
         self._closing = False
@@ -185,7 +186,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
-        return Limits(min(self._row_limit.rows, self._cap_rows), self.max_batch_cost, self._quantum)
+        rows = self._row_limit.rows
+        if self._cap_rows < rows:
+            rows = self._cap_rows
+        limits = self._last_limits
+        if limits.row_limit != rows:  # the same until the row limit or the cap changes
+            limits = self._last_limits = Limits(rows, self.max_batch_cost, self._quantum)
+        return limits
 
     def enqueue(
         self,
@@ -318,15 +325,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
-        self._row_limit.restore(self._clock.now())
-        expected = self._expected_requests() if self._dispatch.adaptive else 0
-        rows = self._row_limit.rows
+        row_limit = self._row_limit
+        if row_limit.rows < row_limit.max_batch_size:  # capped after an OOM: time to restore?
+            row_limit.restore(self._clock.now())
+        adaptive = self._dispatch.adaptive
+        expected = self._expected_requests() if adaptive else 0
+        rows = row_limit.rows
         split = self._dispatch.split_rows(expected, rows, self._instances)
         self._target_rows = split or self._dispatch.target_rows(
             self._filler.last_batch_rows, expected, rows
         )
         self._cap_rows = split or rows
-        yielded = not self._dispatch.adaptive
+        yielded = not adaptive
         while True:
             if not self._queue:
                 if self._closing:
@@ -346,11 +356,15 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 yielded = True
                 await asyncio.sleep(0)
                 continue
-            now_s = self._clock.now()
-            refill = not ready
-            until_s = self._returns.until_s(self._dispatch.max_wait_s)
-            due_at = {g.key: self._due_at_s(g, until_s, refill) for g in self._queue}
-            due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
+            if ready and len(ready) == len(self._queue.groups):
+                # Every group ready (at c=1: the lone request's): all are due, no due times.
+                due, due_at = ready, {}
+            else:
+                now_s = self._clock.now()
+                refill = not ready
+                until_s = self._returns.until_s(self._dispatch.max_wait_s)
+                due_at = {g.key: self._due_at_s(g, until_s, refill) for g in self._queue}
+                due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
