@@ -1922,11 +1922,12 @@ async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
     batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=2)
     blocker = asyncio.create_task(batcher.submit([0, 0], group="x"))
     await wait_until(lambda: device.pending == 1)
-    queued = []
-    for group, rows in (("b", (1, 2)), ("a", (3, 4)), ("b", (5, 6))):
-        queued += [asyncio.create_task(batcher.submit([row], group=group)) for row in rows]
-        depth = len(queued)
-        await wait_until(lambda depth=depth: batcher.queue_depth == depth)  # arrival order
+    queued = [asyncio.create_task(batcher.submit([row], group="b")) for row in (1, 2)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    queued += [asyncio.create_task(batcher.submit([row], group="a")) for row in (3, 4)]
+    await wait_until(lambda: batcher.queue_depth == 4)
+    queued += [asyncio.create_task(batcher.submit([row], group="b")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 6)
     for _ in range(4):
         await wait_until(lambda: device.pending == 1)
         device.finish_next()
@@ -1940,3 +1941,4 @@ async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
         for reason in ("full", "target", "waited", "refill", "drain")
     }
     assert counted == {"full": 4, "target": 0, "waited": 0, "refill": 0, "drain": 0}
+
