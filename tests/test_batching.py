@@ -1941,4 +1941,3 @@ async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
         for reason in ("full", "target", "waited", "refill", "drain")
     }
     assert counted == {"full": 4, "target": 0, "waited": 0, "refill": 0, "drain": 0}
-
