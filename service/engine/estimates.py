@@ -35,6 +35,7 @@ or a measurement going stale: the table says until when it holds), not at each r
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -52,6 +53,9 @@ def size_class(rows: int) -> int:
     """1 for one row, 2 for 2-3 rows, 3 for 4-7 rows...: each class doubles the rows."""
     return max(1, rows).bit_length()
 
+
+#: A sample's seconds, read in C.
+_seconds = operator.itemgetter(1)
 
 #: A size class of a table not asked yet.
 _UNKNOWN = -1.0
@@ -104,7 +108,7 @@ class BatchTimes:
         while samples and samples[0][0] < now_s - FRESH_FOR_S:
             samples.popleft()
         samples.append((now_s, seconds))
-        ordered = sorted(duration for _, duration in samples)
+        ordered = sorted(map(_seconds, samples))
         durations.typical_s = ordered[(len(ordered) - 1) // 2]
         durations.newest_at_s = now_s
         if seconds < durations.fastest_s:
