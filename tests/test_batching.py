@@ -8,6 +8,7 @@ sleeping; anything that must *not* wait for a long ``max_wait_ms`` runs under an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -1941,3 +1942,30 @@ async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
         for reason in ("full", "target", "waited", "refill", "drain")
     }
     assert counted == {"full": 4, "target": 0, "waited": 0, "refill": 0, "drain": 0}
+
+
+async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_cancelled() -> None:
+    """The hand-off to the device thread: a batch queued behind other work there is not run
+    for nobody when the collector is cancelled (as ``run_in_executor``'s future did)."""
+    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
+    busy = threading.Event()
+    device.submit(busy.wait, 5.0)  # another model's batch, running
+    model = RecordingDoubler()
+    batcher = Batcher(
+        model, executor=device, metrics=EngineMetrics().for_model("test"), max_batch_size=4,
+        max_wait_ms=1, max_queue_size=8, request_timeout_ms=5_000,
+    )  # fmt: skip
+    batcher.start()
+    request = asyncio.create_task(batcher.submit([1], group="g"))
+    collector = next(t for t in asyncio.all_tasks() if t.get_name() == "batchserve-collector")
+    await wait_until(lambda: batcher.queue_depth == 0)  # taken: on its way to the device
+    await asyncio.sleep(0.01)
+    collector.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await collector
+    busy.set()
+    device.shutdown(wait=True)
+    assert model.batches == []
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request

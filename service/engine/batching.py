@@ -369,7 +369,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
                 self._metrics.dispatched(self._dispatch.reason(ready, due, limits, due_at))
-                return self._take(due or list(self._queue))
+                return self._take(due or list(self._queue), limits)
             self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
 
@@ -388,17 +388,19 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         try:
             await self._wakeup.wait()
         finally:
-            self._cancel_wakeup_timer()
+            if self._wakeup_timer is not None:  # tested here: at c=1 none is set, a call less
+                self._cancel_wakeup_timer()
 
     def _cancel_wakeup_timer(self) -> None:
         if self._wakeup_timer is not None:
             self._wakeup_timer.cancel()
             self._wakeup_timer = None
 
-    def _take(self, candidates: list[Group]) -> list[Entry]:
-        """Fill one batch from the best candidate group (``batch_fill``)."""
+    def _take(self, candidates: list[Group], limits: Limits) -> list[Entry]:
+        """Fill one batch from the best candidate group (``batch_fill``) within ``limits``
+        (``_limits()``, just read)."""
         taken = self._filler.take(
-            self._queue, candidates, self._limits(), self.times.estimate, self._clock.now()
+            self._queue, candidates, limits, self.times.estimate, self._clock.now()
         )
         self._depth.changed()
         answer_skipped(taken, self._metrics, self.times.estimate, self._request_timeout_s)
