@@ -37,11 +37,7 @@ from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.device_turns import HeldTurn, ModelTurns
 from service.engine.estimates import BatchTimes
-from service.errors import (
-    DeadlineExceededError,
-    InferenceError,
-    ServiceError,
-)
+from service.errors import DeadlineExceededError, InferenceError, ServiceError
 from service.metrics import DropReason, ModelMetrics
 from service.types import Priority
 
@@ -186,13 +182,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
-        rows = self._row_limit.rows
-        if self._cap_rows < rows:
-            rows = self._cap_rows
-        limits = self._last_limits
-        if limits.row_limit != rows:  # the same until the row limit or the cap changes
-            limits = self._last_limits = Limits(rows, self.max_batch_cost, self._quantum)
-        return limits
+        rows = min(self._row_limit.rows, self._cap_rows)
+        if self._last_limits.row_limit != rows:  # the same until the row limit or cap changes
+            self._last_limits = Limits(rows, self.max_batch_cost, self._quantum)
+        return self._last_limits
 
     def enqueue(
         self,
@@ -325,12 +318,11 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
-        row_limit = self._row_limit
-        if row_limit.rows < row_limit.max_batch_size:  # capped after an OOM: time to restore?
-            row_limit.restore(self._clock.now())
+        if self._row_limit.rows < self._row_limit.max_batch_size:  # capped after an OOM
+            self._row_limit.restore(self._clock.now())
         adaptive = self._dispatch.adaptive
         expected = self._expected_requests() if adaptive else 0
-        rows = row_limit.rows
+        rows = self._row_limit.rows
         split = self._dispatch.split_rows(expected, rows, self._instances)
         self._target_rows = split or self._dispatch.target_rows(
             self._filler.last_batch_rows, expected, rows
@@ -356,8 +348,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 yielded = True
                 await asyncio.sleep(0)
                 continue
-            if ready and len(ready) == len(self._queue.groups):
-                # Every group ready (at c=1: the lone request's): all are due, no due times.
+            if ready and len(ready) == len(self._queue.groups):  # all ready (c=1): all due
                 due, due_at = ready, {}
             else:
                 now_s = self._clock.now()
@@ -397,8 +388,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._wakeup_timer = None
 
     def _take(self, candidates: list[Group], limits: Limits) -> list[Entry]:
-        """Fill one batch from the best candidate group (``batch_fill``) within ``limits``
-        (``_limits()``, just read)."""
+        """Fill one batch from the best candidate group (``batch_fill``) within ``limits``."""
         taken = self._filler.take(
             self._queue, candidates, limits, self.times.estimate, self._clock.now()
         )
