@@ -50,6 +50,7 @@ async def closed_loop(requests: int, max_wait_ms: float) -> list[float]:
             metrics=EngineMetrics().for_model("c1"),
             expected_requests=lambda: 1,
             max_batch_ms=100.0,  # the server's default time quantum
+            stall_timeout_s=120.0,  # the server's default: a stall watch armed per batch
             **options,
         )
 
@@ -102,6 +103,47 @@ def _resumptions(stats: pstats.Stats, name: str) -> int:
     )
 
 
+class PathCounter:
+    """Counts the calls (Python and C) made while a frame of the collector task
+    (``_collect_forever`` and everything it resumes) or of ``enqueue`` is running, on this
+    thread: ``sys.setprofile`` sees each resumption of the collector as a call of its frame."""
+
+    def __init__(self) -> None:
+        self.calls = {"collector": 0, "enqueue": 0}
+        self._inside: str | None = None
+        self._frame: object = None
+
+    def __call__(self, frame: Any, event: str, arg: object) -> None:
+        if self._inside is not None:
+            if event in ("call", "c_call"):
+                self.calls[self._inside] += 1
+            elif event == "return" and frame is self._frame:
+                self._inside = self._frame = None
+            return
+        if event == "call":
+            name = frame.f_code.co_name
+            if name == "_collect_forever":
+                self._inside, self._frame = "collector", frame
+            elif name == "enqueue" and frame.f_code.co_filename.endswith("batching.py"):
+                self._inside, self._frame = "enqueue", frame
+
+
+def path_calls(requests: int, max_wait_ms: float) -> dict[str, float]:
+    """Calls a request in the collector task and in ``enqueue``: the difference of a short
+    and a long run divided by the difference in requests."""
+    runs = []
+    for count in (requests // 4, requests):
+        counter = PathCounter()
+        sys.setprofile(counter)
+        try:
+            asyncio.run(closed_loop(count, max_wait_ms))
+        finally:
+            sys.setprofile(None)
+        runs.append(counter.calls)
+    short, long = runs
+    return {path: (long[path] - short[path]) / (requests - requests // 4) for path in short}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -145,6 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for name, calls in sorted(added.items(), key=lambda item: -item[1])[: args.top]:
         print(f"{calls:8.2f}  {name}")
+    paths = path_calls(args.requests, args.max_wait_ms)
+    print(
+        f"calls a request in the collector task: {paths['collector']:.1f}; "
+        f"in enqueue: {paths['enqueue']:.1f}"
+    )
     return 0
 
 

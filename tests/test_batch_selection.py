@@ -243,6 +243,23 @@ def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
     assert refusal([1], "g", 2.0, PerRow(1.0), waits(1.0), "normal") is None
 
 
+@pytest.mark.parametrize("fastest_s", [None, 0.25])
+@pytest.mark.parametrize(("left_s", "ahead_s"), [(1.0, 0.0), (3.0, 0.0), (3.0, 2.0), (9.0, 2.0)])
+def test_a_request_of_one_chunk_is_refused_as_the_same_rows_in_two_chunks(
+    fastest_s: float | None, left_s: float, ahead_s: float
+) -> None:
+    """One chunk (read without a comprehension) and two whose estimates add up to the same:
+    the same verdict, message and ``Retry-After``."""
+    times = PerRow(1.0, fastest_s)
+    one = refusal([2], "g", left_s, times, waits(ahead_s), "normal")
+    two = refusal([1, 1], "g", left_s, times, waits(ahead_s), "normal")
+    assert type(one) is type(two)
+    if one is not None and two is not None:
+        assert one.message == two.message
+        assert one.headers == two.headers
+    assert refusal([2], "g", left_s, PerRow(None), waits(ahead_s), "normal") is None
+
+
 def test_before_its_rows_are_known_a_request_is_refused_only_when_the_work_ahead_is_too_long() -> (
     None
 ):

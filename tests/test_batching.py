@@ -8,6 +8,7 @@ sleeping; anything that must *not* wait for a long ``max_wait_ms`` runs under an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -1909,3 +1910,62 @@ async def test_one_batch_settles_front_ends_in_process_callers_chunks_failures_a
     assert one.deliveries[0] == [first, failing]
     assert one.deliveries[1:] == [[chunked, last]]  # its last chunk's batch finished both
     assert 5 in model.computed_rows  # computed, but answered as cancelled: nobody asked
+
+
+async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
+    make_batcher: BatcherFactory,
+) -> None:
+    """Every group full at once (the collector takes them without their due times): the
+    oldest request's group first, each batch counted ``full``, none mixed."""
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(model, metrics=metrics, executor=device, max_batch_size=2)
+    blocker = asyncio.create_task(batcher.submit([0, 0], group="x"))
+    await wait_until(lambda: device.pending == 1)
+    queued = [asyncio.create_task(batcher.submit([row], group="b")) for row in (1, 2)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    queued += [asyncio.create_task(batcher.submit([row], group="a")) for row in (3, 4)]
+    await wait_until(lambda: batcher.queue_depth == 4)
+    queued += [asyncio.create_task(batcher.submit([row], group="b")) for row in (5, 6)]
+    await wait_until(lambda: batcher.queue_depth == 6)
+    for _ in range(4):
+        await wait_until(lambda: device.pending == 1)
+        device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(blocker, *queued)
+    assert model.batches == [[[0, 0]], [[1], [2]], [[3], [4]], [[5], [6]]]
+    counted = {
+        reason: sample_total(
+            metrics.registry, "batchserve_batch_dispatches_total", {"reason": reason}
+        )
+        for reason in ("full", "target", "waited", "refill", "drain")
+    }
+    assert counted == {"full": 4, "target": 0, "waited": 0, "refill": 0, "drain": 0}
+
+
+async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_cancelled() -> None:
+    """The hand-off to the device thread: a batch queued behind other work there is not run
+    for nobody when the collector is cancelled (as ``run_in_executor``'s future did)."""
+    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
+    busy = threading.Event()
+    device.submit(busy.wait, 5.0)  # another model's batch, running
+    model = RecordingDoubler()
+    batcher = Batcher(
+        model, executor=device, metrics=EngineMetrics().for_model("test"), max_batch_size=4,
+        max_wait_ms=1, max_queue_size=8, request_timeout_ms=5_000,
+    )  # fmt: skip
+    batcher.start()
+    request = asyncio.create_task(batcher.submit([1], group="g"))
+    collector = next(t for t in asyncio.all_tasks() if t.get_name() == "batchserve-collector")
+    await wait_until(lambda: batcher.queue_depth == 0)  # taken: on its way to the device
+    await asyncio.sleep(0.01)
+    collector.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await collector
+    busy.set()
+    device.shutdown(wait=True)
+    assert model.batches == []
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request

@@ -37,3 +37,11 @@ def test_the_thread_table_gives_each_server_and_its_busy_or_idle_polling_threads
     assert lines[3].startswith("| | | server: main | 900 | 1000 | 3.5 |")
     assert lines[4].startswith("| | | server: device | 600 | 200 | 2.0 |")
     assert lines[5] == "| | | server: quiet | 1 | 0 | 0.0 | 500 |"  # polls while idle
+
+
+def test_calls_are_counted_apart_in_the_collector_task_and_in_enqueue() -> None:
+    """Counted, not timed: a lone request costs both paths some calls, the same each time."""
+    calls = c1_batcher.path_calls(40, max_wait_ms=50.0)
+    assert set(calls) == {"collector", "enqueue"}
+    assert calls["collector"] > 50
+    assert calls["enqueue"] > 20

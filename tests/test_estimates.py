@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from service.engine import estimates
 from service.engine.estimates import BatchTimes, size_class
 
@@ -86,17 +88,22 @@ def test_one_loaded_measurement_does_not_keep_a_size_looking_slow() -> None:
     assert times.fastest("g", 2) == 0.015
 
 
-def test_tabled_estimates_read_as_computed_afresh_whatever_the_times_of_reads() -> None:
+@pytest.mark.parametrize(("seed", "max_rows"), [(7, 300), (8, 3), (9, 5)])
+def test_tabled_estimates_read_as_computed_afresh_whatever_the_times_of_reads(
+    seed: int, max_rows: int
+) -> None:
     """Estimates are tabled per group until a record or a measurement going stale changes
-    them: read at any moment, they are those of a ``BatchTimes`` that never read before."""
-    rng = random.Random(7)
+    them: read at any moment, they are those of a ``BatchTimes`` that never read before.
+    With few sizes (``max_rows``) most records are of a size still fresh, which keeps the
+    table and forgets its values."""
+    rng = random.Random(seed)
     now = [1000.0]
     times = BatchTimes(lambda: now[0])
     records: list[tuple[float, str, int, float]] = []
     afresh_now = [0.0]
     for _ in range(300):
         if rng.random() < 0.3:
-            group, rows, seconds = rng.choice("gh"), rng.randint(1, 300), rng.random()
+            group, rows, seconds = rng.choice("gh"), rng.randint(1, max_rows), rng.random()
             times.record(group, rows, seconds)
             records.append((now[0], group, rows, seconds))
         now[0] += rng.choice((0.0, 0.2, 1.0, estimates.FRESH_FOR_S / 2))

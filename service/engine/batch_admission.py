@@ -109,11 +109,18 @@ def refusal(
     measured (``times.fastest``): the forward itself is too long, the client must send less.
     When only the recent durations make it late (a loaded device), or the queue ahead does,
     429 with ``Retry-After``."""
-    own = [times.estimate(group, rows) for rows in chunks]
-    if any(seconds is None for seconds in own):
-        return None
-    own_s = sum(seconds for seconds in own if seconds is not None)
-    quickest_s = sum(times.fastest(group, rows) or 0.0 for rows in chunks)
+    if len(chunks) == 1:  # the common case, without a comprehension a request
+        known_s = times.estimate(group, chunks[0])
+        if known_s is None:
+            return None
+        own_s = known_s
+        quickest_s = times.fastest(group, chunks[0]) or 0.0
+    else:
+        own = [times.estimate(group, rows) for rows in chunks]
+        if any(seconds is None for seconds in own):
+            return None
+        own_s = sum(seconds for seconds in own if seconds is not None)
+        quickest_s = sum(times.fastest(group, rows) or 0.0 for rows in chunks)
     needed_s = min(own_s, quickest_s)
     if needed_s > left_s:
         return DeadlineUnreachableError(

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from service.config import BatchPolicy
@@ -31,10 +31,11 @@ DispatchReason = Literal["full", "target", "waited", "refill", "drain"]
 class Dispatch:
     policy: BatchPolicy
     max_wait_s: float
+    adaptive: bool = field(init=False)
+    """``policy == "adaptive"``, kept: it is read several times a batch."""
 
-    @property
-    def adaptive(self) -> bool:
-        return self.policy == "adaptive"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adaptive", self.policy == "adaptive")
 
     def target_rows(self, last_batch_rows: int, expected: int, row_limit: int) -> int:
         """Rows a batch should have before it is dispatched without waiting (one instance;

@@ -53,7 +53,11 @@ class RowLimit:
 
 
 class StallWatch:
-    """Marks the batcher stalled (once) when a batch outlives ``stall_timeout_s``."""
+    """Marks the batcher stalled (once) when a batch outlives ``stall_timeout_s``.
+
+    One timer watches every running batch, armed when none is: when it fires it looks at the
+    oldest batch still running, and reports it or waits for its turn. A batch costs two dict
+    writes, not a timer of its own armed and cancelled (at c=1, once a request)."""
 
     def __init__(
         self, clock: Clock, stall_timeout_s: float, on_stall: Callable[[], None] | None
@@ -62,12 +66,39 @@ class StallWatch:
         self.stall_timeout_s = stall_timeout_s
         self._on_stall = on_stall
         self.stalled = False
+        self._started_s: dict[int, float] = {}
+        """When each batch running now started, by its number."""
+        self._batches = 0
+        self._timer: Timer | None = None
 
-    def watch(self) -> Timer | None:
-        """Start watching a batch; cancel what this returns when it comes back."""
-        if self.stall_timeout_s <= 0:
-            return None
-        return self._clock.call_at(self._clock.now() + self.stall_timeout_s, self._report)
+    def started(self, now_s: float) -> int:
+        """A batch started at ``now_s``; pass what this returns to ``finished``."""
+        self._batches += 1
+        if self.stall_timeout_s > 0:
+            self._started_s[self._batches] = now_s
+            if self._timer is None:
+                self._timer = self._clock.call_at(now_s + self.stall_timeout_s, self._check)
+        return self._batches
+
+    def finished(self, batch: int) -> None:
+        """The batch numbered ``batch`` came back (or failed)."""
+        self._started_s.pop(batch, None)
+
+    def close(self) -> None:
+        """Stop watching (the collector has stopped)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        if not self._started_s or self.stalled:
+            return
+        due_s = min(self._started_s.values()) + self.stall_timeout_s
+        if self._clock.now() >= due_s:
+            self._report()
+        else:  # the batch it was armed for came back: watch the oldest still running
+            self._timer = self._clock.call_at(due_s, self._check)
 
     def _report(self) -> None:
         if self.stalled:

@@ -37,11 +37,7 @@ from service.engine.batch_spans import BatchTracer
 from service.engine.batch_ticket import Sink, Ticket
 from service.engine.device_turns import HeldTurn, ModelTurns
 from service.engine.estimates import BatchTimes
-from service.errors import (
-    DeadlineExceededError,
-    InferenceError,
-    ServiceError,
-)
+from service.errors import DeadlineExceededError, InferenceError, ServiceError
 from service.metrics import DropReason, ModelMetrics
 from service.types import Priority
 
@@ -145,6 +141,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         )
         self._returns = Returns()
         self._target_rows = self._cap_rows = max_batch_size
+        self._last_limits = Limits(max_batch_size, max_batch_cost, self._quantum)
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
         self._closing = False
@@ -185,7 +182,10 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         return self._row_limit.rows
 
     def _limits(self) -> Limits:
-        return Limits(min(self._row_limit.rows, self._cap_rows), self.max_batch_cost, self._quantum)
+        rows = min(self._row_limit.rows, self._cap_rows)
+        if self._last_limits.row_limit != rows:  # the same until the row limit or cap changes
+            self._last_limits = Limits(rows, self.max_batch_cost, self._quantum)
+        return self._last_limits
 
     def enqueue(
         self,
@@ -302,6 +302,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._turn.release()
             self._deadlines.close()
             self._cancel_wakeup_timer()
+            self._stall.close()
 
     async def _run(self, batch: list[Entry]) -> None:
         try:
@@ -317,15 +318,17 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
-        self._row_limit.restore(self._clock.now())
-        expected = self._expected_requests() if self._dispatch.adaptive else 0
+        if self._row_limit.rows < self._row_limit.max_batch_size:  # capped after an OOM
+            self._row_limit.restore(self._clock.now())
+        adaptive = self._dispatch.adaptive
+        expected = self._expected_requests() if adaptive else 0
         rows = self._row_limit.rows
         split = self._dispatch.split_rows(expected, rows, self._instances)
         self._target_rows = split or self._dispatch.target_rows(
             self._filler.last_batch_rows, expected, rows
         )
         self._cap_rows = split or rows
-        yielded = not self._dispatch.adaptive
+        yielded = not adaptive
         while True:
             if not self._queue:
                 if self._closing:
@@ -345,16 +348,19 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 yielded = True
                 await asyncio.sleep(0)
                 continue
-            now_s = self._clock.now()
-            refill = not ready
-            until_s = self._returns.until_s(self._dispatch.max_wait_s)
-            due_at = {g.key: self._due_at_s(g, until_s, refill) for g in self._queue}
-            due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
+            if ready and len(ready) == len(self._queue.groups):  # all ready (c=1): all due
+                due, due_at = ready, {}
+            else:
+                now_s = self._clock.now()
+                refill = not ready
+                until_s = self._returns.until_s(self._dispatch.max_wait_s)
+                due_at = {g.key: self._due_at_s(g, until_s, refill) for g in self._queue}
+                due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
                 self._metrics.dispatched(self._dispatch.reason(ready, due, limits, due_at))
-                return self._take(due or list(self._queue))
+                return self._take(due or list(self._queue), limits)
             self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
 
@@ -373,17 +379,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         try:
             await self._wakeup.wait()
         finally:
-            self._cancel_wakeup_timer()
+            if self._wakeup_timer is not None:  # tested here: at c=1 none is set, a call less
+                self._cancel_wakeup_timer()
 
     def _cancel_wakeup_timer(self) -> None:
         if self._wakeup_timer is not None:
             self._wakeup_timer.cancel()
             self._wakeup_timer = None
 
-    def _take(self, candidates: list[Group]) -> list[Entry]:
-        """Fill one batch from the best candidate group (``batch_fill``)."""
+    def _take(self, candidates: list[Group], limits: Limits) -> list[Entry]:
+        """Fill one batch from the best candidate group (``batch_fill``) within ``limits``."""
         taken = self._filler.take(
-            self._queue, candidates, self._limits(), self.times.estimate, self._clock.now()
+            self._queue, candidates, limits, self.times.estimate, self._clock.now()
         )
         self._depth.changed()
         answer_skipped(taken, self._metrics, self.times.estimate, self._request_timeout_s)

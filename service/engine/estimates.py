@@ -35,6 +35,7 @@ or a measurement going stale: the table says until when it holds), not at each r
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -53,8 +54,12 @@ def size_class(rows: int) -> int:
     return max(1, rows).bit_length()
 
 
+#: A sample's seconds, read in C.
+_seconds = operator.itemgetter(1)
+
 #: A size class of a table not asked yet.
 _UNKNOWN = -1.0
+_ALL_UNKNOWN = [_UNKNOWN] * (TABLE_SIZES + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +102,28 @@ class BatchTimes:
 
     def record(self, group: Hashable, rows: int, seconds: float) -> None:
         by_size = self._durations.setdefault(group, {})
-        durations = by_size.setdefault(size_class(rows), _Durations())
+        size = size_class(rows)
+        durations = by_size.get(size)
+        if durations is None:  # not ``setdefault``: it would build one a record
+            durations = by_size[size] = _Durations()
         now_s = self._now()
-        self._tables.pop(group, None)
+        table = self._tables.get(group)
+        if (
+            table is not None
+            and durations.newest_at_s >= now_s - FRESH_FOR_S
+            and table.since_s <= now_s <= table.until_s
+        ):
+            # A size already fresh: the sizes fresh stay the same, and none goes stale before
+            # the table's ``until_s``. Keep the table, forget its values (at c=1: a batch each).
+            table.seconds[:] = _ALL_UNKNOWN
+            table.slowest_s.clear()
+        elif table is not None:
+            del self._tables[group]
         samples = durations.samples
         while samples and samples[0][0] < now_s - FRESH_FOR_S:
             samples.popleft()
         samples.append((now_s, seconds))
-        ordered = sorted(duration for _, duration in samples)
+        ordered = sorted(map(_seconds, samples))
         durations.typical_s = ordered[(len(ordered) - 1) // 2]
         durations.newest_at_s = now_s
         if seconds < durations.fastest_s:
@@ -154,7 +173,7 @@ class BatchTimes:
             if known.newest_at_s >= now_s - FRESH_FOR_S
         ]
         until_s = min(fresh) + FRESH_FOR_S if fresh else math.inf
-        table = self._tables[group] = _Table(now_s, until_s, [_UNKNOWN] * (TABLE_SIZES + 1), {})
+        table = self._tables[group] = _Table(now_s, until_s, list(_ALL_UNKNOWN), {})
         return table
 
     def _computed(self, group: Hashable, size: int, now_s: float) -> float | None:
