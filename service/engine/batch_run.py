@@ -72,26 +72,33 @@ class Deliveries:
 
     def answer(self, batch: list[Entry], outputs: Sequence[object]) -> None:
         """Answer a batch's entries with its outputs (``settle_batch``), then hand each sink
-        its finished tickets at once."""
-        # ``per_batch`` spelt out: once a batch, a generator-based context manager cost more
-        # calls than the settling of a one-request batch.
-        outer, self._gathering = self._gathering, {}
+        its finished tickets at once. ``per_batch`` spelt out: once a batch, a generator-based
+        context manager cost more calls than the settling of a one-request batch."""
+        outer, gathering = self._gather()
         try:
-            settle_batch(batch, outputs, self._gathering)
+            settle_batch(batch, outputs, gathering)
         finally:
-            gathered, self._gathering = self._gathering, outer
-            for sink, tickets in gathered.items():
-                _deliver(sink, tickets)
+            self._hand_out(outer)
 
     @contextlib.contextmanager
     def per_batch(self) -> Iterator[None]:
-        outer, self._gathering = self._gathering, {}
+        outer, _ = self._gather()
         try:
             yield
         finally:
-            gathered, self._gathering = self._gathering, outer
-            for sink, tickets in gathered.items():
-                _deliver(sink, tickets)
+            self._hand_out(outer)
+
+    def _gather(self) -> tuple[dict[Sink, list[Ticket[Any]]] | None, dict[Sink, list[Ticket[Any]]]]:
+        """Start gathering the tickets a batch finishes; returns what gathered before (to
+        restore) and the new gathering."""
+        outer, self._gathering = self._gathering, {}
+        return outer, self._gathering
+
+    def _hand_out(self, outer: dict[Sink, list[Ticket[Any]]] | None) -> None:
+        """Hand each sink the tickets gathered since ``_gather``, and restore ``outer``."""
+        gathered, self._gathering = self._gathering, outer
+        for sink, tickets in (gathered or {}).items():
+            _deliver(sink, tickets)
 
 
 def _answered_on_loop(running: Future[T]) -> asyncio.Future[T]:
