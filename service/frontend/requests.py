@@ -203,26 +203,25 @@ class _Waiting:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, after_s: float) -> None:
         self.loop = loop
-        self._loop = loop
         self._after_s = after_s
         self._since: dict[DisconnectWatcher, float] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, watcher: DisconnectWatcher) -> None:
-        self._since[watcher] = self._loop.time()
+        self._since[watcher] = self.loop.time()
         if self._timer is None:
-            self._timer = self._loop.call_later(self._after_s, self._start_due)
+            self._timer = self.loop.call_later(self._after_s, self._start_due)
 
     def remove(self, watcher: DisconnectWatcher) -> None:
         self._since.pop(watcher, None)
 
     def _start_due(self) -> None:
         self._timer = None
-        now = self._loop.time()
+        now = self.loop.time()
         while self._since:
             watcher, since = next(iter(self._since.items()))
             if now - since < self._after_s:
-                self._timer = self._loop.call_later(since + self._after_s - now, self._start_due)
+                self._timer = self.loop.call_later(since + self._after_s - now, self._start_due)
                 return
             del self._since[watcher]
             watcher.start()
