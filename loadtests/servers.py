@@ -272,34 +272,25 @@ def check_answers(url: str, bodies: Sequence[bytes], headers: Mapping[str, str])
 
 
 #: Unlabelled (older servers) or one series per model.
-_BATCH_ROWS = re.compile(
-    r"^batchserve_batch_size_rows_(sum|count)(?:\{[^}]*\})?\s+(\S+)$", re.MULTILINE
-)
-
-
 def batch_counters(url: str) -> tuple[float, float] | None:
     """(rows, batches) so far from ``/metrics``, over every model; None if the server does
     not export them."""
+    return histogram_totals(url, "batchserve_batch_size_rows")
+
+
+def _metrics_text(url: str) -> str | None:
+    """The server's ``/metrics`` page, or None if it cannot be read."""
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        return httpx.get(url + "/metrics", timeout=10).text
     except httpx.TransportError:
         return None
-    totals: dict[str, float] = {}
-    for kind, value in _BATCH_ROWS.findall(text):
-        totals[kind] = totals.get(kind, 0.0) + float(value)
-    if "sum" not in totals or "count" not in totals:
-        return None
-    return totals["sum"], totals["count"]
 
 
 def histogram_totals(url: str, name: str) -> tuple[float, float] | None:
     """(sum, count) so far of ``/metrics``'s histogram ``name``, over its labels; None if the
     server does not export it."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.TransportError:
-        return None
-    return parse_histogram_totals(text, name)
+    text = _metrics_text(url)
+    return None if text is None else parse_histogram_totals(text, name)
 
 
 def parse_histogram_totals(text: str, name: str) -> tuple[float, float] | None:
@@ -321,9 +312,8 @@ _DROPPED = re.compile(
 def dropped_by_reason(url: str) -> dict[str, float]:
     """Requests dropped so far, by ``reason`` (``batchserve_dropped_requests_total``), over
     every model; empty if the server does not export them."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.TransportError:
+    text = _metrics_text(url)
+    if text is None:
         return {}
     totals: dict[str, float] = {}
     for reason, value in _DROPPED.findall(text):
@@ -334,11 +324,8 @@ def dropped_by_reason(url: str) -> dict[str, float]:
 def histogram_buckets(url: str, name: str) -> dict[float, float] | None:
     """Observations so far of at most ``le``, for each bucket edge of ``/metrics``'s histogram
     ``name``, summed over its labels; None if not exported."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.TransportError:
-        return None
-    return parse_histogram_buckets(text, name)
+    text = _metrics_text(url)
+    return None if text is None else parse_histogram_buckets(text, name)
 
 
 def parse_histogram_buckets(text: str, name: str) -> dict[float, float] | None:
