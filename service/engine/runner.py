@@ -10,7 +10,6 @@ the event loop never runs model code. No asyncio here.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import os
@@ -25,6 +24,7 @@ import torch
 
 from service.config import CompileMode, Precision
 from service.engine.batch_spans import BatchTimings
+from service.engine.output_split import length_ties, split_rows
 from service.engine.outputs import (
     OutputMismatchError,
     call_model,
@@ -146,7 +146,7 @@ class TorchRunner:
         self._inputs = tuple(inputs)
         self._input_names = [spec.name for spec in self._inputs]
         self._outputs = tuple(outputs)
-        self._length_ties = _length_ties(self._inputs, self._outputs)
+        self._length_ties = length_ties(self._inputs, self._outputs)
         self._length_edges = tuple(length_edges)
         self._owns_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="batchserve-device")
@@ -230,24 +230,7 @@ class TorchRunner:
         total_rows = sum(rows_each)
         host = to_host(outputs, self._outputs, total_rows)  # waits for the device: forward
         split_ns = time.time_ns()
-        split: list[NamedArrays] = []
-        ties = self._length_ties
-        ends = list(itertools.accumulate(rows_each))
-        starts = [0, *ends[:-1]]
-        # Views, not np.split (a tenth of its cost per batch); the same rows of the checked
-        # host outputs, so no check again per payload (``of_rows``). One request at a time,
-        # so the steps per payload are few: one output (the common case) has no dict loop.
-        of_rows = NamedArrays.of_rows
-        if len(host.arrays) == 1 and not ties:
-            [(name, array)] = host.arrays.items()
-            split = [
-                of_rows({name: array[start:end]}) for start, end in zip(starts, ends, strict=True)
-            ]
-        else:
-            outputs_by_name = host.arrays
-            for payload, start, end in zip(payloads, starts, ends, strict=True):
-                rows = of_rows({name: array[start:end] for name, array in outputs_by_name.items()})
-                split.append(_at_own_length(rows, payload, ties) if ties else rows)
+        split = split_rows(host.arrays, payloads, rows_each, self._length_ties)
         floating = [name for name in host.names if host[name].dtype.kind == "f"]
         answers: list[NamedArrays | InferenceError] = list(split)
         if not all(np.isfinite(host[name]).all() for name in floating):
@@ -344,37 +327,6 @@ class TorchRunner:
         del self._model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-_LengthTie = tuple[str, int, str, int]
-"""An output whose variable axis follows an input's: (output, its axis, input, its axis)."""
-
-
-def _length_ties(
-    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
-) -> tuple[_LengthTie, ...]:
-    axes = {spec.name: spec.variable_axis for spec in inputs}
-    ties = []
-    for spec in outputs:
-        input_axis = axes.get(spec.length_of or "")
-        if spec.variable_axis is not None and input_axis is not None:
-            ties.append((spec.name, spec.variable_axis + 1, spec.length_of or "", input_axis + 1))
-    return tuple(ties)
-
-
-def _at_own_length(
-    rows: NamedArrays, payload: NamedArrays, ties: Sequence[_LengthTie]
-) -> NamedArrays:
-    """``rows`` with each tied output cut to the payload's own length (the batch padded it to
-    its longest payload's): an answer never depends on its batch-mates."""
-    if not ties:
-        return rows
-    arrays = dict(rows.arrays)
-    for output, axis, source, source_axis in ties:
-        length = payload[source].shape[source_axis]
-        if arrays[output].shape[axis] > length:
-            arrays[output] = arrays[output][(slice(None),) * axis + (slice(0, length),)]
-    return NamedArrays(arrays)
 
 
 def _finite_or_error(output: NamedArrays, floating: Sequence[str]) -> NamedArrays | InferenceError:
