@@ -73,10 +73,13 @@ class _Table:
     until_s: float
     seconds: list[float | None]
     slowest_s: dict[int, float]
+    sources: list[int]
+    """By size class, the size class measured that its estimate was read from (0: none
+    yet), so a record of that class updates the estimate in place."""
 
 
 #: The table of every group never measured (none is stored for it): no estimate of any size.
-_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), {})
+_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), {}, [0] * (TABLE_SIZES + 1))
 
 
 @dataclass
@@ -108,24 +111,29 @@ class BatchTimes:
             durations = by_size[size] = _Durations()
         now_s = self._now()
         table = self._tables.get(group)
-        if (
+        kept = (
             table is not None
             and durations.newest_at_s >= now_s - FRESH_FOR_S
             and table.since_s <= now_s <= table.until_s
-        ):
-            # A size already fresh: the sizes fresh stay the same, and none goes stale before
-            # the table's ``until_s``. Keep the table, forget its values (at c=1: a batch each).
-            table.seconds[:] = _ALL_UNKNOWN
-            table.slowest_s.clear()
-        elif table is not None:
+        )
+        if table is not None and not kept:
             del self._tables[group]
         samples = durations.samples
         while samples and samples[0][0] < now_s - FRESH_FOR_S:
             samples.popleft()
         samples.append((now_s, seconds))
         ordered = sorted(map(_seconds, samples))
-        durations.typical_s = ordered[(len(ordered) - 1) // 2]
+        typical_s = durations.typical_s = ordered[(len(ordered) - 1) // 2]
         durations.newest_at_s = now_s
+        if kept and table is not None:
+            # A size already fresh: the sizes fresh stay the same, and none goes stale before
+            # the table's ``until_s``, so each estimate still comes from the same size. Those
+            # read from this one are updated as ``_scaled`` would compute them (at frames of
+            # 64, every size is read from the size of 64: no recomputing a batch).
+            for at, source in enumerate(table.sources):
+                if source == size:
+                    table.seconds[at] = typical_s * 2 ** (at - size) if at > size else typical_s
+            table.slowest_s.clear()
         if seconds < durations.fastest_s:
             durations.fastest_s = seconds
             fastest = {size: known.fastest_s for size, known in by_size.items()}
@@ -144,7 +152,8 @@ class BatchTimes:
             return self._computed(group, size, now_s)
         seconds = table.seconds[size]
         if seconds is _UNKNOWN:  # first asked since the table was made
-            seconds = table.seconds[size] = self._computed(group, size, now_s)
+            seconds, table.sources[size] = self._computed_from(group, size, now_s)
+            table.seconds[size] = seconds
         return seconds
 
     def slowest(self, group: Hashable, rows: int) -> float:
@@ -173,18 +182,25 @@ class BatchTimes:
             if known.newest_at_s >= now_s - FRESH_FOR_S
         ]
         until_s = min(fresh) + FRESH_FOR_S if fresh else math.inf
-        table = self._tables[group] = _Table(now_s, until_s, list(_ALL_UNKNOWN), {})
+        table = self._tables[group] = _Table(
+            now_s, until_s, list(_ALL_UNKNOWN), {}, [0] * (TABLE_SIZES + 1)
+        )
         return table
 
     def _computed(self, group: Hashable, size: int, now_s: float) -> float | None:
         """The estimate of size class ``size`` at ``now_s``, from the durations."""
+        return self._computed_from(group, size, now_s)[0]
+
+    def _computed_from(self, group: Hashable, size: int, now_s: float) -> tuple[float | None, int]:
+        """The estimate of size class ``size`` at ``now_s``, and the size class measured it
+        comes from (0: none)."""
         by_size = self._durations.get(group)
         if not by_size:
-            return None
+            return None, 0
         fresh_since_s = now_s - FRESH_FOR_S
         durations = by_size.get(size)
         if durations is not None and durations.newest_at_s >= fresh_since_s:
-            return durations.typical_s
+            return durations.typical_s, size
         recent = {
             measured: known.typical_s
             for measured, known in by_size.items()
@@ -214,14 +230,14 @@ def bounded_fastest(fastest: dict[int, float], size: int) -> float:
     )
 
 
-def _scaled(by_size: dict[int, float], size: int) -> float | None:
+def _scaled(by_size: dict[int, float], size: int) -> tuple[float | None, int]:
     """The duration of ``size`` from those known: its own, else the nearest size's, doubled
-    for each class above it."""
+    for each class above it; and the size it comes from (0: none)."""
     if not by_size:
-        return None
+        return None, 0
     seconds = by_size.get(size)
     if seconds is not None:
-        return seconds
+        return seconds, size
     nearest = min(by_size, key=lambda measured: (abs(measured - size), -measured))
     seconds = by_size[nearest]
-    return seconds * 2 ** (size - nearest) if size > nearest else seconds
+    return (seconds * 2 ** (size - nearest) if size > nearest else seconds), nearest
