@@ -5,6 +5,7 @@ every request in the bucket it falls in, as one observation per request would ha
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 
 import pytest
@@ -50,6 +51,19 @@ def test_observe_many_counts_as_one_observation_per_value() -> None:
     assert buckets(registry, "h") == buckets(reference(values), "h")
     assert registry.get_sample_value("h_count") == len(values)
     assert registry.get_sample_value("h_sum") == pytest.approx(sum(values))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_observe_many_counts_values_in_any_order_as_observed_one_by_one(seed: int) -> None:
+    generator = random.Random(seed)
+    bounds = [*LATENCY_BUCKETS_S, 1e9]
+    values = [generator.choice(bounds) * generator.choice([0.5, 1.0, 1.0, 1.5]) for _ in range(64)]
+    values += generator.sample(values, 8)  # the same values again, in another order
+    registry = CollectorRegistry()
+    histogram = Histogram("h", "many", buckets=LATENCY_BUCKETS_S, registry=registry)
+    observe_many(histogram, values)
+    assert buckets(registry, "h") == buckets(reference(values), "h")
+    assert registry.get_sample_value("h_sum") == sum(values)
 
 
 @pytest.fixture
