@@ -152,8 +152,7 @@ class BatchTimes:
             return self._computed(group, size, now_s)
         seconds = table.seconds[size]
         if seconds is _UNKNOWN:  # first asked since the table was made
-            seconds, table.sources[size] = self._computed_from(group, size, now_s)
-            table.seconds[size] = seconds
+            seconds = self._tabled(table, group, size, now_s)
         return seconds
 
     def slowest(self, group: Hashable, rows: int) -> float:
@@ -165,8 +164,17 @@ class BatchTimes:
             table = self._table(group, now_s)
         top = size_class(rows)
         slowest_s = table.slowest_s.get(top)
-        if slowest_s is None:
-            known = [self._computed(group, size, now_s) for size in range(1, top + 1)]
+        if slowest_s is None:  # from the table: each record cleared it (at c=64, once a batch)
+            known = []
+            for size in range(1, top + 1):
+                seconds = (
+                    table.seconds[size]
+                    if size <= TABLE_SIZES
+                    else self._computed(group, size, now_s)
+                )
+                if seconds is _UNKNOWN:
+                    seconds = self._tabled(table, group, size, now_s)
+                known.append(seconds)
             slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
             table.slowest_s[top] = slowest_s
         return slowest_s
@@ -186,6 +194,13 @@ class BatchTimes:
             now_s, until_s, list(_ALL_UNKNOWN), {}, [0] * (TABLE_SIZES + 1)
         )
         return table
+
+    def _tabled(self, table: _Table, group: Hashable, size: int, now_s: float) -> float | None:
+        """The estimate of size class ``size``, computed and kept in ``table`` with the size
+        class it comes from."""
+        seconds, table.sources[size] = self._computed_from(group, size, now_s)
+        table.seconds[size] = seconds
+        return seconds
 
     def _computed(self, group: Hashable, size: int, now_s: float) -> float | None:
         """The estimate of size class ``size`` at ``now_s``, from the durations."""
