@@ -175,7 +175,7 @@ class BatchTimes:
                 if seconds is _UNKNOWN:
                     seconds = self._tabled(table, group, size, now_s)
                 known.append(seconds)
-            slowest_s = max((seconds for seconds in known if seconds is not None), default=0.0)
+            slowest_s = max([seconds for seconds in known if seconds is not None], default=0.0)
             table.slowest_s[top] = slowest_s
         return slowest_s
 

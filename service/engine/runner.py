@@ -248,13 +248,15 @@ class TorchRunner:
         the real rows of each payload."""
         length = self._batch_length(payloads) if self._variable else 0
         first = self._inputs[0].name
+        firsts = [payload.arrays[first] for payload in payloads]
         # Each payload's rows: its arrays share them (len of the first, read in C).
-        rows_each = list(map(len, [payload.arrays[first] for payload in payloads]))
+        rows_each = list(map(len, firsts))
         total_rows = sum(rows_each)
         padded_rows = self.padded_rows(total_rows)
         tensors = {}
         for spec in self._inputs:
-            parts = [payload.arrays[spec.name] for payload in payloads]
+            # The first input's parts were just gathered (one input: the common case).
+            parts = firsts if spec.name == first else [p.arrays[spec.name] for p in payloads]
             if spec.variable_axis is not None:
                 axis = spec.variable_axis + 1
                 parts = [pad_axis(part, axis, length, spec.pad_value) for part in parts]
