@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -271,11 +272,14 @@ class _Connection(asyncio.Protocol):
         outcomes = self._server.backend.enqueue_frame(requests, submits.load, self)
         refused: list[contract.Answer] = []
         queued = self._queued
+        # Asked once in C: a frame with no refusal (the common case) asks no request's outcome.
+        any_refused = any(map(isinstance, outcomes, itertools.repeat(ServiceError)))
         for submit, outcome in zip(submits.requests, outcomes, strict=True):
-            if isinstance(outcome, ServiceError):
+            if any_refused and isinstance(outcome, ServiceError):
                 refused.append(contract.Answer(submit.id, error=contract.WireError.of(outcome)))
                 continue
-            ticket, version = outcome
+            # Not a ServiceError (refused above), though mypy cannot narrow through ``any_refused``.
+            ticket, version = outcome  # type: ignore[misc]
             ticket.tag = (submit.id, version)
             queued[submit.id] = ticket
         if refused:

@@ -16,6 +16,7 @@ computed).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -281,8 +282,10 @@ def settle_batch(
     and their chain of calls cost more than the rest of answering it."""
     last_sink: Sink | None = None
     last_tickets: list[Ticket[Any]] = []
+    # Asked once in C: a batch with no failure (the common case) asks no entry's output.
+    failed = any(map(isinstance, outputs, itertools.repeat(Exception)))
     for entry, output in zip(batch, outputs, strict=True):
-        if isinstance(output, Exception):
+        if failed and isinstance(output, Exception):
             entry.reject(output)
         elif (
             type(entry) is SoloTicket
