@@ -28,8 +28,9 @@ the time quantum (``batch_selection.Quantum``) reads it too.
 
 The batcher asks for an estimate on every request and every entry of a batch it plans, so each
 is a lookup: the median is taken when a duration is recorded (once per batch), and each
-group's estimates of every size class are tabled when first asked after a change (a record,
-or a measurement going stale: the table says until when it holds), not at each read.
+group's estimates of every size class are tabled when first asked after a change (a record
+of a size not fresh, or a measurement going stale: the table says until when it holds), not
+at each read. A record of a size already fresh updates in place the entries read from it.
 """
 
 from __future__ import annotations
