@@ -61,6 +61,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._discarded_bytes: int | None = None
         """Bytes dropped since a refusal; None until one."""
         self._head_held: HeadHeldTransport
+        self._idle_deadline_s: float | None = None
+        """When an idle kept-alive connection is closed (loop time); None while busy."""
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -69,7 +72,41 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive timeout kept by ``_idle_deadline_s``: uvicorn arms
+        a timer at each answer and cancels it at the next request's first bytes (two micro-
+        seconds a request); here one timer per connection, moved on when it fires early."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_deadline_s = self.loop.time() + self.timeout_keep_alive
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_at(self._idle_deadline_s, self._idle_timer_fired)
+
+    def _unset_keepalive_if_required(self) -> None:
+        """Busy (bytes came, or the connection is gone): not to be closed as idle."""
+        self._idle_deadline_s = None
+
+    def _idle_timer_fired(self) -> None:
+        self._idle_timer = None
+        deadline_s = self._idle_deadline_s
+        if deadline_s is None:
+            return  # busy since: the next answer sets a deadline and a timer
+        if self.loop.time() < deadline_s:
+            self._idle_timer = self.loop.call_at(deadline_s, self._idle_timer_fired)
+            return
+        self.timeout_keep_alive_handler()
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with the head's bytes counted and a head over the limit answered 431."""
