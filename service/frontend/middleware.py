@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import tracing
 from service.errors import FrontendBusyError, ServiceError, forget_traceback
 from service.frontend import request_spans
+from service.frontend.answer_writing import send_answer, sends_whole
 from service.frontend.inference_routes import INFERENCE_LABELS, RouteMatch, match_inference
 from service.frontend.oip import rest as v2
 from service.frontend.predict import PredictHeaders, serve_prediction
@@ -91,6 +92,9 @@ class ServiceMiddleware:
                     response = await self._predict(scope, receive, request_id, inference)
                 if response is None:
                     status = CLIENT_CLOSED_STATUS
+                elif sends_whole(response):
+                    status = response.status_code
+                    await send_answer(response, request_id, self.frontend.draining, send)
                 else:
                     await response(scope, receive, send_with_request_id)
             else:

@@ -11,11 +11,8 @@ second, stayed open for as long as the client liked. Here, per connection:
   (closed silently if not a byte came). Idle keep-alive connections close after uvicorn's
   ``timeout_keep_alive``. Slow bodies are cut by the request's deadline (``read_body``).
 
-It also writes a response's head and body in one system call: uvicorn writes the head when
-the app sends ``http.response.start`` and the body on ``http.response.body``, two writes and,
-over TCP, two segments for the client to wake up to (py-spy: uvicorn's ``send`` was the
-largest frame of a front end under load). The head is held until the body's first write,
-or the end of the loop turn if no body follows in it (a streamed answer).
+Its answers are written as ``answers`` says: head and body in one system call, and the whole
+answer of an inference request in one call from the middleware (``AnswerCycle``).
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.config import Settings
+from service.server.answers import AnswerCycle, HeadHeldTransport
 
 #: What a response's status line says, for the two statuses answered here.
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -38,9 +36,6 @@ LINGER_S = 2.0
 LINGER_MAX_BYTES = 4 * 1024 * 1024
 #: The bytes each header adds to the head besides its name and value (": " and CRLF).
 _HEADER_OVERHEAD_BYTES = 4
-#: A body up to this size is copied behind its head to go out in one write; a larger one is
-#: written after it (the copy would cost more than the second system call).
-JOINED_BODY_BYTES = 256 * 1024
 
 
 class _HeadTooLargeError(Exception):
@@ -66,6 +61,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._discarded_bytes: int | None = None
         """Bytes dropped since a refusal; None until one."""
         self._head_held: HeadHeldTransport
+        self._idle_deadline_s: float | None = None
+        """When an idle kept-alive connection is closed (loop time); None while busy."""
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -74,7 +72,41 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive timeout kept by ``_idle_deadline_s``: uvicorn arms
+        a timer at each answer and cancels it at the next request's first bytes (two micro-
+        seconds a request); here one timer per connection, moved on when it fires early."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_deadline_s = self.loop.time() + self.timeout_keep_alive
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_at(self._idle_deadline_s, self._idle_timer_fired)
+
+    def _unset_keepalive_if_required(self) -> None:
+        """Busy (bytes came, or the connection is gone): not to be closed as idle."""
+        self._idle_deadline_s = None
+
+    def _idle_timer_fired(self) -> None:
+        self._idle_timer = None
+        deadline_s = self._idle_deadline_s
+        if deadline_s is None:
+            return  # busy since: the next answer sets a deadline and a timer
+        if self.loop.time() < deadline_s:
+            self._idle_timer = self.loop.call_at(deadline_s, self._idle_timer_fired)
+            return
+        self.timeout_keep_alive_handler()
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with the head's bytes counted and a head over the limit answered 431."""
@@ -129,9 +161,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._stop_head_timer()
         super().on_headers_complete()
-        if self.cycle is not None:
+        cycle = self.cycle
+        if cycle is not None:
             # One per connection: its responses are written one after another.
-            self.cycle.transport = self._head_held
+            cycle.transport = self._head_held
+            # uvicorn builds its cycle in ``on_headers_complete``; ``AnswerCycle`` only adds
+            # methods, so the cycle becomes one in place rather than through a copy of
+            # uvicorn's 40 lines.
+            cycle.__class__ = AnswerCycle
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -201,46 +238,3 @@ def limited_protocol(settings: Settings) -> type[LimitedHttpToolsProtocol]:
             "head_timeout_s": settings.header_timeout_s,
         },
     )
-
-
-class HeadHeldTransport(asyncio.Transport):
-    """The transport one response is written to: a response head (the first write ending in
-    a blank line) is held until the next write and goes out with it, or at the end of the
-    loop turn; everything else goes through at once. uvicorn's response cycle calls only
-    ``write``, ``close`` and ``is_closing``."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            if len(data) <= JOINED_BODY_BYTES:
-                self._transport.write(held + data)
-                return
-            self._transport.write(held)
-        elif bytes(data[-4:]) == b"\r\n\r\n" and data[:5] == b"HTTP/":
-            self._held = bytes(data)
-            self._loop.call_soon(self.flush)
-            return
-        self._transport.write(data)
-
-    def flush(self) -> None:
-        """Write a head still held (no body followed it in its loop turn)."""
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return self._transport.get_extra_info(name, default)
