@@ -44,9 +44,9 @@ class TensorLayout:
     fast_instance_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
     """The instance shape when JSON instances may take ``numeric_json``'s fast path (a float
     tensor of fixed shape), else None."""
-    plain_width: int | None = field(init=False, repr=False, compare=False)
-    """The instance width when a whole JSON body may take ``numeric_json.plain_float_rows``
-    (a fast instance shape of one axis), else None."""
+    plain_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    """The instance shape when a whole JSON body may take ``numeric_json.plain_float_rows``
+    (a fast instance shape, of any number of axes, without an empty one), else None."""
 
     def __post_init__(self) -> None:
         dtype = self.spec.numpy_dtype
@@ -55,8 +55,8 @@ class TensorLayout:
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "variable_axis", self.spec.variable_axis)
         object.__setattr__(self, "fast_instance_shape", shape)
-        width = shape[0] if shape is not None and len(shape) == 1 and shape[0] > 0 else None
-        object.__setattr__(self, "plain_width", width)
+        plain = shape if shape is not None and 0 not in shape else None
+        object.__setattr__(self, "plain_shape", plain)
 
     def parse(self, body: bytes, media_type: str) -> Array:
         if media_type == NPY_MEDIA_TYPE:
@@ -74,9 +74,9 @@ class TensorLayout:
         """The whole body's instances as ``parse_json`` would give them, parsed without a
         Python float per value (``numeric_json.plain_float_rows``), or None when only the
         general path can say (it then answers or refuses as before)."""
-        if self.plain_width is None:
+        if self.plain_shape is None:
             return None
-        rows = plain_float_rows(body, self.plain_width, self.max_instances)
+        rows = plain_float_rows(body, self.plain_shape, self.max_instances)
         if rows is None:
             return None
         array = rows.astype(self.dtype)  # a copy: the parsed buffer is read-only
