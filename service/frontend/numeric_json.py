@@ -113,7 +113,8 @@ def plain_float_rows(body: bytes, instance_shape: tuple[int, ...], max_rows: int
         return None  # not JSON, not this object, a number simdjson does not hold: the general path
     finally:
         # The parser parses the next body once its proxies are gone.
-        document = rows = level = inner = node = None
+        document = rows = level = node = None
+        inner = []
     array = np.frombuffer(packed, np.float64).reshape(count, *instance_shape)
     if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
         return None
