@@ -4,10 +4,10 @@
 run with ``PYTHONPATH`` naming the checkout to measure (it imports only ``service``, so it
 measures any checkout whose front end has the same constructor): drives the front end's ASGI
 app directly with ``POST /predict`` (one JSON instance: the MLP's 256 floats, or with
-``--model digits`` the digits model's 8x8 pixels in [0, 1], as ``loadtests.bodies`` makes
-them) from ``--concurrency`` tasks, answered at once by an engine that returns zeros, and
-prints the process CPU time per request in µs. What it leaves out (uvicorn, the bridge)
-``loadtests.frontend_cost`` measures with the rest.
+``--model digits`` the digits model's 8x8 pixels in [0, 1] on a 1/16 grid, as
+``loadtests.bodies.digits_bodies`` draws them) from ``--concurrency`` tasks, answered at once
+by an engine that returns zeros, and prints the process CPU time per request in µs. What it
+leaves out (uvicorn, the bridge) ``loadtests.frontend_cost`` measures with the rest.
 
 Under callgrind, count instructions per request with ``PYTHONHASHSEED=0`` and
 ``--concurrency 8``, as the difference of two runs (``--requests 640`` and ``1920``, divided
