@@ -193,6 +193,30 @@ def test_a_value_range_is_still_checked() -> None:
         fast.parse_json(b'{"instances": [[0.5, 1.5]]}')
 
 
+@pytest.mark.parametrize(
+    ("low", "high", "pad"),
+    [(0.0, 1.0, 0), (0.0, 1.0, -1), (-0.1, 0.1, 0), (None, 0.5, 0), (-1e39, 1e39, 0)],
+)
+def test_a_value_range_is_answered_alike_at_nested_shapes(
+    low: float | None, high: float | None, pad: int
+) -> None:
+    """The range is checked on the float64 values where the dtype holds both ends exactly
+    (``plain_range``), else on the cast array as before: values at, just past and rounding
+    onto either end, and the padding value outside the range, answered alike."""
+    edges = [0, 1, -1, 0.1, -0.1, 0.5, 1.0000000001, 0.10000000001, 1.5, -0.0, 1e39]
+    for dtype in DTYPES:
+        fast, general = layouts(dtype, (-1, 2, 3), min_value=low, max_value=high, pad_value=pad)
+        for edge in edges:
+            instance = [[0.25, 0.5, edge], [0, 0.125, 0.375]]
+            assert_same(fast, general, _dumps([instance, instance]))
+    digits = TensorLayout(
+        TensorSpec(name="x", dtype="float32", shape=(-1, 8, 8), min_value=0.0, max_value=1.0)
+    )
+    assert digits.plain_range == (0.0, 1.0)
+    assert layouts("float32", (-1, 2), min_value=0.1, max_value=1.0)[0].plain_range is None
+    assert layouts("float64", (-1, 2), min_value=0.1, max_value=1.0)[0].plain_range == (0.1, 1)
+
+
 def test_the_fast_path_takes_plain_numbers_and_leaves_the_rest() -> None:
     shape = (2,)
     f32 = np.dtype(np.float32)

@@ -18,6 +18,7 @@ doubles.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import threading
 from itertools import chain
@@ -61,12 +62,18 @@ def plain_float_array(
     return array.astype(dtype)  # a copy: the packed buffer is read-only
 
 
-def plain_float_rows(body: bytes, instance_shape: tuple[int, ...], max_rows: int) -> Array | None:
+def plain_float_rows(
+    body: bytes,
+    instance_shape: tuple[int, ...],
+    max_rows: int,
+    low: float = -math.inf,
+    high: float = math.inf,
+) -> Array | None:
     """The instances of a body ``{"instances": [...]}`` of 1 to ``max_rows`` instances of
     ``instance_shape`` (any number of axes, each of at least one element: a feature vector,
     an 8x8 image) of plain numbers, shaped (count, *``instance_shape``), as float64 values
-    that the ``_MAX_MAGNITUDE`` bound holds exactly, parsed without a Python object per value;
-    None when the general path must decide.
+    that the ``_MAX_MAGNITUDE`` bound holds exactly and that lie in [``low``, ``high``],
+    parsed without a Python object per value; None when the general path must decide.
 
     simdjson parses the body and writes its numbers straight into a buffer of doubles
     (``as_buffer``, which flattens nested arrays in document order), where orjson built a
@@ -79,7 +86,7 @@ def plain_float_rows(body: bytes, instance_shape: tuple[int, ...], max_rows: int
     length, and the body's ``[`` are exactly those arrays and the instances' (each found one
     at a time, where ``bytes.count`` cost 10,800 instructions on a 5 kB body), so no element
     of an innermost row is a list (``as_buffer`` refuses an object), and the values are
-    within ``_MAX_MAGNITUDE``.
+    within ``_MAX_MAGNITUDE`` (and the caller's range: the same two reductions).
     """
     if 0 in instance_shape or not (body.isascii() and _numbers_and_lists(body)):
         return None
@@ -116,7 +123,8 @@ def plain_float_rows(body: bytes, instance_shape: tuple[int, ...], max_rows: int
         document = rows = level = node = None
         inner = []
     array = np.frombuffer(packed, np.float64).reshape(count, *instance_shape)
-    if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
+    top, bottom = _max(array, None), _min(array, None)
+    if not (_MAX_MAGNITUDE > top <= high and -_MAX_MAGNITUDE < bottom >= low):
         return None
     return array
 
