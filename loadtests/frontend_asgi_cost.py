@@ -1,12 +1,13 @@
 """CPU per request of a front end's own Python, without HTTP parsing, sockets or an engine.
 
-``python loadtests/frontend_asgi_cost.py [--requests 20000] [--concurrency 64]``, run with
-``PYTHONPATH`` naming the checkout to measure (it imports only ``service``, so it measures any
-checkout whose front end has the same constructor): drives the front end's ASGI app directly
-with ``POST /predict`` (one 256-float JSON instance, the MLP's) from ``--concurrency`` tasks,
-answered at once by an engine that returns zeros, and prints the process CPU time per request
-in µs. What it leaves out (uvicorn, the bridge) ``loadtests.frontend_cost`` measures with the
-rest.
+``python loadtests/frontend_asgi_cost.py [--requests 20000] [--concurrency 64] [--model mlp]``,
+run with ``PYTHONPATH`` naming the checkout to measure (it imports only ``service``, so it
+measures any checkout whose front end has the same constructor): drives the front end's ASGI
+app directly with ``POST /predict`` (one JSON instance: the MLP's 256 floats, or with
+``--model digits`` the digits model's 8x8 pixels in [0, 1] on a 1/16 grid, as
+``loadtests.bodies.digits_bodies`` draws them) from ``--concurrency`` tasks, answered at once
+by an engine that returns zeros, and prints the process CPU time per request in µs. What it
+leaves out (uvicorn, the bridge) ``loadtests.frontend_cost`` measures with the rest.
 
 Under callgrind, count instructions per request with ``PYTHONHASHSEED=0`` and
 ``--concurrency 8``, as the difference of two runs (``--requests 640`` and ``1920``, divided
@@ -24,7 +25,7 @@ import contextlib
 import json
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -81,14 +82,31 @@ class EngineAnsweringZeros:
         raise NotImplementedError
 
 
-def mlp_model() -> ModelInfo:
+#: Per model: its architecture, its one input (as ``scripts/train_digits.py`` packages the
+#: digits model) and a body's instance from a seeded generator.
+MODELS: dict[str, tuple[str, TensorSpec, Callable[[np.random.Generator], list[Any]]]] = {
+    "mlp": (
+        "service.models.mlp:PeerMLP",
+        TensorSpec(name="features", dtype="float32", shape=(-1, FEATURES)),
+        lambda rng: rng.standard_normal(FEATURES).round(4).tolist(),
+    ),
+    "digits": (
+        "service.models.digits:DigitsCNN",
+        TensorSpec(name="image", dtype="float32", shape=(-1, 8, 8), min_value=0.0, max_value=1.0),
+        lambda rng: (rng.integers(0, 17, size=(8, 8)) / 16).tolist(),
+    ),
+}
+
+
+def model_info(name: str) -> ModelInfo:
+    architecture, spec, _ = MODELS[name]
     manifest = Manifest.create(
-        name="mlp",
+        name=name,
         format="safetensors",
         artifact="model.safetensors",
         files={"model.safetensors": "0" * 64},
-        architecture=Architecture(import_path="service.models.mlp:PeerMLP"),
-        inputs=(TensorSpec(name="features", dtype="float32", shape=(-1, FEATURES)),),
+        architecture=Architecture(import_path=architecture),
+        inputs=(spec,),
         outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, CLASSES)),),
         created_at=datetime(2026, 1, 1, tzinfo=UTC),
     )
@@ -116,12 +134,10 @@ def scope_of(body: bytes) -> dict[str, Any]:
     }
 
 
-async def measure(requests: int, concurrency: int) -> float:
+async def measure(requests: int, concurrency: int, model: str = "mlp") -> float:
     rng = np.random.default_rng(0)
-    bodies = [
-        json.dumps({"instances": [rng.standard_normal(FEATURES).round(4).tolist()]}).encode()
-        for _ in range(64)
-    ]
+    instance = MODELS[model][2]
+    bodies = [json.dumps({"instances": [instance(rng)]}).encode() for _ in range(64)]
     with tempfile.TemporaryDirectory() as folder:
         registry = CollectorRegistry()
         settings = Settings(model_repository=Path(folder))
@@ -130,7 +146,7 @@ async def measure(requests: int, concurrency: int) -> float:
             metrics=FrontendMetrics(registry),
             process_metrics=ProcessMetrics("frontend", registry),
             registry=registry,
-            engine=EngineAnsweringZeros(mlp_model()),
+            engine=EngineAnsweringZeros(model_info(model)),
             repository=ModelRepository(Path(folder)),
             engine_in_process=False,
         )
@@ -170,6 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     args = parser.parse_args()
     try:
         import uvloop
@@ -177,7 +194,7 @@ def main() -> None:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    print(f"{runner(measure(args.requests, args.concurrency)):.1f}")
+    print(f"{runner(measure(args.requests, args.concurrency, args.model)):.1f}")
 
 
 if __name__ == "__main__":

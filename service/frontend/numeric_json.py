@@ -10,13 +10,15 @@ anything else), and their maximum and minimum prove every value finite and small
 that float64 holds it exactly as an integer and the target dtype holds it finitely.
 Whatever this path cannot prove it leaves to the general path (``None``), which then answers
 or refuses exactly as before: the fast path only ever returns the array the general path
-would have built. A body of feature-vector rows (``plain_float_rows``) is not even read by
-orjson: simdjson writes its numbers straight into a buffer of doubles.
+would have built. A body of instances of a fixed shape (``plain_float_rows``: feature vectors,
+8x8 images) is not even read by orjson: simdjson writes its numbers straight into a buffer of
+doubles.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import threading
 from itertools import chain
@@ -60,27 +62,38 @@ def plain_float_array(
     return array.astype(dtype)  # a copy: the packed buffer is read-only
 
 
-def plain_float_rows(body: bytes, width: int, max_rows: int) -> Array | None:
-    """The rows of a body ``{"instances": [[...], ...]}`` of 1 to ``max_rows`` rows of
-    ``width`` plain numbers each, as float64 values that the ``_MAX_MAGNITUDE`` bound holds
-    exactly, parsed without a Python object per value; None when the general path must decide.
+def plain_float_rows(
+    body: bytes,
+    instance_shape: tuple[int, ...],
+    max_rows: int,
+    low: float = -math.inf,
+    high: float = math.inf,
+) -> Array | None:
+    """The instances of a body ``{"instances": [...]}`` of 1 to ``max_rows`` instances of
+    ``instance_shape`` (any number of axes, each of at least one element: a feature vector,
+    an 8x8 image) of plain numbers, shaped (count, *``instance_shape``), as float64 values
+    that the ``_MAX_MAGNITUDE`` bound holds exactly and that lie in [``low``, ``high``],
+    parsed without a Python object per value; None when the general path must decide.
 
     simdjson parses the body and writes its numbers straight into a buffer of doubles
-    (``as_buffer``), where orjson built a ``float`` per value that ``struct`` packed back. It
-    answers only what it proves the general path reads alike: the body is ASCII (simdjson
-    skips a byte-order mark that orjson refuses) and holds no string but its key and no
-    literal (``_numbers_and_lists``); simdjson checks the whole document's grammar, as strict
-    as orjson's, and rounds every number correctly, as orjson does (``-0`` is the integer 0
-    in both); the instances are ``count`` lists of ``width`` elements each and the body's
-    ``[`` are ``count`` + 1 (the instances' and one per row: found one at a time, where
-    ``bytes.count`` cost 10,800 instructions on a 5 kB body), so no element is a list
-    (``as_buffer`` refuses an object), and the values are within ``_MAX_MAGNITUDE``.
+    (``as_buffer``, which flattens nested arrays in document order), where orjson built a
+    ``float`` per value that numpy or ``struct`` packed back. It answers only what it proves
+    the general path reads alike: the body is ASCII (simdjson skips a byte-order mark that
+    orjson refuses) and holds no string but its key and no literal (``_numbers_and_lists``);
+    simdjson checks the whole document's grammar, as strict as orjson's, and rounds every
+    number correctly, as orjson does (``-0`` is the integer 0 in both); the instances are
+    ``count`` arrays, every array down to the innermost axis's rows is an array of its axis's
+    length, and the body's ``[`` are exactly those arrays and the instances' (each found one
+    at a time, where ``bytes.count`` cost 10,800 instructions on a 5 kB body), so no element
+    of an innermost row is a list (``as_buffer`` refuses an object), and the values are
+    within ``_MAX_MAGNITUDE`` (and the caller's range: the same two reductions).
     """
-    if width < 1 or not (body.isascii() and _numbers_and_lists(body)):
+    if 0 in instance_shape or not (body.isascii() and _numbers_and_lists(body)):
         return None
     parser = _parsers.__dict__.get("parser")
     if parser is None:
         parser = _parsers.parser = simdjson.Parser()
+    innermost = len(instance_shape) - 1
     try:
         document = parser.parse(body)
         rows = document.get("instances") if isinstance(document, simdjson.Object) else None
@@ -90,19 +103,29 @@ def plain_float_rows(body: bytes, width: int, max_rows: int) -> Array | None:
         if not 0 < count <= max_rows:
             return None
         bracket = body.find(b"[")  # the instances'
-        for row in rows:
-            if type(row) is not simdjson.Array or len(row) != width:
-                return None
-            bracket = body.find(b"[", bracket + 1)  # the row's (a list's opens in it)
+        level: Any = rows  # the arrays of one axis, instances first
+        for axis, size in enumerate(instance_shape):
+            inner: list[Any] = []  # the next axis's arrays (not the innermost rows' numbers)
+            for node in level:
+                if type(node) is not simdjson.Array or len(node) != size:
+                    return None
+                bracket = body.find(b"[", bracket + 1)  # its own (a list's opens in it)
+                if axis < innermost:
+                    inner.extend(node)
+            level = inner
         if body.find(b"[", bracket + 1) >= 0:
-            return None  # more than count + 1: a list inside a row
+            return None  # more [ than arrays walked: a list inside an innermost row
         packed = rows.as_buffer(of_type="d")
     except (ValueError, TypeError, KeyError, RuntimeError):
         return None  # not JSON, not this object, a number simdjson does not hold: the general path
     finally:
-        document = rows = row = None  # the parser parses the next one once its proxies are gone
-    array = np.frombuffer(packed, np.float64).reshape(count, width)
-    if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
+        # The parser parses the next body once its proxies are gone.
+        document = rows = level = node = None
+        inner = []
+    array = np.frombuffer(packed, np.float64).reshape(count, *instance_shape)
+    # As Python floats: four comparisons of plain floats, not of numpy scalars.
+    top, bottom = float(_max(array, None)), float(_min(array, None))
+    if not (_MAX_MAGNITUDE > top <= high and -_MAX_MAGNITUDE < bottom >= low):
         return None
     return array
 

@@ -7,6 +7,7 @@ longest one.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +45,14 @@ class TensorLayout:
     fast_instance_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
     """The instance shape when JSON instances may take ``numeric_json``'s fast path (a float
     tensor of fixed shape), else None."""
-    plain_width: int | None = field(init=False, repr=False, compare=False)
-    """The instance width when a whole JSON body may take ``numeric_json.plain_float_rows``
-    (a fast instance shape of one axis), else None."""
+    plain_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    """The instance shape when a whole JSON body may take ``numeric_json.plain_float_rows``
+    (a fast instance shape, of any number of axes, without an empty one), else None."""
+    plain_range: tuple[float, float] | None = field(init=False, repr=False, compare=False)
+    """The spec's value range when the dtype holds both ends exactly, else None. Rounding to
+    the dtype is monotonic, so float64 values within it stay within it once cast: the
+    reductions ``plain_float_rows`` makes anyway check it, in place of ``_check_range``'s
+    passes over the cast array."""
 
     def __post_init__(self) -> None:
         dtype = self.spec.numpy_dtype
@@ -55,8 +61,9 @@ class TensorLayout:
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "variable_axis", self.spec.variable_axis)
         object.__setattr__(self, "fast_instance_shape", shape)
-        width = shape[0] if shape is not None and len(shape) == 1 and shape[0] > 0 else None
-        object.__setattr__(self, "plain_width", width)
+        plain = shape if shape is not None and 0 not in shape else None
+        object.__setattr__(self, "plain_shape", plain)
+        object.__setattr__(self, "plain_range", _exact_range(self.spec, dtype))
 
     def parse(self, body: bytes, media_type: str) -> Array:
         if media_type == NPY_MEDIA_TYPE:
@@ -74,13 +81,15 @@ class TensorLayout:
         """The whole body's instances as ``parse_json`` would give them, parsed without a
         Python float per value (``numeric_json.plain_float_rows``), or None when only the
         general path can say (it then answers or refuses as before)."""
-        if self.plain_width is None:
+        if self.plain_shape is None:
             return None
-        rows = plain_float_rows(body, self.plain_width, self.max_instances)
+        bounds = self.plain_range
+        rows = plain_float_rows(body, self.plain_shape, self.max_instances, *(bounds or _UNBOUNDED))
         if rows is None:
-            return None
+            return None  # not plain, or a value outside the range: the general path says
         array = rows.astype(self.dtype)  # a copy: the parsed buffer is read-only
-        self._check_range(array)
+        if bounds is None:
+            self._check_range(array)
         return array
 
     def parse_instances(self, instances: list[Any], body: bytes) -> Array:
@@ -208,6 +217,20 @@ class TensorLayout:
                 f"values must lie in [{_number(low)}, {_number(high)}] "
                 f"(or be the padding value {_number(spec.pad_value)}), got {_number(value)}"
             )
+
+
+_UNBOUNDED = (-math.inf, math.inf)
+
+
+def _exact_range(spec: TensorSpec, dtype: np.dtype[Any]) -> tuple[float, float] | None:
+    """``spec``'s [min, max] (infinite where open) when ``dtype`` holds both ends exactly."""
+    if dtype.kind != "f":
+        return None
+    low = -math.inf if spec.min_value is None else float(spec.min_value)
+    high = math.inf if spec.max_value is None else float(spec.max_value)
+    with np.errstate(over="ignore"):  # a bound beyond float32 casts to infinity: not exact
+        exact = all(float(dtype.type(bound)) == bound for bound in (low, high))
+    return (low, high) if exact else None
 
 
 def _may_hold_booleans(body: bytes) -> bool:
