@@ -52,7 +52,7 @@ def served() -> Any:
     @asynccontextmanager
     async def serving() -> AsyncIterator[httpx.AsyncClient]:
         app = create_app(Settings(models=MODELS, device="cpu", max_wait_ms=5.0))
-        async with LifespanManager(app):
+        async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
             await app.state.loading
             assert engine_of(app).state.load_error is None
             transport = httpx.ASGITransport(app=app)
