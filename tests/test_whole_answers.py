@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import pytest
 import uvicorn
@@ -31,9 +30,9 @@ from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, ModelInfo
+from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
 from service.config import Settings
-from service.errors import QueueFullError, ServiceError
+from service.errors import QueueFullError
 from service.frontend import middleware
 from service.frontend.answer_writing import WholeAnswerWriter, send_answer
 from service.frontend.app import create_frontend_app
@@ -44,8 +43,7 @@ from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.server.answers import JOINED_BODY_BYTES
 from service.server.draining import uvicorn_config
-from service.tensors import NamedArrays
-from service.types import Priority
+from service.server.tuning.ceiling import ZeroEngine
 from tests.fixtures import wait_until
 
 FEATURES = 4
@@ -58,39 +56,15 @@ REFUSED = 429.0
 EXCHANGE_S = 10.0
 
 
-class EngineAnsweringZerosOrQueueFull:
-    """Answers zeros of the model's output shape; refuses an instance starting with
-    ``REFUSED`` with ``QueueFullError`` (429, ``Retry-After``)."""
-
-    def __init__(self, model: ModelInfo) -> None:
-        self._status = EngineStatus(phase="ready", models=(model,))
-
-    def status(self) -> EngineStatus:
-        return self._status
-
-    def engines(self) -> list[EngineStatus]:
-        return [self._status]
-
-    def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
-    ) -> ServiceError | None:
-        return None
+class EngineAnsweringZerosOrQueueFull(ZeroEngine):
+    """The HTTP ceiling's engine (zeros of the model's output shape), which refuses an
+    instance starting with ``REFUSED`` with ``QueueFullError`` (429, ``Retry-After``)."""
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         features = next(iter(request.instances.arrays.values()))
         if features[0, 0] == REFUSED:
             raise QueueFullError("the model's queue is full; retry shortly", retry_after_s=3)
-        logits = np.zeros((len(features), CLASSES), np.float32)
-        return InferenceResult(NamedArrays({"logits": logits}), request.version)
-
-    async def switch(self, name: str, version: str) -> Any:
-        raise NotImplementedError
-
-    async def rollback(self, name: str | None = None) -> Any:
-        raise NotImplementedError
-
-    async def unload(self, name: str) -> str:
-        raise NotImplementedError
+        return await super().infer(request)
 
 
 def wide_model() -> ModelInfo:
