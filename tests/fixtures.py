@@ -12,10 +12,12 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from prometheus_client import CollectorRegistry
 
 from service.engine.batching import BatchFunction, DynamicBatcher, Ticket
@@ -359,6 +361,20 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> N
         if time.monotonic() > deadline_s:
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(0.001)
+
+
+@asynccontextmanager
+async def uvicorn_port(config: uvicorn.Config) -> AsyncIterator[int]:
+    """The port of a uvicorn server run on ``config`` (its port 0: one the system chooses)
+    until the block ends, then stopped."""
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
 
 
 def sample_total(

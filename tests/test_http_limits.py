@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.config import Settings
 from service.server.draining import uvicorn_config
-from tests.fixtures import wait_until
+from tests.fixtures import uvicorn_port, wait_until
 from tests.processes import serve_with_engines, wait_until_serving
 
 HEAD_TIMEOUT_S = 0.5
@@ -43,14 +43,8 @@ async def serving(**settings: object) -> AsyncIterator[int]:
     )
     config = uvicorn_config(slow_hello, chosen)  # type: ignore[arg-type]
     config.port, config.lifespan = 0, "off"
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started)
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
+    async with uvicorn_port(config) as port:
+        yield port
 
 
 async def exchange(port: int, data: bytes) -> tuple[bytes, float]:

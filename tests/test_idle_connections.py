@@ -10,12 +10,11 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from service.config import Settings
 from service.server.draining import uvicorn_config
-from tests.fixtures import wait_until
+from tests.fixtures import uvicorn_port
 
 KEEP_ALIVE_S = 1
 #: Longer than the keep-alive timeout.
@@ -42,19 +41,12 @@ async def connected() -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.Strea
     ``KEEP_ALIVE_S``, without a ``date`` header (answers of a known length)."""
     config = uvicorn_config(answering_ok, Settings(port=1, keep_alive_timeout_s=KEEP_ALIVE_S))
     config.port, config.lifespan, config.date_header = 0, "off", False
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    async with uvicorn_port(config) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             yield reader, writer
         finally:
             writer.close()
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def answered(

@@ -24,7 +24,6 @@ from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.responses import Response
@@ -44,7 +43,7 @@ from service.repository import ModelRepository
 from service.server.answers import JOINED_BODY_BYTES
 from service.server.draining import uvicorn_config
 from service.server.tuning.ceiling import ZeroEngine
-from tests.fixtures import wait_until
+from tests.fixtures import uvicorn_port
 
 FEATURES = 4
 #: Wide enough that 16 instances' answer is over ``JOINED_BODY_BYTES`` (head and body then
@@ -122,14 +121,8 @@ async def serving(app: Any, headers: list[tuple[str, str]] | None = None) -> Asy
     # Longer than ``exchange`` waits: a connection the server should close must be closed
     # by the answer, not by the keep-alive timeout.
     config.port, config.lifespan, config.timeout_keep_alive = 0, "off", 60
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started)
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
+    async with uvicorn_port(config) as port:
+        yield port
 
 
 def post(
