@@ -160,6 +160,8 @@ def test_tune_answers_clearly_when_no_configuration_meets_the_target(tmp_path: P
         ("--concurrency", "2.5", "must be a whole number from 1 to 1024, got '2.5'"),
         ("--budget-s", "inf", "must be a number from 1 to 86400 s, got 'inf'"),
         ("--budget-s", "nan", "must be a number from 1 to 86400 s, got 'nan'"),
+        ("--version", "newest", "a version is 'latest' or 12 lowercase hex characters, got"),
+        ("--model", "../etc", "model names are plain identifiers"),
     ],
 )
 def test_out_of_range_flags_are_refused_at_once_quoting_the_value_and_range(
