@@ -100,3 +100,11 @@ def test_a_handler_reading_its_own_media_type_needs_samples() -> None:
     )
     with pytest.raises(BodyError, match="reads \\['application/cbor'\\]\\): give samples with"):
         generated(handler, np.random.default_rng(0))
+
+
+def test_a_sample_larger_than_the_server_takes_is_refused(tmp_path: Path) -> None:
+    manifest, _ = manifest_of("sentiment")
+    sample = tmp_path / "long.txt"
+    sample.write_text("word " * 300)
+    with pytest.raises(BodyError, match="holds 1,500 bytes, more than the server takes"):
+        workload(manifest, Settings(max_body_bytes=1024), [sample])

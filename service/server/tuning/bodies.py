@@ -108,23 +108,32 @@ def workload(
         length_edges=manifest_length_edges(manifest, settings.length_buckets),
         max_instances=settings.max_instances_per_request,
     )
+    if len(samples) > MOST_SAMPLES:
+        raise BodyError(f"--body is given {len(samples)} times; at most {MOST_SAMPLES}")
     repository = ModelRepository(settings.model_repository)
     folder = repository.version_folder(manifest.name, manifest.version)
     if manifest.handler is None:
-        return _checked(Handler(HandlerContext(manifest, folder, layout)), samples, seed)
+        handler = Handler(HandlerContext(manifest, folder, layout))
+        return _checked(handler, samples, settings.max_body_bytes, seed)
     with repository.verified_copy(manifest) as copy:
         try:
             handler = build_handler(HandlerContext(manifest, copy.folder, layout))
         except Exception as error:  # operator code: whatever it raises, it cannot be tuned
             raise BodyError(f"the handler of {manifest.label} cannot be built: {error}") from None
-        return _checked(handler, samples, seed)
+        return _checked(handler, samples, settings.max_body_bytes, seed)
 
 
-def _checked(handler: Handler, samples: Sequence[Path], seed: int) -> Workload:
+def _checked(handler: Handler, samples: Sequence[Path], max_body_bytes: int, seed: int) -> Workload:
     rng = np.random.default_rng(seed)
     if samples:
         bodies = [sample_body(path) for path in samples]
         description = f"{len(bodies)} samples (--body)"
+        for path, body in zip(samples, bodies, strict=True):
+            if len(body.content) > max_body_bytes:
+                raise BodyError(
+                    f"--body {path} holds {len(body.content):,} bytes, more than the server "
+                    f"takes (BATCHSERVE_MAX_BODY_BYTES, {max_body_bytes:,})"
+                )
     else:
         bodies, description = generated(handler, rng)
     lengths: list[int | None] = []
