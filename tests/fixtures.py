@@ -15,14 +15,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
 from service.engine.batching import BatchFunction, DynamicBatcher, Ticket
 from service.errors import DeviceOutOfMemoryError, InferenceError
+from service.frontend.handlers.base import Handler, HandlerRequest
 from service.metrics import EngineMetrics
+from service.tensors import NamedArrays
 
 Payload = list[int]
 
@@ -442,3 +444,13 @@ class HandlerGate:
 
 #: The gate of ``tests/test_hostile_clients.py``'s bundled ``WaitsAtTheGate`` handler.
 HANDLER_GATE = HandlerGate()
+
+
+class HandlerParsingItsOwnBodies(Handler):
+    """A handler that reads a media type of its own (neither texts, images nor tensors): what
+    ``tune`` cannot generate bodies for."""
+
+    media_types: ClassVar[frozenset[str]] = frozenset({"application/cbor"})
+
+    def preprocess(self, request: HandlerRequest) -> NamedArrays:
+        raise NotImplementedError("a test's handler: never sent a request")

@@ -3,6 +3,7 @@ in ``docker run --env-file``'s format; the environment wins over the file."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,64 @@ def test_serve_refuses_a_bad_env_file_before_starting(
     assert "BATCHSERVE_MAX_BATCH_SIZE = '0'" in capsys.readouterr().err
     assert main(["serve", "--env-file", str(tmp_path / "missing.env")]) == 2
     assert "cannot read the env file" in capsys.readouterr().err
+
+
+TUNED = (
+    "BATCHSERVE_MODEL_NAME=digits\n"
+    "BATCHSERVE_MODEL_VERSION=dae3cd981a36\n"
+    "BATCHSERVE_MAX_BATCH_SIZE=8\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ"),
+    [
+        ({"model_name": "textenc"}, {}),
+        ({}, {"BATCHSERVE_MODEL_NAME": "textenc"}),
+        ({"models": ("textenc",)}, {}),
+        ({}, {"BATCHSERVE_MODELS": "textenc"}),
+    ],
+)
+def test_the_files_version_is_left_out_when_another_model_is_served(
+    tmp_path: Path, flags: dict[str, object], environ: dict[str, str]
+) -> None:
+    """Issue 37, item 1: ``--env-file tuned.env --model-name other`` stopped with "model
+    'other' has no version 'dae3cd981a36'": the version belongs to the file's model."""
+    path = tmp_path / "tuned.env"
+    path.write_text(TUNED)
+    assert apply_env_file(path, environ, flags) == ["BATCHSERVE_MAX_BATCH_SIZE"]
+    assert "BATCHSERVE_MODEL_VERSION" not in environ
+    assert environ["BATCHSERVE_MAX_BATCH_SIZE"] == "8"
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ"),
+    [({}, {}), ({"model_name": "digits"}, {}), ({}, {"BATCHSERVE_MODEL_NAME": "digits"})],
+)
+def test_the_files_version_applies_to_the_files_model(
+    tmp_path: Path, flags: dict[str, object], environ: dict[str, str]
+) -> None:
+    path = tmp_path / "tuned.env"
+    path.write_text(TUNED)
+    apply_env_file(path, environ, flags)
+    assert environ["BATCHSERVE_MODEL_VERSION"] == "dae3cd981a36"
+
+
+def test_serve_with_another_models_name_takes_the_tuned_settings_but_not_the_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the command line: the flag naming the model is seen before the file applies.
+    (A port of 0 stops the start once the settings are read.)"""
+    unset_restored_after(
+        monkeypatch,
+        "BATCHSERVE_MODEL_NAME",
+        "BATCHSERVE_MODEL_VERSION",
+        "BATCHSERVE_MODELS",
+        "BATCHSERVE_MAX_BATCH_SIZE",
+    )
+    path = tmp_path / "tuned.env"
+    path.write_text(TUNED)
+    assert main(["serve", "--env-file", str(path), "--model-name", "textenc", "--port", "0"]) == 2
+    assert "BATCHSERVE_PORT = '0'" in capsys.readouterr().err
+    assert "BATCHSERVE_MODEL_VERSION" not in os.environ
+    assert os.environ["BATCHSERVE_MAX_BATCH_SIZE"] == "8"

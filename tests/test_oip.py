@@ -373,6 +373,55 @@ def test_grpc_errors_and_deadlines_are_grpc_statuses(textenc_server: Running) ->
     assert client.is_server_ready()  # and it still serves
 
 
+@pytest.mark.parametrize("timeout_us", [0, -5])
+def test_a_bad_v2_timeout_is_refused_alike_over_rest_and_grpc(
+    digits_server: Running, timeout_us: int
+) -> None:
+    """Issue 35, item 7: 0 was "a positive number" and -5 "a non-negative integer" over REST,
+    and gRPC did not read the parameter at all: one rule and one message for both."""
+    message = f"'timeout' must be a whole number of microseconds from 1 up, got {timeout_us}"
+    images = np.zeros((1, 8, 8), dtype=np.float32)
+    rest = httpx.post(
+        digits_server.url + "/v2/models/digits/infer",
+        json={
+            "inputs": [
+                {"name": "image", "datatype": "FP32", "shape": [1, 8, 8], "data": [0.0] * 64}
+            ],
+            "parameters": {"timeout": timeout_us},
+        },
+        timeout=30,
+    )
+    assert rest.status_code == 400, rest.text
+    assert rest.json() == {"error": message}
+    tensor = triton_grpc_client.InferInput("image", [1, 8, 8], "FP32")
+    tensor.set_data_from_numpy(images)
+    with pytest.raises(InferenceServerException) as refused:
+        triton_grpc(digits_server).infer("digits", [tensor], timeout=timeout_us)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert refused.value.message() == message
+
+
+def test_the_v2_timeout_shortens_the_deadline_over_grpc_as_over_rest(
+    digits_server: Running,
+) -> None:
+    images = np.zeros((1, 8, 8), dtype=np.float32)
+    for module, client in (
+        (triton_http, triton(digits_server)),
+        (triton_grpc_client, triton_grpc(digits_server)),
+    ):
+        tensor = module.InferInput("image", [1, 8, 8], "FP32")
+        tensor.set_data_from_numpy(images)
+        with pytest.raises(InferenceServerException) as late:
+            client.infer("digits", [tensor], timeout=1)
+        assert "within 1 µs (the request's 'timeout' parameter)" in late.value.message()
+        tensor = module.InferInput("image", [1, 8, 8], "FP32")
+        tensor.set_data_from_numpy(images)
+        assert client.infer("digits", [tensor], timeout=30_000_000).as_numpy("logits").shape == (
+            1,
+            10,
+        )
+
+
 def test_two_inputs_and_two_outputs_through_rest_and_grpc_equal_predict(
     pairs_server: Running,
 ) -> None:

@@ -19,6 +19,8 @@ from tests.fixtures import sample_total
 
 IMAGE = {"name": "image", "datatype": "FP32", "shape": [1, 8, 8], "data": [0.5] * 64}
 INFER = "/v2/models/digits/infer"
+#: Issue 35, item 7: one rule and one message for every bad ``timeout``.
+TIMEOUT_RULE = "must be a whole number of microseconds from 1 up"
 
 
 @pytest.fixture
@@ -62,8 +64,10 @@ async def test_a_unicode_digit_as_the_header_length_is_a_400_not_a_500(
             {"outputs": [{"name": "logits"}, {"name": "logits"}]},
             "outputs ['logits'] are asked for more than once",
         ),
-        ({"parameters": {"timeout": True}}, "'timeout' must be a non-negative integer, got True"),
-        ({"parameters": {"timeout": 0}}, "'timeout' must be a positive number of microseconds"),
+        *(
+            ({"parameters": {"timeout": value}}, f"'timeout' {TIMEOUT_RULE}, got {value!r}")
+            for value in (True, 0, -5, 1.5, "100")
+        ),
         ({"parameters": {"priority": True}}, "'priority' must be a non-negative integer"),
         ({"parameters": {"priority": -1}}, "'priority' must be a non-negative integer"),
         (

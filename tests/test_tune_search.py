@@ -8,6 +8,7 @@ import math
 import pytest
 
 from service.config import Settings
+from service.server.tuning.bounds import what_bounds
 from service.server.tuning.budget import (
     Plan,
     Progress,
@@ -29,7 +30,6 @@ from service.server.tuning.search import (
     start_candidate,
     token_budget,
     wait_candidates,
-    what_bounds,
 )
 from service.server.tuning.space import TUNED_FIELDS, Candidate, defaults_candidate
 

@@ -356,13 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            if args.env_file is not None:
-                apply_env_file(args.env_file)
             overrides = {
                 name: getattr(args, name)
                 for name in Settings.model_fields
                 if getattr(args, name) is not None
             }
+            if args.env_file is not None:
+                apply_env_file(args.env_file, flags=overrides)
             settings = load_settings(**overrides)
             configure_logging(settings.log_level)
             return serve(settings, overrides)

@@ -6,6 +6,11 @@ the value is everything after the first ``=``, taken literally (no quotes, no ex
 Docker does. Only settings are accepted, each named once, so a typo fails at start-up rather
 than being silently ignored. The environment wins over the file (as ``docker run -e`` wins
 over ``--env-file``), and flags win over both.
+
+A file's ``BATCHSERVE_MODEL_VERSION`` is a version of the model the file names
+(``BATCHSERVE_MODEL_NAME``): when the environment or a flag names another model to serve, the
+file's model and version are left out and its other settings still apply, so tuned settings
+serve another model rather than stopping with "model 'other' has no version ...".
 """
 
 from __future__ import annotations
@@ -46,15 +51,41 @@ def read_env_file(path: Path) -> dict[str, str]:
     return variables
 
 
-def apply_env_file(path: Path, environ: MutableMapping[str, str] = os.environ) -> list[str]:
+MODEL_NAME = ENV_PREFIX + "MODEL_NAME"
+MODEL_VERSION = ENV_PREFIX + "MODEL_VERSION"
+MODELS = ENV_PREFIX + "MODELS"
+
+
+def apply_env_file(
+    path: Path,
+    environ: MutableMapping[str, str] = os.environ,
+    flags: Mapping[str, object] | None = None,
+) -> list[str]:
     """Set the file's variables in ``environ`` where it does not set them already (so every
-    process started later reads them too). Returns the names taken from the file."""
+    process started later reads them too); ``flags`` are the settings given on the command
+    line (by field name), which win too. Returns the names taken from the file."""
+    variables = read_env_file(path)
+    if _serves_another_model(variables, environ, flags or {}):
+        variables.pop(MODEL_NAME, None)
+        variables.pop(MODEL_VERSION, None)
     taken = []
-    for key, value in read_env_file(path).items():
+    for key, value in variables.items():
         if key not in environ:
             environ[key] = value
             taken.append(key)
     return taken
+
+
+def _serves_another_model(
+    variables: Mapping[str, str], environ: Mapping[str, str], flags: Mapping[str, object]
+) -> bool:
+    """Whether the model served is named elsewhere than the file, and is not the file's."""
+    if MODEL_NAME not in variables:
+        return False
+    if flags.get("models") or environ.get(MODELS):
+        return True
+    named = flags.get("model_name") or environ.get(MODEL_NAME)
+    return named is not None and named != variables[MODEL_NAME]
 
 
 def render_env_file(variables: Mapping[str, str], comments: Sequence[str] = ()) -> str:

@@ -2,11 +2,11 @@
 
 ``ModelInfer`` takes inputs as typed contents or ``raw_input_contents`` and answers every
 output as ``raw_output_contents`` (what tritonclient reads). It validates like the REST route,
-takes the call's gRPC deadline as the request's deadline, leaves the queue when the caller
-cancels, and counts in the same request metrics (route ``grpc:ModelInfer``). A refusal for
-load (``RESOURCE_EXHAUSTED``) sent on a connection before its last ``Retry-After`` passed is
-held as over HTTP (``refusal_hold``). Every front end of a server listens on the port
-(``SO_REUSEPORT``), like the HTTP one.
+takes the call's gRPC deadline (or its ``timeout`` parameter, when sooner) as the request's
+deadline, leaves the queue when the caller cancels, and counts in the same request metrics
+(route ``grpc:ModelInfer``). A refusal for load (``RESOURCE_EXHAUSTED``) sent on a
+connection before its last ``Retry-After`` passed is held as over HTTP (``refusal_hold``).
+Every front end of a server listens on the port (``SO_REUSEPORT``), like the HTTP one.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from service.errors import (
 )
 from service.frontend import request_spans
 from service.frontend.about import __version__
-from service.frontend.oip.parameters import batch_priority
+from service.frontend.oip.parameters import TIMEOUT_PARAMETER, batch_priority, timeout_s
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from service.frontend.oip.rest import binary_of, run_inference
@@ -169,7 +169,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             model,
             _inputs(request),
             options,
-            deadline=deadline,
+            deadline=deadline.sooner(timeout_s(options.parameters), TIMEOUT_PARAMETER),
             priority=batch_priority(options.parameters),
             request_id=request.id or "grpc",
         )

@@ -33,11 +33,20 @@ def _whole_number(parameters: Mapping[str, Any], name: str) -> int | None:
 
 
 def timeout_us(parameters: Mapping[str, Any]) -> int | None:
-    """Triton's ``timeout`` parameter, a positive number of microseconds, if given."""
-    value = _whole_number(parameters, "timeout")
-    if value == 0:
-        raise BadRequestError("'timeout' must be a positive number of microseconds, got 0")
+    """Triton's ``timeout`` parameter, if given: a whole number of microseconds from 1 up
+    (JSON or gRPC alike); 400 for anything else, with one message whatever was wrong."""
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequestError(
+            f"'timeout' must be a whole number of microseconds from 1 up, got {value!r}"
+        )
     return value
+
+
+#: The deadline's source when the request's ``timeout`` parameter set it (named by its 504).
+TIMEOUT_PARAMETER = "the request's 'timeout' parameter"
 
 
 def timeout_s(parameters: Mapping[str, Any]) -> float | None:

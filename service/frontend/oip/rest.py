@@ -26,7 +26,12 @@ from service.errors import (
 )
 from service.frontend import request_spans
 from service.frontend.oip.datatypes import to_bf16, wire_dtype
-from service.frontend.oip.parameters import batch_priority, flag, timeout_s
+from service.frontend.oip.parameters import (
+    TIMEOUT_PARAMETER,
+    batch_priority,
+    flag,
+    timeout_s,
+)
 from service.frontend.oip.tensors import (
     InferInput,
     InferOptions,
@@ -45,8 +50,6 @@ from service.types import Priority
 HEADER_LENGTH = "inference-header-content-length"
 JSON = "application/json"
 BINARY = "application/octet-stream"
-#: The deadline's source when the request's ``timeout`` parameter set it.
-TIMEOUT_PARAMETER = "the request's 'timeout' parameter"
 
 
 def error_response(error: ServiceError) -> Response:

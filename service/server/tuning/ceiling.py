@@ -54,8 +54,10 @@ from service.errors import ConflictError, ServiceError
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
 from service.logs import configure_logging
+from service.manifest import TensorSpec
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
+from service.server.child_processes import die_with_parent
 from service.server.cli import serves_in_one_process
 from service.server.draining import DrainingServer, uvicorn_config
 from service.server.launcher import (
@@ -72,15 +74,14 @@ APP_FACTORY = "service.server.tuning.ceiling:create_app_from_environment()"
 
 class ZeroEngine:
     """An ``EngineClient`` that answers every request at once with zero rows of each of the
-    model's outputs (its shape, a variable axis 1 long, and its dtype), for the version it was
-    validated against; it never switches versions."""
+    model's outputs (its shape and dtype; a variable axis as long as the input it follows,
+    ``length_of``, else 1 long), for the version it was validated against; it never switches
+    versions."""
 
     def __init__(self, model: ModelInfo) -> None:
         self._status = EngineStatus(phase="ready", models=(model,), device="none", pid=os.getpid())
-        self._outputs = {
-            spec.name: (tuple(max(size, 1) for size in spec.instance_shape), spec.numpy_dtype)
-            for spec in model.manifest.outputs
-        }
+        self._outputs = {spec.name: spec for spec in model.manifest.outputs}
+        self._inputs = {spec.name: spec for spec in model.manifest.inputs}
 
     def status(self) -> EngineStatus:
         return self._status
@@ -97,11 +98,20 @@ class ZeroEngine:
         rows = len(request.instances)
         outputs = NamedArrays(
             {
-                name: np.zeros((rows, *row_shape), dtype=dtype)
-                for name, (row_shape, dtype) in self._outputs.items()
+                name: np.zeros((rows, *self._row_shape(spec, request)), dtype=spec.numpy_dtype)
+                for name, spec in self._outputs.items()
             }
         )
         return InferenceResult(outputs=outputs, version=request.version)
+
+    def _row_shape(self, spec: TensorSpec, request: InferenceRequest) -> list[int]:
+        shape = [max(size, 1) for size in spec.instance_shape]
+        source = self._inputs.get(spec.length_of or "")
+        if source is not None and source.variable_axis is not None:
+            assert spec.variable_axis is not None  # the manifest checks that length_of has one
+            length = request.instances[source.name].shape[1 + source.variable_axis]
+            shape[spec.variable_axis] = length
+        return shape
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         raise ConflictError("the HTTP ceiling serves one version and never switches")
@@ -185,7 +195,8 @@ def serve_with_gunicorn(settings: Settings) -> int:
         {"host": settings.host, "port": settings.port, "workers": settings.workers}
     )
     metrics_dir, temporary = prepare_multiprocess_dir(environ)
-    gunicorn = subprocess.Popen(gunicorn_command(), env=environ)
+    # This process has no threads (no torch), so preexec_fn is safe here, as in the supervisor.
+    gunicorn = subprocess.Popen(gunicorn_command(), env=environ, preexec_fn=die_with_parent)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         gunicorn.send_signal(signum)

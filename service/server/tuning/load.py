@@ -1,9 +1,8 @@
 """Closed-loop load on loopback with aiohttp: ``concurrency`` clients, each sending its next
 request as soon as its last is answered, for a bounded time and number of requests.
 
-The bodies are generated from the model's input specs (random values within each input's
-declared range; variable lengths drawn log-uniformly), one instance per request, seeded so
-every candidate gets the same requests.
+What is sent is ``bodies``' business (``tuning.bodies``); client ``i`` sends bodies ``i``,
+``i + concurrency``, ... in turn, so every candidate gets the same requests.
 """
 
 from __future__ import annotations
@@ -16,52 +15,19 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
-import numpy as np
-import orjson
-
-from service.buckets import DEFAULT_MAX_LENGTH
-from service.manifest import Manifest
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-SHORTEST_LENGTH = 8
 REQUEST_TIMEOUT_S = 30.0
 #: Most requests one measurement sends, whatever its duration (a bound on a fast server).
 MAX_REQUESTS = 2_000_000
 
 
 @dataclass(frozen=True)
-class Workload:
-    """Request bodies and the variable length of each (None for fixed-shape models)."""
+class Body:
+    """One ``/predict`` request body and its ``Content-Type``."""
 
-    bodies: tuple[bytes, ...]
-    lengths: tuple[int | None, ...]
-
-
-def log_uniform_lengths(rng: np.random.Generator, count: int, low: int, high: int) -> list[int]:
-    """Lengths from ``low`` to ``high`` inclusive, log-uniformly: as many short as long."""
-    logs = rng.uniform(math.log(low), math.log(high + 1), size=count)
-    return [min(high, max(low, int(math.exp(value)))) for value in logs]
-
-
-def workload(manifest: Manifest, count: int = 256, seed: int = 0) -> Workload:
-    """``count`` single-instance JSON bodies for ``/predict`` of ``manifest``'s model."""
-    rng = np.random.default_rng(seed)
-    variable = manifest.variable_input
-    lengths: list[int | None]
-    if variable is None:
-        lengths = [None] * count
-    else:
-        high = variable.max_length or DEFAULT_MAX_LENGTH
-        lengths = list(log_uniform_lengths(rng, count, min(SHORTEST_LENGTH, high), high))
-    bodies = []
-    for length in lengths:
-        instance = {
-            spec.name: spec.example_instances(1, length or 1, rng)[0].tolist()
-            for spec in manifest.inputs
-        }
-        value = next(iter(instance.values())) if len(instance) == 1 else instance
-        bodies.append(orjson.dumps({"instances": [value]}))
-    return Workload(tuple(bodies), tuple(lengths))
+    content: bytes
+    content_type: str = "application/json"
 
 
 @dataclass(frozen=True)
@@ -94,7 +60,7 @@ def check_loopback(url: str) -> str:
 
 async def closed_loop(
     url: str,
-    bodies: Sequence[bytes],
+    bodies: Sequence[Body],
     *,
     concurrency: int,
     duration_s: float,
@@ -106,7 +72,6 @@ async def closed_loop(
     warm-up counts too, so slow models are not measured as if they had none). Requests still
     in flight when the window ends are cancelled. Bounded by time and ``max_requests``."""
     target = check_loopback(url) + "/predict"
-    headers = {"content-type": "application/json"}
     window_start_s = time.monotonic() + warmup_s
     window_end_s = window_start_s + duration_s
     latencies_ms: list[float] = []
@@ -120,9 +85,10 @@ async def closed_loop(
             sent += 1
             body = bodies[index % len(bodies)]
             index += concurrency
+            headers = {"content-type": body.content_type}
             begun_s = time.monotonic()
             try:
-                async with session.post(target, data=body, headers=headers) as response:
+                async with session.post(target, data=body.content, headers=headers) as response:
                     await response.read()
                     ok = response.status == 200
             except (aiohttp.ClientError, TimeoutError):

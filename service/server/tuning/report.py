@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from service.server.env_file import render_env_file
-from service.server.tuning.search import Bound, ModelLimit, Result
+from service.config import BUNDLED_MODEL_REPOSITORY
+from service.server.env_file import MODEL_NAME, MODEL_VERSION, render_env_file
+from service.server.tuning.bounds import Bound
+from service.server.tuning.comparison import Comparison, median_of
+from service.server.tuning.search import ModelLimit, Result
 
 MIB = 1024 * 1024
 
@@ -29,6 +30,13 @@ class Trial:
 class TuneReport:
     model: str
     version: str
+    """The version measured (``latest`` resolved)."""
+    version_asked: str
+    """``--version``: ``latest``, or an id the env file then pins."""
+    repository: Path
+    requests: str
+    """What the load sent (``bodies.Workload.description``)."""
+    rows_per_request: float
     cores: int
     concurrency: int
     p99_target_ms: float
@@ -41,6 +49,12 @@ class TuneReport:
     bound: Bound | None = None
     remeasured: dict[str, list[Result]] = field(default_factory=dict)
     """``defaults`` and ``tuned``: one result per interleaved round."""
+    pick: Result | None = None
+    """The search's best, before the re-measurement decides between it and the defaults."""
+    comparison: Comparison | None = None
+    """The search's pick against the defaults in those rounds (when they differ)."""
+    window_s: float = 0.0
+    """How long each search trial and each round measured."""
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     final: Result | None = None
@@ -56,21 +70,12 @@ class TuneReport:
         return self.decisive is not None and self.decisive.meets(self.p99_target_ms)
 
 
-def median_of(results: Sequence[Result]) -> tuple[float, float]:
-    """Median throughput and median p99 over rounds."""
-    if not results:
-        return 0.0, math.inf
-    return (
-        statistics.median(result.throughput_rps for result in results),
-        statistics.median(result.p99_ms for result in results),
-    )
-
-
 def env_comments(report: TuneReport) -> list[str]:
     lines = [
-        f"batchserve tune --model {report.model} --version {report.version} "
+        f"batchserve tune --model {report.model} --version {report.version_asked} "
         f"--concurrency {report.concurrency} --p99-ms {report.p99_target_ms:g}",
-        f"on {report.cores} cores; see the report beside this file",
+        f"measured on {report.model}@{report.version}, {report.cores} cores; see the report "
+        "beside this file",
     ]
     if report.remeasured:
         for name in ("tuned", "defaults"):
@@ -81,15 +86,30 @@ def env_comments(report: TuneReport) -> list[str]:
             f"NO configuration met p99 {report.p99_target_ms:g} ms; these settings reached "
             f"the lowest p99, {report.decisive.p99_ms:.1f} ms"
         )
+    lines.append(
+        "To serve another model with these settings, name it: serve --env-file FILE "
+        "--model-name OTHER (this file's model and version then do not apply)"
+    )
     return lines
 
 
-def write_env(report: TuneReport, path: Path) -> None:
+def env_variables(report: TuneReport) -> dict[str, str]:
+    """What ``serve --env-file`` needs to serve what was tuned with the settings found: the
+    model, its repository (unless the bundled one, which is ``serve``'s default wherever it
+    is installed), the version only when ``--version`` named one (``latest`` stays
+    ``latest``), and every tuned setting."""
     assert report.winner is not None
-    variables = {"BATCHSERVE_MODEL_NAME": report.model, "BATCHSERVE_MODEL_VERSION": report.version}
-    variables |= report.winner.candidate.environment()
+    variables = {MODEL_NAME: report.model}
+    if report.version_asked != "latest":
+        variables[MODEL_VERSION] = report.version
+    if report.repository != BUNDLED_MODEL_REPOSITORY.resolve():
+        variables["BATCHSERVE_MODEL_REPOSITORY"] = str(report.repository)
+    return variables | report.winner.candidate.environment()
+
+
+def write_env(report: TuneReport, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_env_file(variables, env_comments(report)))
+    path.write_text(render_env_file(env_variables(report), env_comments(report)))
 
 
 def _ms(value: float) -> str:
@@ -103,7 +123,7 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
         "",
         f"`batchserve tune --model {report.model} --concurrency {report.concurrency} "
         f"--p99-ms {target:g} --budget-s {report.budget_s:g}` on {report.cores} cores, "
-        f"in {report.elapsed_s:.0f} s.",
+        f"in {report.elapsed_s:.0f} s. Requests: {report.requests}.",
         "",
     ]
     if report.winner is None:
@@ -117,6 +137,13 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
             f"`{report.winner.candidate.label()}`.",
             "",
         ]
+    comparison, pick = report.comparison, report.pick
+    if comparison is not None and pick is not None and not comparison.pick_is_better:
+        lines += [
+            f"The defaults are within the noise of the search's pick, "
+            f"`{pick.candidate.label()}`: {comparison.reason}. The defaults are kept.",
+            "",
+        ]
     if report.final is not None and report.winner is not None:
         lines += [
             f"Written: `{report.winner.candidate.label()}`, re-measured at "
@@ -128,7 +155,7 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
         lines += [f"What bounds it: **{report.bound.kind}**: {report.bound.reason}.", ""]
     if report.remeasured:
         lines += [
-            "## Winner against the defaults, interleaved",
+            "## The search's pick against the defaults, interleaved",
             "",
             "| configuration | requests/s (median) | p99 ms (median) | rounds (requests/s, p99) |",
             "| --- | ---: | ---: | --- |",
@@ -137,7 +164,7 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
             rps, p99 = median_of(results)
             rounds = ", ".join(f"{r.throughput_rps:,.0f} / {_ms(r.p99_ms)}" for r in results)
             lines.append(f"| {name} | {rps:,.0f} | {_ms(p99)} | {rounds} |")
-        lines.append("")
+        lines += ["", search_and_rounds(report), ""]
     if plot_name is not None:
         lines += [f"![throughput and p99 per candidate]({plot_name})", ""]
     lines += [
@@ -159,8 +186,9 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
     lines += ["", "## Model limit and HTTP ceiling", ""]
     lines.append(
         f"Model limit over this workload's lengths: {report.model_limit_rps:,.0f} rows/s "
-        f"(torch threads {report.limit.torch_threads}, model memory "
-        f"{report.limit.memory_bytes / MIB:,.1f} MiB). HTTP ceiling: "
+        f"({report.rows_per_request:.3g} rows a request; torch threads "
+        f"{report.limit.torch_threads}, model memory {report.limit.memory_bytes / MIB:,.1f} "
+        "MiB). HTTP ceiling: "
         + ", ".join(
             f"{rps:,.0f} requests/s with {workers} front end{'s' if workers > 1 else ''}"
             for workers, rps in sorted(report.ceiling_rps.items())
@@ -171,6 +199,37 @@ def markdown(report: TuneReport, plot_name: str | None) -> str:
     if report.notes:
         lines += ["## Notes", "", *(f"- {note}" for note in report.notes), ""]
     return "\n".join(lines)
+
+
+#: A pick whose rounds' median differs from its search window by more than this is noted.
+NOTED_DIFFERENCE = 0.15
+
+
+def search_and_rounds(report: TuneReport) -> str:
+    """Why the search's figure for its pick and the re-measured ones may differ."""
+    rounds = len(report.remeasured.get("tuned", []))
+    text = (
+        f"Each trial of the search measured one window of {report.window_s:.1f} s; the rounds "
+        f"above measured the pick and the defaults in turn, {rounds} windows each, so that "
+        "other load on the host fell on both alike: their medians decide what is written."
+    )
+    pick, tuned = report.pick, report.remeasured.get("tuned", [])
+    if pick is None or not tuned or pick.throughput_rps <= 0:
+        return text
+    rps = median_of(tuned)[0]
+    low, high = min(r.throughput_rps for r in tuned), max(r.throughput_rps for r in tuned)
+    change = rps / pick.throughput_rps - 1
+    text += (
+        f" In the search the pick served {pick.throughput_rps:,.0f} requests/s; re-measured, "
+        f"{low:,.0f} to {high:,.0f} (median {rps:,.0f})"
+    )
+    if abs(change) <= NOTED_DIFFERENCE:
+        return text + ", about the same."
+    return text + (
+        f", {abs(change):.0%} {'less' if change < 0 else 'more'}: one window is a noisy sample "
+        "on this host (the search kept the highest of several such samples, which favours a "
+        "lucky one), and the rounds, measured alike, are the figures to trust."
+    )
 
 
 def _limit_table(limit: ModelLimit) -> str:

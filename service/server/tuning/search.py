@@ -73,6 +73,18 @@ class Context:
     ceiling_rps: Mapping[int, float] = field(default_factory=dict)
     """HTTP ceiling (requests/s) per number of front ends."""
     max_length: int | None = None
+    rows_per_request: float = 1.0
+    """Rows (instances) a request holds, on average over the workload."""
+
+    @property
+    def model_rows_per_s(self) -> float:
+        """The model limit over the workload's lengths, at its best batch size."""
+        return self.limit.best_rows_per_s(self.weights)
+
+    @property
+    def model_rps(self) -> float:
+        """The model limit in requests/s, to set beside the HTTP ceiling."""
+        return self.model_rows_per_s / self.rows_per_request
 
     @property
     def batch_ms_allowed(self) -> float:
@@ -117,7 +129,7 @@ def batch_sizes(context: Context) -> list[int]:
     """Batch sizes worth serving: those whose batch fits the p99 share, up to the smallest
     that reaches ``NEAR_BEST_SHARE`` of the best such rows/s, and that one doubled. A batch
     cannot hold more rows than ``concurrency`` requests send, so none above that is tried."""
-    cap = power_of_two_at_least(context.concurrency)
+    cap = power_of_two_at_least(math.ceil(context.concurrency * context.rows_per_request))
     sizes = sorted({size for rates in context.limit.rows_per_s.values() for size in rates})
     # The mix is what the row budget limits; the longest batches are the token budget's.
     feasible = [
@@ -172,9 +184,8 @@ def process_candidates(context: Context, current: Candidate) -> list[Candidate]:
         current.changed(engine_mode="in_process", workers=1, torch_threads=threads)
         for threads in sorted({1, max(1, cores - 1), cores})
     ]
-    model_rps = context.limit.best_rows_per_s(context.weights)
     one_front_end = context.ceiling_rps.get(1, math.inf)
-    if cores >= 2 and one_front_end < model_rps:
+    if cores >= 2 and one_front_end < context.model_rps:
         for workers in sorted({1, max(1, cores // 2), max(1, cores - 1)}):
             threads = max(1, cores - workers)
             found.append(
@@ -239,46 +250,3 @@ def length_weights(lengths: Sequence[int | None], edges: Sequence[int]) -> dict[
         key = None if length is None or not edges else bucket_of(length, edges)
         counts[key] = counts.get(key, 0) + 1
     return {key: count / len(lengths) for key, count in counts.items()}
-
-
-@dataclass(frozen=True)
-class Bound:
-    """What keeps the p99 from the target: ``model``, ``http`` or ``cores``, and why."""
-
-    kind: str
-    reason: str
-
-
-def what_bounds(context: Context, best_p99_ms: float) -> Bound:
-    """Why no configuration met the target. By Little's law ``concurrency`` requests in
-    flight at R requests/s wait ``concurrency / R`` on average, so a rate below
-    ``concurrency / p99`` cannot meet it: the model limit alone, the HTTP ceiling alone, or
-    both sharing the host's cores (their costs per request add up)."""
-    smallest = min(context.weights, key=lambda length: length or 0)
-    one_row_ms = context.limit.batch_ms(1, smallest)
-    model_rps = context.limit.best_rows_per_s(context.weights)
-    http_rps = max(context.ceiling_rps.values(), default=math.inf)
-    concurrency = context.concurrency
-    if one_row_ms >= context.p99_ms:
-        return Bound("model", f"one row alone takes {one_row_ms:.1f} ms in the model")
-    model_ms = concurrency / model_rps * 1000 if model_rps > 0 else math.inf
-    if model_ms >= context.p99_ms:
-        return Bound(
-            "model",
-            f"{concurrency} requests in flight at the model limit of {model_rps:,.0f} rows/s "
-            f"wait {model_ms:.1f} ms on average",
-        )
-    http_ms = concurrency / http_rps * 1000
-    if http_ms >= context.p99_ms:
-        return Bound(
-            "http",
-            f"{concurrency} requests in flight at the HTTP ceiling of {http_rps:,.0f} "
-            f"requests/s wait {http_ms:.1f} ms on average",
-        )
-    shared_ms = model_ms + http_ms
-    return Bound(
-        "cores",
-        f"the model ({model_ms:.1f} ms) and HTTP ({http_ms:.1f} ms) share {context.cores} "
-        f"cores: {concurrency} requests in flight wait about {shared_ms:.1f} ms on average, "
-        f"and the best p99 reached was {best_p99_ms:.1f} ms",
-    )

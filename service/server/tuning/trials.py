@@ -1,31 +1,32 @@
-"""Serve a candidate (or the HTTP ceiling) as its own process on a free loopback port,
-measure it under closed-loop load, and stop it.
+"""Serve a candidate (or the HTTP ceiling) as its own process on a loopback port, measure
+it under closed-loop load, and stop it.
 
-Each server leads its own process group, so stopping it also stops what it started (the
-engine, gunicorn's workers) even if it dies first. Ready and stop waits are bounded.
+Each server is one of ``tune``'s ``Children``: it dies with ``tune``, and stopping it stops
+what it started. Its port is one the kernel chose (a bind to port 0), and ``tune`` keeps it
+bound, without listening, until the server has stopped: no other program binds it and no
+outgoing connection takes it meanwhile, while the server, which binds with
+``SO_REUSEADDR``, still can. Ready and stop waits are bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import Popen
 
 import aiohttp
 
-from service.server.tuning.load import LoadResult, closed_loop
+from service.server.tuning.children import Children
+from service.server.tuning.load import Body, LoadResult, closed_loop
 from service.server.tuning.search import Result
 from service.server.tuning.space import Candidate
 
-STOP_TIMEOUT_S = 15.0
 POLL_INTERVAL_S = 0.1
 
 
@@ -33,11 +34,13 @@ class TrialError(RuntimeError):
     """A server that exited or never became ready; the message holds the end of its log."""
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def reserve_port() -> socket.socket:
+    """A loopback port the kernel chose, held bound (not listening) by the socket returned:
+    only a server binding with ``SO_REUSEADDR`` (uvicorn, gunicorn) can take it too."""
+    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reservation.bind(("127.0.0.1", 0))
+    return reservation
 
 
 def serve_command() -> list[str]:
@@ -51,8 +54,10 @@ def ceiling_command() -> list[str]:
 @dataclass(frozen=True)
 class Server:
     url: str
-    process: subprocess.Popen[bytes]
+    process: Popen[bytes]
     log: Path
+    reservation: socket.socket
+    """Holds the server's port until it has stopped."""
 
     def log_tail(self, characters: int = 2000) -> str:
         try:
@@ -61,19 +66,18 @@ class Server:
             return ""
 
 
-def start(command: Sequence[str], environ: Mapping[str, str], log: Path) -> Server:
-    port = free_port()
-    env = dict(environ) | {"BATCHSERVE_HOST": "127.0.0.1", "BATCHSERVE_PORT": str(port)}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [part.format(port=port) for part in command],
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return Server(f"http://127.0.0.1:{port}", process, log)
+def start(
+    children: Children, command: Sequence[str], environ: Mapping[str, str], log: Path
+) -> Server:
+    reservation = reserve_port()
+    try:
+        port: int = reservation.getsockname()[1]
+        env = dict(environ) | {"BATCHSERVE_HOST": "127.0.0.1", "BATCHSERVE_PORT": str(port)}
+        process = children.start([part.format(port=port) for part in command], env, log)
+    except BaseException:
+        reservation.close()
+        raise
+    return Server(f"http://127.0.0.1:{port}", process, log, reservation)
 
 
 async def wait_ready(server: Server, timeout_s: float) -> None:
@@ -94,29 +98,29 @@ async def wait_ready(server: Server, timeout_s: float) -> None:
     raise TrialError(f"the server was not ready after {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
-async def stop(server: Server) -> None:
-    """SIGTERM to the server, SIGKILL to its whole group if it has not exited in time."""
-    process = server.process
-    if process.poll() is None:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=STOP_TIMEOUT_S)
+async def stop(children: Children, server: Server) -> None:
+    """SIGTERM to the server, SIGKILL to its whole group if it has not exited in time; its
+    port is released once it has."""
+    try:
+        await children.stop(server.process)
+    finally:
+        server.reservation.close()
 
 
 @contextlib.asynccontextmanager
 async def serving(
-    command: Sequence[str], environ: Mapping[str, str], log: Path, ready_timeout_s: float
+    children: Children,
+    command: Sequence[str],
+    environ: Mapping[str, str],
+    log: Path,
+    ready_timeout_s: float,
 ) -> AsyncIterator[Server]:
-    server = start(command, environ, log)
+    server = start(children, command, environ, log)
     try:
         await wait_ready(server, ready_timeout_s)
         yield server
     finally:
-        await stop(server)
+        await stop(children, server)
 
 
 def tree_rss_bytes(root: int, proc: Path = Path("/proc")) -> int:
@@ -163,7 +167,7 @@ def result_of(candidate: Candidate, load: LoadResult, memory_bytes: int) -> Resu
 
 
 async def measure_server(
-    server: Server, bodies: Sequence[bytes], measurement: Measurement, warm: bool = True
+    server: Server, bodies: Sequence[Body], measurement: Measurement, warm: bool = True
 ) -> tuple[LoadResult, int]:
     load = await closed_loop(
         server.url,
@@ -175,61 +179,54 @@ async def measure_server(
     return load, tree_rss_bytes(server.process.pid)
 
 
-async def run_trial(
-    candidate: Candidate,
-    environ: Mapping[str, str],
-    bodies: Sequence[bytes],
-    measurement: Measurement,
-    log: Path,
-) -> Result:
-    """Serve ``candidate`` and measure it once."""
-    env = dict(environ) | candidate.environment()
-    async with serving(serve_command(), env, log, measurement.ready_timeout_s) as server:
-        return await measure_candidate(candidate, server, bodies, measurement)
-
-
 async def measure_candidate(
-    candidate: Candidate, server: Server, bodies: Sequence[bytes], measurement: Measurement
+    candidate: Candidate, server: Server, bodies: Sequence[Body], measurement: Measurement
 ) -> Result:
     load, memory_bytes = await measure_server(server, bodies, measurement)
     return result_of(candidate, load, memory_bytes)
 
 
-async def ceiling_rps(
+async def ceiling_load(
+    children: Children,
     workers: int,
     environ: Mapping[str, str],
-    bodies: Sequence[bytes],
+    bodies: Sequence[Body],
     measurement: Measurement,
     log: Path,
     meanwhile: Awaitable[object] | None = None,
-) -> float:
-    """Requests/s of the HTTP ceiling (the real front end, a model that costs nothing).
-    ``meanwhile`` (another server starting) is awaited before the load starts, so that its
-    start overlaps this one's but never its measurement."""
+) -> LoadResult:
+    """The HTTP ceiling's load (the real front end, a model that costs nothing) with
+    ``workers`` front ends. ``meanwhile`` (another server starting) is awaited before the load
+    starts, so that its start overlaps this one's but never its measurement."""
     env = dict(environ) | {"BATCHSERVE_WORKERS": str(workers)}
-    async with serving(ceiling_command(), env, log, measurement.ready_timeout_s) as server:
+    command = ceiling_command()
+    async with serving(children, command, env, log, measurement.ready_timeout_s) as server:
         if meanwhile is not None:
             await meanwhile
         load, _ = await measure_server(server, bodies, measurement)
-    return load.throughput_rps
+    return load
 
 
 async def start_ready(
-    candidate: Candidate, environ: Mapping[str, str], ready_timeout_s: float, log: Path
+    children: Children,
+    candidate: Candidate,
+    environ: Mapping[str, str],
+    ready_timeout_s: float,
+    log: Path,
 ) -> Server:
     """Serve ``candidate``; the caller stops it (``stop``), also when it never gets ready."""
-    server = start(serve_command(), dict(environ) | candidate.environment(), log)
+    server = start(children, serve_command(), dict(environ) | candidate.environment(), log)
     try:
         await wait_ready(server, ready_timeout_s)
     except BaseException:
-        await stop(server)
+        await stop(children, server)
         raise
     return server
 
 
 async def interleaved(
     served: Sequence[tuple[Candidate, Server]],
-    bodies: Sequence[bytes],
+    bodies: Sequence[Body],
     measurement: Measurement,
     rounds: int,
 ) -> list[list[Result]]:

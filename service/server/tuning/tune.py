@@ -1,9 +1,10 @@
 """``batchserve tune``: measure the model limit and the HTTP ceiling, search, re-measure the
-winner against the defaults in interleaved rounds, and report.
+pick against the defaults in interleaved rounds, and report.
 
 The defaults' server, the first trial, keeps running (idle) until the re-measurement, so that
-only the winner's has to start again. A trial starts only while the time left holds it and
-the re-measurement (``budget.Progress``).
+only the pick's has to start again. A trial starts only while the time left holds it and
+the re-measurement (``budget.Progress``). Every server is one of ``children``: it dies with
+``tune``.
 """
 
 from __future__ import annotations
@@ -11,32 +12,39 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from service.buckets import manifest_length_edges
-from service.config import ENV_PREFIX, load_settings
-from service.errors import ModelLoadError
+from service.config import ENV_PREFIX, Settings, load_settings
 from service.repository import ModelRepository
 from service.server.tuning import search, trials
+from service.server.tuning.bodies import Workload, workload
+from service.server.tuning.bounds import what_bounds, what_bounds_throughput
 from service.server.tuning.budget import Progress, host_cores, rounds_for, window_for
-from service.server.tuning.load import Workload, workload
+from service.server.tuning.children import Children
+from service.server.tuning.comparison import compare
 from service.server.tuning.model_limit import measure_limit
-from service.server.tuning.report import Trial, TuneReport, median_of
+from service.server.tuning.report import Trial, TuneReport
 from service.server.tuning.search import STAGES, Context, Result
 from service.server.tuning.space import TUNED_FIELDS, Candidate, defaults_candidate
 
 EXIT_TARGET_MISSED = 3
 
 
-def base_environment(environ: Mapping[str, str], model: str, version: str) -> dict[str, str]:
+def base_environment(environ: Mapping[str, str], settings: Settings) -> dict[str, str]:
     """The environment trial servers start in: this one without the tuned settings (so
-    "defaults" are ``Settings``' defaults), naming the model."""
+    "defaults" are ``Settings``' defaults), naming the repository, model and version tuned."""
     tuned = {ENV_PREFIX + name.upper() for name in TUNED_FIELDS}
     kept = {key: value for key, value in environ.items() if key not in tuned}
     kept.pop(ENV_PREFIX + "MODELS", None)
-    return kept | {ENV_PREFIX + "MODEL_NAME": model, ENV_PREFIX + "MODEL_VERSION": version}
+    return kept | {
+        ENV_PREFIX + "MODEL_REPOSITORY": str(settings.model_repository.resolve()),
+        ENV_PREFIX + "MODEL_NAME": settings.model_name,
+        ENV_PREFIX + "MODEL_VERSION": settings.model_version,
+    }
 
 
 def describe(result: Result, target_ms: float) -> str:
@@ -48,16 +56,35 @@ def describe(result: Result, target_ms: float) -> str:
     )
 
 
+def medians(candidate: Candidate, results: Sequence[Result]) -> Result:
+    """One result holding the medians of ``results`` (rounds of ``candidate``)."""
+    return Result(
+        candidate,
+        statistics.median(result.throughput_rps for result in results),
+        statistics.median(result.p50_ms for result in results),
+        statistics.median(result.p99_ms for result in results),
+        errors=sum(result.errors for result in results),
+        memory_bytes=max(result.memory_bytes for result in results),
+        answered=sum(result.answered for result in results),
+    )
+
+
 class Tuning:
     """One run: what was measured so far, and the servers it keeps."""
 
     def __init__(
-        self, report: TuneReport, environ: Mapping[str, str], load: Workload, logs: Path
+        self,
+        report: TuneReport,
+        environ: Mapping[str, str],
+        load: Workload,
+        logs: Path,
+        children: Children,
     ) -> None:
         self.report = report
         self.environ = environ
         self.load = load
         self.logs = logs
+        self.children = children
         self.defaults_server: trials.Server | None = None
 
     def measurement(self, progress: Progress) -> trials.Measurement:
@@ -69,7 +96,7 @@ class Tuning:
     async def serve(self, candidate: Candidate, progress: Progress, log: str) -> trials.Server:
         started_s = time.monotonic()
         server = await trials.start_ready(
-            candidate, self.environ, progress.ready_timeout_s(), self.logs / log
+            self.children, candidate, self.environ, progress.ready_timeout_s(), self.logs / log
         )
         progress.started_in(time.monotonic() - started_s)
         return server
@@ -107,14 +134,14 @@ class Tuning:
                 if keep:
                     self.defaults_server = server
                 else:
-                    await trials.stop(server)
+                    await trials.stop(self.children, server)
         progress.trial_took(time.monotonic() - started_s)
         self.report.trials.append(Trial(stage, result))
         progress.say(f"trial {index}: {describe(result, target)}")
 
     async def remeasure(self, progress: Progress) -> None:
-        """The winner and the defaults side by side, measured in alternate rounds; the
-        defaults are written instead when they did better there."""
+        """The pick and the defaults side by side, measured in alternate rounds; the pick is
+        written only when it is better beyond the noise (``comparison``), else the defaults."""
         report = self.report
         assert report.winner is not None
         winner, defaults = report.winner.candidate, defaults_candidate()
@@ -132,7 +159,7 @@ class Tuning:
             return
         try:
             rounds = progress.rounds_left()
-            progress.say(f"re-measuring the winner against the defaults: {rounds} rounds")
+            progress.say(f"re-measuring the pick against the defaults: {rounds} rounds")
             served = [(defaults, self.defaults_server)]
             if tuned_server is not self.defaults_server:
                 served.append((winner, tuned_server))
@@ -142,52 +169,65 @@ class Tuning:
             default_runs, tuned_runs = runs[0], runs[-1]
         finally:
             if tuned_server is not self.defaults_server:
-                await trials.stop(tuned_server)
+                await trials.stop(self.children, tuned_server)
+        report.remeasured = {"tuned": tuned_runs, "defaults": default_runs}
+        tuned, defaults_median = medians(winner, tuned_runs), medians(defaults, default_runs)
+        progress.say(
+            f"tuned: {tuned.throughput_rps:,.0f} requests/s, p99 {tuned.p99_ms:.1f} ms; "
+            f"defaults: {defaults_median.throughput_rps:,.0f} requests/s, p99 "
+            f"{defaults_median.p99_ms:.1f} ms (medians)"
+        )
         if winner == defaults:
             report.notes.append(
-                "the defaults won: the re-measurement measured their server alone, so both "
-                "rows are the same runs"
+                "the defaults won the search: the re-measurement measured their server alone, "
+                "so both rows are the same runs"
             )
-        report.remeasured = {"tuned": tuned_runs, "defaults": default_runs}
-        tuned_rps, tuned_p99 = median_of(tuned_runs)
-        default_rps, default_p99 = median_of(default_runs)
-        progress.say(
-            f"tuned: {tuned_rps:,.0f} requests/s, p99 {tuned_p99:.1f} ms; defaults: "
-            f"{default_rps:,.0f} requests/s, p99 {default_p99:.1f} ms (medians)"
+            report.final = defaults_median
+            return
+        report.comparison = compare(tuned_runs, default_runs, report.p99_target_ms)
+        if report.comparison.pick_is_better:
+            report.final = tuned
+            return
+        report.notes.append(
+            f"the defaults are within the noise of the search's pick `{winner.label()}`: "
+            f"{report.comparison.reason}; so the defaults are written"
         )
-        # Side by side decides, by the search's own rule on the medians.
-        medians = [
-            Result(defaults, default_rps, math.nan, default_p99),
-            Result(winner, tuned_rps, math.nan, tuned_p99),
-        ]
-        chosen = search.best(medians, report.p99_target_ms)
-        report.final = medians[1] if chosen is None or winner == defaults else chosen
-        if winner != defaults and chosen is medians[0]:
-            report.notes.append(
-                f"the defaults did better than `{winner.label()}` when re-measured side by "
-                "side, so the defaults are written"
-            )
-            measured = [t.result for t in report.trials if t.result.candidate == defaults]
-            report.winner = measured[0] if measured else default_runs[0]
+        progress.say(f"keeping the defaults: {report.comparison.reason}")
+        measured = [t.result for t in report.trials if t.result.candidate == defaults]
+        report.winner = measured[0] if measured else default_runs[0]
+        report.final = defaults_median
 
     async def close(self) -> None:
         if self.defaults_server is not None:
-            await trials.stop(self.defaults_server)
+            await trials.stop(self.children, self.defaults_server)
             self.defaults_server = None
 
 
 async def tune(
-    *, model: str, version: str, concurrency: int, p99_ms: float, logs: Path, progress: Progress
+    *,
+    model: str,
+    version: str,
+    concurrency: int,
+    p99_ms: float,
+    logs: Path,
+    progress: Progress,
+    children: Children,
+    repository: Path | None = None,
+    samples: Sequence[Path] = (),
 ) -> TuneReport:
     """Run the whole tuning within ``progress``'s budget; the report of what was found."""
     plan = progress.plan
-    environ = base_environment(os.environ, model, version)
-    cap = min(4096, search.power_of_two_at_least(concurrency))
+    located = {} if repository is None else {"model_repository": repository}
+    configured = load_settings(**located)
+    manifest = ModelRepository(configured.model_repository).resolve(model, version)
+    load = workload(manifest, configured, samples)
+    cap = min(4096, search.power_of_two_at_least(math.ceil(concurrency * load.rows_per_request)))
     # The model alone, as one process serving alone loads it, with the tuned settings at
     # their defaults (an environment's own values for them are what tune replaces).
     settings = load_settings(
+        **located,
         model_name=model,
-        model_version=version,
+        model_version=manifest.version,
         models=(),
         engine_mode="in_process",
         workers=1,
@@ -196,16 +236,11 @@ async def tune(
         max_batch_size=cap,
         warmup_batch_sizes=(1,),
     )
-    manifest = ModelRepository(settings.model_repository).resolve(model, version)
-    if manifest.handler is not None:
-        raise ModelLoadError(
-            f"{manifest.label} has a handler ({manifest.handler.import_path}); tune sends "
-            "tensor instances generated from the inputs, so it tunes models without one"
-        )
+    environ = base_environment(os.environ, settings)
     cores = host_cores()
-    load = workload(manifest)
     edges = manifest_length_edges(manifest, ())
     weights = search.length_weights(load.lengths, edges)
+    progress.say(f"requests: {load.description}")
 
     progress.say(f"measuring the model limit of {manifest.label} ({plan.limit_s:.0f} s at most)")
     limit, _ = await measure_limit(
@@ -216,23 +251,29 @@ async def tune(
         budget_s=plan.limit_s,
         progress=progress.say,
     )
-    model_rps = limit.best_rows_per_s(weights)
+    model_rows_per_s = limit.best_rows_per_s(weights)
     report = TuneReport(
         model=model,
         version=manifest.version,
+        version_asked=version,
+        repository=settings.model_repository.resolve(),
+        requests=load.description,
+        rows_per_request=load.rows_per_request,
         cores=cores,
         concurrency=concurrency,
         p99_target_ms=p99_ms,
         budget_s=progress.budget_s,
         limit=limit,
-        model_limit_rps=model_rps,
+        model_limit_rps=model_rows_per_s,
         ceiling_rps={},
     )
-    tuning = Tuning(report, environ, load, logs)
+    tuning = Tuning(report, environ, load, logs, children)
     try:
+        model_rps = model_rows_per_s / load.rows_per_request
         await _measure_ceilings(tuning, model_rps, progress)
-        expected_rps = min(model_rps, max(report.ceiling_rps.values(), default=model_rps))
+        expected_rps = min(model_rps, max(report.ceiling_rps.values(), default=math.inf))
         progress.plan = rounds_for(window_for(progress.plan, expected_rps), progress.budget_s)
+        report.window_s = progress.plan.measure_s
         progress.say(f"each trial measures {progress.plan.measure_s:.1f} s")
         variable = manifest.variable_input
         context = Context(
@@ -243,14 +284,19 @@ async def tune(
             weights=weights,
             ceiling_rps=report.ceiling_rps,
             max_length=variable.max_length if variable is not None else None,
+            rows_per_request=load.rows_per_request,
         )
         await _search(tuning, context, edges, progress)
         report.winner = search.best([trial.result for trial in report.trials], p99_ms)
+        report.pick = report.winner
         if report.winner is not None:
             await tuning.remeasure(progress)
-            if not report.met:
+            tried = [trial.result for trial in report.trials]
+            if report.met and report.decisive is not None:
+                report.bound = what_bounds_throughput(context, report.decisive, tried)
+            else:
                 best_p99_ms = report.decisive.p99_ms if report.decisive else math.inf
-                report.bound = search.what_bounds(context, best_p99_ms)
+                report.bound = what_bounds(context, best_p99_ms)
     finally:
         with contextlib.suppress(Exception):
             await tuning.close()
@@ -267,7 +313,8 @@ async def _measure_ceilings(tuning: Tuning, model_rps: float, progress: Progress
             break  # more front ends cannot help a model slower than one front end
         progress.say(f"measuring the HTTP ceiling with {workers} front end(s)")
         measurement = tuning.measurement(progress)
-        ceiling[workers] = await trials.ceiling_rps(
+        load = await trials.ceiling_load(
+            tuning.children,
             workers,
             tuning.environ,
             tuning.load.bodies,
@@ -275,6 +322,12 @@ async def _measure_ceilings(tuning: Tuning, model_rps: float, progress: Progress
             tuning.logs / f"ceiling-{workers}.log",
             meanwhile=tuning.start_defaults(progress) if workers == 1 else None,
         )
+        ceiling[workers] = load.throughput_rps
+        if load.errors:
+            tuning.report.notes.append(
+                f"the HTTP ceiling with {workers} front end(s) answered {load.errors} requests "
+                "with an error: see its log"
+            )
         progress.say(f"HTTP ceiling, {workers} front end(s): {ceiling[workers]:,.0f} requests/s")
 
 
