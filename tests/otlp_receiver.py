@@ -1,7 +1,7 @@
 """An OTLP/HTTP trace receiver on 127.0.0.1, standing in for a collector on the same host.
 
-It decodes each export with the OpenTelemetry proto package, counts the spans, and keeps them
-when asked (tests, the trace picture); the overhead benchmark only counts.
+It decodes each export with the OpenTelemetry proto package and keeps the spans, so that a
+test can read what a server exported.
 """
 
 from __future__ import annotations
@@ -39,12 +39,10 @@ class ReceivedSpan:
 
 
 class OtlpReceiver(http.server.ThreadingHTTPServer):
-    """Answers ``POST /v1/traces``; ``keep`` stores the spans, else they are only counted."""
+    """Answers ``POST /v1/traces`` and stores the spans it receives."""
 
-    def __init__(self, keep: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _ExportHandler)
-        self.keep = keep
-        self.count = 0
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
 
@@ -59,13 +57,9 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
 
     def add(self, request: ExportTraceServiceRequest) -> None:
         spans = []
-        count = 0
         for resource_spans in request.resource_spans:
             resource = {a.key: value_of(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
-                count += len(scope_spans.spans)
-                if not self.keep:
-                    continue
                 spans.extend(
                     ReceivedSpan(
                         role=str(resource.get("batchserve.role", "")),
@@ -81,7 +75,6 @@ class OtlpReceiver(http.server.ThreadingHTTPServer):
                     for span in scope_spans.spans
                 )
         with self._lock:
-            self.count += count
             self._spans.extend(spans)
 
 
@@ -111,9 +104,9 @@ class _ExportHandler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def otlp_receiver(keep: bool = True) -> Iterator[OtlpReceiver]:
+def otlp_receiver() -> Iterator[OtlpReceiver]:
     """A receiver serving in a thread until the block ends."""
-    receiver = OtlpReceiver(keep)
+    receiver = OtlpReceiver()
     thread = threading.Thread(target=receiver.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
     try:
