@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtests.memory import ProcessMemory
+from loadtests.servers import ProcessMemory
 from loadtests.wrk import WrkResult
 
 BASELINE_SUFFIX = "@baseline"

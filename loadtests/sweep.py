@@ -11,9 +11,10 @@ Beside the served rates it measures, in the same run:
   - the model limit: in-process forward rows/s at batch sizes 1, 2, 4 ... max_batch_size
     (``loadtests.model_limit``, same precision, compile mode and threads);
   - the HTTP ceiling: the service's HTTP stack answering without a model
-    (``loadtests.http_ceiling``), under the same wrk load, per workload;
+    (``service.server.tuning.ceiling``, as ``batchserve tune`` runs it), under the same wrk
+    load, per workload;
   - the load generator's ceiling: wrk against a fixed-response server
-    (``loadtests.fixed_server``).
+    (``python -m loadtests.wrk``).
 
 The HTTP ceiling of a configuration with gunicorn front ends (``BATCHSERVE_WORKERS`` above 1,
 or ``BATCHSERVE_ENGINE_MODE=process``) is measured with as many front ends. After the warm-up
@@ -66,9 +67,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtests import configs, memory, servers
+from loadtests import configs, servers
 from loadtests.configs import Configuration, PackagedModel, Workload
-from loadtests.memory import ProcessMemory
 from loadtests.report import (
     BASELINE_SUFFIX,
     IDLE_CPU_FLAG_CORES,
@@ -78,6 +78,7 @@ from loadtests.report import (
     SweepResult,
     write_all,
 )
+from loadtests.servers import ProcessMemory
 from loadtests.wrk import WrkResult, run_wrk, write_script, wrk_path, wrk_version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -406,7 +407,7 @@ class Sweep:
             command, env, log_path, configuration.ready_timeout_s, cwd=cwd
         ) as server:
             self.prepare(server.url, workload)
-            processes = memory.settled_tree_memory(server.pid)
+            processes = servers.settled_tree_memory(server.pid)
             points = self.measure_points(
                 server.url, label, workload, ceiling=ceiling, limit_of=configuration.name
             )
@@ -445,7 +446,7 @@ class Sweep:
             for concurrency in self.args.concurrency
         ]
         return Contender(
-            configuration, label, server, points, memory.settled_tree_memory(server.pid)
+            configuration, label, server, points, servers.settled_tree_memory(server.pid)
         )
 
     def http_ceiling(self, configuration: Configuration) -> list[Point]:
@@ -454,14 +455,14 @@ class Sweep:
         label = self.ceiling_label(configuration)
         env = self.env_for(configuration)
         log_path = self.out / "logs" / f"{label}-{workload.name}.log"
-        command = servers.module_command("loadtests.http_ceiling")
+        command = servers.module_command("service.server.tuning.ceiling")
         with servers.running(command, env, log_path, ready_timeout_s=120) as url:
             self.prepare(url, workload)
             return self.measure_points(url, label, workload)
 
     def generator_ceiling(self) -> Point:
         log_path = self.out / "logs" / "fixed-server.log"
-        command = servers.module_command("loadtests.fixed_server")
+        command = servers.module_command("loadtests.wrk")
         with servers.running(command, servers.server_env({}), log_path, 30) as url:
             point = Point(
                 label="load-generator", workload="fixed", concurrency=GENERATOR_CONCURRENCY
@@ -733,9 +734,9 @@ def watch_idle(contenders: Sequence[Contender]) -> None:
     """CPU of every server over ``IDLE_SETTLE_S`` with all of them idle: a server that keeps
     working when nobody asks would take CPU from each of the others' turns."""
     pids = [contender.server.pid for contender in contenders]
-    before = memory.trees_cpu_seconds(pids)
+    before = servers.trees_cpu_seconds(pids)
     time.sleep(IDLE_SETTLE_S)
-    after = memory.trees_cpu_seconds(pids)
+    after = servers.trees_cpu_seconds(pids)
     for contender in contenders:
         contender.settled_cpu_s = max(
             0.0, after[contender.server.pid] - before[contender.server.pid]
@@ -780,7 +781,7 @@ def take_turn(
     point = contender.points[index]
     waiting = [c for c in contenders if c is not contender and c.failure is None]
     pids = [c.server.pid for c in waiting]
-    before, started_s = memory.trees_cpu_seconds(pids), time.monotonic()
+    before, started_s = servers.trees_cpu_seconds(pids), time.monotonic()
     try:
         status = contender.server.exit_status()
         if status is not None:
@@ -795,7 +796,7 @@ def take_turn(
         pool.stop(contender.server)
         return
     elapsed_s = time.monotonic() - started_s
-    after = memory.trees_cpu_seconds(pids)
+    after = servers.trees_cpu_seconds(pids)
     for other in waiting:
         pid = other.server.pid
         other.waiting_cpu_s += max(0.0, after[pid] - before[pid])

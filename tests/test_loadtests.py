@@ -22,7 +22,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import memory, restart_timeline, servers, sweep
+from loadtests import restart_timeline, servers, sweep
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -34,13 +34,13 @@ from loadtests.configs import (
     front_ends,
     unavailable_reason,
 )
-from loadtests.http_ceiling import create_ceiling_app
 from loadtests.report import Point, SweepResult, markdown, summary_rows
 from loadtests.wrk import WrkResult, lua_long_string, parse_result, write_script
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.server.cli import serves_in_one_process
 from service.server.single import create_app
+from service.server.tuning.ceiling import create_ceiling_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: A hang guard, not a speed check: a sweep took 190 s beside other engineers' load.
@@ -188,7 +188,7 @@ GUNICORN = f"{PYTHON} -m gunicorn --config python:service.server.gunicorn_conf a
 def test_process_roles_come_from_the_tree(
     parents: dict[int, int], commands: dict[int, str], expected: dict[int, str]
 ) -> None:
-    assert memory.roles(10, parents, commands) == expected
+    assert servers.roles(10, parents, commands) == expected
 
 
 def test_tree_memory_reads_each_process_of_the_tree() -> None:
@@ -197,7 +197,7 @@ def test_tree_memory_reads_each_process_of_the_tree() -> None:
         try:
             assert child.stdout is not None
             assert child.stdout.readline() == b"up\n"
-            found = {process.pid: process for process in memory.tree_memory(os.getpid())}
+            found = {process.pid: process for process in servers.tree_memory(os.getpid())}
         finally:
             child.kill()
     # Only an unrelated child: this process is the server itself, not a supervisor.
@@ -268,7 +268,7 @@ def fill_pool_then_interrupt(
     left_behind: list[int],
 ) -> None:
     """Two servers up and one failed start, then Ctrl-C."""
-    fixed = servers.module_command("loadtests.fixed_server")
+    fixed = servers.module_command("loadtests.wrk")
     env = servers.server_env({})
     started.append(pool.start(fixed, env, tmp_path / "a.log", 30))
     with pytest.raises(servers.ServerError, match="exited with status 3"):
@@ -279,7 +279,7 @@ def fill_pool_then_interrupt(
     assert pool.started == started
     for server in started:
         assert httpx.get(server.url + "/readyz", timeout=5).status_code == 200
-    left_behind += [p.pid for p in memory.tree_memory(started[1].pid) if p.command == "sleep 60"]
+    left_behind += [p.pid for p in servers.tree_memory(started[1].pid) if p.command == "sleep 60"]
     assert len(left_behind) == 1
     raise KeyboardInterrupt
 
@@ -334,7 +334,7 @@ async def test_the_http_ceiling_validates_like_the_server_and_answers_zeros() ->
 
 def test_the_http_ceiling_never_imports_torch() -> None:
     """Its gunicorn front ends must cost what the server's own front ends cost."""
-    check = "import sys, loadtests.http_ceiling; sys.exit('torch' in sys.modules)"
+    check = "import sys, service.server.tuning.ceiling; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, timeout=60).returncode == 0
 
 
