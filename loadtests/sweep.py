@@ -5,7 +5,9 @@ Python) on a free 127.0.0.1 port with that configuration's ``BATCHSERVE_*`` vari
 that the workload's requests are answered 200, warms up, then runs wrk (one thread, ``-c``
 connections, closed loop) at each concurrency, ``--repeats`` times; the median is reported.
 Mean rows per batch come from ``/metrics`` (``batchserve_batch_size_rows`` sum and count)
-before and after each run. With ``--url`` it measures a server that is already running.
+before and after each run, and CPU per request from ``/proc``: the user and system time all
+the server's processes used during the run, over the requests answered. With ``--url`` it
+measures a server that is already running (no CPU figures then).
 
 Beside the served rates it measures, in the same run:
   - the model limit: in-process forward rows/s at batch sizes 1, 2, 4 ... max_batch_size
@@ -29,9 +31,9 @@ warmed up once; they then take turns, in rounds: for each of the ``--repeats`` r
 concurrency, one wrk run on each server in turn (the order reversed every other round). A
 machine whose speed drifts within minutes then slows all servers of a round alike, and the
 report gives, for each pair compared (``name`` against ``name@baseline``, and the pairs of
-``configs.COMPARISONS``), the ratio of req/s in each round and the median of those ratios. It
-also reports the CPU the waiting servers used. The ceilings and model limits are measured
-separately, after the rounds.
+``configs.COMPARISONS``), the ratio of req/s and of CPU per request in each round and the
+median of those ratios. It also reports the CPU the waiting servers used. The ceilings and
+model limits are measured separately, after the rounds.
 
 Each wrk run is capped at ``--duration-s`` seconds and ``--max-requests`` requests. Only
 127.0.0.1 is ever sent traffic. Outputs (results.csv, runs.csv, http_ceiling.csv,
@@ -332,8 +334,10 @@ class Sweep:
         *,
         ceiling: str = "http-ceiling",
         limit_of: str | None = None,
+        pid: int | None = None,
     ) -> list[Point]:
-        """wrk at each concurrency, ``repeats`` times, with /metrics batch deltas if exported."""
+        """wrk at each concurrency, ``repeats`` times, with /metrics batch deltas if exported
+        and the CPU of ``pid``'s process tree if given."""
         script = self.script(workload)
         points = []
         for concurrency in self.args.concurrency:
@@ -345,7 +349,7 @@ class Sweep:
                 limit_of=limit_of,
             )
             for _ in range(self.args.repeats):
-                self.measure_run(url, script, point)
+                self.measure_run(url, script, point, pid)
             rows = point.mean_rows_per_batch
             log(
                 f"  {label} c={concurrency}: {point.requests_per_s:,.0f} req/s, "
@@ -355,10 +359,14 @@ class Sweep:
             points.append(point)
         return points
 
-    def measure_run(self, url: str, script: Path, point: Point) -> tuple[WrkResult, float | None]:
+    def measure_run(
+        self, url: str, script: Path, point: Point, pid: int | None = None
+    ) -> tuple[WrkResult, float | None]:
         """One wrk run at ``point``'s concurrency, added to ``point`` with the batch rows
-        /metrics counted meanwhile; returns the run and its mean rows per batch, if exported."""
+        /metrics counted meanwhile and the CPU ``pid``'s process tree used (if given);
+        returns the run and its mean rows per batch, if exported."""
         before = servers.batch_counters(url)
+        cpu_before = None if pid is None else servers.trees_cpu_seconds([pid])[pid]
         result = run_wrk(
             url + "/predict",
             script,
@@ -366,6 +374,7 @@ class Sweep:
             duration_s=self.args.duration_s,
             request_timeout_s=self.args.request_timeout_s,
         )
+        cpu_after = None if pid is None else servers.trees_cpu_seconds([pid])[pid]
         after = servers.batch_counters(url)
         rows_per_batch = None
         if before is not None and after is not None:
@@ -375,6 +384,8 @@ class Sweep:
             if after[1] > before[1]:
                 rows_per_batch = (after[0] - before[0]) / (after[1] - before[1])
         point.runs.append(result)
+        cpu_used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+        point.cpu_s.append(cpu_used)
         return result, rows_per_batch
 
     def prepare(self, url: str, workload: Workload) -> None:
@@ -409,7 +420,12 @@ class Sweep:
             self.prepare(server.url, workload)
             processes = servers.settled_tree_memory(server.pid)
             points = self.measure_points(
-                server.url, label, workload, ceiling=ceiling, limit_of=configuration.name
+                server.url,
+                label,
+                workload,
+                ceiling=ceiling,
+                limit_of=configuration.name,
+                pid=server.pid,
             )
             return points, processes
 
@@ -787,7 +803,10 @@ def take_turn(
         if status is not None:
             raise servers.ServerError(f"the server exited with status {status}")
         run, rows = sweep.measure_run(
-            contender.server.url, sweep.script(contender.configuration.workload), point
+            contender.server.url,
+            sweep.script(contender.configuration.workload),
+            point,
+            contender.server.pid,
         )
     except MEASUREMENT_ERRORS as error:
         contender.failure = f"failed in round {round_index + 1}, c={point.concurrency}: {error}"

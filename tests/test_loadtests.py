@@ -249,6 +249,22 @@ def test_the_report_gives_the_median_of_per_round_ratios_not_the_ratio_of_median
     assert "Served rows interleaved" in report
 
 
+def test_the_report_gives_cpu_per_request_and_its_ratio_per_round() -> None:
+    """CPU per answered request of each run, and a / b per round: 1,000 requests a round."""
+    result = interleaved_result(
+        {"mlp-w2": [1000, 1000, 1000], "mlp-single": [1000, 1000, 1000]},
+        {"mlp-w2": [1.0, 1.0, 1.0], "mlp-single": [1.0, 1.0, 1.0]},
+    )
+    result.points[0].cpu_s = [0.30, 0.60, 0.33]  # 300, 600 and 330 µs a request
+    result.points[1].cpu_s = [0.25, 0.40, 0.30]  # 250, 400 and 300
+    rows = summary_rows(result)
+    assert [row["cpu_us_per_request"] for row in rows] == [330.0, 300.0]
+    report = markdown(result, rows)
+    assert "### CPU per request, a / b per round" in report
+    # Per round 1.2, 1.5 and 1.1: their median is 1.2, where the medians' ratio says 1.1.
+    assert "| mlp-w2 | mlp-single | 1 | 1.200 | 1.500 | 1.100 | **1.200** | 330 | 300 |" in report
+
+
 def test_the_plan_counts_every_server_of_the_interleaved_rounds() -> None:
     args = sweep.parse_args(
         ["--interleave", "--concurrency", "1", "4", "--repeats", "3", "--duration-s", "2"]
@@ -409,11 +425,13 @@ def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
         ("mlp-w2@baseline", 1),
         ("mlp-w2@baseline", 4),
     ]
+    assert sum(float(row["cpu_us_per_request"]) for row in rows) > 0
     for row in rows:
         assert float(row["requests_per_s"]) > 0
         assert int(row["errors"]) == 0
         assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) <= float(row["p99_ms"])
         assert float(row["mean_rows_per_batch"]) >= 1.0
+        assert float(row["cpu_us_per_request"]) >= 0  # 10 ms ticks: a short run may read 0
         assert row["http_ceiling"] == "http-ceiling-w2"
         assert float(row["http_ceiling_requests_per_s"]) > 0
         assert float(row["model_limit_rows_per_s"]) > 0
@@ -490,13 +508,22 @@ def test_an_interleaved_sweep_reports_the_ratio_per_round(tmp_path: Path) -> Non
     assert "for 2 round(s)" in report
     assert "## Interleaved comparisons: ratio per round" in report
     table = [line for line in report.splitlines() if line.startswith("| mlp-single | mlp-single@")]
-    per_round, p50 = table[:2], table[2:]
+    per_round, p50, cpu = table[:2], table[2:3], table[3:]
     assert [line.split(" | ")[2] for line in per_round] == ["1", "4"]
     for line in per_round:
         *rounds, median, _ = line.strip("| ").split(" | ")[3:]
         assert len(rounds) == 2
         assert 0 < float(median.strip("*")) < 10
     assert len(p50) == 1
+    # CPU is read in 10 ms ticks: a run of 50 requests may read 0, and a pair with a 0 in
+    # every round is left out of the table.
+    assert "### CPU per request, a / b per round" in report
+    for line in cpu:
+        *rounds, median, _, _ = line.strip("| ").split(" | ")[3:]
+        assert len(rounds) == 2
+        assert 0 <= float(median.strip("*")) < 100
+    assert all(float(row["cpu_us_per_request"]) >= 0 for row in runs)
+    assert sum(float(row["cpu_us_per_request"]) for row in runs) > 0
     assert "## CPU of the servers while they waited for their turn" in report
     idle = [line for line in report.splitlines() if line.startswith("| mlp-single") and "%" in line]
     assert len(idle) == 2
