@@ -22,7 +22,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import restart_timeline, servers, sweep
+from loadtests import handlers, models, protocols, restart_timeline, servers, sweep
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -346,6 +346,38 @@ async def test_the_http_ceiling_validates_like_the_server_and_answers_zeros() ->
     assert answer["predictions"] == [[0.0] * 10]
     assert wrong_shape.status_code == 422
     assert "(N, 8, 8)" in wrong_shape.json()["error"]["message"]
+
+
+async def test_what_the_benchmarks_send_is_answered_by_the_server() -> None:
+    """The protocols, handlers and several-models benchmarks' requests, each answered 200 by
+    the server in process: an API change fails here rather than in a benchmark run later."""
+    served = ("digits", "textenc", "sentiment", "sentiment_tensors", "digits_png")
+    app = create_app(Settings(device="cpu", models=served, warmup_batch_sizes=(1,)))
+    json_type = {"Content-Type": "application/json"}
+    sent = [(f"/models/{name}/predict", body, json_type) for name, body in models.bodies().items()]
+    sent += list(protocols.http_workloads().values())
+    sent += [
+        (f"/models/{w.model}/predict", w.bodies[0], {"Content-Type": w.content_type})
+        for w in handlers.workloads(image_size=32)
+    ]
+    async with LifespanManager(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for path, body, headers in sent:
+                response = await client.post(path, content=body, headers=headers)
+                assert response.status_code == 200, (path, response.text)
+    assert len(sent) == 2 + 4 + 4
+
+
+def test_the_handler_costs_are_measured_for_each_demo_handler() -> None:
+    table = handlers.handler_costs(calls=3, image_size=32)
+    rows = [line for line in table if line.startswith("| text") or line.startswith("| image")]
+    assert len(rows) == 4
+    for row in rows:
+        pre_us, post_us = (float(cell) for cell in row.strip("| ").split(" | ")[-2:])
+        assert pre_us > 0
+        assert post_us > 0
 
 
 def test_the_http_ceiling_never_imports_torch() -> None:
