@@ -1,4 +1,4 @@
-"""Three attacks on a real ``batchserve serve``, each measured against the same server unattacked.
+"""Attacks on a real ``batchserve serve``, each measured against the same server unattacked.
 
 - ``goodput``: ``textenc`` at 512 tokens per request, ``max_queue_size`` 8 and a 300 ms
   deadline, closed-loop clients at 1, 4 and 64: requests answered 200 per second (goodput),
@@ -6,7 +6,7 @@
   they have an answer, 429 included: the harshest client there is. Once with the engine in
   the HTTP process (``engine_mode=in_process``, the default at one worker) and once in its
   own process (``engine_mode=process``). ``--protocol grpc``: the same over gRPC
-  ``ModelInfer``, a connection per client (``loadtests.grpc_load``).
+  ``ModelInfer``, a connection per client.
 - ``recovery``: after the 64-client storm of ``goodput``, one client sends a request every
   100 ms: how soon it is answered 200 again, and what it was answered meanwhile (a stale
   duration estimate refused such requests 422 for up to 30 s).
@@ -15,8 +15,14 @@
   against alone, and the long requests' rows per second.
 - ``slow-uploads``: 8 connections send half a body and stall; a lone client's latency beside
   them against alone.
-- ``headers``, ``slowloris``, ``handler-bomb``: one hostile client's huge headers, trickled
-  requests, and costly handler requests (``loadtests.hostile``).
+- ``headers``: a 1 MiB header, and connections offering a 100 MB header each: the status,
+  how much the client got to send before the answer, and the server's resident memory.
+- ``slowloris``: 200 connections that send half a request line, and 20 that trickle a header
+  a byte a second: how many are still open after a while, and a lone client's latency beside
+  them against alone.
+- ``handler-bomb``: single costly requests to handler models (many maximal-pixel PNGs, the
+  most pixels one request may declare, a 2 MB text) while a probe asks ``/healthz`` and
+  another model: the probe's latency during each request against the server idle.
 
 Every server runs on a free 127.0.0.1 port with one torch thread; every loop is bounded in
 time and count. Writes a Markdown report to stdout.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import statistics
@@ -47,8 +54,9 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
+from PIL import Image
 
-from loadtests import hostile, sched_sampler, servers
+from loadtests import servers
 from loadtests.soak import HttpConnection
 
 T = TypeVar("T")
@@ -146,23 +154,42 @@ async def closed_loop(
     return outcomes, time.monotonic() - started_s
 
 
+#: gRPC statuses by the HTTP status the server maps them from, so the goodput table reads
+#: alike for both protocols.
+GRPC_AS_HTTP = {"OK": 200, "RESOURCE_EXHAUSTED": 429, "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503}
+
+
 async def grpc_closed_loop(
     address: str, request: bytes, clients: int, duration_s: float
 ) -> tuple[list[Outcome], float]:
-    """``closed_loop`` over gRPC ``ModelInfer`` (``loadtests.grpc_load``)."""
+    """``closed_loop`` over gRPC ``ModelInfer``: each client a channel, and so a connection, of
+    its own (channels to one address in a process share one unless told not to, and the
+    server holds refusals per connection), ``RESOURCE_EXHAUSTED`` included."""
     # Imported here: the server's protocol module and tritonclient's (which the tests of this
     # harness sit beside) define the same protobuf symbols, and one process cannot hold both.
-    from loadtests import grpc_load
+    import grpc
+
+    from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
+    from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 
     outcomes: list[Outcome] = []
+    started_s = time.monotonic()
+    message = pb.ModelInferRequest.FromString(request)
 
-    def record(status: int | str, latency_s: float, sent_s: float) -> None:
-        outcomes.append(Outcome(status, latency_s, sent_s))
+    async def client() -> None:
+        own_connection = [("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(address, own_connection) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            for _ in range(MAX_REQUESTS_PER_CLIENT):
+                if time.monotonic() - started_s >= duration_s:
+                    return
+                sent_s = time.monotonic()
+                code = await stub.ModelInfer(message).code()
+                status: int | str = GRPC_AS_HTTP.get(code.name, code.name)
+                outcomes.append(Outcome(status, time.monotonic() - sent_s, sent_s))
 
-    elapsed_s = await grpc_load.closed_loop(
-        address, request, clients, duration_s, record, MAX_REQUESTS_PER_CLIENT
-    )
-    return outcomes, elapsed_s
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return outcomes, time.monotonic() - started_s
 
 
 async def loop_lags(work: Awaitable[T]) -> tuple[T, list[tuple[float, float]]]:
@@ -187,34 +214,22 @@ def lag_during_s(lags: Sequence[tuple[float, float]], start_s: float, end_s: flo
 
 
 def late_504s(
-    point: str,
-    outcomes: Sequence[Outcome],
-    lags: Sequence[tuple[float, float]],
-    samples: Sequence[sched_sampler.Sample],
+    point: str, outcomes: Sequence[Outcome], lags: Sequence[tuple[float, float]]
 ) -> list[str]:
-    """A line for each 504 the client saw over ``LATE_504_MS`` after its deadline, with where
-    the time went. The server starts a deadline once it has read the request's headers, so a
-    504 ``late`` after the client's deadline was read up to ``late`` after it was sent: what
-    the server's loop did in those first ``late`` seconds (wait for a core, wait on a lock,
-    run other requests; ``sched_sampler``, none without samples) delayed that read; the load
-    generator's loop lag (its send, its read of the answer) is the rest."""
+    """A line for each 504 the client saw over ``LATE_504_MS`` after its deadline: how much of
+    it was the load generator's own loop lag (its send, its read of the answer). The server
+    starts a deadline once it has read the request's headers, so the rest is time before the
+    server read the request: its loop busy, or waiting for a core."""
     lines = []
     for outcome in outcomes:
         late_s = outcome.latency_s - DEADLINE_MS / 1000
         if outcome.status != 504 or late_s * 1000 <= LATE_504_MS:
             continue
         generator_s = lag_during_s(lags, outcome.sent_s, outcome.sent_s + outcome.latency_s)
-        head = (outcome.sent_s, outcome.sent_s + late_s)
-        runqueue_s = sched_sampler.runqueue_wait_s(samples, *head)
-        lock_s = sched_sampler.lock_wait_s(samples, *head)
-        ran_s = sched_sampler.on_cpu_s(samples, *head)
-        left_s = late_s - generator_s - runqueue_s - lock_s - ran_s
         opened = " (its connection opened)" if outcome.first else ""
         lines.append(
             f"- {point}: a 504 {late_s * 1000:.1f} ms late{opened}; the load generator's lag "
-            f"{generator_s * 1000:.1f} ms; in its first {late_s * 1000:.0f} ms the server loop "
-            f"waited for a core {runqueue_s * 1000:.1f} ms, on a lock about "
-            f"{lock_s * 1000:.0f} ms, ran {ran_s * 1000:.1f} ms; left {left_s * 1000:.1f} ms"
+            f"{generator_s * 1000:.1f} ms, the server's side {(late_s - generator_s) * 1000:.1f} ms"
         )
     return lines
 
@@ -235,9 +250,13 @@ def token_ids_of(body: bytes) -> list[int]:
 
 
 def grpc_token_request(ids: Sequence[int]) -> bytes:
-    from loadtests import grpc_load  # see grpc_closed_loop
+    """A serialized ``ModelInferRequest`` of one row of ``ids`` (``token_ids``, INT64)."""
+    from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb  # see grpc_closed_loop
 
-    return grpc_load.token_request("textenc", ids)
+    request = pb.ModelInferRequest(model_name="textenc")
+    request.inputs.add(name="token_ids", datatype="INT64", shape=[1, len(ids)])
+    request.raw_input_contents.append(b"".join(t.to_bytes(8, "little") for t in ids))
+    return request.SerializeToString()
 
 
 #: What a closed loop gives: every answer, and the seconds it ran.
@@ -301,7 +320,7 @@ def goodput(
         if protocol == "grpc":
             settings["BATCHSERVE_GRPC_PORT"] = str(grpc_port)
         late_lines: list[str] = []
-        with server_process(settings, scratch, f"goodput-{engine_mode}") as (host, port, pid):
+        with server(settings, scratch, f"goodput-{engine_mode}") as (host, port):
             target = LoadTarget(protocol, host, port, grpc_port, body, ids)
             asyncio.run(target.load(1, 2.0))  # warm-up
             one_client = None
@@ -310,22 +329,10 @@ def goodput(
                 dropped_before = servers.dropped_by_reason(url)
                 overrun_before = servers.histogram_buckets(url, OVERRUN)
                 loop_lag_before = servers.histogram_buckets(url, LOOP_LAG)
-                # The front end's loop is the server's main thread in one process; with an
-                # engine process, ``pid`` is the supervisor's: nothing to sample.
-                sampled = engine_mode == "in_process"
-                sched_out = scratch / f"sched-{engine_mode}-{clients}.txt"
-                sampler = sched_sampler.start(pid, pid, sched_out) if sampled else None
-                try:
-                    (outcomes, elapsed_s), lags = asyncio.run(
-                        loop_lags(target.load(clients, duration_s))
-                    )
-                finally:
-                    if sampler is not None:
-                        sched_sampler.stop(sampler)
-                samples = sched_sampler.parse(sched_out.read_text()) if sampled else []
-                late_lines += late_504s(
-                    f"{engine_mode}, {clients} clients", outcomes, lags, samples
+                (outcomes, elapsed_s), lags = asyncio.run(
+                    loop_lags(target.load(clients, duration_s))
                 )
+                late_lines += late_504s(f"{engine_mode}, {clients} clients", outcomes, lags)
                 lag_s = max((lag for _, lag in lags), default=0.0)
                 dropped_after = servers.dropped_by_reason(url)
                 overrun_after = servers.histogram_buckets(url, OVERRUN)
@@ -576,6 +583,287 @@ def slow_uploads(scratch: Path, count: int) -> list[str]:
     ]
 
 
+# ------------------------------------------------- headers, slowloris, handler bombs
+
+DIGIT = json.dumps({"instances": np.full((1, 8, 8), 0.5).tolist()}).encode()
+#: The probe's goal while any one request is preprocessed.
+PROBE_GOAL_MS = 250.0
+
+
+def resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def offer_header(host: str, port: int, header_bytes: int) -> tuple[str, int, float]:
+    """Send a request whose one header is ``header_bytes`` long; the status answered, the bytes
+    sent before it came (or the connection broke), and the seconds it took."""
+    reader, writer = await asyncio.open_connection(host, port)
+    answered = asyncio.create_task(reader.read(4096))  # the first bytes of an answer
+    started_s = time.monotonic()
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sent, chunk = 0, b"a" * 65536
+    try:
+        while sent < header_bytes and not answered.done():
+            writer.write(chunk)
+            await writer.drain()
+            sent += len(chunk)
+        if not answered.done():
+            writer.write(b"\r\n\r\n")
+    except OSError:
+        pass
+    try:
+        answer = await asyncio.wait_for(answered, timeout=30.0)
+    except (OSError, TimeoutError) as error:
+        answer = type(error).__name__.encode()
+    writer.close()
+    status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else answer.decode()
+    return status or "closed", sent, time.monotonic() - started_s
+
+
+def headers(scratch: Path) -> list[str]:
+    lines = [
+        "## Huge headers",
+        "",
+        "`digits`, one process, default limits; `GET /healthz` with one header of the size "
+        "offered. Bytes sent: what the client wrote before the answer came or the connection "
+        "was closed.",
+        "",
+        "| offered | connections | statuses | bytes sent (max) | seconds (max) "
+        "| server RSS before / after MB |",
+        "| --: | --: | --- | --: | --: | --- |",
+    ]
+    with server_process({}, scratch, "headers") as (host, port, pid):
+        for offered, connections in ((1 << 20, 1), (100 * 10**6, 4)):
+            before = resident_mb(pid)
+
+            async def attack(
+                offered: int = offered, connections: int = connections
+            ) -> list[tuple[str, int, float]]:
+                return await asyncio.gather(
+                    *(offer_header(host, port, offered) for _ in range(connections))
+                )
+
+            results = asyncio.run(attack())
+            after = resident_mb(pid)
+            statuses = ", ".join(sorted({status for status, _, _ in results}))
+            lines.append(
+                f"| {offered / 2**20:.0f} MiB | {connections} | {statuses} | "
+                f"{max(sent for _, sent, _ in results):,} | "
+                f"{max(seconds for _, _, seconds in results):.2f} | {before:.0f} / {after:.0f} |"
+            )
+    return lines
+
+
+# --------------------------------------------------------------------------- slowloris
+
+
+async def lone_latencies(host: str, port: int, count: int) -> list[float]:
+    connection = HttpConnection(host, port)
+    latencies = []
+    try:
+        for _ in range(count):
+            sent_s = time.monotonic()
+            response = await connection.request("POST", "/predict", DIGIT, JSON_HEADERS)
+            if response.status == 200:
+                latencies.append(time.monotonic() - sent_s)
+            await asyncio.sleep(0.1)
+    finally:
+        await connection.close()
+    return latencies
+
+
+async def is_open(reader: asyncio.StreamReader) -> bool:
+    """Whether the server still holds the connection: a closed one has its end of stream
+    waiting (after any 408)."""
+    try:
+        await asyncio.wait_for(reader.read(), timeout=0.05)
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+async def slowloris_attack(
+    host: str, port: int, half_lines: int, tricklers: int, hold_s: float, count: int
+) -> tuple[int, int, list[float]]:
+    """Open the attack's connections, measure a lone client, and count after ``hold_s`` the
+    connections the server has not closed."""
+    opened = [await asyncio.open_connection(host, port) for _ in range(half_lines + tricklers)]
+    for _, writer in opened[:half_lines]:
+        writer.write(b"POST /predi")
+    stop = asyncio.Event()
+
+    async def trickle(writer: asyncio.StreamWriter) -> None:
+        for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000:
+            if stop.is_set() or writer.is_closing():
+                return
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+            except OSError:
+                return
+            await asyncio.sleep(1.0)
+
+    trickling = [asyncio.create_task(trickle(writer)) for _, writer in opened[half_lines:]]
+    started_s = time.monotonic()
+    lone = await lone_latencies(host, port, count)
+    await asyncio.sleep(max(0.0, hold_s - (time.monotonic() - started_s)))
+    still_open = [await is_open(reader) for reader, _ in opened]
+    stop.set()
+    await asyncio.gather(*trickling)
+    for _, writer in opened:
+        writer.close()
+    return sum(still_open[:half_lines]), sum(still_open[half_lines:]), lone
+
+
+def slowloris(scratch: Path, count: int, hold_s: float = 8.0) -> list[str]:
+    half_lines, tricklers = 200, 20
+    with server_process({}, scratch, "slowloris") as (host, port, _):
+        alone = asyncio.run(lone_latencies(host, port, count))
+        open_half, open_trickling, beside = asyncio.run(
+            slowloris_attack(host, port, half_lines, tricklers, hold_s, count)
+        )
+    return [
+        "## Slowloris",
+        "",
+        f"`digits`, one process, default `header_timeout_s`; {half_lines} connections send half "
+        f"a request line and wait, {tricklers} send a header a byte a second; after {hold_s:.0f} "
+        "s, the connections the server still holds open. A lone client sends "
+        f"{count} requests, 100 ms apart, alone and beside them.",
+        "",
+        "| still open after the hold | half request lines | trickled headers |",
+        "| --- | --: | --: |",
+        f"| {hold_s:.0f} s | {open_half} of {half_lines} | {open_trickling} of {tricklers} |",
+        "",
+        "| lone client | answered 200 | p50 ms | max ms |",
+        "| --- | --: | --: | --: |",
+        *(
+            f"| {label} | {len(values)} of {count} | {statistics.median(values) * 1000:.2f} | "
+            f"{max(values) * 1000:.2f} |"
+            for label, values in (("alone", alone), ("beside the attack", beside))
+            if values
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- handler bombs
+
+
+def bilevel_png(side: int) -> bytes:
+    """A one-bit white square: a few KB that decode to ``side``² pixels."""
+    buffer = io.BytesIO()
+    Image.new("1", (side, side), 1).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def multipart(files: list[bytes], boundary: str = "bomb") -> tuple[bytes, str]:
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="f{index}"; '
+        f'filename="{index}.png"\r\nContent-Type: image/png\r\n\r\n'.encode()
+        + data
+        + b"\r\n"
+        for index, data in enumerate(files)
+    ]
+    return b"".join(
+        parts
+    ) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+async def probe_once(probe: HttpConnection, other: HttpConnection) -> float:
+    """One ``/healthz`` and one request to ``digits``, each on its own connection: the slower."""
+    started_s = time.monotonic()
+    await probe.request("GET", "/healthz", b"", {})
+    health_s = time.monotonic() - started_s
+    started_s = time.monotonic()
+    await other.request("POST", "/models/digits/predict", DIGIT, JSON_HEADERS)
+    return max(health_s, time.monotonic() - started_s)
+
+
+async def probed_bomb(
+    host: str, port: int, path: str, body: bytes, content_type: str
+) -> tuple[int, float, list[float]]:
+    """Send one bomb; probe until it is answered. Its status, its seconds, the probe times."""
+    bomber, probe, other = (HttpConnection(host, port) for _ in range(3))
+    try:
+        started_s = time.monotonic()
+        bomb = asyncio.create_task(
+            bomber.request("POST", path, body, {"Content-Type": content_type})
+        )
+        probes = []
+        while not bomb.done() and time.monotonic() - started_s < 60.0:
+            probes.append(await probe_once(probe, other))
+        response = await bomb
+        return response.status, time.monotonic() - started_s, probes
+    finally:
+        for connection in (bomber, probe, other):
+            await connection.close()
+
+
+async def idle_probes(host: str, port: int, count: int) -> list[float]:
+    probe, other = HttpConnection(host, port), HttpConnection(host, port)
+    try:
+        return [await probe_once(probe, other) for _ in range(count)]
+    finally:
+        await probe.close()
+        await other.close()
+
+
+def handler_bomb(scratch: Path, repeats: int = 3) -> list[str]:
+    maximal = bilevel_png(4000)  # 16 Mpx, the most one image may declare
+    text = "great film " * 190_000
+    bombs = [
+        ("128 PNGs of 16 Mpx, multipart (2 Gpx declared)", "digits_png",
+         *multipart([maximal] * 128)),
+        ("4 PNGs of 16 Mpx, multipart (64 Mpx: the cap, decoded)", "digits_png",
+         *multipart([maximal] * 4)),
+        ("2 MB text/plain (about a million tokens)", "sentiment", text.encode(), "text/plain"),
+        ("2 MB JSON text instance", "sentiment", json.dumps({"instances": [text]}).encode(),
+         "application/json"),
+    ]  # fmt: skip
+    settings = {"BATCHSERVE_MODELS": "digits,digits_png,sentiment"}
+    lines = [
+        "## Handler bombs",
+        "",
+        "`digits`, `digits_png` and `sentiment` in one process, default handler threads and "
+        f"limits. One costly request at a time ({repeats} of each); meanwhile a probe sends "
+        "`GET /healthz` then a `digits` request, each on its own kept-alive connection, again "
+        "and again; the probe time is the slower of the two. Goal: under "
+        f"{PROBE_GOAL_MS:.0f} ms.",
+        "",
+        "| request | status | request s (max) | probes | probe p50 ms | probe max ms |",
+        "| --- | --- | --: | --: | --: | --: |",
+    ]
+    with server_process(settings, scratch, "handler-bomb") as (host, port, _):
+        idle = asyncio.run(idle_probes(host, port, 20))
+        lines.append(
+            f"| (idle server) | | | {len(idle)} | {statistics.median(idle) * 1000:.1f} | "
+            f"{max(idle) * 1000:.1f} |"
+        )
+        for label, model, body, content_type in bombs:
+            statuses, durations, probes = set(), [], []
+            for _ in range(repeats):
+                status, seconds, probed = asyncio.run(
+                    probed_bomb(host, port, f"/models/{model}/predict", body, content_type)
+                )
+                statuses.add(str(status))
+                durations.append(seconds)
+                probes += probed
+            summary = (
+                f"{statistics.median(probes) * 1000:.1f} | {max(probes) * 1000:.1f}"
+                if probes
+                else "- | -"
+            )
+            lines.append(
+                f"| {label} | {', '.join(sorted(statuses))} | {max(durations):.2f} | "
+                f"{len(probes)} | {summary} |"
+            )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -637,11 +925,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif scenario == "slow-uploads":
                 report += slow_uploads(scratch, args.count)
             elif scenario == "headers":
-                report += hostile.headers(scratch)
+                report += headers(scratch)
             elif scenario == "slowloris":
-                report += hostile.slowloris(scratch, args.count)
+                report += slowloris(scratch, args.count)
             else:
-                report += hostile.handler_bomb(scratch)
+                report += handler_bomb(scratch)
             report.append("")
     print("\n".join(report))
     return 0

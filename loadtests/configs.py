@@ -1,22 +1,29 @@
 """The workloads (what the clients send) and the named server configurations of the sweep.
 
-A configuration is a set of ``BATCHSERVE_*`` variables for ``batchserve serve`` plus the
-workload sent to it. Configurations whose model or settings this checkout does not have yet
-are reported as unavailable, with the reason, instead of silently measuring something else
-(pydantic-settings ignores unknown ``BATCHSERVE_*`` variables).
+A workload's request bodies are pre-generated and seeded, so inputs vary from request to
+request and the same sweep sends the same bodies; one instance per request. A configuration
+is a set of ``BATCHSERVE_*`` variables for ``batchserve serve`` plus the workload sent to it.
+Configurations whose model or settings this checkout does not have yet are reported as
+unavailable, with the reason, instead of silently measuring something else (pydantic-settings
+ignores unknown ``BATCHSERVE_*`` variables).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import io
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
-from loadtests import bodies
-
+NPY_MEDIA_TYPE = "application/x-npy"
+TOKEN_ID_RANGE = (1, 999)  # 0 is padding
+IMAGE_SHAPE = (3, 224, 224)
+MLP_FEATURES = 256
 COMPILED_READY_TIMEOUT_S = 900.0
 WORKERS_VARIABLE = "BATCHSERVE_WORKERS"
 ENGINE_MODE_VARIABLE = "BATCHSERVE_ENGINE_MODE"
@@ -34,6 +41,56 @@ NOT_AFFECTING_FORWARD = frozenset(
         ENGINE_MODE_VARIABLE,
     }
 )
+
+
+def _json(instance: object) -> bytes:
+    return orjson.dumps({"instances": [instance]})
+
+
+def digits_bodies(rng: np.random.Generator, count: int) -> list[bytes]:
+    """8x8 pixel intensities in [0, 1] on scikit-learn's 1/16 grid, like the real digits."""
+    return [_json((rng.integers(0, 17, size=(8, 8)) / 16).tolist()) for _ in range(count)]
+
+
+def mlp_bodies(rng: np.random.Generator, count: int) -> list[bytes]:
+    """256 standard-normal float32 features, 4 decimals (about 2 kB per body)."""
+    return [
+        _json(rng.standard_normal(MLP_FEATURES, dtype=np.float32).round(4).tolist())
+        for _ in range(count)
+    ]
+
+
+def token_lengths_log_uniform(
+    rng: np.random.Generator, count: int, low: int = 8, high: int = 512
+) -> list[int]:
+    """Lengths drawn log-uniformly from ``low`` to ``high`` inclusive (mean about 121 for 8-512)."""
+    logs = rng.uniform(math.log(low), math.log(high + 1), size=count)
+    return [min(high, max(low, int(math.exp(value)))) for value in logs]
+
+
+def token_bodies(rng: np.random.Generator, lengths: list[int]) -> list[bytes]:
+    """One JSON list of token ids in 1..999 per body, of the given lengths."""
+    low, high = TOKEN_ID_RANGE
+    return [_json(rng.integers(low, high + 1, size=length).tolist()) for length in lengths]
+
+
+def image_array(rng: np.random.Generator) -> np.ndarray:
+    return rng.random(IMAGE_SHAPE, dtype=np.float32)
+
+
+def image_json_bodies(rng: np.random.Generator, count: int) -> list[bytes]:
+    """A 3x224x224 float32 image as nested JSON lists (4 decimals: about 1 MB per body)."""
+    return [_json(image_array(rng).round(4).tolist()) for _ in range(count)]
+
+
+def image_npy_bodies(rng: np.random.Generator, count: int) -> list[bytes]:
+    """``np.save`` bytes of a (1, 3, 224, 224) float32 array (about 600 kB per body)."""
+    bodies = []
+    for _ in range(count):
+        buffer = io.BytesIO()
+        np.save(buffer, image_array(rng)[np.newaxis], allow_pickle=False)
+        bodies.append(buffer.getvalue())
+    return bodies
 
 
 @dataclass(frozen=True)
@@ -116,13 +173,13 @@ IMAGE_MODEL = PackagedModel(
     name="tinyimage",
     architecture="service.models.image:TinyImageClassifier",
     input_name="image",
-    instance_shape=bodies.IMAGE_SHAPE,
+    instance_shape=IMAGE_SHAPE,
 )
 MLP_MODEL = PackagedModel(
     name="mlp",
     architecture="service.models.mlp:PeerMLP",
     input_name="features",
-    instance_shape=(bodies.MLP_FEATURES,),
+    instance_shape=(MLP_FEATURES,),
 )
 
 
@@ -174,7 +231,7 @@ DIGITS = Workload(
     name="digits",
     model_name="digits",
     description="one 8x8 digit as JSON",
-    make_bodies=lambda rng: bodies.digits_bodies(rng, 64),
+    make_bodies=lambda rng: digits_bodies(rng, 64),
 )
 
 
@@ -184,7 +241,7 @@ def textenc_fixed_length(length: int) -> Workload:
         name=f"textenc-{length}",
         model_name="textenc",
         description=f"{length} token ids as JSON",
-        make_bodies=lambda rng: bodies.token_bodies(rng, [length] * 64),
+        make_bodies=lambda rng: token_bodies(rng, [length] * 64),
         limit_length=length,
     )
 
@@ -195,7 +252,7 @@ TEXTENC_MIXED = Workload(
     name="textenc-mixed",
     model_name="textenc",
     description="8-512 token ids (log-uniform) as JSON",
-    make_bodies=lambda rng: bodies.token_bodies(rng, bodies.token_lengths_log_uniform(rng, 256)),
+    make_bodies=lambda rng: token_bodies(rng, token_lengths_log_uniform(rng, 256)),
     # The distribution's mean length is about 121: a server that never padded would pay
     # roughly the per-row cost of length 128.
     limit_length=128,
@@ -203,24 +260,24 @@ TEXTENC_MIXED = Workload(
 MLP = Workload(
     name="mlp",
     model_name=MLP_MODEL.name,
-    description="256 float32 features as JSON (the PEERS.md workload)",
-    make_bodies=lambda rng: bodies.mlp_bodies(rng, 64),
+    description="256 float32 features as JSON",
+    make_bodies=lambda rng: mlp_bodies(rng, 64),
     packaged=MLP_MODEL,
 )
 IMAGE_JSON = Workload(
     name="image-json",
     model_name=IMAGE_MODEL.name,
     description="one 3x224x224 float32 image as JSON, JSON answer",
-    make_bodies=lambda rng: bodies.image_json_bodies(rng, 4),
+    make_bodies=lambda rng: image_json_bodies(rng, 4),
     packaged=IMAGE_MODEL,
 )
 IMAGE_NPY = Workload(
     name="image-npy",
     model_name=IMAGE_MODEL.name,
     description="one 3x224x224 float32 image as .npy, .npy answer",
-    make_bodies=lambda rng: bodies.image_npy_bodies(rng, 4),
-    content_type=bodies.NPY_MEDIA_TYPE,
-    accept=bodies.NPY_MEDIA_TYPE,
+    make_bodies=lambda rng: image_npy_bodies(rng, 4),
+    content_type=NPY_MEDIA_TYPE,
+    accept=NPY_MEDIA_TYPE,
     packaged=IMAGE_MODEL,
 )
 

@@ -1,6 +1,7 @@
-"""What the built-in handlers cost per request, and how serving them scales with front ends.
+"""What handlers cost per request, and how serving them scales with front ends.
 
-Two measures (``python -m loadtests.handlers``; prints a Markdown report):
+Two measures (``python -m loadtests.handlers``; prints a Markdown report), and a third with
+``--hf``:
 
 1. In this process, each demo handler's ``preprocess`` and ``postprocess`` alone: median
    microseconds per request over ``--calls`` calls (no HTTP, no model).
@@ -10,6 +11,12 @@ Two measures (``python -m loadtests.handlers``; prints a Markdown report):
    ``sentiment`` (a review as text) vs ``sentiment_tensors`` (its token ids and mask), and
    ``digits_png`` (a PNG upload) vs ``digits`` (its 8x8 pixels as JSON); each with one process
    (``--workers 1``) and with two front ends and an engine process (``--workers 2``).
+3. ``--hf`` (needs the hf extra): ``package --hf`` versions of the tiny models of
+   ``tests/hf_folders.py``, saved, packaged and run in this process: each handler's
+   ``preprocess``, the version's module, then ``postprocess``, compared with ``transformers``'
+   pipeline on the same folder (largest score gap, or largest feature gap); then each
+   handler's ``preprocess`` + ``postprocess`` alone, median microseconds per one-instance
+   request, beside the built-in handlers.
 """
 
 from __future__ import annotations
@@ -24,14 +31,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
+import torch
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer
 
 from loadtests import servers, wrk
 from service.config import BUNDLED_MODEL_REPOSITORY
+from service.engine.model_store import ModelStore
+from service.engine.outputs import call_model, named_outputs
 from service.frontend.handlers.base import (
     Handler,
     HandlerContext,
@@ -41,6 +52,7 @@ from service.frontend.handlers.base import (
 from service.frontend.inputs import InputLayout
 from service.manifest import Manifest
 from service.repository import ModelRepository
+from service.server.cli import main as cli
 from service.tensors import NamedArrays
 
 REPOSITORY = ModelRepository(BUNDLED_MODEL_REPOSITORY)
@@ -250,6 +262,162 @@ def throughput(
     return lines
 
 
+# ------------------------------------------------------- package --hf versions
+
+HF_TEXTS = [
+    "I loved this movie, it was great",
+    "the lazy dog in Paris",
+    "a dull story about Berlin and London",
+    "Ada Lovelace wrote the first program in London",
+]
+HF_NAMES = {
+    "text-classification": "sentiment",
+    "token-classification": "tagger",
+    "feature-extraction": "embedder",
+    "image-classification": "vit",
+}
+
+
+def random_png(seed: int, height: int = 40, width: int = 50) -> bytes:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def stored_handler(store: ModelStore, name: str) -> Handler:
+    manifest = store.resolve(name)
+    folder = store.version_folder(manifest.name, manifest.version)
+    return build_handler(
+        HandlerContext(manifest=manifest, folder=folder, layout=InputLayout(manifest))
+    )
+
+
+def request_of(body: str | bytes) -> HandlerRequest:
+    if isinstance(body, bytes):
+        return HandlerRequest(body=body, media_type="image/png", content_type="image/png")
+    encoded = body.encode()
+    return HandlerRequest(body=encoded, media_type="text/plain", content_type="text/plain")
+
+
+def served_answer(store: ModelStore, name: str, body: str | bytes) -> Any:
+    """What /predict answers (one instance), without the transport and the batcher."""
+    loaded = store.load(name)
+    handler = stored_handler(store, name)
+    request = request_of(body)
+    inputs = handler.preprocess(request)
+    names = [spec.name for spec in loaded.manifest.inputs]
+    tensors = {key: torch.from_numpy(np.asarray(inputs[key])) for key in names}
+    with torch.inference_mode():
+        raw = named_outputs(call_model(loaded.module, tensors, names), loaded.manifest.outputs)
+    outputs = NamedArrays({key: value.numpy() for key, value in raw.items()})
+    return handler.postprocess(outputs, request)[0]
+
+
+def parity(store: ModelStore, folders: dict[str, Path]) -> list[str]:
+    from transformers import pipeline
+
+    rows = ["| task | instances | largest gap to the pipeline |", "| --- | --- | --- |"]
+    for task, folder in folders.items():
+        options = {"aggregation_strategy": "simple"} if task == "token-classification" else {}
+        pipe = pipeline(task, model=str(folder), **options)
+        gaps: list[float] = []
+        bodies: list[str | bytes] = (
+            [random_png(seed) for seed in range(4)]
+            if task == "image-classification"
+            else list(HF_TEXTS)
+        )
+        for body in bodies:
+            got = served_answer(store, HF_NAMES[task], body)
+            if task == "image-classification":
+                want = pipe(Image.open(io.BytesIO(body)))  # type: ignore[arg-type]
+            else:
+                want = pipe(body)
+            if task == "feature-extraction":
+                expected = np.asarray(want)[0].mean(axis=0)
+                gaps.append(float(np.abs(np.asarray(got) - expected).max()))
+                continue
+            if task == "text-classification":
+                want = want[:1]
+            assert len(got) == len(want), (got, want)
+            gaps.extend(abs(a["score"] - float(b["score"])) for a, b in zip(got, want, strict=True))
+        rows.append(f"| {task} | {len(bodies)} | {max(gaps, default=0.0):.2e} |")
+    return rows
+
+
+def handler_cost(store: ModelStore, name: str, body: str | bytes, calls: int) -> float:
+    handler = stored_handler(store, name)
+    request = request_of(body)
+    inputs = handler.preprocess(request)
+    loaded = store.load(name)
+    names = [spec.name for spec in loaded.manifest.inputs]
+    tensors = {key: torch.from_numpy(np.asarray(inputs[key])) for key in names}
+    with torch.inference_mode():
+        raw = named_outputs(call_model(loaded.module, tensors, names), loaded.manifest.outputs)
+    outputs = NamedArrays({key: value.numpy() for key, value in raw.items()})
+
+    def both() -> None:
+        handler.preprocess(request)
+        handler.postprocess(outputs, request)
+
+    return median_us(both, calls)
+
+
+def hf_costs(store: ModelStore, calls: int) -> list[str]:
+    bundled = ModelStore(BUNDLED_MODEL_REPOSITORY)
+    rows = [
+        "| handler (model) | body | µs per request (pre + post) |",
+        "| --- | --- | --- |",
+    ]
+    text = HF_TEXTS[0]
+    image = random_png(0, 240, 320)
+    cases: list[tuple[str, ModelStore, str, str | bytes, str]] = [
+        ("TextHandler (sentiment, built-in)", bundled, "sentiment", text, "text, 7 words"),
+        ("HFTextHandler (--hf text-classification)", store, "sentiment", text, "text, 7 words"),
+        (
+            "HFTextHandler, tensors (--hf feature-extraction)",
+            store,
+            "embedder",
+            text,
+            "text, 7 words",
+        ),
+        ("TokenClassificationHandler (--hf, simple)", store, "tagger", text, "text, 7 words"),
+        ("ImageHandler (digits_png, built-in)", bundled, "digits_png", image, "PNG 320x240"),
+        ("ImageHandler (--hf image-classification)", store, "vit", image, "PNG 320x240"),
+    ]
+    for label, source, name, body, described in cases:
+        rows.append(f"| {label} | {described} | {handler_cost(source, name, body, calls):.0f} |")
+    return rows
+
+
+def hf_versions(calls: int) -> list[str]:
+    """``package --hf`` versions: parity with the pipelines, then their handlers' cost."""
+    from tests.hf_folders import TEXT_TASKS, save_image_model, save_text_model
+
+    with tempfile.TemporaryDirectory(prefix="batchserve-hf-") as scratch:
+        root = Path(scratch)
+        folders = {task: save_text_model(root / task, task) for task in TEXT_TASKS}
+        folders["image-classification"] = save_image_model(root / "image-classification")
+        repository = root / "repository"
+        for task, folder in folders.items():
+            arguments = ["package", "--repository", str(repository), "--hf", str(folder)]
+            if cli([*arguments, "--name", HF_NAMES[task]]) != 0:
+                raise SystemExit(f"packaging {task} failed")
+        store = ModelStore(repository)
+        return [
+            "## `package --hf` versions: parity with the pipelines",
+            "",
+            *parity(store, folders),
+            "",
+            "## `package --hf` handlers: cost per request (in process)",
+            "",
+            f"Median of {calls} calls each.",
+            "",
+            *hf_costs(store, calls),
+            "",
+        ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -267,9 +435,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="BATCHSERVE_HANDLER_THREADS values to compare (the first for tensor models)",
     )
     parser.add_argument("--no-servers", action="store_true", help="only the in-process costs")
+    parser.add_argument(
+        "--hf", action="store_true", help="add package --hf versions (needs the hf extra)"
+    )
     args = parser.parse_args(argv)
     report = ["# Handlers: cost per request and scaling with front ends", ""]
     report += [*handler_costs(args.calls, args.image_size), ""]
+    if args.hf:
+        report += hf_versions(args.calls)
     if not args.no_servers:
         with tempfile.TemporaryDirectory(prefix="batchserve-handlers-") as folder:
             report += throughput(

@@ -27,7 +27,7 @@ HEADERS = {"Content-Type": "application/json"}
 
 
 def _digit_bodies(seed: int = 0) -> list[bytes]:
-    """Pixel intensities on scikit-learn's 1/16 grid, as in loadtests.bodies.digits_bodies."""
+    """Pixel intensities on scikit-learn's 1/16 grid, as in loadtests.configs.digits_bodies."""
     rng = random.Random(seed)
     return [
         orjson.dumps(

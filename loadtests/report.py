@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtests.memory import ProcessMemory
+from loadtests.servers import ProcessMemory
 from loadtests.wrk import WrkResult
 
 BASELINE_SUFFIX = "@baseline"
@@ -30,9 +30,25 @@ class Point:
     """Label of the HTTP ceiling this point is compared with (same workload, same front ends)."""
     limit_of: str | None = None
     """Configuration whose model limit applies (default: ``label``)."""
+    cpu_s: list[float | None] = field(default_factory=list)
+    """CPU seconds (user + system) the server's processes used during each run, aligned with
+    ``runs``; None where it could not be read (a server this sweep did not start)."""
 
     def _median(self, values: Sequence[float]) -> float:
         return statistics.median(values) if values else 0.0
+
+    @property
+    def cpu_us_per_run(self) -> list[float | None]:
+        """Each run's server CPU per answered request, in µs: less moved by a busy machine
+        than req/s, since a slower run costs about the same CPU for each answer."""
+        return [
+            None if cpu_s is None or not run.requests else cpu_s / run.requests * 1e6
+            for run, cpu_s in zip(self.runs, self.cpu_s, strict=False)
+        ]
+
+    @property
+    def cpu_us_per_request(self) -> float | None:
+        return median_of(self.cpu_us_per_run)
 
     @property
     def requests_per_s(self) -> float:
@@ -148,6 +164,7 @@ def summary_rows(result: SweepResult) -> list[dict[str, object]]:
                 "p99_ms": round(point.p99_ms, 3),
                 "errors": point.errors,
                 "mean_rows_per_batch": _round(point.mean_rows_per_batch, 2),
+                "cpu_us_per_request": _round(point.cpu_us_per_request, 1),
                 "http_ceiling": point.ceiling,
                 "http_ceiling_requests_per_s": _round(ceiling, 1),
                 "model_limit_rows_per_s": _round(model_rows_per_s, 1),
@@ -221,10 +238,15 @@ def run_rows(points: Sequence[Point]) -> list[dict[str, object]]:
             "p99_ms": round(run.p99_ms, 3),
             "errors": run.errors,
             "requests": run.requests,
+            "cpu_us_per_request": _round(_item(point.cpu_us_per_run, index - 1), 1),
         }
         for point in points
         for index, run in enumerate(point.runs, start=1)
     ]
+
+
+def _item(values: Sequence[float | None], index: int) -> float | None:
+    return values[index] if index < len(values) else None
 
 
 def model_limit_rows(limits: dict[str, ModelLimit]) -> list[dict[str, object]]:
@@ -277,16 +299,17 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
         )
         lines.append("")
     lines.append(
-        "Medians over the runs of each point. *Bound* is min(model limit at its best batch "
-        "size, HTTP ceiling at the same concurrency, with as many front ends as the "
-        "configuration); *served / bound* is req/s divided by it."
+        "Medians over the runs of each point. *CPU µs/req* is the CPU (user + system) of all "
+        "the server's processes during a run divided by the requests answered. *Bound* is "
+        "min(model limit at its best batch size, HTTP ceiling at the same concurrency, with as "
+        "many front ends as the configuration); *served / bound* is req/s divided by it."
     )
     lines.append("")
     lines.append(
         "| configuration | c | req/s | p50 ms | p95 ms | p99 ms | errors | rows/batch "
-        "| HTTP ceiling req/s | model limit rows/s (batch) | served / bound |"
+        "| CPU µs/req | HTTP ceiling req/s | model limit rows/s (batch) | served / bound |"
     )
-    lines.append("| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
+    lines.append("| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
     for row in rows:
         limit = row["model_limit_rows_per_s"]
         limit_text = (
@@ -297,6 +320,7 @@ def markdown(result: SweepResult, rows: Sequence[dict[str, object]]) -> str:
             f"| {_fmt(row['p50_ms'], '{:.2f}')} | {_fmt(row['p95_ms'], '{:.2f}')} "
             f"| {_fmt(row['p99_ms'], '{:.2f}')} | {row['errors']} "
             f"| {_fmt(row['mean_rows_per_batch'], '{:.1f}')} "
+            f"| {_fmt(row['cpu_us_per_request'])} "
             f"| {_ceiling_text(row)} | {limit_text} "
             f"| {_fmt(row['fraction_of_bound'], '{:.0%}')} |"
         )
@@ -480,7 +504,45 @@ def _round_comparisons(result: SweepResult) -> list[str]:
             median = _fmt(median_of(differences), "{:+.3f}")
             lines.append(f"| {a} | {b} | " + " | ".join(cells) + f" | **{median}** |")
     lines.append("")
+    lines += _cpu_ratios(pairs, rounds)
     return lines
+
+
+def _cpu_ratios(
+    pairs: Sequence[tuple[str, str, list[tuple[Point, Point]]]], rounds: range
+) -> list[str]:
+    """CPU per request of a over b, per round: the figure a busy shared machine moves least."""
+    rows = []
+    for a, b, points in pairs:
+        for point_a, point_b in points:
+            ratios = [
+                x / y if x is not None and y else None
+                for x, y in zip(point_a.cpu_us_per_run, point_b.cpu_us_per_run, strict=False)
+            ]
+            if not any(ratio is not None for ratio in ratios):
+                continue
+            cells = [_fmt(_item(ratios, r - 1), "{:.3f}") for r in rounds]
+            rows.append(
+                f"| {a} | {b} | {point_a.concurrency} | "
+                + " | ".join(cells)
+                + f" | **{_fmt(median_of(ratios), '{:.3f}')}** "
+                f"| {_fmt(point_a.cpu_us_per_request)} | {_fmt(point_b.cpu_us_per_request)} |"
+            )
+    if not rows:
+        return []
+    return [
+        "### CPU per request, a / b per round",
+        "",
+        "The CPU of all of a server's processes during its run, per answered request; below "
+        "1 means a spends less CPU on each answer than b.",
+        "",
+        "| a | b | c | "
+        + " | ".join(f"round {r}" for r in rounds)
+        + " | **median of per-round ratios** | a µs/req | b µs/req |",
+        "| --- | --- | --: | " + " | ".join("--:" for _ in rounds) + " | --: | --: | --: |",
+        *rows,
+        "",
+    ]
 
 
 def _idle_cpu_section(idle: dict[str, IdleCpu]) -> list[str]:

@@ -1,7 +1,7 @@
 """Where an engine's restart goes: kill -9 the engine of ``batchserve serve`` several times
 under light traffic and read, from the JSON logs, when each step of the way back happened.
 
-    python -m loadtests.restart_timeline --kills 5 --out docs/bench/restart/after.json
+    python -m loadtests.restart_timeline --kills 5 --out after.json
     python -m loadtests.restart_timeline --standby 1 --clients 8 --kills 2 --settle-s 10
     python -m loadtests.restart_timeline --standby 1 --clients 8 --kills 2 --signal stop
     python -m loadtests.restart_timeline --kills 2 --settle-s 31 --no-spare

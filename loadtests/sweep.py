@@ -5,15 +5,18 @@ Python) on a free 127.0.0.1 port with that configuration's ``BATCHSERVE_*`` vari
 that the workload's requests are answered 200, warms up, then runs wrk (one thread, ``-c``
 connections, closed loop) at each concurrency, ``--repeats`` times; the median is reported.
 Mean rows per batch come from ``/metrics`` (``batchserve_batch_size_rows`` sum and count)
-before and after each run. With ``--url`` it measures a server that is already running.
+before and after each run, and CPU per request from ``/proc``: the user and system time all
+the server's processes used during the run, over the requests answered. With ``--url`` it
+measures a server that is already running (no CPU figures then).
 
 Beside the served rates it measures, in the same run:
   - the model limit: in-process forward rows/s at batch sizes 1, 2, 4 ... max_batch_size
     (``loadtests.model_limit``, same precision, compile mode and threads);
   - the HTTP ceiling: the service's HTTP stack answering without a model
-    (``loadtests.http_ceiling``), under the same wrk load, per workload;
+    (``service.server.tuning.ceiling``, as ``batchserve tune`` runs it), under the same wrk
+    load, per workload;
   - the load generator's ceiling: wrk against a fixed-response server
-    (``loadtests.fixed_server``).
+    (``python -m loadtests.wrk``).
 
 The HTTP ceiling of a configuration with gunicorn front ends (``BATCHSERVE_WORKERS`` above 1,
 or ``BATCHSERVE_ENGINE_MODE=process``) is measured with as many front ends. After the warm-up
@@ -28,9 +31,9 @@ warmed up once; they then take turns, in rounds: for each of the ``--repeats`` r
 concurrency, one wrk run on each server in turn (the order reversed every other round). A
 machine whose speed drifts within minutes then slows all servers of a round alike, and the
 report gives, for each pair compared (``name`` against ``name@baseline``, and the pairs of
-``configs.COMPARISONS``), the ratio of req/s in each round and the median of those ratios. It
-also reports the CPU the waiting servers used. The ceilings and model limits are measured
-separately, after the rounds.
+``configs.COMPARISONS``), the ratio of req/s and of CPU per request in each round and the
+median of those ratios. It also reports the CPU the waiting servers used. The ceilings and
+model limits are measured separately, after the rounds.
 
 Each wrk run is capped at ``--duration-s`` seconds and ``--max-requests`` requests. Only
 127.0.0.1 is ever sent traffic. Outputs (results.csv, runs.csv, http_ceiling.csv,
@@ -66,9 +69,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtests import configs, memory, servers
+from loadtests import configs, servers
 from loadtests.configs import Configuration, PackagedModel, Workload
-from loadtests.memory import ProcessMemory
 from loadtests.report import (
     BASELINE_SUFFIX,
     IDLE_CPU_FLAG_CORES,
@@ -78,6 +80,7 @@ from loadtests.report import (
     SweepResult,
     write_all,
 )
+from loadtests.servers import ProcessMemory
 from loadtests.wrk import WrkResult, run_wrk, write_script, wrk_path, wrk_version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -331,8 +334,10 @@ class Sweep:
         *,
         ceiling: str = "http-ceiling",
         limit_of: str | None = None,
+        pid: int | None = None,
     ) -> list[Point]:
-        """wrk at each concurrency, ``repeats`` times, with /metrics batch deltas if exported."""
+        """wrk at each concurrency, ``repeats`` times, with /metrics batch deltas if exported
+        and the CPU of ``pid``'s process tree if given."""
         script = self.script(workload)
         points = []
         for concurrency in self.args.concurrency:
@@ -344,7 +349,7 @@ class Sweep:
                 limit_of=limit_of,
             )
             for _ in range(self.args.repeats):
-                self.measure_run(url, script, point)
+                self.measure_run(url, script, point, pid)
             rows = point.mean_rows_per_batch
             log(
                 f"  {label} c={concurrency}: {point.requests_per_s:,.0f} req/s, "
@@ -354,10 +359,14 @@ class Sweep:
             points.append(point)
         return points
 
-    def measure_run(self, url: str, script: Path, point: Point) -> tuple[WrkResult, float | None]:
+    def measure_run(
+        self, url: str, script: Path, point: Point, pid: int | None = None
+    ) -> tuple[WrkResult, float | None]:
         """One wrk run at ``point``'s concurrency, added to ``point`` with the batch rows
-        /metrics counted meanwhile; returns the run and its mean rows per batch, if exported."""
+        /metrics counted meanwhile and the CPU ``pid``'s process tree used (if given);
+        returns the run and its mean rows per batch, if exported."""
         before = servers.batch_counters(url)
+        cpu_before = None if pid is None else servers.trees_cpu_seconds([pid])[pid]
         result = run_wrk(
             url + "/predict",
             script,
@@ -365,6 +374,7 @@ class Sweep:
             duration_s=self.args.duration_s,
             request_timeout_s=self.args.request_timeout_s,
         )
+        cpu_after = None if pid is None else servers.trees_cpu_seconds([pid])[pid]
         after = servers.batch_counters(url)
         rows_per_batch = None
         if before is not None and after is not None:
@@ -374,6 +384,8 @@ class Sweep:
             if after[1] > before[1]:
                 rows_per_batch = (after[0] - before[0]) / (after[1] - before[1])
         point.runs.append(result)
+        cpu_used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+        point.cpu_s.append(cpu_used)
         return result, rows_per_batch
 
     def prepare(self, url: str, workload: Workload) -> None:
@@ -406,9 +418,14 @@ class Sweep:
             command, env, log_path, configuration.ready_timeout_s, cwd=cwd
         ) as server:
             self.prepare(server.url, workload)
-            processes = memory.settled_tree_memory(server.pid)
+            processes = servers.settled_tree_memory(server.pid)
             points = self.measure_points(
-                server.url, label, workload, ceiling=ceiling, limit_of=configuration.name
+                server.url,
+                label,
+                workload,
+                ceiling=ceiling,
+                limit_of=configuration.name,
+                pid=server.pid,
             )
             return points, processes
 
@@ -445,7 +462,7 @@ class Sweep:
             for concurrency in self.args.concurrency
         ]
         return Contender(
-            configuration, label, server, points, memory.settled_tree_memory(server.pid)
+            configuration, label, server, points, servers.settled_tree_memory(server.pid)
         )
 
     def http_ceiling(self, configuration: Configuration) -> list[Point]:
@@ -454,14 +471,14 @@ class Sweep:
         label = self.ceiling_label(configuration)
         env = self.env_for(configuration)
         log_path = self.out / "logs" / f"{label}-{workload.name}.log"
-        command = servers.module_command("loadtests.http_ceiling")
+        command = servers.module_command("service.server.tuning.ceiling")
         with servers.running(command, env, log_path, ready_timeout_s=120) as url:
             self.prepare(url, workload)
             return self.measure_points(url, label, workload)
 
     def generator_ceiling(self) -> Point:
         log_path = self.out / "logs" / "fixed-server.log"
-        command = servers.module_command("loadtests.fixed_server")
+        command = servers.module_command("loadtests.wrk")
         with servers.running(command, servers.server_env({}), log_path, 30) as url:
             point = Point(
                 label="load-generator", workload="fixed", concurrency=GENERATOR_CONCURRENCY
@@ -733,9 +750,9 @@ def watch_idle(contenders: Sequence[Contender]) -> None:
     """CPU of every server over ``IDLE_SETTLE_S`` with all of them idle: a server that keeps
     working when nobody asks would take CPU from each of the others' turns."""
     pids = [contender.server.pid for contender in contenders]
-    before = memory.trees_cpu_seconds(pids)
+    before = servers.trees_cpu_seconds(pids)
     time.sleep(IDLE_SETTLE_S)
-    after = memory.trees_cpu_seconds(pids)
+    after = servers.trees_cpu_seconds(pids)
     for contender in contenders:
         contender.settled_cpu_s = max(
             0.0, after[contender.server.pid] - before[contender.server.pid]
@@ -780,13 +797,16 @@ def take_turn(
     point = contender.points[index]
     waiting = [c for c in contenders if c is not contender and c.failure is None]
     pids = [c.server.pid for c in waiting]
-    before, started_s = memory.trees_cpu_seconds(pids), time.monotonic()
+    before, started_s = servers.trees_cpu_seconds(pids), time.monotonic()
     try:
         status = contender.server.exit_status()
         if status is not None:
             raise servers.ServerError(f"the server exited with status {status}")
         run, rows = sweep.measure_run(
-            contender.server.url, sweep.script(contender.configuration.workload), point
+            contender.server.url,
+            sweep.script(contender.configuration.workload),
+            point,
+            contender.server.pid,
         )
     except MEASUREMENT_ERRORS as error:
         contender.failure = f"failed in round {round_index + 1}, c={point.concurrency}: {error}"
@@ -795,7 +815,7 @@ def take_turn(
         pool.stop(contender.server)
         return
     elapsed_s = time.monotonic() - started_s
-    after = memory.trees_cpu_seconds(pids)
+    after = servers.trees_cpu_seconds(pids)
     for other in waiting:
         pid = other.server.pid
         other.waiting_cpu_s += max(0.0, after[pid] - before[pid])

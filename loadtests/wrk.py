@@ -8,10 +8,17 @@ its threads notice within 100 ms, so a capped run counts a few more requests tha
 rate would be divided by idle time.) Without LuaJIT's FFI the cap is ignored and only the time
 cap applies. ``done()`` prints one JSON line with the counts and the latency percentiles, which
 is what ``run_wrk`` parses, rather than wrk's human summary (that one has no p95).
+
+The load generator's own ceiling: ``python -m loadtests.wrk --port 8099`` serves one constant
+response to every request, doing no work beyond parsing it (httptools on uvloop), so wrk's
+rate against it is the most wrk can send on this machine: served rates close to it are
+limited by the generator, not the server.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import re
 import shutil
@@ -19,6 +26,10 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
+
+import httptools
+import uvloop
 
 RESULT_MARKER = "LOADTESTS_RESULT "
 
@@ -209,3 +220,64 @@ def parse_result(output: str) -> WrkResult:
         p95_ms=raw["p95_us"] / 1000,
         p99_ms=raw["p99_us"] / 1000,
     )
+
+
+# ------------------------------------------------ the load generator's own ceiling
+
+# About the size of a digits answer, so the generator reads as many bytes per response.
+FIXED_BODY = (
+    b'{"model":"digits","version":"000000000000","predictions":[[0.0,0.0,0.0,0.0,0.0,'
+    b"0.0,0.0,0.0,0.0,0.0]]}"
+)
+FIXED_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    + str(len(FIXED_BODY)).encode()
+    + b"\r\n\r\n"
+    + FIXED_BODY
+)
+
+
+class FixedResponseProtocol(asyncio.Protocol):
+    """Answers each complete request (keep-alive, pipelining allowed) with ``FIXED_RESPONSE``."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_message_complete(self) -> None:
+        if self.transport is not None:
+            self.transport.write(FIXED_RESPONSE)
+
+
+async def serve_fixed(host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(FixedResponseProtocol, host, port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    """Serve the constant response until interrupted."""
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.wrk",
+        description="Answer every request with one constant response: wrk's own ceiling.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    uvloop.run(serve_fixed(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

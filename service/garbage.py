@@ -4,8 +4,8 @@ Requests make and drop objects by the thousand a second, nearly all freed by ref
 counting within milliseconds. At Python's default (a young collection every 700 net new
 container objects) the collector ran every few requests, walking the requests in flight and
 moving them into the older generations, whose collections then walked them again: 2-3 µs a
-request of an engine's loop (``docs/bench/engine-cost/capacity-8.md``), 10-20 % of a front
-end's own Python (``loadtests/frontend_asgi_cost.py``). Garbage cycles wait for a collection
+request of an engine's loop (``docs/bench/engines.md``), 10-20 % of a front
+end's own Python (measured in process, without HTTP). Garbage cycles wait for a collection
 a little longer; an answered error leaves none (``errors.forget_traceback``).
 """
 

@@ -207,6 +207,19 @@ class ManualExecutor(Executor):
             self._calls.popleft()[0].cancel()
 
 
+class CountingThreadExecutor(ThreadPoolExecutor):
+    """A one-thread device that counts the calls submitted to it, so that a test can wait
+    until a batch has been handed to it (and queued behind other work) rather than sleep."""
+
+    def __init__(self, thread_name_prefix: str = "counting-device") -> None:
+        super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
+        self.submitted = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
 class SteppedClock:
     """The batcher's clock (``batch_clock.Clock``) for tests: real time plus an offset the
     test moves on with ``advance``, which also fires at once the timers that came due, so a

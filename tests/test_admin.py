@@ -16,8 +16,9 @@ from service.bridge.published import PublishedVersion, publish, read_published
 from service.config import Settings
 from service.processes import RUN_DIR_ENV
 from service.server.single import create_app
+from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
-from tests.fixtures import predict_scope
+from tests.fixtures import predict_scope, wait_until
 
 TOKEN = "s3cret-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -255,7 +256,8 @@ async def test_switching_versions_while_bodies_upload_fails_no_request(
             for round_index in range(6):
                 target = versions.retrained if round_index % 2 == 0 else versions.original
                 uploads = [asyncio.create_task(slow_upload()) for _ in range(20)]
-                await asyncio.sleep(0.005)  # headers in, bodies still coming
+                # Headers in (each request bound to the version served), bodies still coming.
+                await wait_until(lambda: frontend_of(app).receiving == 20)
                 switched = await admin.post(
                     f"/admin/models/digits/versions/{target}/load", headers=AUTH
                 )

@@ -22,7 +22,7 @@ from service.engine.lifecycle import load_version, switch_to
 from service.engine.model_store import ModelStore
 from service.server.single import create_app
 from tests.apps import engine_of, frontend_of, registry_of, runner_of
-from tests.fixtures import sample_total
+from tests.fixtures import sample_total, wait_until
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 
@@ -418,7 +418,7 @@ async def test_a_front_end_holds_at_most_its_limit_of_requests_slow_uploads_incl
         uploads = [
             asyncio.create_task(application(scope, never_finishes, ignore)) for _ in range(2)
         ]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: frontend_of(application).receiving == 2)
         transport = httpx.ASGITransport(app=application)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             refused = await post_json(http, {"instances": random_digits(1, seed=0).tolist()})

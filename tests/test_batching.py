@@ -36,6 +36,7 @@ from service.metrics import EngineMetrics
 from tests.fixtures import (
     Batcher,
     BatcherFactory,
+    CountingThreadExecutor,
     GatedModel,
     ManualExecutor,
     MiscountingModel,
@@ -1947,7 +1948,7 @@ async def test_when_every_group_is_ready_the_oldest_runs_first_counted_full(
 async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_cancelled() -> None:
     """The hand-off to the device thread: a batch queued behind other work there is not run
     for nobody when the collector is cancelled (as ``run_in_executor``'s future did)."""
-    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
+    device = CountingThreadExecutor("fake-device")
     busy = threading.Event()
     device.submit(busy.wait, 5.0)  # another model's batch, running
     model = RecordingDoubler()
@@ -1958,8 +1959,7 @@ async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_c
     batcher.start()
     request = asyncio.create_task(batcher.submit([1], group="g"))
     collector = next(t for t in asyncio.all_tasks() if t.get_name() == "batchserve-collector")
-    await wait_until(lambda: batcher.queue_depth == 0)  # taken: on its way to the device
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: device.submitted == 2)  # handed to the device, behind the busy call
     collector.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await collector

@@ -38,6 +38,7 @@ from service.tensors import NamedArrays
 from tests.fixtures import sample_total, wait_until
 from tests.torch_models import (
     FEATURES,
+    HANG_ENTERED,
     HANG_RELEASE,
     HANG_VALUE,
     PairClassifier,
@@ -70,6 +71,7 @@ def package(repository: Path, architecture: str, labels: tuple[str, ...] | None 
 @pytest.fixture
 def hang_released() -> Iterator[None]:
     HANG_RELEASE.clear()
+    HANG_ENTERED.clear()
     yield
     HANG_RELEASE.set()
 
@@ -210,8 +212,7 @@ async def test_errors_cross_with_their_status_code_and_retry_after(
         blocker = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))
         served = engine.served
         assert served is not None
-        await wait_until(lambda: served.batcher.queue_depth == 0 and blocker.done() is False)
-        await asyncio.sleep(0.1)  # the blocker is in the device thread now
+        await wait_until(HANG_ENTERED.is_set)  # the blocker holds the device thread
         queued = asyncio.create_task(client.infer(request(client, value_rows(1.0))))
         await wait_until(lambda: served.batcher.queue_depth == 1)
         with pytest.raises(QueueFullError) as refused:
@@ -235,7 +236,7 @@ async def test_a_cancelled_request_leaves_the_engines_queue_uncomputed(
         served = engine.served
         assert served is not None
         blocker = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))
-        await asyncio.sleep(0.2)
+        await wait_until(HANG_ENTERED.is_set)
         leaving = asyncio.create_task(client.infer(request(client, value_rows(5.0))))
         await wait_until(lambda: served.batcher.queue_depth == 1)
         leaving.cancel()
@@ -261,7 +262,7 @@ async def test_a_front_end_that_disconnects_has_its_queued_requests_dropped(
         assert served is not None
         async with client_of(socket_path) as leaving, client_of(socket_path) as staying:
             blocker = asyncio.create_task(staying.infer(request(staying, value_rows(HANG_VALUE))))
-            await asyncio.sleep(0.2)
+            await wait_until(HANG_ENTERED.is_set)
             queued = [
                 asyncio.create_task(leaving.infer(request(leaving, value_rows(value))))
                 for value in (1.0, 2.0, 3.0)
@@ -285,7 +286,7 @@ async def test_a_lost_engine_fails_what_waits_on_it_at_once_and_its_replacement_
     async with client_of_engine(socket_path, repository) as (client, server, first_engine):
         waiting = asyncio.create_task(client.infer(request(client, value_rows(HANG_VALUE))))
         later = request(client, value_rows(1.0))
-        await asyncio.sleep(0.2)
+        await wait_until(HANG_ENTERED.is_set)  # the engine is busy with it
         lost_at_s = time.monotonic()
         await server.close()  # the engine's end goes away while its model is still busy
         with pytest.raises(EngineUnavailableError):

@@ -25,6 +25,7 @@ from tests.processes import (
 pytestmark = pytest.mark.slow
 
 MAX_BODY_BYTES = 4096
+DRAIN_DELAY_S = 2.0
 DIGIT = orjson.dumps({"instances": [[[0.5] * 8] * 8]})
 
 
@@ -35,7 +36,7 @@ def server(tmp_path: Path) -> Iterator[Running]:
         port,
         BATCHSERVE_MAX_BODY_BYTES=str(MAX_BODY_BYTES),
         BATCHSERVE_REQUEST_TIMEOUT_MS="1000",
-        BATCHSERVE_DRAIN_DELAY_S="2",
+        BATCHSERVE_DRAIN_DELAY_S=str(DRAIN_DELAY_S),
     )
     url = f"http://127.0.0.1:{port}"
     with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as process:
@@ -137,7 +138,10 @@ def test_answers_while_draining_close_their_keep_alive_connection(server: Runnin
         assert first.startswith(b"HTTP/1.1 200")
         assert b"connection: close" not in first.lower()
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # within the 2 s drain delay: still serving, readiness off
+        # Readiness off, within the drain delay: still serving.
+        wait_for(
+            lambda: answers(server.url + "/readyz", 503), "draining", server, DRAIN_DELAY_S / 2
+        )
         connection.sendall(request(DIGIT, **{"Content-Length": str(len(DIGIT))}))
         answer = read_all(connection)
     assert answer.startswith(b"HTTP/1.1 200"), "requests are still served while draining"

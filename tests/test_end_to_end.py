@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 LOAD_WORKERS = 32
 LOAD_CAP_S = 30.0
+DRAIN_DELAY_S = 3.0
 
 
 @dataclass
@@ -41,7 +43,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
         "BATCHSERVE_MAX_WAIT_MS": "5",
         # Long enough that the load below stops sending (0.3 s after it sees readiness off)
         # before the listener closes, even when a busy machine delays that probe.
-        "BATCHSERVE_DRAIN_DELAY_S": "3.0",
+        "BATCHSERVE_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
     }
     with log.open("wb") as output:
         process = subprocess.Popen(
@@ -113,15 +115,23 @@ async def load_then_sigterm(server: Server) -> tuple[list[tuple[float, int | str
         httpx.AsyncClient(base_url=server.url, timeout=5.0) as probe,
     ):
         warmed_up = asyncio.Event()
+        not_ready = asyncio.Event()
+        each_sent_while_not_ready: set[int] = set()
+        each_served_while_not_ready = asyncio.Event()
 
         async def worker(index: int) -> None:
             body = {"instances": [images[index]]}
             while not stop_sending.is_set() and time.monotonic() - started < LOAD_CAP_S:
+                sent_late = not_ready.is_set()
                 try:
                     response = await client.post("/predict", json=body)
                     outcomes.append((time.monotonic(), response.status_code))
                 except httpx.HTTPError as error:
                     outcomes.append((time.monotonic(), type(error).__name__))
+                if sent_late:
+                    each_sent_while_not_ready.add(index)
+                    if len(each_sent_while_not_ready) == LOAD_WORKERS:
+                        each_served_while_not_ready.set()
                 if len(outcomes) >= 200:
                     warmed_up.set()
 
@@ -134,8 +144,11 @@ async def load_then_sigterm(server: Server) -> tuple[list[tuple[float, int | str
                     break
                 await asyncio.sleep(0.01)
             ready_off_at = time.monotonic()
-            # Keep sending a little while readiness is off: those requests must be served too.
-            await asyncio.sleep(0.3)
+            not_ready.set()
+            # Keep sending while readiness is off, until every worker has had a request sent
+            # since answered (those must be served too), within the drain delay.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(each_served_while_not_ready.wait(), DRAIN_DELAY_S / 2)
             stop_sending.set()
             return sigterm_at, ready_off_at
 

@@ -25,7 +25,7 @@ from service.server.single import create_app
 from service.types import Array
 from tests.apps import engine_of, registry_of
 from tests.fixtures import predict_scope, sample_total, wait_until
-from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
+from tests.torch_models import FEATURES, HANG_ENTERED, HANG_RELEASE, HANG_VALUE
 
 PROMPTLY_S = 5.0
 
@@ -93,6 +93,7 @@ def batcher_of(app: FastAPI) -> DynamicBatcher[Array, Array]:
 @pytest.fixture
 def hang_released() -> Iterator[None]:
     HANG_RELEASE.clear()
+    HANG_ENTERED.clear()
     yield
     HANG_RELEASE.set()
 
@@ -186,7 +187,7 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(
     ):
         batcher = batcher_of(app)
         blocker = asyncio.create_task(predict(client, HANG_VALUE))  # holds the device
-        await asyncio.sleep(0.2)
+        await wait_until(HANG_ENTERED.is_set)
 
         disconnect = asyncio.Event()
         sent: list[dict[str, Any]] = []
@@ -237,9 +238,9 @@ async def test_high_priority_requests_run_before_waiting_normal_ones(
             finished.append(name)
 
         blocker = asyncio.create_task(predict(client, HANG_VALUE))
-        await asyncio.sleep(0.2)
+        await wait_until(HANG_ENTERED.is_set)
         tasks = [asyncio.create_task(tracked(f"normal{i}", i, "normal")) for i in range(2)]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: batcher.queue_depth == 2)  # both queued before the high one
         tasks.append(asyncio.create_task(tracked("high", 9.0, "high")))
         await wait_until(lambda: batcher.queue_depth == 3)
         HANG_RELEASE.set()

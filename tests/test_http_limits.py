@@ -139,7 +139,7 @@ async def test_a_later_head_trickling_in_on_a_kept_alive_connection_is_cut_too()
             if answered.done():
                 break
             writer.write(bytes([byte]))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # a slow client, trickling its head: the behaviour tested
         trickled = await asyncio.wait_for(answered, timeout=10.0)
         trickled_s = time.monotonic() - started_s
         writer.close()
@@ -243,7 +243,7 @@ async def test_a_head_whose_body_comes_later_is_written_at_the_end_of_its_turn()
 
     async def streaming(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the body is made later: the behaviour tested
         head_written.set()
         await send({"type": "http.response.body", "body": b"late", "more_body": False})
 

@@ -78,7 +78,7 @@ async def test_a_request_before_the_timeout_moves_the_close_to_the_timeout_after
     connection stays open until the timeout after the second."""
     async with connected() as (reader, writer):
         await answered(reader, writer, REQUEST)
-        await asyncio.sleep(KEEP_ALIVE_S / 2)
+        await asyncio.sleep(KEEP_ALIVE_S / 2)  # idle between requests: the behaviour tested
         await answered(reader, writer, REQUEST)
         closed_s = await closed_after_s(reader)
     assert KEEP_ALIVE_S * 0.9 <= closed_s < KEEP_ALIVE_S + 2.0

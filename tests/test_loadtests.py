@@ -22,7 +22,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import memory, restart_timeline, servers, sweep
+from loadtests import handlers, models, protocols, restart_timeline, servers, sweep
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -34,13 +34,13 @@ from loadtests.configs import (
     front_ends,
     unavailable_reason,
 )
-from loadtests.http_ceiling import create_ceiling_app
 from loadtests.report import Point, SweepResult, markdown, summary_rows
 from loadtests.wrk import WrkResult, lua_long_string, parse_result, write_script
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.server.cli import serves_in_one_process
 from service.server.single import create_app
+from service.server.tuning.ceiling import create_ceiling_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: A hang guard, not a speed check: a sweep took 190 s beside other engineers' load.
@@ -188,7 +188,7 @@ GUNICORN = f"{PYTHON} -m gunicorn --config python:service.server.gunicorn_conf a
 def test_process_roles_come_from_the_tree(
     parents: dict[int, int], commands: dict[int, str], expected: dict[int, str]
 ) -> None:
-    assert memory.roles(10, parents, commands) == expected
+    assert servers.roles(10, parents, commands) == expected
 
 
 def test_tree_memory_reads_each_process_of_the_tree() -> None:
@@ -197,7 +197,7 @@ def test_tree_memory_reads_each_process_of_the_tree() -> None:
         try:
             assert child.stdout is not None
             assert child.stdout.readline() == b"up\n"
-            found = {process.pid: process for process in memory.tree_memory(os.getpid())}
+            found = {process.pid: process for process in servers.tree_memory(os.getpid())}
         finally:
             child.kill()
     # Only an unrelated child: this process is the server itself, not a supervisor.
@@ -249,6 +249,22 @@ def test_the_report_gives_the_median_of_per_round_ratios_not_the_ratio_of_median
     assert "Served rows interleaved" in report
 
 
+def test_the_report_gives_cpu_per_request_and_its_ratio_per_round() -> None:
+    """CPU per answered request of each run, and a / b per round: 1,000 requests a round."""
+    result = interleaved_result(
+        {"mlp-w2": [1000, 1000, 1000], "mlp-single": [1000, 1000, 1000]},
+        {"mlp-w2": [1.0, 1.0, 1.0], "mlp-single": [1.0, 1.0, 1.0]},
+    )
+    result.points[0].cpu_s = [0.30, 0.60, 0.33]  # 300, 600 and 330 µs a request
+    result.points[1].cpu_s = [0.25, 0.40, 0.30]  # 250, 400 and 300
+    rows = summary_rows(result)
+    assert [row["cpu_us_per_request"] for row in rows] == [330.0, 300.0]
+    report = markdown(result, rows)
+    assert "### CPU per request, a / b per round" in report
+    # Per round 1.2, 1.5 and 1.1: their median is 1.2, where the medians' ratio says 1.1.
+    assert "| mlp-w2 | mlp-single | 1 | 1.200 | 1.500 | 1.100 | **1.200** | 330 | 300 |" in report
+
+
 def test_the_plan_counts_every_server_of_the_interleaved_rounds() -> None:
     args = sweep.parse_args(
         ["--interleave", "--concurrency", "1", "4", "--repeats", "3", "--duration-s", "2"]
@@ -268,7 +284,7 @@ def fill_pool_then_interrupt(
     left_behind: list[int],
 ) -> None:
     """Two servers up and one failed start, then Ctrl-C."""
-    fixed = servers.module_command("loadtests.fixed_server")
+    fixed = servers.module_command("loadtests.wrk")
     env = servers.server_env({})
     started.append(pool.start(fixed, env, tmp_path / "a.log", 30))
     with pytest.raises(servers.ServerError, match="exited with status 3"):
@@ -279,7 +295,7 @@ def fill_pool_then_interrupt(
     assert pool.started == started
     for server in started:
         assert httpx.get(server.url + "/readyz", timeout=5).status_code == 200
-    left_behind += [p.pid for p in memory.tree_memory(started[1].pid) if p.command == "sleep 60"]
+    left_behind += [p.pid for p in servers.tree_memory(started[1].pid) if p.command == "sleep 60"]
     assert len(left_behind) == 1
     raise KeyboardInterrupt
 
@@ -332,9 +348,41 @@ async def test_the_http_ceiling_validates_like_the_server_and_answers_zeros() ->
     assert "(N, 8, 8)" in wrong_shape.json()["error"]["message"]
 
 
+async def test_what_the_benchmarks_send_is_answered_by_the_server() -> None:
+    """The protocols, handlers and several-models benchmarks' requests, each answered 200 by
+    the server in process: an API change fails here rather than in a benchmark run later."""
+    served = ("digits", "textenc", "sentiment", "sentiment_tensors", "digits_png")
+    app = create_app(Settings(device="cpu", models=served, warmup_batch_sizes=(1,)))
+    json_type = {"Content-Type": "application/json"}
+    sent = [(f"/models/{name}/predict", body, json_type) for name, body in models.bodies().items()]
+    sent += list(protocols.http_workloads().values())
+    sent += [
+        (f"/models/{w.model}/predict", w.bodies[0], {"Content-Type": w.content_type})
+        for w in handlers.workloads(image_size=32)
+    ]
+    async with LifespanManager(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for path, body, headers in sent:
+                response = await client.post(path, content=body, headers=headers)
+                assert response.status_code == 200, (path, response.text)
+    assert len(sent) == 2 + 4 + 4
+
+
+def test_the_handler_costs_are_measured_for_each_demo_handler() -> None:
+    table = handlers.handler_costs(calls=3, image_size=32)
+    rows = [line for line in table if line.startswith("| text") or line.startswith("| image")]
+    assert len(rows) == 4
+    for row in rows:
+        pre_us, post_us = (float(cell) for cell in row.strip("| ").split(" | ")[-2:])
+        assert pre_us > 0
+        assert post_us > 0
+
+
 def test_the_http_ceiling_never_imports_torch() -> None:
     """Its gunicorn front ends must cost what the server's own front ends cost."""
-    check = "import sys, loadtests.http_ceiling; sys.exit('torch' in sys.modules)"
+    check = "import sys, service.server.tuning.ceiling; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, timeout=60).returncode == 0
 
 
@@ -409,11 +457,13 @@ def test_sweep_writes_results_report_and_plots(tmp_path: Path) -> None:
         ("mlp-w2@baseline", 1),
         ("mlp-w2@baseline", 4),
     ]
+    assert sum(float(row["cpu_us_per_request"]) for row in rows) > 0
     for row in rows:
         assert float(row["requests_per_s"]) > 0
         assert int(row["errors"]) == 0
         assert 0 < float(row["p50_ms"]) <= float(row["p95_ms"]) <= float(row["p99_ms"])
         assert float(row["mean_rows_per_batch"]) >= 1.0
+        assert float(row["cpu_us_per_request"]) >= 0  # 10 ms ticks: a short run may read 0
         assert row["http_ceiling"] == "http-ceiling-w2"
         assert float(row["http_ceiling_requests_per_s"]) > 0
         assert float(row["model_limit_rows_per_s"]) > 0
@@ -490,13 +540,22 @@ def test_an_interleaved_sweep_reports_the_ratio_per_round(tmp_path: Path) -> Non
     assert "for 2 round(s)" in report
     assert "## Interleaved comparisons: ratio per round" in report
     table = [line for line in report.splitlines() if line.startswith("| mlp-single | mlp-single@")]
-    per_round, p50 = table[:2], table[2:]
+    per_round, p50, cpu = table[:2], table[2:3], table[3:]
     assert [line.split(" | ")[2] for line in per_round] == ["1", "4"]
     for line in per_round:
         *rounds, median, _ = line.strip("| ").split(" | ")[3:]
         assert len(rounds) == 2
         assert 0 < float(median.strip("*")) < 10
     assert len(p50) == 1
+    # CPU is read in 10 ms ticks: a run of 50 requests may read 0, and a pair with a 0 in
+    # every round is left out of the table.
+    assert "### CPU per request, a / b per round" in report
+    for line in cpu:
+        *rounds, median, _, _ = line.strip("| ").split(" | ")[3:]
+        assert len(rounds) == 2
+        assert 0 <= float(median.strip("*")) < 100
+    assert all(float(row["cpu_us_per_request"]) >= 0 for row in runs)
+    assert sum(float(row["cpu_us_per_request"]) for row in runs) > 0
     assert "## CPU of the servers while they waited for their turn" in report
     idle = [line for line in report.splitlines() if line.startswith("| mlp-single") and "%" in line]
     assert len(idle) == 2

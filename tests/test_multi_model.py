@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
@@ -29,10 +30,10 @@ from service.manifest import Architecture, TensorSpec
 from service.metrics import resident_memory_bytes
 from service.packaging.package import Packager
 from service.server.single import create_app
-from tests.apps import registry_of
-from tests.fixtures import sample_total
+from tests.apps import engine_of, registry_of
+from tests.fixtures import sample_total, wait_until
 from tests.processes import serve_with_engines, wait_until_serving
-from tests.torch_models import FEATURES, HANG_RELEASE, HANG_VALUE
+from tests.torch_models import FEATURES, HANG_ENTERED, HANG_RELEASE, HANG_VALUE
 
 TOKEN = "multi-model-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -225,16 +226,18 @@ async def test_a_flooded_model_does_not_starve_another(tmp_path: Path) -> None:
         warmup_batch_sizes=(1,),
     )
     HANG_RELEASE.clear()
+    HANG_ENTERED.clear()
     try:
         async for http in serving(settings):
             answered: list[str] = []
 
             send = functools.partial(start_answering, http, answered)
             hanging = send("/models/slow/predict", HANG_VALUE, "hang")
-            await asyncio.sleep(0.2)  # its batch is on the device thread, blocked
+            await wait_until(HANG_ENTERED.is_set)  # its batch is on the device thread, blocked
             flood = [send("/models/slow/predict", 1.0, f"slow-{index}") for index in range(10)]
             quick = send("/models/quick/predict", 1.0, "quick")
-            await asyncio.sleep(0.2)  # all queued
+            all_queued = {"slow": 10, "quick": 1}
+            await wait_until(functools.partial(queued, http.app, all_queued))  # type: ignore[attr-defined]
             assert answered == []
             HANG_RELEASE.set()
             await asyncio.gather(hanging, quick, *flood)
@@ -242,6 +245,12 @@ async def test_a_flooded_model_does_not_starve_another(tmp_path: Path) -> None:
             assert answered.index("quick") <= 2, answered
     finally:
         HANG_RELEASE.set()
+
+
+def queued(app: FastAPI, depths: dict[str, int]) -> bool:
+    """Whether each model's batcher queue holds its number of requests in ``depths``."""
+    models = engine_of(app).state.models
+    return all(models[name].batcher.queue_depth == depth for name, depth in depths.items())
 
 
 def start_answering(

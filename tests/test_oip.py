@@ -7,7 +7,6 @@ import asyncio
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -522,7 +521,13 @@ def test_a_cancelled_grpc_call_leaves_the_queue_uncomputed(textenc_server: Runni
         # In the large request's bucket: behind all its chunks (``max_batch_ms`` lets another
         # bucket's request run between them).
         cancelled = stub.ModelInfer.future(request(1, 512), timeout=60)
-        time.sleep(0.2)  # queued behind the large request
+        # Queued behind the large request: in one process a call is queued in the same step of
+        # the event loop that counts it in flight, so two in flight means it is in the queue.
+        wait_for(
+            lambda: scraped(textenc_server.url, "batchserve_in_flight_requests") >= 2,
+            "the second call queued",
+            textenc_server,
+        )
         assert cancelled.cancel()
         busy.result()
     wait_for(

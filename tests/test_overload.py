@@ -329,7 +329,16 @@ def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs_past_its_e
             "done with the long batch",
             server,
         )
-        time.sleep(0.5)  # time enough for the collector to start a batch if anything were left
+
+        def probe_dropped() -> bool:
+            """The probe left the queue without running: nothing is left to start a batch."""
+            metrics = scrape(server)
+            dropped = sum(
+                count for _, count in samples(metrics, "batchserve_dropped_requests_total")
+            )
+            return dropped >= 1 and value(metrics, "batchserve_queue_depth") == 0
+
+        wait_for(probe_dropped, "the probe dropped from the queue", server)
         after = scrape(server)
         assert value(after, "batchserve_batch_size_rows_count") == 1
         assert value(after, "batchserve_batch_size_rows_sum") == 1  # the probe never ran
@@ -377,8 +386,14 @@ def test_a_client_resending_before_retry_after_is_held_until_it_passes(tmp_path:
                     if value(metrics, "batchserve_queue_wait_seconds_count") >= 1:
                         break
                     await asyncio.sleep(0.01)
-            waiting = asyncio.create_task(post(queued, body))  # the queue is full now
-            await asyncio.sleep(0.2)
+            waiting = asyncio.create_task(post(queued, body))
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                started_s = time.monotonic()
+                while time.monotonic() - started_s < 10:  # the queue is full now
+                    metrics = (await http.get("/metrics")).text
+                    if value(metrics, "batchserve_queue_depth") >= 1:
+                        break
+                    await asyncio.sleep(0.01)
             refusals = [await post(greedy, body) for _ in range(3)]  # resent at once
             first_of_other = await post(other, body)
             gate.unlink()

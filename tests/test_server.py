@@ -10,6 +10,7 @@ every engine or none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -40,6 +41,8 @@ WORKERS = 2
 REQUESTS = 300
 CONCURRENCY = 16
 LOAD_CAP_S = 30.0
+CALLERS = 8
+DRAIN_DELAY_S = 1.0
 TOKEN = "server-admin-token-for-tests"
 
 
@@ -164,12 +167,13 @@ def test_the_front_ends_and_the_supervisor_never_load_torch(server: Running) -> 
 
 
 def test_sigterm_drains_front_ends_then_the_engine_and_exits_0(tmp_path: Path) -> None:
-    with serve_with_engines(tmp_path, WORKERS, BATCHSERVE_DRAIN_DELAY_S="1.0") as server:
+    drain_delay = str(DRAIN_DELAY_S)
+    with serve_with_engines(tmp_path, WORKERS, BATCHSERVE_DRAIN_DELAY_S=drain_delay) as server:
         wait_until_serving(server, WORKERS)
-        statuses, after_sigterm = asyncio.run(load_then_sigterm(server))
+        statuses, while_not_ready = asyncio.run(load_then_sigterm(server))
         assert statuses, "no request was answered"
         assert set(statuses) == {200}, statuses
-        assert after_sigterm > 0, "requests sent while readiness was off must still be served"
+        assert while_not_ready > 0, "requests sent while readiness was off must still be served"
         assert server.process.wait(timeout=60) == 0
         output = server.output()
         front_ends_done = output.index('"event":"Shutting down: Master"')
@@ -179,13 +183,15 @@ def test_sigterm_drains_front_ends_then_the_engine_and_exits_0(tmp_path: Path) -
 
 async def load_then_sigterm(server: Running) -> tuple[list[int], int]:
     """Closed-loop load; SIGTERM to the supervisor after 50 answers; keep sending until
-    /readyz answers 503, as a load balancer would, then stop. Returns statuses and how many
-    answers came after SIGTERM."""
+    /readyz answers 503, as a load balancer would, and a little longer (an answer for each
+    caller to a request sent since), then stop. Returns statuses and how many requests sent
+    while readiness was off were answered."""
     statuses: list[int] = []
-    answered_after_sigterm = 0
+    sent_while_not_ready = 0
     stop = asyncio.Event()
     warmed_up = asyncio.Event()
-    sigterm_sent = asyncio.Event()
+    not_ready = asyncio.Event()
+    each_served_while_not_ready = asyncio.Event()
     started_s = time.monotonic()
     async with (
         httpx.AsyncClient(base_url=server.url, timeout=15.0) as client,
@@ -193,28 +199,34 @@ async def load_then_sigterm(server: Running) -> tuple[list[int], int]:
     ):
 
         async def caller(index: int) -> None:
-            nonlocal answered_after_sigterm
+            nonlocal sent_while_not_ready
             while not stop.is_set() and time.monotonic() - started_s < LOAD_CAP_S:
                 body = {"instances": digits(1, index).tolist()}
+                sent_late = not_ready.is_set()
                 response = await client.post("/predict", json=body)
                 statuses.append(response.status_code)
-                answered_after_sigterm += sigterm_sent.is_set()
+                sent_while_not_ready += sent_late
+                if sent_while_not_ready >= CALLERS:
+                    each_served_while_not_ready.set()
                 if len(statuses) >= 50:
                     warmed_up.set()
 
         async def terminate() -> None:
             await asyncio.wait_for(warmed_up.wait(), timeout=LOAD_CAP_S)
             server.process.send_signal(signal.SIGTERM)
-            sigterm_sent.set()
             while time.monotonic() - started_s < LOAD_CAP_S:
                 if (await probe.get("/readyz")).status_code == 503:
                     break
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.2)
+            not_ready.set()
+            # As many answers to requests sent since readiness turned off as there are callers,
+            # within the drain delay: then stop, as a load balancer would.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(each_served_while_not_ready.wait(), DRAIN_DELAY_S / 2)
             stop.set()
 
-        await asyncio.gather(terminate(), *(caller(index) for index in range(8)))
-    return statuses, answered_after_sigterm
+        await asyncio.gather(terminate(), *(caller(index) for index in range(CALLERS)))
+    return statuses, sent_while_not_ready
 
 
 def test_a_model_that_cannot_load_stops_the_server(tmp_path: Path) -> None:

@@ -21,11 +21,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from loadtests.otlp_sink import OtlpReceiver, otlp_receiver
 from service import tracing
 from service.config import Settings
 from service.logs import JsonFormatter
 from service.server.single import create_app
+from tests.otlp_receiver import OtlpReceiver, otlp_receiver
 from tests.processes import free_port, serve_with_engines, wait_for, wait_until_serving
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -215,7 +215,7 @@ async def toggle_under_load(post: Post, twins: Twins) -> Tally:
     async def toggler() -> None:
         targets = itertools.cycle((twins.reversed, twins.forward))
         for _ in range(SWITCHES):
-            await asyncio.sleep(TOGGLE_EVERY_S)
+            await asyncio.sleep(TOGGLE_EVERY_S)  # switches spaced under load: the behaviour
             path = f"/admin/models/sentiment/versions/{next(targets)}/load"
             switched = await post(path, headers=AUTH)
             assert switched.status_code == 200, switched.text

@@ -100,6 +100,9 @@ class OutOfMemoryAbove(nn.Module):
 
 #: Set to let every ``HangsOnValue`` forward that is blocked return.
 HANG_RELEASE = threading.Event()
+#: Set by a ``HangsOnValue`` forward once it blocks: the device thread is then held. Cleared
+#: by the tests that wait on it, before they start.
+HANG_ENTERED = threading.Event()
 HANG_VALUE = 13.0
 
 
@@ -109,6 +112,7 @@ class HangsOnValue(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bool((x == HANG_VALUE).any()):
+            HANG_ENTERED.set()
             HANG_RELEASE.wait(timeout=60)
         return 2 * x + 1
 

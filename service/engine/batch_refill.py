@@ -7,7 +7,7 @@ the answers of the batch, reads and parses the next requests and sends them on. 
 end's event loop; with front ends in their own processes (``--workers 2``, 2 cores shared with
 the load generator) the first client came back 10 ms after the answer and the last 15-40 ms,
 so the wait ended with half of them back: batches of 26-40 rows of 64
-(``docs/bench/engine-cost/w2-fill.md``).
+(``docs/bench/engines.md``).
 
 So the wait lasts the turnaround measured: how long the clients of recent batches took to be
 all back (``turnaround_s``), at least ``max_wait`` and at most ``REFILL_CAP_FACTOR`` times it;

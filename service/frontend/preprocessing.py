@@ -6,7 +6,7 @@ model's requests. The wait for them ends at the request's deadline with 504: wor
 queued for a thread is dropped, and the handlers check the deadline between images and
 between groups of texts (``HandlerRequest.check_deadline``), so a thread is freed soon after.
 A small tensor body is parsed inline: below ``INLINE_PARSE_MAX_BYTES`` the parse costs less
-than the hop to a thread (docs/bench/handlers), and at most about 10 ms.
+than the hop to a thread (docs/bench/protocols.md), and at most about 10 ms.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class DisconnectWatcher:
     ones for which dropping queued work matters least. At 20 ms most requests of 64 closed-loop
     clients over two front ends crossed it (their batch waits for its clients' turnaround):
     the front ends spent more than the fuller batches saved
-    (``docs/bench/engine-cost/w2-fill.md``). One timer per event loop (``_Waiting``) starts the
+    (``docs/bench/engines.md``). One timer per event loop (``_Waiting``) starts the
     watches that are due, rather than a timer per request.
     """
 

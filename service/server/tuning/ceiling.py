@@ -19,7 +19,7 @@ It runs the way ``batchserve serve`` would with the same ``BATCHSERVE_*`` settin
     BATCHSERVE_MODEL_NAME=digits python -m service.server.tuning.ceiling --port 8098
     BATCHSERVE_WORKERS=2 python -m service.server.tuning.ceiling --port 8098
 
-``batchserve tune`` measures it before its search; ``python -m loadtests.http_ceiling`` is
+``batchserve tune`` measures it before its search; ``python -m loadtests.sweep`` runs
 the same program for the load-test harness.
 """
 
