@@ -49,6 +49,8 @@ from tests.processes import (
     alive,
     children_of,
     engine_pids,
+    logged,
+    scraped,
     serve_with_engines,
     wait_for,
     wait_until_serving,
@@ -301,11 +303,6 @@ def test_a_spare_taken_before_its_imports_finish_becomes_the_engine(tmp_path: Pa
 # A real server.
 
 
-def logged(server: Running, event: str) -> list[dict[str, object]]:
-    marker = f'"event":"{event}"'
-    return [orjson.loads(line) for line in server.output().splitlines() if marker in line]
-
-
 def ready_spare(server: Running) -> int:
     """The pid of the spare that is ready now (waiting for one)."""
 
@@ -316,6 +313,29 @@ def ready_spare(server: Running) -> int:
 
     wait_for(spare_ready, "a spare ready", server, SPARE_TIMEOUT_S)
     return int(str(logged(server, "spare_engine_ready")[-1]["pid"]))
+
+
+#: How much longer than the outage a client saw a front end's takeover may be timed: from the
+#: engine's last heartbeat (up to engine_heartbeat_interval_s before the kill) to when that
+#: front end, not the one that answered first, reached the new engine.
+TAKEOVER_SLACK_S = 1.0
+
+
+def takeover_timed_as_the_outage(server: Running, victim: int, outage_s: float) -> None:
+    """Each front end timed the takeover from ``victim`` as about ``outage_s`` (from the kill
+    to the first 200), in its log and in ``batchserve_engine_takeover_seconds``; before, from
+    the victim's last status change: when it became ready, seconds to minutes earlier."""
+    timed = [
+        float(record["takeover_s"])
+        for record in logged(server, "engine_takeover")
+        if record["from_pid"] == victim
+    ]
+    print(f"\nkill -9, no standby: outage {outage_s:.3f} s, takeovers timed {timed}")
+    assert len(timed) == WORKERS
+    assert all(0 < seconds <= outage_s + TAKEOVER_SLACK_S for seconds in timed), timed
+    observed = scraped(server.url, "batchserve_engine_takeover_seconds_sum")
+    assert scraped(server.url, "batchserve_engine_takeover_seconds_count") == WORKERS
+    assert observed == pytest.approx(sum(timed), abs=1e-3)
 
 
 def lone_answer(url: str) -> np.ndarray:
@@ -346,8 +366,11 @@ def test_a_killed_engine_is_replaced_by_the_spare_which_serves_the_models_answer
     spare = ready_spare(server)
     (victim,) = engine_pids(server)
     os.kill(victim, signal.SIGKILL)
+    killed_s = time.monotonic()
     wait_for(lambda: serving_again(server.url), "serving again", server, SPARE_TIMEOUT_S)
+    outage_s = time.monotonic() - killed_s
     assert engine_pids(server) == [spare]  # the spare, imported long before the kill
+    takeover_timed_as_the_outage(server, victim, outage_s)
     for _ in range(5):
         np.testing.assert_allclose(lone_answer(server.url), reference, rtol=1e-5, atol=1e-6)
     started = logged(server, "engine_process_started")[-1]
