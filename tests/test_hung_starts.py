@@ -5,10 +5,13 @@ hung, so each of these held its device for good: with default settings, a stoppe
 the place of a killed engine was an outage without end.
 
 Each must be killed and replaced, and the server answer ``/predict`` 200 again (or have a
-standby ready again), within the documented limit plus 5 s: plus this machine's fresh start of
-an engine and 1 s where that is longer, since the replacement imports torch (no spare is
-started while an engine loads), which a loaded host makes slow. Each scenario starts its own
-server, its limits set short through ``BATCHSERVE_`` variables.
+standby ready again), within the documented limit plus 5 s. The replacement is a fresh process
+that imports torch (no spare is started while an engine loads): about 3 s on a quiet 2-core
+host, three times that beside other work. Where it took longer than 2.5 s, the allowance is
+the limit plus the replacement's own start plus 2.5 s (a back-off of 0.5 s for a second young
+death, noticing the exit, reconnecting, each late on a busy host): the supervisor is held to
+what it controls, on any host. Each scenario starts its own server, its limits set short
+through ``BATCHSERVE_`` variables.
 """
 
 from __future__ import annotations
@@ -51,19 +54,28 @@ START_LIMIT_S = 3.0
 STANDBY_HEARTBEAT_TIMEOUT_S = 3.0
 #: What the done-criterion allows beyond the limit.
 MARGIN_S = 5.0
+#: Beyond the replacement's own start: a back-off, noticing the exit, reconnecting.
+RESTART_SLACK_S = 2.5
+#: How long the tests wait for a 200 before they give up (on main: it never comes).
+GIVE_UP_S = 90.0
 
 
-def fresh_start_s(server: Running) -> float:
-    """How long this machine took to start the server's first engine (imports, load and
-    warm-up of a fresh process), from its logs."""
-    started = logged(server, "engine_process_started")[0]
-    ready = logged(server, "model_ready")[0]
-    return logged_s(ready) - logged_s(started)
+def start_s(server: Running, pid: int) -> float:
+    """How long engine ``pid`` took from its start to its models' readiness, from the logs."""
+    started_s = next(
+        logged_s(record)
+        for record in logged(server, "engine_process_started")
+        if record["pid"] == pid
+    )
+    ready_s = min(
+        logged_s(record) for record in logged(server, "model_ready") if logged_s(record) > started_s
+    )
+    return ready_s - started_s
 
 
-def allowed_s(server: Running, limit_s: float) -> float:
-    """The limit plus 5 s, or plus this machine's fresh start and 1 s if that is longer."""
-    return limit_s + max(MARGIN_S, fresh_start_s(server) + 1.0)
+def allowed_s(server: Running, limit_s: float, replacement: int) -> float:
+    """The limit plus 5 s, or plus the ``replacement``'s own start and the slack if longer."""
+    return limit_s + max(MARGIN_S, start_s(server, replacement) + RESTART_SLACK_S)
 
 
 def answers_200(url: str) -> bool:
@@ -73,10 +85,10 @@ def answers_200(url: str) -> bool:
         return False
 
 
-def seconds_until_200(server: Running, since_s: float, allowed: float) -> float:
+def seconds_until_200(server: Running, since_s: float) -> float:
     """Ask ``/predict`` until it answers 200; the seconds from ``since_s`` (monotonic) to
-    that answer; the test fails if none comes within ``allowed`` seconds."""
-    wait_for(lambda: answers_200(server.url), "answering 200", server, allowed)
+    that answer (the test fails if none comes in ``GIVE_UP_S``)."""
+    wait_for(lambda: answers_200(server.url), "answering 200", server, GIVE_UP_S)
     return time.monotonic() - since_s
 
 
@@ -132,14 +144,13 @@ def test_an_engine_stopped_while_it_starts_is_killed_and_replaced(tmp_path: Path
         starting = started_after(server, {victim})
         with stopped(starting) as stopped_s:
             assert heartbeat_mark(starting) == b"", "stopped too late: it had loaded already"
-            allowed = allowed_s(server, START_LIMIT_S)
-            back_s = seconds_until_200(server, stopped_s, allowed)
-            print(
-                f"\nstopped while starting: 200 again {back_s:.2f} s after (allowed {allowed:.1f})"
-            )
+            back_s = seconds_until_200(server, stopped_s)
             assert not alive(starting)
             assert [record["role"] for record in declared_hung(server, starting)] == ["starting"]
-        assert starting not in engine_pids(server)
+        (replacement,) = engine_pids(server)
+        allowed = allowed_s(server, START_LIMIT_S, replacement)
+        print(f"\nstopped while starting: 200 again {back_s:.2f} s after ({allowed:.1f} allowed)")
+        assert back_s <= allowed
 
 
 def test_a_spare_stopped_while_it_waits_never_takes_a_dead_engines_place(
@@ -157,14 +168,14 @@ def test_a_spare_stopped_while_it_waits_never_takes_a_dead_engines_place(
             (victim,) = engine_pids(server)
             os.kill(victim, signal.SIGKILL)
             killed_s = time.monotonic()
-            allowed = allowed_s(server, answer_limit_s)
-            back_s = seconds_until_200(server, killed_s, allowed)
-            print(
-                f"\nspare stopped: 200 again {back_s:.2f} s after the kill (allowed {allowed:.1f})"
-            )
+            back_s = seconds_until_200(server, killed_s)
             assert not alive(spare)
             assert [r["pid"] for r in logged(server, "spare_engine_unresponsive")] == [spare]
-            assert spare not in engine_pids(server)
+        (replacement,) = engine_pids(server)
+        assert replacement != spare
+        allowed = allowed_s(server, answer_limit_s, replacement)
+        print(f"\nspare stopped: 200 again {back_s:.2f} s after the kill ({allowed:.1f} allowed)")
+        assert back_s <= allowed
 
 
 def roles(server: Running) -> dict[str, set[int]]:
@@ -205,16 +216,18 @@ def test_a_standby_stopped_while_it_starts_is_replaced_and_the_next_failover_is_
         with stopped(starting) as stopped_s:
             assert heartbeat_mark(starting) == b"", "stopped too late: it had loaded already"
             assert answers_200(server.url)  # the standby took over
-            allowed = allowed_s(server, START_LIMIT_S)
-            wait_for(
-                lambda: a_standby_ready(server, {starting}), "a standby again", server, allowed
-            )
+            wait_for(lambda: a_standby_ready(server, {starting}), "a standby", server, GIVE_UP_S)
             ready_s = time.monotonic() - stopped_s
-            print(f"\nstandby stopped while starting: another ready {ready_s:.2f} s after")
             assert not alive(starting)
             assert [record["role"] for record in declared_hung(server, starting)] == ["starting"]
+        (standby,) = roles(server)["standby"]
+        allowed = allowed_s(server, START_LIMIT_S, standby)
+        print(f"\nstandby stopped while starting: another ready {ready_s:.2f} s after")
+        print(f"({allowed:.1f} allowed)")
+        assert ready_s <= allowed
         (second,) = roles(server)["active"]
         os.kill(second, signal.SIGKILL)
         killed_s = time.monotonic()
-        back_s = seconds_until_200(server, killed_s, START_LIMIT_S + MARGIN_S)
+        back_s = seconds_until_200(server, killed_s)
         print(f"the next kill: 200 again {back_s:.2f} s after")
+        assert back_s <= START_LIMIT_S + MARGIN_S  # the new standby took over
