@@ -89,7 +89,8 @@ class Settings(BaseSettings):
     taken (stopped, wedged) is killed and the engine started fresh."""
 
     engine_heartbeat_timeout_s: float = Field(default=1.5, ge=0.5, le=600.0)
-    """An engine process that sends nothing for this long is treated as hung: the supervisor
+    """An engine process that sends nothing for this long once it has loaded its models
+    (``engine_start_heartbeat_timeout_s`` before) is treated as hung: the supervisor
     kills and restarts it, so a hung engine is replaced within about 2 s, and the front ends
     answer its requests 503 as its socket closes (on their own they give up on an engine
     quiet for twice this long). The heartbeats come from the engine's event loop, never the device

@@ -11,10 +11,9 @@ gunicorn with ``workers`` front ends, and watches them all without importing tor
   so is one that is still starting (imports, load, warm-up) and leaves it untouched for
   ``engine_start_heartbeat_timeout_s``, counted from its start if it never touched it (it
   beats from a thread from its first instant: ``engine/starting_heartbeat.py``). One that
-  cannot load its model
-  (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way. An engine
-  started while another of its device is up starts as a standby: if it cannot load, it
-  stays up and failed (every front end reports it) and is started again
+  cannot load its model (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the
+  same way. An engine started while another of its device is up starts as a standby: if it
+  cannot load, it stays up and failed (every front end reports it) and is started again
   ``STANDBY_RETRY_S`` later, while the active engine serves on.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
 - SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
