@@ -85,10 +85,12 @@ class Settings(BaseSettings):
     torch's libraries are shared with the engines) and no CPU while it waits; on by default,
     as a crash is an outage for every front end without a standby. On a GPU the CUDA context
     and the weights are still paid when it becomes an engine: ``standby_engines`` is the GPU
-    answer."""
+    answer. A spare that does not answer within ``engine_heartbeat_timeout_s`` when it is
+    taken (stopped, wedged) is killed and the engine started fresh."""
 
     engine_heartbeat_timeout_s: float = Field(default=1.5, ge=0.5, le=600.0)
-    """An engine process that sends nothing for this long is treated as hung: the supervisor
+    """An engine process that sends nothing for this long once it has loaded its models
+    (``engine_start_heartbeat_timeout_s`` before) is treated as hung: the supervisor
     kills and restarts it, so a hung engine is replaced within about 2 s, and the front ends
     answer its requests 503 as its socket closes (on their own they give up on an engine
     quiet for twice this long). The heartbeats come from the engine's event loop, never the device
@@ -101,6 +103,15 @@ class Settings(BaseSettings):
     """How often an engine tells the supervisor (its heartbeat file) and every front end (a
     status frame) that it is alive; at most a quarter of ``engine_heartbeat_timeout_s``, so
     that one late heartbeat never looks like a hung engine."""
+
+    engine_start_heartbeat_timeout_s: float = Field(default=30.0, ge=0.5, le=3600.0)
+    """How long an engine that is still starting (importing torch and the engine, loading and
+    warming up its models) may leave its heartbeat file untouched before the supervisor kills
+    it and starts another; at least ``engine_heartbeat_timeout_s``. A starting engine beats
+    from a thread from its first instant, so a slow import or a long load is not mistaken for
+    a hang, and one that is stopped or wedged is replaced within this time (plus its
+    replacement's start). Longer than the heartbeat timeout because a full garbage collection
+    while loading pauses every thread of the process: seconds on a busy host."""
 
     model_repository: Path = BUNDLED_MODEL_REPOSITORY
     """Folder holding ``<name>/<version>/manifest.json``; defaults to the embedded demo models."""
@@ -317,6 +328,13 @@ class Settings(BaseSettings):
                 f"engine_heartbeat_interval_s {self.engine_heartbeat_interval_s} must be at most "
                 f"a quarter of engine_heartbeat_timeout_s {self.engine_heartbeat_timeout_s}: "
                 "lower the interval or raise the timeout"
+            )
+        if self.engine_start_heartbeat_timeout_s < self.engine_heartbeat_timeout_s:
+            raise ValueError(
+                "engine_start_heartbeat_timeout_s "
+                f"{self.engine_start_heartbeat_timeout_s} must be at least "
+                f"engine_heartbeat_timeout_s {self.engine_heartbeat_timeout_s}: a starting "
+                "engine pauses longer than a serving one"
             )
         if any(size > self.max_batch_size for size in self.warmup_batch_sizes):
             raise ValueError(

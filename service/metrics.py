@@ -144,9 +144,11 @@ class FrontendMetrics:
         )
         self.engine_takeover = Histogram(
             "batchserve_engine_takeover_seconds",
-            "From the last status a lost active engine sent to a front end (its heartbeats "
-            "come every engine_heartbeat_interval_s) until that front end had an active "
-            "engine again: a standby, or else the restarted engine. One per front end.",
+            "From the last frame a front end received from its lost active engine (an answer, "
+            "or a heartbeat: one every engine_heartbeat_interval_s) until that front end had "
+            "an active engine again and sent its next requests there: a standby, or else the "
+            "restarted engine. The outage of one device as one front end saw it, to within "
+            "one heartbeat interval; one per front end.",
             ["device"],
             buckets=TAKEOVER_BUCKETS_S,
             registry=r,

@@ -29,6 +29,12 @@ ENGINE_INDEX_ENV = "_BATCHSERVE_ENGINE_INDEX"
 #: For a front end: a JSON list of ``[socket path, device]``, one per engine.
 ENGINES_ENV = "_BATCHSERVE_ENGINES"
 
+#: What a spare engine interpreter writes on its ready pipe once its imports are done.
+SPARE_READY = b"ready\n"
+#: What it writes there once told its engine (a line of variables on its stdin) and beating
+#: that engine's heartbeat: the supervisor hands it the engine's place only then.
+SPARE_TAKEN = b"taken\n"
+
 #: The model could not be loaded at start-up: restarting would fail the same way.
 EXIT_LOAD_FAILED = 3
 #: The model hung (a batch outlived ``stall_timeout_s``): restart the process (EX_SOFTWARE).

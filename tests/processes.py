@@ -15,9 +15,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -196,3 +199,20 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or going mid-read
         return False
     return state != "Z"
+
+
+def logged(server: Running, event: str) -> list[dict[str, Any]]:
+    """The server's JSON log records of ``event``, in order."""
+    marker = f'"event":"{event}"'
+    return [orjson.loads(line) for line in server.output().splitlines() if marker in line]
+
+
+def logged_s(record: dict[str, Any]) -> float:
+    """When ``record`` was logged (the wall clock's seconds)."""
+    return datetime.fromisoformat(str(record["ts"])).timestamp()
+
+
+def engine_environment(pid: int) -> dict[str, str]:
+    """The environment a running process was started with."""
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(pair.decode().split("=", 1) for pair in pairs if b"=" in pair)

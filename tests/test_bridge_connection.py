@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -110,3 +110,26 @@ async def test_a_heartbeat_repeating_the_status_is_not_decoded_again(
                 break
     assert connection.status.phase == "failed"
     assert len(changes) == 2
+
+
+async def test_a_heartbeat_repeating_the_status_still_says_when_the_engine_was_heard(
+    connected: tuple[EngineConnection, EngineEnd, list[int]],
+) -> None:
+    """Not reported as a change, but a takeover is timed from it: before, a takeover was
+    timed from the lost engine's last status change, tens of seconds for an outage of 0.5 s."""
+    connection, engine, changes = connected
+    status = EngineStatus(phase="loading", device="cpu", pid=7)
+    engine.send_status(status)
+    await until(lambda: len(changes) == 1)
+    first_heard_s = connection.last_heard_s
+    engine.send_status(status)
+    await until(lambda: connection.last_heard_s > first_heard_s)
+    assert len(changes) == 1
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Let the loop run until ``condition`` holds; fail after ``timeout_s``."""
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, "the condition never held"
+        await asyncio.sleep(0.01)

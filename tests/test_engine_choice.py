@@ -68,17 +68,17 @@ def test_an_admin_change_skips_only_a_standby_that_failed_to_load() -> None:
     assert change_targets(statuses) == [0, 2, 3]
 
 
-def test_a_failover_is_counted_and_timed_from_the_lost_engines_last_status() -> None:
+def test_a_failover_is_timed_from_when_the_lost_engine_was_last_heard_from() -> None:
+    """Its status last changed long before (when it became ready); its heartbeats, repeating
+    that status, said it was there until just before it was lost."""
     taken: list[tuple[str, float, bool]] = []
     clock = Clock()
     choice = ActiveEngines(["cpu", "cpu"], lambda *call: taken.append(call), clock)
     statuses = [engine(0), engine(1)]
-    assert choice.changed(0, statuses) == [0]
-    clock.now_s = 1.0
-    choice.changed(0, statuses)  # the active engine's last heartbeat
-    clock.now_s = 1.2
+    assert choice.changed(statuses, [0.0, 0.0]) == [0]
+    clock.now_s = 41.2
     statuses[0] = engine(0, "down")
-    assert choice.changed(0, statuses) == [1]
+    assert choice.changed(statuses, [41.0, 41.1]) == [1]
     assert taken == [("cpu", pytest.approx(0.2), True)]
 
 

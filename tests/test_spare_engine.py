@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,8 @@ from service.processes import (
     ENGINE_SOCKET_ENV,
     EXIT_LOAD_FAILED,
     READY_MARK,
+    SPARE_READY,
+    SPARE_TAKEN,
 )
 from service.server import spare_engine, supervisor
 from service.server.spare_engine import (
@@ -46,6 +49,8 @@ from tests.processes import (
     alive,
     children_of,
     engine_pids,
+    logged,
+    scraped,
     serve_with_engines,
     wait_for,
     wait_until_serving,
@@ -104,15 +109,16 @@ def test_the_spare_takes_only_a_json_object_of_strings() -> None:
 
 # The supervisor's handling, on fake processes.
 
-#: A fake spare: ready at once; given its line, it writes its variables to its heartbeat file
-#: and exits as an engine that cannot load.
+#: A fake spare: ready at once; given its line, it writes its variables to its heartbeat file,
+#: answers that it is taken and exits as an engine that cannot load.
 SPARE_FAILING_AS_ENGINE = f"""
 import json, os, sys
-with os.fdopen(int(sys.argv[1]), "wb") as ready:
-    ready.write({spare_engine.READY!r})
+ready = int(sys.argv[1])
+os.write(ready, {SPARE_READY!r})
 variables = json.loads(sys.stdin.readline())
 with open(variables["{ENGINE_HEARTBEAT_FILE_ENV}"], "w") as told:
     json.dump(variables, told)
+os.write(ready, {SPARE_TAKEN!r})
 sys.exit({EXIT_LOAD_FAILED})
 """
 ENGINE_SERVING = "import time; time.sleep(60)"
@@ -199,6 +205,65 @@ def test_without_a_spare_alive_the_engine_starts_fresh_and_a_dead_spare_is_repla
             engine.process.wait()
 
 
+def ready_spare_of(spare: SpareEngine) -> subprocess.Popen[bytes]:
+    """Start ``spare``'s process and wait until it is ready."""
+
+    def ready() -> bool:
+        spare.watch(engines_loading=0)  # starts it, then reads its ready pipe
+        return spare.ready
+
+    _wait(ready, "the spare ready")
+    assert spare.process is not None
+    return spare.process
+
+
+@pytest.mark.usefixtures("fakes")
+def test_a_stopped_spare_is_killed_when_taken_and_the_engine_started_fresh(
+    tmp_path: Path,
+) -> None:
+    """A spare stopped while it waited never answers its line: handed the engine's place, it
+    would hold it for good, never beating, never serving."""
+    engine = EngineProcess(0, "cpu", tmp_path / "engine.sock", tmp_path / "engine.alive")
+    spare = SpareEngine({**os.environ}, answer_timeout_s=0.5)
+    stopped = ready_spare_of(spare)
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        engine.start(dict(os.environ), 0, False, spare)
+        assert engine.process is not stopped  # started fresh
+        assert stopped.poll() == -signal.SIGKILL  # killed, and reaped
+        assert spare.process is None  # a new one is started once no engine loads
+        assert engine.alive
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait()
+        spare.stop()
+        if engine.process is not None and engine.alive:
+            engine.process.kill()
+            engine.process.wait()
+
+
+@pytest.mark.usefixtures("fakes")
+def test_a_spare_that_answers_becomes_the_engine_with_what_it_wrote_kept(
+    tmp_path: Path,
+) -> None:
+    engine = EngineProcess(0, "cpu", tmp_path / "engine.sock", tmp_path / "engine.alive")
+    spare = SpareEngine({**os.environ}, answer_timeout_s=30.0)
+    answering = ready_spare_of(spare)
+    try:
+        engine.start(dict(os.environ), 0, False, spare)
+        assert engine.process is answering
+        # What it wrote into its heartbeat file before it answered is still there.
+        told = orjson.loads(engine.heartbeat_file.read_bytes())
+        assert told[ENGINE_SOCKET_ENV] == str(engine.socket)
+        assert answering.wait(timeout=30.0) == EXIT_LOAD_FAILED
+    finally:
+        spare.stop()
+        if answering.poll() is None:
+            answering.kill()
+            answering.wait()
+
+
 def test_turned_off_no_spare_is_ever_started(tmp_path: Path) -> None:
     spare = SpareEngine({**os.environ}, enabled=False)
     spare.watch(engines_loading=0)
@@ -238,11 +303,6 @@ def test_a_spare_taken_before_its_imports_finish_becomes_the_engine(tmp_path: Pa
 # A real server.
 
 
-def logged(server: Running, event: str) -> list[dict[str, object]]:
-    marker = f'"event":"{event}"'
-    return [orjson.loads(line) for line in server.output().splitlines() if marker in line]
-
-
 def ready_spare(server: Running) -> int:
     """The pid of the spare that is ready now (waiting for one)."""
 
@@ -253,6 +313,29 @@ def ready_spare(server: Running) -> int:
 
     wait_for(spare_ready, "a spare ready", server, SPARE_TIMEOUT_S)
     return int(str(logged(server, "spare_engine_ready")[-1]["pid"]))
+
+
+#: How much longer than the outage a client saw a front end's takeover may be timed: from the
+#: engine's last heartbeat (up to engine_heartbeat_interval_s before the kill) to when that
+#: front end, not the one that answered first, reached the new engine.
+TAKEOVER_SLACK_S = 1.0
+
+
+def takeover_timed_as_the_outage(server: Running, victim: int, outage_s: float) -> None:
+    """Each front end timed the takeover from ``victim`` as about ``outage_s`` (from the kill
+    to the first 200), in its log and in ``batchserve_engine_takeover_seconds``; before, from
+    the victim's last status change: when it became ready, seconds to minutes earlier."""
+    timed = [
+        float(record["takeover_s"])
+        for record in logged(server, "engine_takeover")
+        if record["from_pid"] == victim
+    ]
+    print(f"\nkill -9, no standby: outage {outage_s:.3f} s, takeovers timed {timed}")
+    assert len(timed) == WORKERS
+    assert all(0 < seconds <= outage_s + TAKEOVER_SLACK_S for seconds in timed), timed
+    observed = scraped(server.url, "batchserve_engine_takeover_seconds_sum")
+    assert scraped(server.url, "batchserve_engine_takeover_seconds_count") == WORKERS
+    assert observed == pytest.approx(sum(timed), abs=1e-3)
 
 
 def lone_answer(url: str) -> np.ndarray:
@@ -283,8 +366,11 @@ def test_a_killed_engine_is_replaced_by_the_spare_which_serves_the_models_answer
     spare = ready_spare(server)
     (victim,) = engine_pids(server)
     os.kill(victim, signal.SIGKILL)
+    killed_s = time.monotonic()
     wait_for(lambda: serving_again(server.url), "serving again", server, SPARE_TIMEOUT_S)
+    outage_s = time.monotonic() - killed_s
     assert engine_pids(server) == [spare]  # the spare, imported long before the kill
+    takeover_timed_as_the_outage(server, victim, outage_s)
     for _ in range(5):
         np.testing.assert_allclose(lone_answer(server.url), reference, rtol=1e-5, atol=1e-6)
     started = logged(server, "engine_process_started")[-1]

@@ -121,3 +121,88 @@ def test_a_standby_that_cannot_load_stays_up_and_is_started_again_later(
             if engine.process is not None and engine.alive:
                 engine.process.kill()
                 engine.process.wait()
+
+
+def short_limits(start_timeout_s: float) -> Settings:
+    """Limits short enough for a test; no spare (the engines are fakes)."""
+    return Settings(
+        engine_heartbeat_interval_s=0.1,
+        engine_heartbeat_timeout_s=0.5,
+        engine_start_heartbeat_timeout_s=start_timeout_s,
+        spare_engine=False,
+    )
+
+
+#: An engine that starts and never beats: stopped, or wedged before its first heartbeat.
+ENGINE_NEVER_BEATING = "import time; time.sleep(60)"
+#: An engine that beats while it starts (as its thread does) for 2 s, then marks itself loaded.
+ENGINE_BEATING_WHILE_IT_STARTS = f"""
+import os, time
+path = os.environ["{ENGINE_HEARTBEAT_FILE_ENV}"]
+for _ in range(20):
+    os.utime(path)
+    time.sleep(0.1)
+with open(path, "wb") as marked:
+    marked.write({READY_MARK!r})
+while True:
+    os.utime(path)
+    time.sleep(0.1)
+"""
+
+
+def watched_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, settings: Settings
+) -> tuple[Supervisor, EngineProcess]:
+    monkeypatch.setattr(supervisor, "engine_command", lambda: [sys.executable, "-c", code])
+    engine = EngineProcess(0, "cpu", tmp_path / "0.sock", tmp_path / "0.alive")
+    environ = {**os.environ, MULTIPROCESS_DIR_ENV: str(tmp_path)}
+    return Supervisor(settings, environ, [engine]), engine
+
+
+def test_a_starting_engine_that_never_beats_is_killed_at_the_start_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, an engine that had never touched its heartbeat file was never declared hung:
+    one stopped before its first heartbeat held its device for good."""
+    settings = short_limits(start_timeout_s=0.5)
+    watcher, engine = watched_engine(tmp_path, monkeypatch, ENGINE_NEVER_BEATING, settings)
+    try:
+        watcher._start(engine, standby=False)
+        first = engine.process
+        assert first is not None
+        deadline_s = time.monotonic() + 30.0
+        while first.poll() is None:
+            assert time.monotonic() < deadline_s, "the silent engine was never killed"
+            watcher._watch_engines()
+            time.sleep(0.05)
+        assert first.returncode == -signal.SIGKILL
+        assert time.monotonic() - engine.started_s >= settings.engine_start_heartbeat_timeout_s
+        watcher._watch_engines()  # its death noticed: started again at once
+        assert engine.process is not first
+        assert engine.alive
+    finally:
+        if engine.process is not None and engine.alive:
+            engine.process.kill()
+            engine.process.wait()
+
+
+def test_a_starting_engine_that_beats_is_left_to_start_however_long_it_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = short_limits(start_timeout_s=1.0)  # ten beats; it starts for twice as long
+    watcher, engine = watched_engine(
+        tmp_path, monkeypatch, ENGINE_BEATING_WHILE_IT_STARTS, settings
+    )
+    try:
+        watcher._start(engine, standby=False)
+        deadline_s = time.monotonic() + 30.0
+        while engine.mark() != READY_MARK:
+            assert time.monotonic() < deadline_s, "the fake engine never marked its load"
+            watcher._watch_engines()
+            time.sleep(0.05)
+        assert engine.alive
+        assert engine.starts == 1
+    finally:
+        if engine.process is not None and engine.alive:
+            engine.process.kill()
+            engine.process.wait()

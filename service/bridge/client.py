@@ -17,7 +17,6 @@ version beside the one it serves (``prepare``); only when all have it does each 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -69,10 +68,10 @@ class BridgeClient:
                 path,
                 device,
                 heartbeat_timeout_s,
-                functools.partial(self._engine_changed, index),
+                self._engine_changed,
                 request_timeout_ms,
             )
-            for index, (path, device) in enumerate(engines)
+            for path, device in engines
         ]
         self._choice = ActiveEngines([device for _, device in engines], on_takeover)
         self._active: list[EngineConnection] = []
@@ -104,8 +103,11 @@ class BridgeClient:
             self._ready_changed.clear()
             await self._ready_changed.wait()
 
-    def _engine_changed(self, index: int) -> None:
-        active = self._choice.changed(index, [c.status for c in self._connections])
+    def _engine_changed(self) -> None:
+        connections = self._connections
+        active = self._choice.changed(
+            [c.status for c in connections], [c.last_heard_s for c in connections]
+        )
         self._active = [self._connections[i] for i in active]
         self._status_changed()
 

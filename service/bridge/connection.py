@@ -68,7 +68,9 @@ class EngineConnection(asyncio.Protocol):
         self._writer: wire.FrameWriter | None = None
         self._transport: asyncio.Transport | None = None
         self._lost: asyncio.Event = asyncio.Event()
-        self._last_heard_s = 0.0
+        self.last_heard_s = 0.0
+        """When the engine last sent anything (``time.monotonic()``): a frame of any kind,
+        a heartbeat repeating its status too; kept once the connection is lost."""
         self._status_document: dict[str, Any] | None = None
         """The engine's last STATUS header, as sent: ``status`` was built from it."""
 
@@ -97,7 +99,7 @@ class EngineConnection(asyncio.Protocol):
         while not self._lost.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._lost.wait(), timeout=self._heartbeat_timeout_s / 4)
-            quiet_s = time.monotonic() - self._last_heard_s
+            quiet_s = time.monotonic() - self.last_heard_s
             if not self._lost.is_set() and quiet_s > self._heartbeat_timeout_s:
                 logger.error(
                     "engine_unresponsive",
@@ -115,7 +117,7 @@ class EngineConnection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
         self._writer = wire.FrameWriter(self._transport, asyncio.get_running_loop())
         self._reader = wire.FrameReader()
-        self._last_heard_s = time.monotonic()
+        self.last_heard_s = time.monotonic()
         self._lost.clear()
         logger.info("engine_connected", extra={"engine": str(self.path)})
 
@@ -150,7 +152,7 @@ class EngineConnection(asyncio.Protocol):
     # ----------------------------------------------------------------- frames in
 
     def data_received(self, data: bytes) -> None:
-        self._last_heard_s = time.monotonic()
+        self.last_heard_s = time.monotonic()
         try:
             frames = self._reader.feed(data)
         except wire.ProtocolError as error:

@@ -66,9 +66,10 @@ class Takeovers:
     """Notices a device's active engine stop being ready and what replaces it: a ready
     standby at once (a failover), or later an engine that was not ready yet (a restart).
     ``on_takeover(device, seconds, failover)`` is called once the device has an active engine
-    again, with the seconds since the lost one last sent a status (its heartbeats come every
-    ``engine_heartbeat_interval_s``): how long the device was without an engine, to within
-    one heartbeat."""
+    again (this front end's next request goes to it), with the seconds since this front end
+    last heard from the lost one (any frame: an answer, or a heartbeat, which comes every
+    ``engine_heartbeat_interval_s`` even when it repeats the status): how long the device was
+    without an engine, to within one heartbeat interval."""
 
     def __init__(
         self,
@@ -89,7 +90,7 @@ class Takeovers:
         heard_s: Sequence[float],
     ) -> None:
         """After any status change: ``active`` as ``active_indices`` gives it; ``heard_s``,
-        when each engine last sent a status while ready (the clock's time)."""
+        when each engine last sent anything (the clock's time)."""
         now_s = self._clock()
         chosen = {devices[index]: index for index in active}
         for device in dict.fromkeys(devices):
@@ -136,14 +137,12 @@ class ActiveEngines:
         self.devices = list(devices)
         self.active: list[int] = []
         """The index of each device's active engine."""
-        self._clock = clock
-        self._heard_s = [0.0] * len(self.devices)
         self._takeovers = Takeovers(on_takeover, clock)
 
-    def changed(self, index: int, statuses: Sequence[EngineStatus]) -> list[int]:
-        """Engine ``index`` sent a status, or was lost: the active engines now."""
-        if statuses[index].ready:
-            self._heard_s[index] = self._clock()
+    def changed(self, statuses: Sequence[EngineStatus], heard_s: Sequence[float]) -> list[int]:
+        """An engine sent a new status, or was lost: the active engines now. ``heard_s``: when
+        each engine last sent anything (the clock's time): a repeated status, which is not a
+        change, still says the engine was there."""
         self.active = active_indices(self.devices, statuses)
-        self._takeovers.update(self.devices, statuses, self.active, self._heard_s)
+        self._takeovers.update(self.devices, statuses, self.active, heard_s)
         return self.active

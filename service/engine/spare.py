@@ -7,8 +7,10 @@ imports everything an engine needs to load and serve the served models, writes `
 file descriptor N, then blocks on one JSON line on stdin: the engine's own variables (socket,
 device, heartbeat file, generation, standby; ``service/processes.py``). It puts them into its
 environment and runs the engine's ``main``, becoming that engine in the same process (the
-supervisor's ``Popen`` watches it as any engine). An end of input without a line: not needed
-any more, exit 0.
+supervisor's ``Popen`` watches it as any engine); once that engine's heartbeat beats, it
+writes ``taken`` to file descriptor N: the supervisor hands it the engine's place only when
+that answer comes (a stopped spare never answers). An end of input without a line: not
+needed any more, exit 0.
 
 Until then it touches no device (CUDA starts in the engine, once it knows its device, as in
 an engine started fresh), writes no heartbeat and no metric, and answers no front end. On a
@@ -27,9 +29,12 @@ import sys
 
 from service.config import load_settings
 from service.engine import process
+from service.processes import SPARE_READY, SPARE_TAKEN
 from service.repository import ModelRepository
 
-READY = b"ready\n"
+#: The engine itself (torch, the batcher, the bridge): what ``process.py`` imports once its
+#: heartbeat beats, imported here before the spare is ready.
+ENGINE_MODULE = "service.engine.serving"
 #: The module whose models are ``transformers`` classes: loading one imports its heavy part.
 _TRANSFORMERS_MODELS = "service.engine.hf_model"
 
@@ -82,18 +87,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ready-fd", type=int, required=True)
     arguments = parser.parse_args()
+    importlib.import_module(ENGINE_MODULE)
     for module in _served_backends():
         with contextlib.suppress(Exception):  # the engine reports a missing backend on load
             importlib.import_module(module)
-    # What the imports made lives as long as the process (as in process.main).
+    # What the imports made lives as long as the process (as in serving.run_engine).
     gc.collect()
     gc.freeze()
-    try:
-        os.write(arguments.ready_fd, READY)
-    except BrokenPipeError:
-        pass  # taken before it was ready: the supervisor reads its line, not this
-    finally:
-        os.close(arguments.ready_fd)
+    ready_fd = arguments.ready_fd
+    _tell(ready_fd, SPARE_READY)
     try:
         line = sys.stdin.buffer.readline()
     except KeyboardInterrupt:
@@ -104,7 +106,18 @@ def main() -> int:
     # The engine reads nothing on stdin: give it what a fresh engine would have, not the pipe.
     with open(os.devnull, "rb") as nothing:
         os.dup2(nothing.fileno(), sys.stdin.fileno())
-    return process.main()
+
+    def taken() -> None:
+        _tell(ready_fd, SPARE_TAKEN)
+        os.close(ready_fd)
+
+    return process.main(beating=taken)
+
+
+def _tell(ready_fd: int, message: bytes) -> None:
+    """Write ``message`` on the ready pipe; the supervisor may have stopped reading it."""
+    with contextlib.suppress(BrokenPipeError):
+        os.write(ready_fd, message)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ a new spare, once no engine is loading (its imports would slow that engine's loa
 host). A spare that dies is started again (after a growing wait if it keeps dying before it is
 ready); one that fails as an engine is an engine that failed, handled as such.
 
+A ready spare must prove it is alive before it takes an engine's place: it answers its line
+(``taken``, once that engine's heartbeat beats) within ``answer_timeout_s``, or it is killed
+and the engine started fresh. A spare stopped (SIGSTOP) or wedged while it waited would
+otherwise hold the place of an engine that never serves. One taken before it is ready is still
+importing and cannot answer yet; it is held, as any starting engine, to its heartbeat.
+
 The spare is a child like the engines: it dies with the supervisor, and stops with it.
 """
 
@@ -18,17 +24,17 @@ import contextlib
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 
+from service.processes import SPARE_READY, SPARE_TAKEN
 from service.server.child_processes import die_with_parent
 
 logger = logging.getLogger(__name__)
 
-#: What the spare writes on its ready pipe once its imports are done.
-READY = b"ready\n"
 #: A spare that dies before it is ready, from its second such death in a row on, is started
 #: again after this wait, doubling up to ``LONGEST_RETRY_S``: imports that fail every time
 #: (a broken environment) must not keep a core busy.
@@ -60,11 +66,15 @@ def spare_wanted(enabled: bool, engines_loading: int) -> bool:
 class SpareEngine:
     """The supervisor's spare: at most one process at a time, started with the engines'
     environment (``environ``: the settings, the metrics folder, the run folder); none at all
-    unless ``enabled``."""
+    unless ``enabled``. ``answer_timeout_s``: how long a ready spare may take to answer when
+    it is taken (the engines' heartbeat timeout: a process quiet that long is hung)."""
 
-    def __init__(self, environ: Mapping[str, str], enabled: bool = True) -> None:
+    def __init__(
+        self, environ: Mapping[str, str], enabled: bool = True, answer_timeout_s: float = 1.5
+    ) -> None:
         self._environ = environ
         self._enabled = enabled
+        self._answer_timeout_s = answer_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
         self.ready = False
         self._ready_fd: int | None = None
@@ -100,7 +110,7 @@ class SpareEngine:
         if self.ready or self._ready_fd is None or self.process is None:
             return
         with contextlib.suppress(BlockingIOError):
-            if os.read(self._ready_fd, len(READY)) == READY:
+            if os.read(self._ready_fd, len(SPARE_READY)) == SPARE_READY:
                 self.ready = True
                 logger.info(
                     "spare_engine_ready",
@@ -112,7 +122,8 @@ class SpareEngine:
 
     def take(self, variables: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
         """The spare, told to become the engine of ``variables``; None when there is none to
-        take (start the engine fresh). A new spare is started later by ``watch``."""
+        take, or it did not answer (start the engine fresh). A new spare is started later by
+        ``watch``. Waits up to ``answer_timeout_s`` for a ready spare's answer."""
         if not self.alive:  # ready or not: one still importing is further on than a new one
             return None
         process = self.process
@@ -123,13 +134,40 @@ class SpareEngine:
             process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
             process.stdin.close()
         except OSError:  # it died just now: start the engine fresh
-            process.kill()
-            process.wait()
-            self._forget()
+            self._kill()
+            return None
+        if self.ready and not self._answered():
+            logger.error(
+                "spare_engine_unresponsive",
+                extra={"pid": process.pid, "timeout_s": self._answer_timeout_s},
+            )
+            self._kill()
             return None
         logger.info("spare_engine_taken", extra={"pid": process.pid, "ready": self.ready})
         self._forget()
         return process
+
+    def _answered(self) -> bool:
+        """Whether the spare answers its line (``SPARE_TAKEN``) within ``answer_timeout_s``."""
+        assert self._ready_fd is not None
+        deadline_s = time.monotonic() + self._answer_timeout_s
+        heard = b""
+        while heard != SPARE_TAKEN:
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0 or not select.select([self._ready_fd], [], [], left_s)[0]:
+                return False
+            chunk = os.read(self._ready_fd, len(SPARE_TAKEN) - len(heard))
+            if not chunk:  # the pipe closed: it died
+                return False
+            heard += chunk
+        return True
+
+    def _kill(self) -> None:
+        """Kill the spare (dead or unresponsive) and forget it; a new one is started later."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+        self._forget()
 
     def watch(self, engines_loading: int) -> None:
         """Replace a spare that died; start one when none is alive and ``spare_wanted``, with

@@ -7,11 +7,13 @@ gunicorn with ``workers`` front ends, and watches them all without importing tor
 - An engine that exits is started again at once (after a growing back-off if it keeps dying
   young): its exit wakes the supervisor (SIGCHLD), which does not wait for its next poll.
   The front ends reconnect on their own. One that stops touching its heartbeat file for
-  ``engine_heartbeat_timeout_s`` once it has loaded its models (``STARTING_QUIET_S`` while
-  it loads them) is killed and started again. One that cannot load its model
-  (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the same way. An engine
-  started while another of its device is up starts as a standby: if it cannot load, it
-  stays up and failed (every front end reports it) and is started again
+  ``engine_heartbeat_timeout_s`` once it has loaded its models is killed and started again;
+  so is one that is still starting (imports, load, warm-up) and leaves it untouched for
+  ``engine_start_heartbeat_timeout_s``, counted from its start if it never touched it (it
+  beats from a thread from its first instant: ``engine/starting_heartbeat.py``). One that
+  cannot load its model (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the
+  same way. An engine started while another of its device is up starts as a standby: if it
+  cannot load, it stays up and failed (every front end reports it) and is started again
   ``STANDBY_RETRY_S`` later, while the active engine serves on.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
 - SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
@@ -21,6 +23,7 @@ gunicorn with ``workers`` front ends, and watches them all without importing tor
 
 With ``spare_engine``, the next engine it starts is a spare that has imported torch and the
 engine already, and only loads its models (``spare_engine.py``): a restart without imports.
+A ready spare that does not answer when it is taken is killed, and the engine started fresh.
 Every child gets SIGTERM if the supervisor dies, so none is left serving as an orphan.
 """
 
@@ -76,10 +79,6 @@ POLL_INTERVAL_S = 0.1
 STABLE_AFTER_S = 30.0
 FIRST_BACKOFF_S = 0.5
 LONGEST_BACKOFF_S = 30.0
-#: How long an engine that is still loading its models may go without a heartbeat: loading
-#: and warming up pause its event loop (full garbage collections) far longer on a busy host
-#: than serving does.
-STARTING_QUIET_S = 30.0
 #: How long a standby that could not load its models stays failed before it is started again.
 STANDBY_RETRY_S = 30.0
 
@@ -134,8 +133,7 @@ class EngineProcess:
     ) -> None:
         """Start a process, the ``spare`` if alive; ``generation`` orders it among every engine
         started (the front ends prefer the oldest ready one); ``standby``: another is up."""
-        self.heartbeat_file.write_bytes(b"")  # not ready until the engine says so
-        os.utime(self.heartbeat_file, (0, 0))  # not alive until the engine touches it
+        self._forget_heartbeat()
         variables = {
             ENGINE_SOCKET_ENV: str(self.socket),
             ENGINE_DEVICE_ENV: self.device,
@@ -144,10 +142,13 @@ class EngineProcess:
             ENGINE_GENERATION_ENV: str(generation),
             ENGINE_STANDBY_ENV: "1" if standby else "0",
         }
-        taken = spare.take(variables)
-        self.process = taken or subprocess.Popen(
-            engine_command(), env={**environ, **variables}, preexec_fn=die_with_parent
-        )
+        process = spare.take(variables)
+        if process is None:
+            self._forget_heartbeat()  # a spare killed as it was taken may have touched it
+            process = subprocess.Popen(
+                engine_command(), env={**environ, **variables}, preexec_fn=die_with_parent
+            )
+        self.process = process
         self.started_s = time.monotonic()
         self.restart_at_s = None
         self.starts += 1
@@ -164,6 +165,10 @@ class EngineProcess:
             },
         )
 
+    def _forget_heartbeat(self) -> None:
+        self.heartbeat_file.write_bytes(b"")  # not ready until the engine says so
+        os.utime(self.heartbeat_file, (0, 0))  # never touched: quiet since its start
+
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -176,18 +181,22 @@ class EngineProcess:
         except OSError:
             return b""
 
-    def quiet_for_s(self) -> float | None:
-        """Seconds since the engine last touched its heartbeat file; None before it ever has."""
+    def quiet_for_s(self) -> float:
+        """Seconds since the engine last touched its heartbeat file, or since its start if it
+        never has (the file's time is the wall clock's; the start's, the monotonic one's)."""
+        since_start_s = time.monotonic() - self.started_s
         try:
             touched_s = self.heartbeat_file.stat().st_mtime
         except OSError:
-            return None
-        return None if touched_s == 0 else time.time() - touched_s
+            return since_start_s
+        return min(since_start_s, time.time() - touched_s)
 
-    def longest_quiet_s(self, heartbeat_timeout_s: float) -> float:
-        """How long this engine may go without a heartbeat before it is declared hung."""
-        ready = self.mark() == READY_MARK
-        return heartbeat_timeout_s if ready else max(heartbeat_timeout_s, STARTING_QUIET_S)
+    def longest_quiet_s(self, settings: Settings) -> float:
+        """How long this engine may go without a heartbeat before it is declared hung: the
+        heartbeat timeout once it has loaded its models, the start's before."""
+        if self.mark() == READY_MARK:
+            return settings.engine_heartbeat_timeout_s
+        return settings.engine_start_heartbeat_timeout_s
 
 
 class Supervisor:
@@ -202,7 +211,11 @@ class Supervisor:
         self._stopping = False
         self._exit_status = 0
         self._generations = itertools.count()
-        self._spare = SpareEngine(environ, enabled=settings.spare_engine)
+        self._spare = SpareEngine(
+            environ,
+            enabled=settings.spare_engine,
+            answer_timeout_s=settings.engine_heartbeat_timeout_s,
+        )
 
     def run(self) -> int:
         woken = wake_on_signals()
@@ -302,12 +315,7 @@ class Supervisor:
             code = process.poll()
             if code is None:
                 quiet_s = engine.quiet_for_s()
-                timeout_s = self._settings.engine_heartbeat_timeout_s
-                if (
-                    quiet_s is not None
-                    and quiet_s > timeout_s
-                    and quiet_s > engine.longest_quiet_s(timeout_s)
-                ):
+                if quiet_s > engine.longest_quiet_s(self._settings):
                     logger.error(
                         "engine_unresponsive",
                         extra={
