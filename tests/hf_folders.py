@@ -110,3 +110,32 @@ def save_image_model(folder: Path, seed: int = 0) -> Path:
     )
     processor.save_pretrained(folder)
     return folder
+
+
+def save_sentence_transformer(
+    folder: Path,
+    transformer: Path,
+    pooling: str = "mean",
+    then: tuple[str, ...] = (),
+    max_seq_length: int | None = None,
+) -> Path:
+    """``transformer`` (a ``feature-extraction`` folder of ``save_text_model``) with a
+    ``pooling_mode`` Pooling and then each module named in ``then`` (``"dense"``,
+    ``"normalize"``), saved by ``SentenceTransformer.save`` into ``folder``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    encoder = Transformer(str(transformer))
+    if max_seq_length is not None:
+        encoder.max_seq_length = max_seq_length
+    hidden = encoder.get_embedding_dimension()
+    torch.manual_seed(1)
+    after = {"dense": lambda: Dense(hidden, 8), "normalize": Normalize}
+    modules = [encoder, Pooling(hidden, pooling_mode=pooling), *(after[name]() for name in then)]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder

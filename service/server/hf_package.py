@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from service.manifest import Architecture, HandlerSpec, TensorSpec
+from service.server.hf_sentence_transformers import sentence_transformers_folder
 
 ARTIFACT = "model.safetensors"
 #: The last words of ``config.architectures[0]`` -> the task served.
@@ -58,6 +59,7 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
     served. ``max_length`` (tokens) defaults to what the tokenizer and the model both hold."""
     if not folder.is_dir():
         raise ValueError(f"--hf needs a folder written by save_pretrained, got {str(folder)!r}")
+    sentence_transformers = sentence_transformers_folder(folder)
     config = _json(folder / "config.json")
     if not (folder / ARTIFACT).is_file():
         others = sorted(path.name for path in folder.iterdir() if "model" in path.name)
@@ -66,6 +68,11 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
             "save_pretrained(safe_serialization=True) and a max_shard_size above its size"
         )
     task = _task(config)
+    if sentence_transformers is not None and task != "feature-extraction":
+        raise ValueError(
+            f"{folder.name} is a sentence-transformers model over {config['architectures'][0]}; "
+            "--hf serves one over a bare *Model (feature extraction)"
+        )
     files = tuple(
         sorted(path for path in folder.iterdir() if path.is_file() and path.name != ARTIFACT)
     )
@@ -93,7 +100,8 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
             files=files,
             metadata=metadata,
         )
-    inputs, handler_options = _text_inputs(folder, config, max_length)
+    sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
+    inputs, handler_options = _text_inputs(folder, config, max_length, sequence_length)
     if task == "feature-extraction":
         hidden = _positive_int(config, "hidden_size")
         outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, hidden)),)
@@ -194,9 +202,11 @@ def model_positions(config: dict[str, Any]) -> int:
 
 
 def _text_inputs(
-    folder: Path, config: dict[str, Any], max_length: int | None
+    folder: Path, config: dict[str, Any], max_length: int | None, sequence_length: int | None
 ) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
-    """Token ids, attention mask and type ids (BERT-like configs), and the handler's options."""
+    """Token ids, attention mask and type ids (BERT-like configs), and the handler's options.
+    ``sequence_length`` (sentence-transformers' ``max_seq_length``) overrides the tokenizer's
+    ``model_max_length``, as it does in ``SentenceTransformer``."""
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(
             f"{folder.name} has no tokenizer.json; save the tokenizer with a fast tokenizer "
@@ -208,7 +218,7 @@ def _text_inputs(
         if (folder / "tokenizer_config.json").is_file()
         else {}
     )
-    declared = tokenizer_config.get("model_max_length")
+    declared = sequence_length or tokenizer_config.get("model_max_length")
     if max_length is None:
         max_length = min(positions, declared) if isinstance(declared, int) else positions
     elif max_length > positions:
