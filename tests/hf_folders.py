@@ -47,8 +47,11 @@ def tokenizer() -> Tokenizer:
     return trained
 
 
-def save_text_model(folder: Path, task: str, seed: int = 0) -> Path:
-    """A two-layer BERT for ``task`` and its tokenizer, saved into ``folder``."""
+def save_text_model(
+    folder: Path, task: str, seed: int = 0, initializer_range: float = 0.02
+) -> Path:
+    """A two-layer BERT for ``task`` and its tokenizer, saved into ``folder``; a larger
+    ``initializer_range`` makes its answers differ more from one text to another."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -66,6 +69,7 @@ def save_text_model(folder: Path, task: str, seed: int = 0) -> Path:
         num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=MAX_POSITIONS,
+        initializer_range=initializer_range,
         id2label=labels,
         label2id={label: index for index, label in labels.items()},
     )

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from service.manifest import Architecture, HandlerSpec, TensorSpec
+from service.repository import one_line
 from service.server.hf_sentence_transformers import sentence_transformers_folder
 
 ARTIFACT = "model.safetensors"
@@ -204,7 +205,8 @@ def model_positions(config: dict[str, Any]) -> int:
 def _text_inputs(
     folder: Path, config: dict[str, Any], max_length: int | None, sequence_length: int | None
 ) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
-    """Token ids, attention mask and type ids (BERT-like configs), and the handler's options.
+    """Token ids, attention mask and type ids (BERT-like configs whose tokenizer gives them),
+    and the handler's options.
     ``sequence_length`` (sentence-transformers' ``max_seq_length``) overrides the tokenizer's
     ``model_max_length``, as it does in ``SentenceTransformer``."""
     if not (folder / "tokenizer.json").is_file():
@@ -251,7 +253,11 @@ def _text_inputs(
         ),
     ]
     type_vocabulary = config.get("type_vocab_size")
-    if isinstance(type_vocabulary, int) and type_vocabulary > 0:
+    if (
+        isinstance(type_vocabulary, int)
+        and type_vocabulary > 0
+        and "token_type_ids" in _tokenizer_outputs(folder)
+    ):
         inputs.append(
             TensorSpec(
                 name="token_type_ids",
@@ -265,6 +271,21 @@ def _text_inputs(
             )
         )
     return tuple(inputs), {"tokenizer_file": "tokenizer.json"}
+
+
+def _tokenizer_outputs(folder: Path) -> list[str]:
+    """What ``transformers``' tokenizer of the folder gives the model (``model_input_names``),
+    as its pipeline loads it: a tokenizer of no model's own class gives no type ids, and the
+    model then takes zeros, also for a text pair."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # transformers raises many kinds
+        raise ValueError(
+            f"transformers cannot load the tokenizer of {folder.name}: {one_line(error)}"
+        ) from error
+    return list(tokenizer.model_input_names)
 
 
 def _image_input(folder: Path, config: dict[str, Any]) -> tuple[TensorSpec, dict[str, Any]]:
