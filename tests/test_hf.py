@@ -180,6 +180,69 @@ async def test_predict_answers_as_the_pipeline(
         await assert_answers_as_the_pipeline(client, NAMES[task], task, pipelines[task])
 
 
+PHRASE = "Ada Lovelace wrote the first program in London, not Paris. "
+#: Texts whose first 2,048 characters (32 per token of the 64 the models hold) hold fewer
+#: than 64 tokens, and long texts cut where what follows could change the last words' tokens.
+LONG_TEXTS = {
+    "leading spaces": " " * 2100 + PHRASE * 3,
+    "leading newlines": "\n" * 2100 + PHRASE * 3,
+    "leading zero-width spaces": "\u200b" * 2100 + PHRASE * 3,
+    "a long word, then ten phrases": "x" * 2040 + " " + PHRASE * 10,
+    "a long word, then a hundred phrases": "x" * 2040 + " " + PHRASE * 100,
+    "spaces between long words": ("y" * 90 + " " * 40) * 60 + PHRASE * 5,
+    "a long text": PHRASE * 400,
+}
+
+
+@pytest.mark.parametrize("text", list(LONG_TEXTS.values()), ids=list(LONG_TEXTS))
+@pytest.mark.parametrize("task", ["text-classification", "token-classification"])
+async def test_a_long_text_is_truncated_by_tokens_as_the_pipeline_truncates(
+    repository: Path, pipelines: dict[str, Callable[..., Any]], task: str, text: str
+) -> None:
+    """The model sees the text's first 64 tokens, wherever they are: a text is never cut by
+    characters short of them."""
+    async with serving(repository, NAMES[task]) as client:
+        answer = (await predict(client, NAMES[task], json={"instances": [text]}))[0]
+    if task == "text-classification":
+        assert_same_labels(answer, pipelines[task](text, truncation=True))
+        return
+    want = pipelines[task](text)
+    assert want, "the random tagger finds some entity in the text's first 64 tokens"
+    places = ("entity_group", "word", "start", "end")
+    assert [[e[key] for key in places] for e in answer] == [
+        [e[key] for key in places] for e in want
+    ]
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        {"text": "the quick brown fox", "text_pair": " " * 2100 + PHRASE * 3},
+        {"text": "\u200b" * 2100 + PHRASE * 40, "text_pair": PHRASE * 45},
+        {"text": PHRASE * 45, "text_pair": PHRASE * 40},
+    ],
+    ids=["leading spaces", "both long", "both long, the first longer"],
+)
+async def test_a_long_pair_is_truncated_as_the_pipeline_truncates_it(
+    repository: Path, pipelines: dict[str, Callable[..., Any]], pair: dict[str, str]
+) -> None:
+    async with serving(repository, "sentiment") as client:
+        answer = (await predict(client, "sentiment", json={"instances": [pair]}))[0]
+    assert_same_labels(answer, [pipelines["text-classification"](pair, truncation=True)])
+
+
+async def test_a_pair_with_a_text_above_max_chars_is_refused(repository: Path) -> None:
+    """A pair is tokenized whole (which text truncation shortens depends on both lengths),
+    so each of its texts is bounded by characters."""
+    pair = {"text": "the quick brown fox", "text_pair": "jumps " * 20_000}
+    async with serving(repository, "sentiment") as client:
+        response = await client.post("/models/sentiment/predict", json={"instances": [pair]})
+    assert response.status_code == 413, response.text
+    assert "instance 0's text_pair (a pair is not cut) is 120,000 characters long" in (
+        response.text
+    )
+
+
 def scores_of(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True)
