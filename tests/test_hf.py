@@ -5,6 +5,7 @@ answering as ``transformers``' pipeline answers on the same folder (1e-4 on scor
 from __future__ import annotations
 
 import io
+import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -347,10 +348,53 @@ def test_a_folder_without_a_served_architecture_is_refused_naming_it(
     assert "architecture 'BertForMaskedLM' is not served by --hf" in capsys.readouterr().err
 
 
-def test_every_file_of_the_folder_is_hashed_into_the_version(
+def test_every_file_of_a_saved_folder_is_hashed_into_the_version(
     repository: Path, folders: dict[str, Path]
 ) -> None:
     versions = ModelStore(repository).versions("sentiment")
     manifest = next(version for version in versions if "exported_from" not in version.metadata)
     assert set(manifest.files) == {path.name for path in folders["text-classification"].iterdir()}
     assert manifest.version_matches_content
+
+
+#: What a training run leaves beside a saved model, and why each is left out.
+TRAINING_LEFTOVERS = {
+    "pytorch_model.bin": "weights or training state; the version loads model.safetensors alone",
+    "training_args.bin": "weights or training state; the version loads model.safetensors alone",
+    "optimizer.pt": "weights or training state; the version loads model.safetensors alone",
+    "scheduler.pt": "weights or training state; the version loads model.safetensors alone",
+    "rng_state.pth": "weights or training state; the version loads model.safetensors alone",
+    "labels.pkl": "a pickle, never loaded",
+    "modeling_custom.py": "code, never run",
+    "trainer_state.json": "not read when serving",
+    "README.md": "not read when serving",
+    "checkpoint-500": "a folder",
+}
+
+
+def test_files_serving_never_reads_are_left_out_of_the_version_and_named(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The version, and so its id, holds what serving reads: the same as without them."""
+    clean = folders["text-classification"]
+    trained = tmp_path / "trained"
+    shutil.copytree(clean, trained)
+    for name in TRAINING_LEFTOVERS:
+        if name == "checkpoint-500":
+            (trained / name).mkdir()
+        else:
+            (trained / name).write_bytes(b"left by training")
+    args = ["package", "--repository", str(tmp_path / "repository"), "--name", "sentiment"]
+    capsys.readouterr()
+
+    assert main([*args, "--hf", str(clean)]) == 0
+    clean_version = capsys.readouterr().out.strip()
+    assert main([*args, "--hf", str(trained)]) == 0
+    printed = capsys.readouterr()
+
+    assert printed.out.strip() == clean_version
+    manifest = ModelStore(tmp_path / "repository").resolve("sentiment")
+    assert set(manifest.files) == {path.name for path in clean.iterdir()}
+    assert "left out of sentiment@" in printed.err
+    for name, why in TRAINING_LEFTOVERS.items():
+        assert f"{name} ({why})" in printed.err

@@ -2,11 +2,10 @@
 
 The folder's ``config.json`` says the task (its ``architectures``), the labels (``id2label``)
 and what the model can hold (``max_position_embeddings``, ``image_size``); its
-``tokenizer.json`` or ``preprocessor_config.json`` becomes the handler's options. Every file
-of the folder is packaged and hashed with the version, ``model.safetensors`` as its artifact,
-loaded into the architecture ``service.engine.hf_model`` rebuilds from the config. This module
-reads JSON only; ``transformers`` is imported when the model is built (the engine, and the
-packaging check).
+``tokenizer.json`` or ``preprocessor_config.json`` becomes the handler's options. The files
+serving reads (``hf_files``) are packaged and hashed with the version, ``model.safetensors``
+as its artifact, loaded into the architecture ``service.engine.hf_model`` rebuilds from the
+config; the rest (training state, other weights, code) is left out and named.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import orjson
 
 from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.repository import one_line
+from service.server.hf_files import folder_files
 from service.server.hf_sentence_transformers import sentence_transformers_folder
 
 ARTIFACT = "model.safetensors"
@@ -53,6 +53,8 @@ class HFVersion:
     handler: HandlerSpec
     files: tuple[Path, ...]
     metadata: dict[str, Any]
+    left_out: tuple[str, ...] = ()
+    """The folder's files left out of the version, each with why (``hf_files``)."""
 
 
 def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
@@ -74,9 +76,8 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
             f"{folder.name} is a sentence-transformers model over {config['architectures'][0]}; "
             "--hf serves one over a bare *Model (feature extraction)"
         )
-    files = tuple(
-        sorted(path for path in folder.iterdir() if path.is_file() and path.name != ARTIFACT)
-    )
+    contents = folder_files(folder, ARTIFACT)
+    files = contents.kept
     labels = _labels(config) if task != "feature-extraction" else None
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
     if task == "image-classification":
@@ -100,6 +101,7 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
             ),
             files=files,
             metadata=metadata,
+            left_out=contents.left_out,
         )
     sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
     inputs, handler_options = _text_inputs(folder, config, max_length, sequence_length)
@@ -141,6 +143,7 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         handler=HandlerSpec(import_path=import_path, options=handler_options),
         files=files,
         metadata=metadata,
+        left_out=contents.left_out,
     )
 
 
