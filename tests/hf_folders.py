@@ -143,3 +143,74 @@ def save_sentence_transformer(
     modules = [encoder, Pooling(hidden, pooling_mode=pooling), *(after[name]() for name in then)]
     SentenceTransformer(modules=modules, device="cpu").save(str(folder))
     return folder
+
+
+def save_distilbert_classifier(folder: Path, seed: int = 0) -> Path:
+    """A one-layer DistilBERT fine-tuned without naming its labels: transformers 5 writes no
+    ``id2label`` for the default two (``AutoConfig`` gives ``LABEL_0`` and ``LABEL_1``)."""
+    from transformers import (
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    trained = tokenizer()
+    config = DistilBertConfig(
+        vocab_size=trained.get_vocab_size(),
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        hidden_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    DistilBertForSequenceClassification(config).eval().save_pretrained(folder)
+    special = {"unk_token": "[UNK]", "pad_token": "[PAD]", "cls_token": "[CLS]"}
+    PreTrainedTokenizerFast(
+        tokenizer_object=trained, sep_token="[SEP]", model_max_length=MAX_POSITIONS, **special
+    ).save_pretrained(folder)
+    return folder
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """A GPT-2-style byte-level BPE trained on ``CORPUS``; ``<|endoftext|>`` is its id 0."""
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    trained.train_from_iterator(CORPUS * 5, trainer)
+    return trained
+
+
+def save_gpt2_model(folder: Path, head: bool = False, seed: int = 0) -> Path:
+    """A one-layer GPT-2, bare (``GPT2Model``) or with its language-model head, and its
+    tokenizer; its config names its length ``n_positions``, as GPT-2's does."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model, PreTrainedTokenizerFast
+
+    trained = byte_level_tokenizer()
+    config = GPT2Config(
+        vocab_size=trained.get_vocab_size(),
+        n_positions=MAX_POSITIONS,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    (GPT2LMHeadModel if head else GPT2Model)(config).eval().save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=trained,
+        unk_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        model_max_length=MAX_POSITIONS,
+    ).save_pretrained(folder)
+    return folder

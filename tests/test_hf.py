@@ -28,6 +28,8 @@ from tests.hf_folders import (
     IMAGE_LABELS,
     MAX_POSITIONS,
     TOKEN_LABELS,
+    save_distilbert_classifier,
+    save_gpt2_model,
     save_image_model,
     save_text_model,
 )
@@ -346,6 +348,58 @@ def test_a_folder_without_a_served_architecture_is_refused_naming_it(
     )
     assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
     assert "architecture 'BertForMaskedLM' is not served by --hf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("save", "task"),
+    [(save_distilbert_classifier, "text-classification"), (save_gpt2_model, "feature-extraction")],
+    ids=["distilbert without label names", "bare gpt2"],
+)
+async def test_folders_transformers_reads_are_served_as_the_pipeline_answers(
+    tmp_path: Path, save: Callable[[Path], Path], task: str
+) -> None:
+    """A DistilBERT whose config.json names no labels (``AutoConfig`` gives ``LABEL_0``...),
+    and a bare GPT-2, whose config names its length ``n_positions``."""
+    from transformers import pipeline
+
+    folder = save(tmp_path / "folder")
+    repository = tmp_path / "repository"
+    assert (
+        main(["package", "--repository", str(repository), "--name", "m", "--hf", str(folder)]) == 0
+    )
+    manifest = ModelStore(repository).resolve("m")
+    assert manifest.metadata["task"] == task
+    assert manifest.inputs[0].max_length == MAX_POSITIONS
+    async with serving(repository, "m") as client:
+        await assert_answers_as_the_pipeline(client, "m", task, pipeline(task, model=str(folder)))
+
+
+def test_a_language_model_is_refused_naming_it_and_what_is_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = save_gpt2_model(tmp_path / "gpt2", head=True)
+    capsys.readouterr()
+    assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "architecture 'GPT2LMHeadModel' is not served by --hf" in error
+    assert "*ForSequenceClassification" in error
+    assert "the bare model (GPT2Model) as feature extraction" in error
+    assert "text generation" in error
+
+
+def test_a_folder_without_model_safetensors_is_refused_saying_how_to_save_it(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As older transformers saved it: ``pytorch_model.bin``, which is never unpickled."""
+    folder = tmp_path / "old"
+    shutil.copytree(folders["text-classification"], folder)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    capsys.readouterr()
+    assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "has no single model.safetensors (found ['pytorch_model.bin'])" in error
+    assert "model.save_pretrained(new)" in error
+    assert "tokenizer.save_pretrained(new)" in error
 
 
 def test_every_file_of_a_saved_folder_is_hashed_into_the_version(
