@@ -1,5 +1,6 @@
 """Tiny ``transformers`` models written by ``save_pretrained``, built offline for the tests:
-random weights from small configs, a WordPiece tokenizer trained here, a ViT image processor."""
+random weights from small configs, a WordPiece tokenizer built here from a few sentences (a
+byte-level BPE trained here for GPT-2), a ViT image processor."""
 
 from __future__ import annotations
 
@@ -30,21 +31,32 @@ MAX_POSITIONS = 64
 
 
 def tokenizer() -> Tokenizer:
-    """A BERT-style WordPiece tokenizer trained on ``CORPUS``."""
-    trained = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    trained.normalizer = normalizers.BertNormalizer(lowercase=True)
-    trained.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trained.decoder = decoders.WordPiece()
+    """A BERT-style WordPiece tokenizer whose vocabulary is ``CORPUS``'s words, then its
+    letters and their ``##`` continuations, in sorted order: the same on every run (one the
+    ``tokenizers`` trainer makes is not, so neither were the models' answers)."""
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    splitter = pre_tokenizers.BertPreTokenizer()
+    words = sorted(
+        {
+            word
+            for text in CORPUS
+            for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text))
+        }
+    )
+    letters = sorted({letter for word in words for letter in word})
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    trainer = trainers.WordPieceTrainer(vocab_size=120, special_tokens=special)
-    trained.train_from_iterator(CORPUS * 5, trainer)
-    cls_id, sep_id = trained.token_to_id("[CLS]"), trained.token_to_id("[SEP]")
-    trained.post_processor = processors.TemplateProcessing(
+    tokens = dict.fromkeys([*special, *words, *letters, *(f"##{letter}" for letter in letters)])
+    vocabulary = {token: index for index, token in enumerate(tokens)}
+    built = Tokenizer(models.WordPiece(vocabulary, unk_token="[UNK]"))
+    built.normalizer = normalizer
+    built.pre_tokenizer = splitter
+    built.decoder = decoders.WordPiece()
+    built.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+        special_tokens=[("[CLS]", vocabulary["[CLS]"]), ("[SEP]", vocabulary["[SEP]"])],
     )
-    return trained
+    return built
 
 
 def save_text_model(
