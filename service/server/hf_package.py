@@ -1,7 +1,8 @@
 """``batchserve package --hf DIR``: a ``save_pretrained`` folder as a version, with no code.
 
-The folder's ``config.json`` says the task (its ``architectures``), the labels (``id2label``)
-and what the model can hold (``max_position_embeddings``, ``image_size``); its
+The folder's ``config.json``, read as ``transformers`` reads it (``AutoConfig``: default labels,
+each model's own key names), says the task (its ``architectures``), the labels
+(``id2label``) and what the model can hold (``max_position_embeddings``); its
 ``tokenizer.json`` or ``preprocessor_config.json`` becomes the handler's options. The files
 serving reads (``hf_files``) are packaged and hashed with the version, ``model.safetensors``
 as its artifact, loaded into the architecture ``service.engine.hf_model`` rebuilds from the
@@ -81,7 +82,7 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
     if sentence_transformers is not None and task != "feature-extraction":
         raise ValueError(
             f"{folder.name} is a sentence-transformers model over {config['architectures'][0]}; "
-            "--hf serves one over a bare *Model (feature extraction)"
+            "--hf serves one over the bare model (feature extraction)"
         )
     contents = folder_files(folder, ARTIFACT)
     files = contents.kept
