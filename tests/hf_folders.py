@@ -1,5 +1,6 @@
 """Tiny ``transformers`` models written by ``save_pretrained``, built offline for the tests:
-random weights from small configs, a WordPiece tokenizer trained here, a ViT image processor."""
+random weights from small configs, a WordPiece tokenizer built here from a few sentences (a
+byte-level BPE trained here for GPT-2), a ViT image processor."""
 
 from __future__ import annotations
 
@@ -30,25 +31,39 @@ MAX_POSITIONS = 64
 
 
 def tokenizer() -> Tokenizer:
-    """A BERT-style WordPiece tokenizer trained on ``CORPUS``."""
-    trained = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    trained.normalizer = normalizers.BertNormalizer(lowercase=True)
-    trained.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trained.decoder = decoders.WordPiece()
+    """A BERT-style WordPiece tokenizer whose vocabulary is ``CORPUS``'s words, then its
+    letters and their ``##`` continuations, in sorted order: the same on every run (one the
+    ``tokenizers`` trainer makes is not, so neither were the models' answers)."""
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    splitter = pre_tokenizers.BertPreTokenizer()
+    words = sorted(
+        {
+            word
+            for text in CORPUS
+            for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text))
+        }
+    )
+    letters = sorted({letter for word in words for letter in word})
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    trainer = trainers.WordPieceTrainer(vocab_size=120, special_tokens=special)
-    trained.train_from_iterator(CORPUS * 5, trainer)
-    cls_id, sep_id = trained.token_to_id("[CLS]"), trained.token_to_id("[SEP]")
-    trained.post_processor = processors.TemplateProcessing(
+    tokens = dict.fromkeys([*special, *words, *letters, *(f"##{letter}" for letter in letters)])
+    vocabulary = {token: index for index, token in enumerate(tokens)}
+    built = Tokenizer(models.WordPiece(vocabulary, unk_token="[UNK]"))
+    built.normalizer = normalizer
+    built.pre_tokenizer = splitter
+    built.decoder = decoders.WordPiece()
+    built.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+        special_tokens=[("[CLS]", vocabulary["[CLS]"]), ("[SEP]", vocabulary["[SEP]"])],
     )
-    return trained
+    return built
 
 
-def save_text_model(folder: Path, task: str, seed: int = 0) -> Path:
-    """A two-layer BERT for ``task`` and its tokenizer, saved into ``folder``."""
+def save_text_model(
+    folder: Path, task: str, seed: int = 0, initializer_range: float = 0.02
+) -> Path:
+    """A two-layer BERT for ``task`` and its tokenizer, saved into ``folder``; a larger
+    ``initializer_range`` makes its answers differ more from one text to another."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -66,6 +81,7 @@ def save_text_model(folder: Path, task: str, seed: int = 0) -> Path:
         num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=MAX_POSITIONS,
+        initializer_range=initializer_range,
         id2label=labels,
         label2id={label: index for index, label in labels.items()},
     )
@@ -109,4 +125,104 @@ def save_image_model(folder: Path, seed: int = 0) -> Path:
         size={"height": 32, "width": 32}, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.25]
     )
     processor.save_pretrained(folder)
+    return folder
+
+
+def save_sentence_transformer(
+    folder: Path,
+    transformer: Path,
+    pooling: str = "mean",
+    then: tuple[str, ...] = (),
+    max_seq_length: int | None = None,
+) -> Path:
+    """``transformer`` (a ``feature-extraction`` folder of ``save_text_model``) with a
+    ``pooling_mode`` Pooling and then each module named in ``then`` (``"dense"``,
+    ``"normalize"``), saved by ``SentenceTransformer.save`` into ``folder``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    encoder = Transformer(str(transformer))
+    if max_seq_length is not None:
+        encoder.max_seq_length = max_seq_length
+    hidden = encoder.get_embedding_dimension()
+    torch.manual_seed(1)
+    after = {"dense": lambda: Dense(hidden, 8), "normalize": Normalize}
+    modules = [encoder, Pooling(hidden, pooling_mode=pooling), *(after[name]() for name in then)]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
+def save_distilbert_classifier(folder: Path, seed: int = 0) -> Path:
+    """A one-layer DistilBERT fine-tuned without naming its labels: transformers 5 writes no
+    ``id2label`` for the default two (``AutoConfig`` gives ``LABEL_0`` and ``LABEL_1``)."""
+    from transformers import (
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    trained = tokenizer()
+    config = DistilBertConfig(
+        vocab_size=trained.get_vocab_size(),
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        hidden_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    DistilBertForSequenceClassification(config).eval().save_pretrained(folder)
+    special = {"unk_token": "[UNK]", "pad_token": "[PAD]", "cls_token": "[CLS]"}
+    PreTrainedTokenizerFast(
+        tokenizer_object=trained, sep_token="[SEP]", model_max_length=MAX_POSITIONS, **special
+    ).save_pretrained(folder)
+    return folder
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """A GPT-2-style byte-level BPE trained on ``CORPUS``; ``<|endoftext|>`` is its id 0."""
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    trained.train_from_iterator(CORPUS * 5, trainer)
+    return trained
+
+
+def save_gpt2_model(folder: Path, head: bool = False, seed: int = 0) -> Path:
+    """A one-layer GPT-2, bare (``GPT2Model``) or with its language-model head, and its
+    tokenizer; its config names its length ``n_positions``, as GPT-2's does."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model, PreTrainedTokenizerFast
+
+    trained = byte_level_tokenizer()
+    config = GPT2Config(
+        vocab_size=trained.get_vocab_size(),
+        n_positions=MAX_POSITIONS,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    (GPT2LMHeadModel if head else GPT2Model)(config).eval().save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=trained,
+        unk_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        model_max_length=MAX_POSITIONS,
+    ).save_pretrained(folder)
     return folder

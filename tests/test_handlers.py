@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from service.errors import (
     BadRequestError,
@@ -648,6 +650,113 @@ def test_a_long_text_costs_only_what_truncation_keeps(tmp_path: Path) -> None:
     whole_started_s = time.perf_counter()
     tokenizer.encode("i loved this film " * 15_000)
     assert elapsed_s < (time.perf_counter() - whole_started_s) / 5
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " " * 300 + "i loved this film " * 3,
+        "\n" * 300 + "i loved this film " * 3,
+        "\u200b" * 300 + "i loved this film " * 3,
+        "x" * 250 + " hated it " * 30,
+        "i loved this film " * 100,
+        ("a" * 40 + " " * 20) * 30 + "hated it " * 3,
+    ],
+    ids=["spaces", "newlines", "zero-width spaces", "long word", "long text", "long words"],
+)
+def test_a_long_text_gives_the_tokens_of_the_whole_text_truncated(
+    tmp_path: Path, text: str
+) -> None:
+    """Its first 8 tokens, however many characters precede them (the handler tokenizes
+    256 characters first, 32 per token)."""
+    handler, tokenizer = text_handler(tmp_path)
+    tokenizer.enable_truncation(MAX_LENGTH)
+
+    inputs = handler.preprocess(json_request({"instances": [text]}))
+
+    assert inputs["input_ids"].tolist() == [tokenizer.encode(text).ids]
+
+
+def byte_level_handler(folder: Path) -> tuple[TextHandler, Tokenizer]:
+    """A GPT-2-style tokenizer (byte-level BPE: its split of spaces looks ahead) behind a text
+    handler truncating at 8 tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(["i loved this film", "hated it", "a film"] * 5, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    ids = ids_spec(max_value=tokenizer.get_vocab_size() - 1).model_copy(update={"min_value": 0})
+    context = make_context(folder, (ids, MASK), (SENTIMENT,), files=("tokenizer.json",))
+    return TextHandler(context), tokenizer
+
+
+PIECES = [
+    "i",
+    "loved",
+    "this",
+    "film",
+    "hated",
+    "it",
+    "a",
+    "x" * 120,
+    "!",
+    ",",
+    "\u00e9",
+    "e\u0301",
+]
+GAPS = [" ", "  ", "\n", "\t", "\u200b", " \u200b ", "", " " * 50]
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.sampled_from(PIECES), st.sampled_from(GAPS)), max_size=120),
+    lead=st.sampled_from(["", " " * 300, "\u200b" * 300, "y" * 300]),
+    kind=st.sampled_from(["wordpiece", "byte-level"]),
+)
+def test_any_text_gives_the_tokens_of_the_whole_text_truncated(
+    tmp_path_factory: pytest.TempPathFactory, pieces: list[tuple[str, str]], lead: str, kind: str
+) -> None:
+    folder = tmp_path_factory.mktemp(kind)
+    handlers = {"wordpiece": text_handler, "byte-level": byte_level_handler}
+    handler, tokenizer = handlers[kind](folder)
+    tokenizer.enable_truncation(MAX_LENGTH)
+    text = lead + "".join(piece + gap for piece, gap in pieces)
+    if not tokenizer.encode(text).ids:
+        return  # refused as empty, whatever its length
+
+    inputs = handler.preprocess(json_request({"instances": [text]}))
+
+    assert inputs["input_ids"].tolist() == [tokenizer.encode(text).ids]
+
+
+def test_a_text_whose_first_max_chars_hold_too_few_tokens_is_refused(tmp_path: Path) -> None:
+    handler, _ = text_handler(tmp_path, max_chars=1000)
+    text = " " * 1200 + "i loved it"
+
+    message = refusal(
+        lambda: handler.preprocess(json_request({"instances": ["i loved it", text]})),
+        PayloadTooLargeError,
+    )
+
+    assert message.startswith(
+        "instance 1 is 1,210 characters long and its first 1,000 hold fewer than 8 tokens"
+    )
+
+
+def test_cutting_a_requests_texts_is_bounded_by_max_request_chars(tmp_path: Path) -> None:
+    """Three texts whose first 8 tokens lie past 2,000 spaces: finding them would take
+    3 * (256 + 512 + 1024 + 2048) characters tokenized, beyond the 3,000 allowed."""
+    handler, _ = text_handler(tmp_path, max_chars=10_000, max_request_chars=3000)
+    texts = [" " * 2000 + "i loved it"] * 3
+
+    message = refusal(
+        lambda: handler.preprocess(json_request({"instances": texts})), PayloadTooLargeError
+    )
+
+    assert message.startswith(
+        "finding the first 8 tokens of the request's 3 texts takes more than 3,000 characters"
+    )
 
 
 def test_texts_above_the_character_limits_are_refused_before_tokenizing(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ answering as ``transformers``' pipeline answers on the same folder (1e-4 on scor
 from __future__ import annotations
 
 import io
+import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,6 +28,8 @@ from tests.hf_folders import (
     IMAGE_LABELS,
     MAX_POSITIONS,
     TOKEN_LABELS,
+    save_distilbert_classifier,
+    save_gpt2_model,
     save_image_model,
     save_text_model,
 )
@@ -61,8 +64,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     made = {
         task: save_text_model(root / task, task)
-        for task in ("text-classification", "token-classification", "feature-extraction")
+        for task in ("token-classification", "feature-extraction")
     }
+    # Scores that differ from one text to the next by far more than the tolerance.
+    made["text-classification"] = save_text_model(
+        root / "text-classification", "text-classification", initializer_range=0.3
+    )
     made["image-classification"] = save_image_model(root / "image-classification")
     return made
 
@@ -176,6 +183,69 @@ async def test_predict_answers_as_the_pipeline(
         await assert_answers_as_the_pipeline(client, NAMES[task], task, pipelines[task])
 
 
+PHRASE = "Ada Lovelace wrote the first program in London, not Paris. "
+#: Texts whose first 2,048 characters (32 per token of the 64 the models hold) hold fewer
+#: than 64 tokens, and long texts cut where what follows could change the last words' tokens.
+LONG_TEXTS = {
+    "leading spaces": " " * 2100 + PHRASE * 3,
+    "leading newlines": "\n" * 2100 + PHRASE * 3,
+    "leading zero-width spaces": "\u200b" * 2100 + PHRASE * 3,
+    "a long word, then ten phrases": "x" * 2040 + " " + PHRASE * 10,
+    "a long word, then a hundred phrases": "x" * 2040 + " " + PHRASE * 100,
+    "spaces between long words": ("y" * 90 + " " * 40) * 60 + PHRASE * 5,
+    "a long text": PHRASE * 400,
+}
+
+
+@pytest.mark.parametrize("text", list(LONG_TEXTS.values()), ids=list(LONG_TEXTS))
+@pytest.mark.parametrize("task", ["text-classification", "token-classification"])
+async def test_a_long_text_is_truncated_by_tokens_as_the_pipeline_truncates(
+    repository: Path, pipelines: dict[str, Callable[..., Any]], task: str, text: str
+) -> None:
+    """The model sees the text's first 64 tokens, wherever they are: a text is never cut by
+    characters short of them."""
+    async with serving(repository, NAMES[task]) as client:
+        answer = (await predict(client, NAMES[task], json={"instances": [text]}))[0]
+    if task == "text-classification":
+        assert_same_labels(answer, pipelines[task](text, truncation=True))
+        return
+    want = pipelines[task](text)
+    assert want, "the random tagger finds some entity in the text's first 64 tokens"
+    places = ("entity_group", "word", "start", "end")
+    assert [[e[key] for key in places] for e in answer] == [
+        [e[key] for key in places] for e in want
+    ]
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        {"text": "the quick brown fox", "text_pair": " " * 2100 + PHRASE * 3},
+        {"text": "\u200b" * 2100 + PHRASE * 40, "text_pair": PHRASE * 45},
+        {"text": PHRASE * 45, "text_pair": PHRASE * 40},
+    ],
+    ids=["leading spaces", "both long", "both long, the first longer"],
+)
+async def test_a_long_pair_is_truncated_as_the_pipeline_truncates_it(
+    repository: Path, pipelines: dict[str, Callable[..., Any]], pair: dict[str, str]
+) -> None:
+    async with serving(repository, "sentiment") as client:
+        answer = (await predict(client, "sentiment", json={"instances": [pair]}))[0]
+    assert_same_labels(answer, [pipelines["text-classification"](pair, truncation=True)])
+
+
+async def test_a_pair_with_a_text_above_max_chars_is_refused(repository: Path) -> None:
+    """A pair is tokenized whole (which text truncation shortens depends on both lengths),
+    so each of its texts is bounded by characters."""
+    pair = {"text": "the quick brown fox", "text_pair": "jumps " * 20_000}
+    async with serving(repository, "sentiment") as client:
+        response = await client.post("/models/sentiment/predict", json={"instances": [pair]})
+    assert response.status_code == 413, response.text
+    assert "instance 0's text_pair (a pair is not cut) is 120,000 characters long" in (
+        response.text
+    )
+
+
 def scores_of(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True)
@@ -280,10 +350,105 @@ def test_a_folder_without_a_served_architecture_is_refused_naming_it(
     assert "architecture 'BertForMaskedLM' is not served by --hf" in capsys.readouterr().err
 
 
-def test_every_file_of_the_folder_is_hashed_into_the_version(
+@pytest.mark.parametrize(
+    ("save", "task"),
+    [(save_distilbert_classifier, "text-classification"), (save_gpt2_model, "feature-extraction")],
+    ids=["distilbert without label names", "bare gpt2"],
+)
+async def test_folders_transformers_reads_are_served_as_the_pipeline_answers(
+    tmp_path: Path, save: Callable[[Path], Path], task: str
+) -> None:
+    """A DistilBERT whose config.json names no labels (``AutoConfig`` gives ``LABEL_0``...),
+    and a bare GPT-2, whose config names its length ``n_positions``."""
+    from transformers import pipeline
+
+    folder = save(tmp_path / "folder")
+    repository = tmp_path / "repository"
+    assert (
+        main(["package", "--repository", str(repository), "--name", "m", "--hf", str(folder)]) == 0
+    )
+    manifest = ModelStore(repository).resolve("m")
+    assert manifest.metadata["task"] == task
+    assert manifest.inputs[0].max_length == MAX_POSITIONS
+    async with serving(repository, "m") as client:
+        await assert_answers_as_the_pipeline(client, "m", task, pipeline(task, model=str(folder)))
+
+
+def test_a_language_model_is_refused_naming_it_and_what_is_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = save_gpt2_model(tmp_path / "gpt2", head=True)
+    capsys.readouterr()
+    assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "architecture 'GPT2LMHeadModel' is not served by --hf" in error
+    assert "*ForSequenceClassification" in error
+    assert "the bare model (GPT2Model) as feature extraction" in error
+    assert "text generation" in error
+
+
+def test_a_folder_without_model_safetensors_is_refused_saying_how_to_save_it(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As older transformers saved it: ``pytorch_model.bin``, which is never unpickled."""
+    folder = tmp_path / "old"
+    shutil.copytree(folders["text-classification"], folder)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    capsys.readouterr()
+    assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "has no single model.safetensors (found ['pytorch_model.bin'])" in error
+    assert "model.save_pretrained(new)" in error
+    assert "tokenizer.save_pretrained(new)" in error
+
+
+def test_every_file_of_a_saved_folder_is_hashed_into_the_version(
     repository: Path, folders: dict[str, Path]
 ) -> None:
     versions = ModelStore(repository).versions("sentiment")
     manifest = next(version for version in versions if "exported_from" not in version.metadata)
     assert set(manifest.files) == {path.name for path in folders["text-classification"].iterdir()}
     assert manifest.version_matches_content
+
+
+#: What a training run leaves beside a saved model, and why each is left out.
+TRAINING_LEFTOVERS = {
+    "pytorch_model.bin": "weights or training state; the version loads model.safetensors alone",
+    "training_args.bin": "weights or training state; the version loads model.safetensors alone",
+    "optimizer.pt": "weights or training state; the version loads model.safetensors alone",
+    "scheduler.pt": "weights or training state; the version loads model.safetensors alone",
+    "rng_state.pth": "weights or training state; the version loads model.safetensors alone",
+    "labels.pkl": "a pickle, never loaded",
+    "modeling_custom.py": "code, never run",
+    "trainer_state.json": "not read when serving",
+    "README.md": "not read when serving",
+    "checkpoint-500": "a folder",
+}
+
+
+def test_files_serving_never_reads_are_left_out_of_the_version_and_named(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The version, and so its id, holds what serving reads: the same as without them."""
+    clean = folders["text-classification"]
+    trained = tmp_path / "trained"
+    shutil.copytree(clean, trained)
+    for name in TRAINING_LEFTOVERS:
+        if name == "checkpoint-500":
+            (trained / name).mkdir()
+        else:
+            (trained / name).write_bytes(b"left by training")
+    args = ["package", "--repository", str(tmp_path / "repository"), "--name", "sentiment"]
+    capsys.readouterr()
+
+    assert main([*args, "--hf", str(clean)]) == 0
+    clean_version = capsys.readouterr().out.strip()
+    assert main([*args, "--hf", str(trained)]) == 0
+    printed = capsys.readouterr()
+
+    assert printed.out.strip() == clean_version
+    manifest = ModelStore(tmp_path / "repository").resolve("sentiment")
+    assert set(manifest.files) == {path.name for path in clean.iterdir()}
+    assert "left out of sentiment@" in printed.err
+    for name, why in TRAINING_LEFTOVERS.items():
+        assert f"{name} ({why})" in printed.err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from service.packaging.spec import check_handler
@@ -48,4 +49,10 @@ def package_hf(args: argparse.Namespace, repository: Path) -> int:
         check_version=check_handler,
     )
     print(manifest.version)
+    if version.left_out:
+        print(
+            f"batchserve: left out of {manifest.label}, as serving never reads them: "
+            f"{'; '.join(version.left_out)}",
+            file=sys.stderr,
+        )
     return 0

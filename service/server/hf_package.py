@@ -1,12 +1,12 @@
 """``batchserve package --hf DIR``: a ``save_pretrained`` folder as a version, with no code.
 
-The folder's ``config.json`` says the task (its ``architectures``), the labels (``id2label``)
-and what the model can hold (``max_position_embeddings``, ``image_size``); its
-``tokenizer.json`` or ``preprocessor_config.json`` becomes the handler's options. Every file
-of the folder is packaged and hashed with the version, ``model.safetensors`` as its artifact,
-loaded into the architecture ``service.engine.hf_model`` rebuilds from the config. This module
-reads JSON only; ``transformers`` is imported when the model is built (the engine, and the
-packaging check).
+The folder's ``config.json``, read as ``transformers`` reads it (``AutoConfig``: default labels,
+each model's own key names), says the task (its ``architectures``), the labels
+(``id2label``) and what the model can hold (``max_position_embeddings``); its
+``tokenizer.json`` or ``preprocessor_config.json`` becomes the handler's options. The files
+serving reads (``hf_files``) are packaged and hashed with the version, ``model.safetensors``
+as its artifact, loaded into the architecture ``service.engine.hf_model`` rebuilds from the
+config; the rest (training state, other weights, code) is left out and named.
 """
 
 from __future__ import annotations
@@ -18,15 +18,20 @@ from typing import Any
 import orjson
 
 from service.manifest import Architecture, HandlerSpec, TensorSpec
+from service.repository import one_line
+from service.server.hf_files import folder_files
+from service.server.hf_sentence_transformers import sentence_transformers_folder
 
 ARTIFACT = "model.safetensors"
-#: The last words of ``config.architectures[0]`` -> the task served.
+#: The last words of ``config.architectures[0]`` -> the task served (and a model's bare
+#: class, ``BertModel``, is ``feature-extraction``).
 _TASK_SUFFIXES = (
     ("ForSequenceClassification", "text-classification"),
     ("ForTokenClassification", "token-classification"),
     ("ForImageClassification", "image-classification"),
-    ("Model", "feature-extraction"),
 )
+#: Language-model heads, for the refusal's words.
+_GENERATION_SUFFIXES = ("LMHeadModel", "ForCausalLM", "ForConditionalGeneration")
 #: Models whose positions start after the padding index (``padding_idx + 1``).
 _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
 #: PIL's resampling codes, as ``preprocessor_config.json`` writes them.
@@ -51,6 +56,8 @@ class HFVersion:
     handler: HandlerSpec
     files: tuple[Path, ...]
     metadata: dict[str, Any]
+    left_out: tuple[str, ...] = ()
+    """The folder's files left out of the version, each with why (``hf_files``)."""
 
 
 def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
@@ -58,21 +65,31 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
     served. ``max_length`` (tokens) defaults to what the tokenizer and the model both hold."""
     if not folder.is_dir():
         raise ValueError(f"--hf needs a folder written by save_pretrained, got {str(folder)!r}")
+    sentence_transformers = sentence_transformers_folder(folder)
     config = _json(folder / "config.json")
     if not (folder / ARTIFACT).is_file():
         others = sorted(path.name for path in folder.iterdir() if "model" in path.name)
         raise ValueError(
-            f"{folder.name} has no single {ARTIFACT} (found {others}); save it with "
-            "save_pretrained(safe_serialization=True) and a max_shard_size above its size"
+            f"{folder.name} has no single {ARTIFACT} (found {others}): load it with "
+            "transformers and save it into a new folder, with its tokenizer (or image "
+            "processor): model.save_pretrained(new) writes one model.safetensors (give a "
+            "max_shard_size above its size; safe_serialization=True before transformers "
+            "4.35), tokenizer.save_pretrained(new) its tokenizer.json; then package the new "
+            "folder"
         )
-    task = _task(config)
-    files = tuple(
-        sorted(path for path in folder.iterdir() if path.is_file() and path.name != ARTIFACT)
-    )
-    labels = _labels(config) if task != "feature-extraction" else None
+    settings = _transformers_config(config)
+    task = _task(config, settings)
+    if sentence_transformers is not None and task != "feature-extraction":
+        raise ValueError(
+            f"{folder.name} is a sentence-transformers model over {config['architectures'][0]}; "
+            "--hf serves one over the bare model (feature extraction)"
+        )
+    contents = folder_files(folder, ARTIFACT)
+    files = contents.kept
+    labels = _labels(settings) if task != "feature-extraction" else None
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
     if task == "image-classification":
-        pixel_values, options = _image_input(folder, config)
+        pixel_values, options = _image_input(folder, settings)
         assert labels is not None
         outputs = (
             TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
@@ -92,10 +109,12 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
             ),
             files=files,
             metadata=metadata,
+            left_out=contents.left_out,
         )
-    inputs, handler_options = _text_inputs(folder, config, max_length)
+    sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
+    inputs, handler_options = _text_inputs(folder, settings, max_length, sequence_length)
     if task == "feature-extraction":
-        hidden = _positive_int(config, "hidden_size")
+        hidden = _positive_int(settings, "hidden_size")
         outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, hidden)),)
         handler_options["postprocess"] = "tensors"
         import_path = "service.frontend.handlers.hf_text:HFTextHandler"
@@ -117,7 +136,7 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         outputs = (
             TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
         )
-        multi = config.get("problem_type") == "multi_label_classification"
+        multi = settings.problem_type == "multi_label_classification"
         handler_options["scores"] = "sigmoid" if multi or len(labels) == 1 else "softmax"
         import_path = "service.frontend.handlers.hf_text:HFTextHandler"
     return HFVersion(
@@ -132,6 +151,7 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         handler=HandlerSpec(import_path=import_path, options=handler_options),
         files=files,
         metadata=metadata,
+        left_out=contents.left_out,
     )
 
 
@@ -149,7 +169,19 @@ def _json(path: Path) -> dict[str, Any]:
     return document
 
 
-def _task(config: dict[str, Any]) -> str:
+def _transformers_config(config: dict[str, Any]) -> Any:
+    """``config.json`` as ``transformers`` reads it (``AutoConfig``): default labels
+    (``LABEL_0``...) where it names none, and each model's own key names mapped to the common
+    ones (GPT-2's ``n_positions`` is ``max_position_embeddings``)."""
+    from service.engine.hf_model import hf_config  # imports torch and transformers
+
+    try:
+        return hf_config(config)
+    except Exception as error:  # transformers raises many kinds
+        raise ValueError(f"transformers cannot read config.json: {one_line(error)}") from error
+
+
+def _task(config: dict[str, Any], settings: Any) -> str:
     architectures = config.get("architectures") or []
     if not (
         isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
@@ -159,12 +191,35 @@ def _task(config: dict[str, Any]) -> str:
     for suffix, task in _TASK_SUFFIXES:
         if name.endswith(suffix):
             return task
+    bare = _bare_model_names(settings)
+    if name in bare:
+        return "feature-extraction"
     supported = ", ".join(f"*{suffix}" for suffix, _ in _TASK_SUFFIXES)
-    raise ValueError(f"architecture {name!r} is not served by --hf; it serves {supported}")
+    generation = (
+        "; text generation (a causal or sequence-to-sequence language model) is not served yet"
+        if name.endswith(_GENERATION_SUFFIXES)
+        else ""
+    )
+    raise ValueError(
+        f"architecture {name!r} is not served by --hf; it serves {supported}, and the bare "
+        f"model ({' or '.join(bare) or 'its *Model'}) as feature extraction{generation}"
+    )
 
 
-def _labels(config: dict[str, Any]) -> tuple[str, ...]:
-    id2label = config.get("id2label") or {}
+def _bare_model_names(settings: Any) -> tuple[str, ...]:
+    """The class ``AutoModel`` builds for the config: the model without a head."""
+    import transformers
+
+    try:
+        found = transformers.MODEL_MAPPING[type(settings)]
+    except KeyError:
+        return ()
+    classes = found if isinstance(found, tuple) else (found,)
+    return tuple(cls.__name__ for cls in classes if cls is not None)
+
+
+def _labels(settings: Any) -> tuple[str, ...]:
+    id2label = settings.id2label or {}
     try:
         indexed = {int(index): str(label) for index, label in id2label.items()}
     except (AttributeError, ValueError):
@@ -178,47 +233,51 @@ def _labels(config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(indexed[index] for index in range(len(indexed)))
 
 
-def _positive_int(config: dict[str, Any], key: str) -> int:
-    value = config.get(key)
+def _positive_int(settings: Any, key: str) -> int:
+    value = getattr(settings, key, None)
     if not (isinstance(value, int) and value > 0):
-        raise ValueError(f"config.json's {key} must be a positive integer, got {value!r}")
+        named = settings.attribute_map.get(key, key)
+        raise ValueError(f"config.json's {named} must be a positive integer, got {value!r}")
     return value
 
 
-def model_positions(config: dict[str, Any]) -> int:
+def model_positions(settings: Any) -> int:
     """The most tokens the model's position embeddings hold."""
-    positions = _positive_int(config, "max_position_embeddings")
-    if config.get("model_type") in _OFFSET_POSITIONS:
-        positions -= int(config.get("pad_token_id") or 0) + 1
+    positions = _positive_int(settings, "max_position_embeddings")
+    if settings.model_type in _OFFSET_POSITIONS:
+        positions -= int(settings.pad_token_id or 0) + 1
     return positions
 
 
 def _text_inputs(
-    folder: Path, config: dict[str, Any], max_length: int | None
+    folder: Path, settings: Any, max_length: int | None, sequence_length: int | None
 ) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
-    """Token ids, attention mask and type ids (BERT-like configs), and the handler's options."""
+    """Token ids, attention mask and type ids (BERT-like configs whose tokenizer gives them),
+    and the handler's options.
+    ``sequence_length`` (sentence-transformers' ``max_seq_length``) overrides the tokenizer's
+    ``model_max_length``, as it does in ``SentenceTransformer``."""
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(
             f"{folder.name} has no tokenizer.json; save the tokenizer with a fast tokenizer "
             "(tokenizer.save_pretrained on a PreTrainedTokenizerFast)"
         )
-    positions = model_positions(config)
+    positions = model_positions(settings)
     tokenizer_config = (
         _json(folder / "tokenizer_config.json")
         if (folder / "tokenizer_config.json").is_file()
         else {}
     )
-    declared = tokenizer_config.get("model_max_length")
+    declared = sequence_length or tokenizer_config.get("model_max_length")
     if max_length is None:
         max_length = min(positions, declared) if isinstance(declared, int) else positions
     elif max_length > positions:
         raise ValueError(
             f"max_length {max_length} is more than the model can hold: its position embeddings "
-            f"cover {positions} tokens (config.json max_position_embeddings); give at most "
+            f"cover {positions} tokens (config.json's max_position_embeddings); give at most "
             f"{positions}"
         )
-    vocabulary = _positive_int(config, "vocab_size")
-    pad = int(config.get("pad_token_id") or 0)
+    vocabulary = _positive_int(settings, "vocab_size")
+    pad = int(settings.pad_token_id or 0)
     inputs = [
         TensorSpec(
             name="input_ids",
@@ -240,8 +299,12 @@ def _text_inputs(
             default_value=1,
         ),
     ]
-    type_vocabulary = config.get("type_vocab_size")
-    if isinstance(type_vocabulary, int) and type_vocabulary > 0:
+    type_vocabulary = getattr(settings, "type_vocab_size", None)
+    if (
+        isinstance(type_vocabulary, int)
+        and type_vocabulary > 0
+        and "token_type_ids" in _tokenizer_outputs(folder)
+    ):
         inputs.append(
             TensorSpec(
                 name="token_type_ids",
@@ -257,7 +320,22 @@ def _text_inputs(
     return tuple(inputs), {"tokenizer_file": "tokenizer.json"}
 
 
-def _image_input(folder: Path, config: dict[str, Any]) -> tuple[TensorSpec, dict[str, Any]]:
+def _tokenizer_outputs(folder: Path) -> list[str]:
+    """What ``transformers``' tokenizer of the folder gives the model (``model_input_names``),
+    as its pipeline loads it: a tokenizer of no model's own class gives no type ids, and the
+    model then takes zeros, also for a text pair."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # transformers raises many kinds
+        raise ValueError(
+            f"transformers cannot load the tokenizer of {folder.name}: {one_line(error)}"
+        ) from error
+    return list(tokenizer.model_input_names)
+
+
+def _image_input(folder: Path, settings: Any) -> tuple[TensorSpec, dict[str, Any]]:
     """The pixel values input and ``ImageHandler`` options equal to the image processor."""
     processor = _json(folder / "preprocessor_config.json")
     kind = processor.get("image_processor_type")
@@ -286,7 +364,7 @@ def _image_input(folder: Path, config: dict[str, Any]) -> tuple[TensorSpec, dict
     resample = processor.get("resample", 2)
     if resample not in _RESAMPLE_NAMES:
         raise ValueError(f"resample {resample!r} is not one of PIL's {sorted(_RESAMPLE_NAMES)}")
-    channels = int(config.get("num_channels", 3))
+    channels = int(getattr(settings, "num_channels", 3))
     if channels != 3:
         raise ValueError(f"--hf serves RGB image models (num_channels 3), got {channels}")
     options: dict[str, Any] = {

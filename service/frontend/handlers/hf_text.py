@@ -50,16 +50,33 @@ class HFTextHandler(TextHandler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         self.top_k(request)
-        return self.encode(self.bounded_instances(self.instances(request)), request.deadline_s)
+        instances = self.bounded_instances(self.instances(request), request.deadline_s)
+        return self.encode(instances, request.deadline_s)
 
-    def bounded_instances(self, instances: list[TextInstance]) -> list[TextInstance]:
-        """Texts and pairs cut or refused by characters as the text handler's ``bounded``
-        does, before anything is tokenized."""
-        flat = [part for item in instances for part in ((item,) if isinstance(item, str) else item)]
-        cut = iter(self.bounded(flat))
-        return [
-            next(cut) if isinstance(item, str) else (next(cut), next(cut)) for item in instances
-        ]
+    def bounded_instances(
+        self, instances: list[TextInstance], deadline_s: float = math.inf
+    ) -> list[TextInstance]:
+        """Texts cut as the text handler's ``bounded`` cuts them. A pair's texts are never
+        cut (which of the two truncation shortens depends on both whole lengths), so each is
+        at most ``max_chars`` (413 above). All of them ``max_request_chars`` together."""
+        for index, item in enumerate(instances):
+            if isinstance(item, tuple):
+                for key, part in zip(("text", "text_pair"), item, strict=True):
+                    self.check_length(part, f"instance {index}'s {key} (a pair is not cut)")
+            elif self.cutter is None:
+                self.check_length(item, f"instance {index}")
+        bounded = list(instances)
+        if self.cutter is not None:
+            texts = {index: item for index, item in enumerate(instances) if isinstance(item, str)}
+            cut = self.cutter.prefixes(list(texts.values()), deadline_s)
+            for (index, text), prefix in zip(texts.items(), cut, strict=True):
+                if prefix is None:
+                    raise self.too_few_tokens(index, text)
+                bounded[index] = prefix
+        self.check_request_chars(
+            [part for item in bounded for part in ((item,) if isinstance(item, str) else item)]
+        )
+        return bounded
 
     def instances(self, request: HandlerRequest) -> list[TextInstance]:
         """The request's texts and pairs (``text/plain``: the body, one text)."""

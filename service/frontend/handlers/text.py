@@ -17,14 +17,17 @@ Options, besides the classification handler's (``output``, ``top_k``, ``apply_so
   produced when the manifest has an input of that name.
 - ``type_ids_input`` (default ``"token_type_ids"``): likewise, the tokenizer's type ids.
 - ``truncate`` (default true): a text longer than the ids input's ``max_length`` tokens is cut
-  to it (special tokens kept, as HuggingFace truncates); false refuses it with 422. Cutting
-  is what HF pipelines do, and a client cannot count tokens before sending. Only a text's
-  first ``32 * max_length`` characters are tokenized then: a token is far shorter, and
-  tokenizing a megabyte to keep its first 128 tokens took seconds.
-- ``max_chars`` (default 100,000): the longest text tokenized whole (when not cut as above);
-  a longer one is refused with 413 before any tokenizing.
+  to its first ``max_length`` (special tokens kept), the tokens ``transformers``' pipelines
+  give with ``truncation=True``; false refuses it with 422. A client cannot count tokens
+  before sending. A long text is tokenized only as far as those tokens reach
+  (``prefixes.PrefixCutter``: a prefix of 32 characters per token, doubled while it holds
+  too few), up to ``max_chars`` characters: a text whose first ``max_chars`` characters do not
+  hold them (megabytes of spaces, one endless word) is refused with 413.
+- ``max_chars`` (default 100,000): the most characters of a text tokenized; without
+  truncation a longer text is refused with 413 before any tokenizing.
 - ``max_request_chars`` (default 1,000,000): the most characters a request's texts may hold
-  together, after that cut (413 above); about 3 s of tokenizing on a loaded 2-core machine.
+  together after the cut, and the most tokenized to find the cuts (413 above); about 3 s of
+  tokenizing on a loaded 2-core machine.
 
 Texts are tokenized in groups of 64, the request's deadline checked before each.
 
@@ -57,6 +60,7 @@ from service.frontend.handlers.instances import (
     json_instances,
     json_type,
 )
+from service.frontend.handlers.prefixes import PrefixCutter
 from service.frontend.per_token import padded_instances
 from service.frontend.preprocessing import check_deadline
 from service.manifest import TensorSpec
@@ -66,8 +70,6 @@ from service.types import Array
 TEXT_MEDIA_TYPE = "text/plain"
 DEFAULT_MAX_CHARS = 100_000
 DEFAULT_MAX_REQUEST_CHARS = 1_000_000
-#: With truncation, a text's first ``max_length`` times this many characters are tokenized.
-CHARS_PER_TOKEN_BOUND = 32
 #: Texts tokenized in one call; the deadline is checked between calls.
 TEXTS_PER_CALL = 64
 _UTF8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
@@ -137,16 +139,18 @@ class TextHandler(ClassificationHandler):
                 raise ValueError(f"option {name} must be a positive integer, got {value!r}")
         self.max_chars = max_chars
         self.max_request_chars = max_request_chars
-        self.cut_chars: int | None = None
-        """Characters of a text tokenized when truncating (the rest cannot reach the model)."""
-        if truncate and self.max_length is not None:
-            self.cut_chars = min(max_chars, CHARS_PER_TOKEN_BOUND * self.max_length)
         # The handler pads with the manifest's pad values, and cuts to its max_length only.
         self.tokenizer.no_padding()
         if truncate and self.max_length is not None:
             self.tokenizer.enable_truncation(self.max_length)
         else:
             self.tokenizer.no_truncation()
+        self.cutter: PrefixCutter | None = None
+        """Cuts long texts to what truncation keeps, when truncating."""
+        if truncate and self.max_length is not None:
+            self.cutter = PrefixCutter(
+                self.tokenizer, self.max_length, max_chars, max_request_chars
+            )
         largest_id = self.tokenizer.get_vocab_size(with_added_tokens=True) - 1
         if self.ids.max_value is not None and largest_id > self.ids.max_value:
             raise ValueError(
@@ -156,27 +160,57 @@ class TextHandler(ClassificationHandler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         self.top_k(request)
-        return self.encode(self.bounded(self.texts(request)), request.deadline_s)
+        texts = self.bounded(self.texts(request), request.deadline_s)
+        return self.encode(texts, request.deadline_s)
 
-    def bounded(self, texts: list[str]) -> list[str]:
-        """``texts`` cut to what truncation keeps, within ``max_chars`` each and
-        ``max_request_chars`` together (413 above), before anything is tokenized."""
-        if self.cut_chars is not None:
-            texts = [text[: self.cut_chars] for text in texts]
+    def bounded(self, texts: list[str], deadline_s: float = math.inf) -> list[str]:
+        """``texts`` cut to what truncation keeps (``cut``), or refused above ``max_chars``
+        each; then ``max_request_chars`` together (413 above)."""
+        if self.cutter is not None:
+            texts = self.cut(texts, deadline_s)
         else:
-            for index, text in enumerate(texts):
-                if len(text) > self.max_chars:
-                    raise PayloadTooLargeError(
-                        f"instance {index} is {len(text):,} characters long; at most "
-                        f"{self.max_chars:,} are accepted"
-                    )
+            self.check_chars(texts)
+        self.check_request_chars(texts)
+        return texts
+
+    def cut(self, texts: list[str], deadline_s: float = math.inf) -> list[str]:
+        """Each long text cut to the prefix whose tokens, truncated, are the whole text's
+        (``PrefixCutter``); 413 for one whose first ``max_chars`` characters do not hold them."""
+        assert self.cutter is not None
+        cut = []
+        for index, text in enumerate(self.cutter.prefixes(texts, deadline_s)):
+            if text is None:
+                raise self.too_few_tokens(index, texts[index])
+            cut.append(text)
+        return cut
+
+    def too_few_tokens(self, index: int, text: str) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"instance {index} is {len(text):,} characters long and its first "
+            f"{self.max_chars:,} hold fewer than {self.max_length} tokens (whitespace, or a "
+            f"word too long to split); at most {self.max_chars:,} characters of a text are "
+            "tokenized"
+        )
+
+    def check_chars(self, texts: Sequence[str]) -> None:
+        """413 for a text above ``max_chars``, before anything is tokenized."""
+        for index, text in enumerate(texts):
+            self.check_length(text, f"instance {index}")
+
+    def check_length(self, text: str, what: str) -> None:
+        if len(text) > self.max_chars:
+            raise PayloadTooLargeError(
+                f"{what} is {len(text):,} characters long; at most {self.max_chars:,} are accepted"
+            )
+
+    def check_request_chars(self, texts: Sequence[str]) -> None:
+        """413 when ``texts`` hold more than ``max_request_chars`` together."""
         total = sum(len(text) for text in texts)
         if total > self.max_request_chars:
             raise PayloadTooLargeError(
                 f"the request's {len(texts)} texts hold {total:,} characters together; at most "
                 f"{self.max_request_chars:,} are accepted in one request"
             )
-        return texts
 
     def texts(self, request: HandlerRequest) -> list[str]:
         """The request's strings: the whole ``text/plain`` body, or the JSON instances."""
@@ -262,7 +296,7 @@ class TextHandler(ClassificationHandler):
             "inputs": inputs,
             "max_length": self.max_length,
             "truncate": self.truncate,
-            "max_chars": self.cut_chars or self.max_chars,
+            "max_chars": self.max_chars,
             "max_request_chars": self.max_request_chars,
             "request": {
                 "application/json": _instances_schema(

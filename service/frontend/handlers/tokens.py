@@ -105,7 +105,8 @@ class TokenClassificationHandler(TextHandler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         self.strategy(request)  # a bad query is refused before the model runs
-        return self.encode(self.bounded(self.texts(request)), request.deadline_s)
+        texts = self.bounded(self.texts(request), request.deadline_s)
+        return self.encode(texts, request.deadline_s)
 
     def strategy(self, request: HandlerRequest) -> AggregationStrategy:
         """``?aggregation_strategy=`` when given, else the option; 422 for another value."""

@@ -1,0 +1,75 @@
+"""Which files of a ``save_pretrained`` folder a ``--hf`` version holds.
+
+A version holds what describes and serves the model: its config, its weights
+(``model.safetensors``), the tokenizer's files, the image processor's, generation settings, a
+chat template, ``sentence-transformers``' module list. What else a training run leaves in the
+folder (``pytorch_model.bin`` beside the safetensors, ``training_args.bin``,
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, pickles, ``auto_map`` code, logs) is
+never loaded, so it is left out of the version and of its id, and named with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Files a version keeps, besides its artifact.
+SERVED_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.txt",
+        "vocab.json",
+        "merges.txt",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "tokenizer.model",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+    }
+)
+_WEIGHTS = frozenset({".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetensors", ".onnx"})
+_PICKLES = frozenset({".pkl", ".pickle", ".joblib"})
+
+
+@dataclass(frozen=True)
+class FolderFiles:
+    kept: tuple[Path, ...]
+    """The files packaged besides the artifact."""
+    left_out: tuple[str, ...]
+    """Each file or folder left out, with why: ``"optimizer.pt (...)"``."""
+
+
+def folder_files(folder: Path, artifact: str) -> FolderFiles:
+    """Split ``folder``'s entries into the files a version holds and the rest."""
+    kept, left_out = [], []
+    for path in sorted(folder.iterdir()):
+        if path.name == artifact:
+            continue
+        if path.is_file() and path.name in SERVED_FILES:
+            kept.append(path)
+        else:
+            left_out.append(f"{path.name} ({_why_left_out(path, artifact)})")
+    return FolderFiles(kept=tuple(kept), left_out=tuple(left_out))
+
+
+def _why_left_out(path: Path, artifact: str) -> str:
+    if path.is_dir():
+        return "a folder"
+    suffix = path.suffix.lower()
+    if suffix in _WEIGHTS:
+        return f"weights or training state; the version loads {artifact} alone"
+    if suffix in _PICKLES:
+        return "a pickle, never loaded"
+    if suffix == ".py":
+        return "code, never run"
+    return "not read when serving"
