@@ -16,7 +16,7 @@ Options and query parameters: the text handler's, and ``scores``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -28,6 +28,7 @@ from service.frontend.handlers.instances import json_instances, json_type
 from service.frontend.handlers.text import TEXT_MEDIA_TYPE, TEXTS_PER_CALL, TextHandler
 from service.frontend.preprocessing import check_deadline
 from service.tensors import NamedArrays
+from service.types import Array
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 #: A text, or a text and its pair.
@@ -82,12 +83,17 @@ class HFTextHandler(TextHandler):
         """The request's texts and pairs (``text/plain``: the body, one text)."""
         if request.media_type == TEXT_MEDIA_TYPE:
             return list(self.texts(request))
-        instances = json_instances(request.body, self.context.layout.max_instances)
+        instances = json_instances(request.body, self.context.layout.max_instances, self.max_texts)
         return [_text_instance(index, instance) for index, instance in enumerate(instances)]
 
-    def encode(self, texts: Sequence[TextInstance], deadline_s: float = math.inf) -> NamedArrays:
+    def encode(
+        self,
+        texts: Sequence[TextInstance],
+        deadline_s: float = math.inf,
+        extra: Mapping[str, Array] | None = None,
+    ) -> NamedArrays:
         """The text handler's inputs, for texts and pairs (``tokenize`` takes both)."""
-        return super().encode(texts, deadline_s)  # type: ignore[arg-type]
+        return super().encode(texts, deadline_s, extra)  # type: ignore[arg-type]
 
     def tokenize(
         self, texts: Sequence[TextInstance], deadline_s: float = math.inf
