@@ -1,8 +1,9 @@
 """``HFTextHandler``: a ``transformers`` text model's requests, answered as its pipeline does.
 
 What ``batchserve package --hf`` names for text classifiers (``text-classification``; the
-reranking handler builds on it). It is the text handler (the folder's ``tokenizer.json`` through the
-``tokenizers`` library; no ``transformers`` and no torch in the front end) with two additions:
+reranking handler builds on it). It is the text handler (the folder's ``tokenizer.json``
+through the ``tokenizers`` library; no ``transformers`` and no torch in the front end) with
+two additions:
 
 - an instance is a string or a pair ``{"text": "...", "text_pair": "..."}``, tokenized as one
   sequence pair (``[CLS] a [SEP] b [SEP]`` for BERT), as the pipeline takes pairs;
