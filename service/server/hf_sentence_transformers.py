@@ -222,7 +222,7 @@ class _ModulesReader:
         elif index == 1 and _is(kind, "Pooling"):
             self._pooling(where, self.folder / path)
         elif index > 1 and _is(kind, "Dense"):
-            self._dense(where, self.folder / path, index)
+            self._dense(where, self.folder / path)
         elif index > 1 and _is(kind, "Normalize"):
             self._normalize(where, self.folder / path)
         else:
@@ -276,7 +276,7 @@ class _ModulesReader:
         self.dimensions = dimensions * len(modes)
         self.steps.append({"kind": "pooling", "modes": modes, "include_prompt": include_prompt})
 
-    def _dense(self, where: str, path: Path, index: int) -> None:
+    def _dense(self, where: str, path: Path) -> None:
         from service.engine.sentence_modules import ACTIVATIONS as DENSE_ACTIVATIONS
 
         config = _json_object(path / "config.json")
