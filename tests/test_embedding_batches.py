@@ -66,6 +66,7 @@ async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Pa
             max_wait_ms=20.0,
             max_batch_tokens=MAX_BATCH_TOKENS,
             warmup_batch_sizes=(1,),
+            request_timeout_ms=120_000.0,  # the machine may be shared
         )
     )
     batches: list[tuple[int, int]] = []
