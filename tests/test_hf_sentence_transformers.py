@@ -49,14 +49,12 @@ TEXTS = [
 ]
 PROMPTS = {"query": "query: ", "passage": "a dull story: "}
 #: Each embedding model packaged (all with ``max_seq_length`` 12, past which the longest
-#: text is cut): its modules and settings, and the prompt each request names.
+#: text is cut): its modules and settings. Every pooling mode is in one of them (several
+#: modes concatenated, as sentence-transformers concatenates them).
 EMBEDDERS: dict[str, dict[str, Any]] = {
     "cls": {"pooling": "cls"},
-    "max": {"pooling": "max"},
-    "lasttoken": {"pooling": "lasttoken"},
-    "weightedmean": {"pooling": "weightedmean"},
-    "sqrt": {"pooling": "mean_sqrt_len_tokens"},
-    "cls-mean": {"pooling": ("cls", "mean")},
+    "max-lasttoken": {"pooling": ("max", "lasttoken")},
+    "weightedmean-sqrt": {"pooling": ("weightedmean", "mean_sqrt_len_tokens")},
     "dense-normalize": {"pooling": "cls", "then": ("dense", "normalize")},
     "residual-gelu": {"pooling": "mean", "then": ("normalize", "dense-gelu")},
     "matryoshka": {"pooling": "mean", "then": ("normalize",), "truncate_dim": 5},
