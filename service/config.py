@@ -223,6 +223,11 @@ class Settings(BaseSettings):
     max_instances_per_request: int = Field(default=1024, ge=1, le=1_000_000)
     """Most instances in one request; requests above ``max_batch_size`` are split and rejoined."""
 
+    max_client_batch_size: int = Field(default=512, ge=1, le=1_000_000)
+    """Most texts in one request to an embedding model or a reranker (TEI's setting of the
+    same name); one more is answered 413 before any is tokenized, saying to split the texts
+    over several requests. ``max_instances_per_request`` holds too (422 above it)."""
+
     handler_threads: int = Field(default=0, ge=0, le=64)
     """Threads per front end that run a version's handler preprocessing (tokenizing,
     decoding images) and parse tensor bodies over 256 KiB, off the event loop, so one costly

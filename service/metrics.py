@@ -38,6 +38,8 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 BATCH_SIZE_BUCKETS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 FRONTEND_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+#: Shares of a batch's positions that are padding: none, then steps of a tenth.
+PADDING_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 #: A 504 should leave at its deadline; how late it leaves shows event-loop or engine delays.
 OVERRUN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: An event loop wakes within a millisecond when idle; a stall of 50 ms delays every request.
@@ -202,6 +204,21 @@ class EngineMetrics:
             labelnames=["model"],
             registry=r,
         )
+        self.batch_tokens = Counter(
+            "batchserve_batch_tokens",
+            "Positions of the variable-length inputs (tokens) run in forward passes: real "
+            "ones (kind=real, those of the attention mask) and padding (kind=padding: up to "
+            "each request's longest instance, then to the batch's longest).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.batch_padding = Histogram(
+            "batchserve_batch_padding_ratio",
+            "Share of a forward pass's positions that are padding (variable-length inputs).",
+            buckets=PADDING_RATIO_BUCKETS,
+            labelnames=["model"],
+            registry=r,
+        )
         self.inference_latency = Histogram(
             "batchserve_inference_duration_seconds",
             "Time of one batched forward pass, collation and splitting included.",
@@ -285,9 +302,19 @@ class ModelMetrics:
         self.batch_failures = metrics.batch_failures.labels(model)
         self.out_of_memory = metrics.out_of_memory.labels(model)
         self.effective_max_batch_size = metrics.effective_max_batch_size.labels(model)
+        self._real_tokens = metrics.batch_tokens.labels(model, "real")
+        self._padding_tokens = metrics.batch_tokens.labels(model, "padding")
+        self._padding_ratio = metrics.batch_padding.labels(model)
         self._dropped = metrics.dropped
         self._dispatches = metrics.batch_dispatches
         self._dispatch_counters: dict[str, Counter] = {}
+
+    def batch_positions(self, real: int, padded: int) -> None:
+        """A forward pass ran ``padded`` positions of a variable-length input, ``real`` of
+        them tokens (the rest padding)."""
+        self._real_tokens.inc(real)
+        self._padding_tokens.inc(padded - real)
+        self._padding_ratio.observe((padded - real) / padded if padded else 0.0)
 
     def dropped(self, reason: str) -> Counter:
         """The counter of this model's requests dropped for ``reason``."""

@@ -5,6 +5,7 @@ byte-level BPE trained here for GPT-2), a ViT image processor."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import (
@@ -131,13 +132,17 @@ def save_image_model(folder: Path, seed: int = 0) -> Path:
 def save_sentence_transformer(
     folder: Path,
     transformer: Path,
-    pooling: str = "mean",
+    pooling: str | tuple[str, ...] = "mean",
     then: tuple[str, ...] = (),
     max_seq_length: int | None = None,
+    include_prompt: bool = True,
+    **settings: Any,
 ) -> Path:
     """``transformer`` (a ``feature-extraction`` folder of ``save_text_model``) with a
-    ``pooling_mode`` Pooling and then each module named in ``then`` (``"dense"``,
-    ``"normalize"``), saved by ``SentenceTransformer.save`` into ``folder``."""
+    ``pooling_mode`` Pooling and then each module named in ``then`` (``"dense"``: 8 wide,
+    tanh; ``"dense-gelu"``: as wide as the pooling, GELU, no bias, residual;
+    ``"normalize"``), saved by ``SentenceTransformer.save`` into ``folder``. ``settings``:
+    ``SentenceTransformer``'s (``prompts``, ``default_prompt_name``, ``truncate_dim``...)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
         Dense,
@@ -149,11 +154,36 @@ def save_sentence_transformer(
     encoder = Transformer(str(transformer))
     if max_seq_length is not None:
         encoder.max_seq_length = max_seq_length
-    hidden = encoder.get_embedding_dimension()
+    pooled = Pooling(
+        encoder.get_embedding_dimension(), pooling_mode=pooling, include_prompt=include_prompt
+    )
+    width = pooled.get_embedding_dimension()
     torch.manual_seed(1)
-    after = {"dense": lambda: Dense(hidden, 8), "normalize": Normalize}
-    modules = [encoder, Pooling(hidden, pooling_mode=pooling), *(after[name]() for name in then)]
-    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    after = {
+        "dense": lambda: Dense(width, 8),
+        "dense-gelu": lambda: Dense(
+            width, width, bias=False, activation_function=torch.nn.GELU(), use_residual=True
+        ),
+        "normalize": Normalize,
+    }
+    modules = [encoder, pooled, *(after[name]() for name in then)]
+    SentenceTransformer(modules=modules, device="cpu", **settings).save(str(folder))
+    return folder
+
+
+def save_cross_encoder(folder: Path, transformer: Path, **settings: Any) -> Path:
+    """A reranker over ``transformer`` (a ``save_text_model`` folder): a one-label head (seeded
+    weights, larger than the default so scores differ from pair to pair), saved by
+    ``CrossEncoder.save`` into ``folder``. ``settings``: ``CrossEncoder``'s
+    (``activation_fn``, ``prompts``, ``max_length``...)."""
+    from sentence_transformers import CrossEncoder
+
+    torch.manual_seed(2)
+    reranker = CrossEncoder(str(transformer), num_labels=1, device="cpu", **settings)
+    classifier = reranker.model.classifier
+    torch.nn.init.normal_(classifier.weight, std=2.0)
+    torch.nn.init.normal_(classifier.bias, std=0.5)
+    reranker.save(str(folder))
     return folder
 
 

@@ -36,7 +36,13 @@ from service.server.cli import main
 from service.server.draining import uvicorn_config
 from service.server.single import create_app
 from tests.fixtures import uvicorn_port
-from tests.hf_folders import TEXT_TASKS, save_image_model, save_text_model
+from tests.hf_folders import (
+    TEXT_TASKS,
+    save_cross_encoder,
+    save_image_model,
+    save_sentence_transformer,
+    save_text_model,
+)
 
 pytest.importorskip("transformers")
 
@@ -168,6 +174,14 @@ async def test_the_hugging_face_examples_answer_as_the_page_shows(
     for task in TEXT_TASKS:
         save_text_model(tmp_path / task, task)
     save_image_model(tmp_path / "image-classification")
+    save_sentence_transformer(
+        tmp_path / "sentence-transformer",
+        tmp_path / "feature-extraction",
+        pooling="cls",
+        then=("dense", "normalize"),
+        prompts={"query": "query: ", "passage": "passage: "},
+    )
+    save_cross_encoder(tmp_path / "cross-encoder", tmp_path / "feature-extraction")
     pixels = (np.random.default_rng(7).random((40, 50, 3)) * 255).astype(np.uint8)
     Image.fromarray(pixels).save(tmp_path / "photo.png")
     monkeypatch.chdir(tmp_path)
@@ -200,4 +214,4 @@ async def test_the_hugging_face_examples_answer_as_the_page_shows(
                 assert process.returncode == 0, command
                 same(json.loads(output), json.loads("".join(step.shown)), versions)
                 answered += 1
-    assert answered == 4
+    assert answered == 6

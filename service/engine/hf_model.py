@@ -7,8 +7,10 @@ into it (``load_state_dict`` goes to the wrapped model, so the keys are those
 exactly what was hashed. ``transformers`` is imported only when such a version is built.
 
 The wrappers return plain tensors, so the versions batch, export and serve as any other:
-the logits (classification), or the mean of the last hidden states over the real tokens
-(feature extraction, ``sentence-transformers``' mean pooling).
+the logits (classification), the one logit of each pair (a reranker), the mean of the last
+hidden states over the real tokens (feature extraction), or a ``sentence-transformers``
+folder's embedding (``SentenceTransformersModel``: its pooling, dense and normalize steps run
+by ``sentence_modules``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from service.engine.sentence_modules import Pooling, SentenceHead
+
+#: Keys of a ``SentenceTransformersModel``'s state dict that belong to its head (its ``Dense``
+#: layers' weights, written beside the transformer's by packaging).
+HEAD_PREFIX = "head."
 
 
 def model_class(config: dict[str, Any]) -> type[torch.nn.Module]:
@@ -76,7 +84,12 @@ class _Wrapped(torch.nn.Module):
 
 
 class TransformersTextModel(_Wrapped):
-    """Token ids (and the optional mask and type ids) in; logits or pooled features out."""
+    """Token ids (and the optional mask and type ids) in; logits, each pair's score
+    (``text-ranking``: a reranker's one logit) or mean-pooled features out."""
+
+    def __init__(self, task: str, config: dict[str, Any]) -> None:
+        super().__init__(task, config)
+        self.mean = Pooling(("mean",))
 
     def forward(
         self,
@@ -90,14 +103,48 @@ class TransformersTextModel(_Wrapped):
         if token_type_ids is not None:
             inputs["token_type_ids"] = token_type_ids
         output = self.model(**inputs, return_dict=True)
-        if self.task != "feature-extraction":
-            logits: torch.Tensor = output.logits
-            return logits
-        hidden: torch.Tensor = output.last_hidden_state
-        if attention_mask is None:
-            return hidden.mean(dim=1)
-        weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        if self.task == "feature-extraction":
+            pooled: torch.Tensor = self.mean(output.last_hidden_state, attention_mask)
+            return pooled
+        logits: torch.Tensor = output.logits
+        return logits[:, 0] if self.task == "text-ranking" else logits
+
+
+class SentenceTransformersModel(_Wrapped):
+    """A ``sentence-transformers`` folder: its transformer's last hidden states, then the
+    pooling and vector steps its modules list (``steps``, read from the folder when it was
+    packaged); one embedding per text out. ``prompt_length`` (tokens, per row) is an input only
+    when the pooling leaves the prompt out."""
+
+    def __init__(self, config: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+        super().__init__("feature-extraction", config)
+        self.head = SentenceHead(steps)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        head = {
+            key.removeprefix(HEAD_PREFIX): value
+            for key, value in state_dict.items()
+            if key.startswith(HEAD_PREFIX)
+        }
+        self.head.load_state_dict(head, strict=strict)
+        rest = {key: value for key, value in state_dict.items() if not key.startswith(HEAD_PREFIX)}
+        return super().load_state_dict(rest, strict=strict, assign=assign)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        prompt_length: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        inputs = {"input_ids": input_ids}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        hidden: torch.Tensor = self.model(**inputs, return_dict=True).last_hidden_state
+        embedding: torch.Tensor = self.head(hidden, attention_mask, prompt_length)
+        return embedding
 
 
 class TransformersImageModel(_Wrapped):

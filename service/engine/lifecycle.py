@@ -89,10 +89,12 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         await asyncio.to_thread(runner.close)
         memory.release_freed_memory(device)
         raise
+    metrics = state.metrics.for_model(manifest.name)
+    runner.count_positions = metrics.batch_positions  # warmed up: requests' batches from now
     batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
         executor=runner.executor,
-        metrics=state.metrics.for_model(manifest.name),
+        metrics=metrics,
         max_batch_size=settings.max_batch_size,
         max_wait_ms=settings.max_wait_ms,
         max_queue_size=settings.max_queue_size,

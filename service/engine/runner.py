@@ -156,6 +156,10 @@ class TorchRunner:
         self.last_batch: BatchTimings | None = None
         """When the phases of the batch run last began and ended, for its trace."""
         self._forwarding = (0, 0, 0)  # when the forward began, padded rows, padded length
+        self._real_positions = real_positions_input(self._inputs)
+        self.count_positions: Callable[[int, int], None] | None = None
+        """Told each batch's real and padded positions of a variable-length input, when set
+        (once warmed up: the metrics count the requests' batches)."""
         if device.type == "cuda":
             # Fixed shapes (compiled, padded) let cuDNN pick the fastest kernels, at the cost of
             # bit-for-bit determinism between runs.
@@ -236,6 +240,13 @@ class TorchRunner:
         if not all(np.isfinite(host[name]).all() for name in floating):
             answers = [_finite_or_error(output, floating) for output in split]
         forward_ns, padded_rows, length = self._forwarding
+        if self.count_positions is not None and self._real_positions is not None:
+            spec = self._real_positions
+            real = sum(
+                int(np.count_nonzero(payload.arrays[spec.name] != spec.pad_value))
+                for payload in payloads
+            )
+            self.count_positions(real, padded_rows * length)
         self.last_batch = BatchTimings(
             collate_ns, forward_ns, split_ns, time.time_ns(), padded_rows, padded_rows * length
         )
@@ -329,6 +340,19 @@ class TorchRunner:
         del self._model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def real_positions_input(inputs: Sequence[TensorSpec]) -> TensorSpec | None:
+    """The input whose values tell real positions from padding: an attention mask (a
+    variable-length input of zeros and ones, padded with zeros) when there is one, else the
+    first variable-length input (its values other than its pad value); None without one."""
+    variable = [spec for spec in inputs if spec.variable_axis is not None]
+    masks = [
+        spec
+        for spec in variable
+        if spec.pad_value == 0 and spec.min_value == 0 and spec.max_value == 1
+    ]
+    return next(iter(masks or variable), None)
 
 
 def _finite_or_error(output: NamedArrays, floating: Sequence[str]) -> NamedArrays | InferenceError:

@@ -144,7 +144,12 @@ class FrontendState:
     def _build_handler(self, model: ModelInfo) -> Handler:
         manifest = model.manifest
         folder = self.repository.version_folder(manifest.name, manifest.version)
-        context = HandlerContext(manifest=manifest, folder=folder, layout=self.layout_for(model))
+        context = HandlerContext(
+            manifest=manifest,
+            folder=folder,
+            layout=self.layout_for(model),
+            max_client_batch_size=self.settings.max_client_batch_size,
+        )
         if manifest.handler is None:
             return Handler(context)
         try:  # the handler reads a private copy of the files whose hashes were checked

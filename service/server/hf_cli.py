@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from service.packaging.spec import check_handler
@@ -33,21 +34,22 @@ def package_hf(args: argparse.Namespace, repository: Path) -> int:
         raise ValueError(f"--hf reads the version from the folder; leave out {', '.join(given)}")
     if not args.name:
         raise ValueError("missing --name")
-    version = hf_version(args.hf, args.max_length)
-    from service.packaging.package import Packager  # imports torch: only when packaging
+    with tempfile.TemporaryDirectory(prefix="batchserve-hf-") as scratch:
+        version = hf_version(args.hf, Path(scratch), args.max_length)
+        from service.packaging.package import Packager  # imports torch: only when packaging
 
-    manifest = Packager(repository).package(
-        name=args.name,
-        artifact=version.artifact,
-        format="safetensors",
-        architecture=version.architecture,
-        inputs=version.inputs,
-        outputs=version.outputs,
-        handler=version.handler,
-        files=version.files,
-        metadata={**version.metadata, **(args.metadata or {})},
-        check_version=check_handler,
-    )
+        manifest = Packager(repository).package(
+            name=args.name,
+            artifact=version.artifact,
+            format="safetensors",
+            architecture=version.architecture,
+            inputs=version.inputs,
+            outputs=version.outputs,
+            handler=version.handler,
+            files=version.files,
+            metadata={**version.metadata, **(args.metadata or {})},
+            check_version=check_handler,
+        )
     print(manifest.version)
     if version.left_out:
         print(

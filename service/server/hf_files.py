@@ -10,6 +10,7 @@ never loaded, so it is left out of the version and of its id, and named with the
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +50,21 @@ class FolderFiles:
     """Each file or folder left out, with why: ``"optimizer.pt (...)"``."""
 
 
-def folder_files(folder: Path, artifact: str) -> FolderFiles:
-    """Split ``folder``'s entries into the files a version holds and the rest."""
+def folder_files(folder: Path, artifact: str, modules: Collection[str] = ()) -> FolderFiles:
+    """Split ``folder``'s entries into the files a version holds and the rest. ``modules``:
+    sentence-transformers' module folders (``1_Pooling``), read into the version when it is
+    packaged (their settings into its manifest, their weights into its artifact)."""
     kept, left_out = [], []
     for path in sorted(folder.iterdir()):
         if path.name == artifact:
             continue
         if path.is_file() and path.name in SERVED_FILES:
             kept.append(path)
+        elif path.name in modules:
+            left_out.append(
+                f"{path.name} (a sentence-transformers module: its settings are in the "
+                "version's manifest, its weights in its artifact)"
+            )
         else:
             left_out.append(f"{path.name} ({_why_left_out(path, artifact)})")
     return FolderFiles(kept=tuple(kept), left_out=tuple(left_out))

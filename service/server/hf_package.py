@@ -7,6 +7,12 @@ each model's own key names), says the task (its ``architectures``), the labels
 serving reads (``hf_files``) are packaged and hashed with the version, ``model.safetensors``
 as its artifact, loaded into the architecture ``service.engine.hf_model`` rebuilds from the
 config; the rest (training state, other weights, code) is left out and named.
+
+A ``sentence-transformers`` folder (``hf_sentence_transformers``) is an embedding model whose
+pooling, dense and normalize steps go into the architecture's settings, and its Dense layers'
+weights into the artifact beside the transformer's; a bare ``*Model`` is one with a mean
+pooling. A ``*ForSequenceClassification`` with one label, or a folder ``CrossEncoder`` saved,
+is a reranker (``text-ranking``): a (query, text) pair in, a score out.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ import orjson
 from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.repository import one_line
 from service.server.hf_files import folder_files
-from service.server.hf_sentence_transformers import sentence_transformers_folder
+from service.server.hf_sentence_transformers import (
+    SentenceTransformersFolder,
+    cross_encoder_activation,
+    sentence_transformers_folder,
+    write_weights,
+)
 
 ARTIFACT = "model.safetensors"
 #: The last words of ``config.architectures[0]`` -> the task served (and a model's bare
@@ -42,6 +53,8 @@ _RESIZING_PROCESSORS = frozenset(
     {"ViTImageProcessor", "ViTImageProcessorFast", "DeiTImageProcessor"}
 )
 _IMAGE_TOP_K = 5  # the image-classification pipeline's default
+#: Tasks whose answers name the config's labels.
+_LABELLED_TASKS = frozenset({"text-classification", "token-classification", "image-classification"})
 
 
 @dataclass(frozen=True)
@@ -60,9 +73,11 @@ class HFVersion:
     """The folder's files left out of the version, each with why (``hf_files``)."""
 
 
-def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
+def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HFVersion:
     """Read a ``save_pretrained`` folder; ``ValueError`` names what it lacks or what cannot be
-    served. ``max_length`` (tokens) defaults to what the tokenizer and the model both hold."""
+    served. ``max_length`` (tokens) defaults to what the tokenizer and the model both hold.
+    ``scratch``: a folder for the artifact of a sentence-transformers folder with Dense
+    layers (its weights and theirs in one file), kept until the version is packaged."""
     if not folder.is_dir():
         raise ValueError(f"--hf needs a folder written by save_pretrained, got {str(folder)!r}")
     sentence_transformers = sentence_transformers_folder(folder)
@@ -79,19 +94,21 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         )
     settings = _transformers_config(config)
     task = _task(config, settings)
-    if sentence_transformers is not None and task != "feature-extraction":
-        raise ValueError(
-            f"{folder.name} is a sentence-transformers model over {config['architectures'][0]}; "
-            "--hf serves one over the bare model (feature extraction)"
-        )
-    contents = folder_files(folder, ARTIFACT)
+    if task == "text-classification" and _ranks(settings):
+        task = "text-ranking"
+    if sentence_transformers is not None:
+        _check_sentence_transformers_task(folder, config, task, sentence_transformers)
+    modules = sentence_transformers.module_folders if sentence_transformers else ()
+    contents = folder_files(folder, ARTIFACT, modules)
     files = contents.kept
-    labels = _labels(settings) if task != "feature-extraction" else None
+    labels = _labels(settings) if task in _LABELLED_TASKS else None
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
+    if sentence_transformers is not None:
+        metadata["source"] = f"sentence-transformers {sentence_transformers.model_type}"
     if task == "image-classification":
         pixel_values, options = _image_input(folder, settings)
         assert labels is not None
-        outputs = (
+        outputs: tuple[TensorSpec, ...] = (
             TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
         )
         return HFVersion(
@@ -113,11 +130,34 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         )
     sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
     inputs, handler_options = _text_inputs(folder, settings, max_length, sequence_length)
+    architecture = Architecture(
+        import_path="service.engine.hf_model:TransformersTextModel",
+        kwargs={"task": task, "config": config},
+    )
+    artifact = folder / ARTIFACT
     if task == "feature-extraction":
         hidden = _positive_int(settings, "hidden_size")
         outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, hidden)),)
-        handler_options["postprocess"] = "tensors"
-        import_path = "service.frontend.handlers.hf_text:HFTextHandler"
+        import_path = "service.frontend.handlers.embedding:EmbeddingHandler"
+        if sentence_transformers is not None:
+            embedding = _sentence_embedding(sentence_transformers, config, hidden, inputs)
+            architecture, inputs, outputs = embedding
+            handler_options |= _prompt_options(sentence_transformers)
+            if sentence_transformers.similarity_fn_name is not None:
+                similarity = sentence_transformers.similarity_fn_name
+                handler_options["similarity_fn_name"] = similarity
+                metadata["similarity_fn_name"] = similarity
+            if sentence_transformers.head_weights:
+                artifact = scratch / ARTIFACT
+                write_weights(folder / ARTIFACT, sentence_transformers.head_weights, artifact)
+    elif task == "text-ranking":
+        outputs = (TensorSpec(name="score", dtype="float32", shape=(-1,)),)
+        import_path = "service.frontend.handlers.reranking:RerankHandler"
+        activation = cross_encoder_activation(config)
+        if sentence_transformers is not None:
+            activation = sentence_transformers.activation or activation
+            handler_options |= _prompt_options(sentence_transformers)
+        handler_options["activation"] = activation or "Sigmoid"
     elif task == "token-classification":
         assert labels is not None
         outputs = (
@@ -141,11 +181,8 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         import_path = "service.frontend.handlers.hf_text:HFTextHandler"
     return HFVersion(
         task=task,
-        artifact=folder / ARTIFACT,
-        architecture=Architecture(
-            import_path="service.engine.hf_model:TransformersTextModel",
-            kwargs={"task": task, "config": config},
-        ),
+        artifact=artifact,
+        architecture=architecture,
         inputs=inputs,
         outputs=outputs,
         handler=HandlerSpec(import_path=import_path, options=handler_options),
@@ -153,6 +190,71 @@ def hf_version(folder: Path, max_length: int | None = None) -> HFVersion:
         metadata=metadata,
         left_out=contents.left_out,
     )
+
+
+def _ranks(settings: Any) -> bool:
+    """A classifier of one label scores what it is given (a reranker's relevance of a
+    pair, as ``CrossEncoder``), unless it is one of several independent labels."""
+    return bool(settings.num_labels == 1 and settings.problem_type != "multi_label_classification")
+
+
+def _check_sentence_transformers_task(
+    folder: Path, config: dict[str, Any], task: str, found: SentenceTransformersFolder
+) -> None:
+    """A SentenceTransformer over a bare model; a CrossEncoder over a one-label classifier."""
+    wanted, words = {
+        "SentenceTransformer": ("feature-extraction", "over the bare model (feature extraction)"),
+        "CrossEncoder": ("text-ranking", "over a *ForSequenceClassification with one label"),
+    }[found.model_type]
+    if task != wanted:
+        raise ValueError(
+            f"{folder.name} is a sentence-transformers {found.model_type} over "
+            f"{config['architectures'][0]} ({task}); --hf serves one {words}"
+        )
+
+
+def _sentence_embedding(
+    found: SentenceTransformersFolder,
+    config: dict[str, Any],
+    hidden: int,
+    inputs: tuple[TensorSpec, ...],
+) -> tuple[Architecture, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The architecture running the folder's modules, its inputs (with each row's prompt
+    length when the pooling leaves the prompt out) and its one output, the embedding."""
+    if found.pooled_dimensions != hidden:
+        raise ValueError(
+            f"the folder's Pooling pools {found.pooled_dimensions} numbers a token, but the "
+            f"transformer gives {hidden} (config.json's hidden_size)"
+        )
+    pooling = found.steps[0]
+    if not pooling["include_prompt"]:
+        longest = max(spec.max_length or 0 for spec in inputs)
+        prompt_length = TensorSpec(
+            name="prompt_length",
+            dtype="int64",
+            shape=(-1,),
+            min_value=0,
+            max_value=longest,
+            default_value=0,
+        )
+        inputs = (*inputs, prompt_length)
+    architecture = Architecture(
+        import_path="service.engine.hf_model:SentenceTransformersModel",
+        kwargs={"config": config, "steps": list(found.steps)},
+    )
+    assert found.dimensions is not None
+    outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, found.dimensions)),)
+    return architecture, inputs, outputs
+
+
+def _prompt_options(found: SentenceTransformersFolder) -> dict[str, Any]:
+    """The handler's prompts, when the folder names any."""
+    options: dict[str, Any] = {}
+    if found.prompts:
+        options["prompts"] = dict(found.prompts)
+    if found.default_prompt_name is not None:
+        options["default_prompt_name"] = found.default_prompt_name
+    return options
 
 
 def _json(path: Path) -> dict[str, Any]:

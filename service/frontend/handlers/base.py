@@ -46,6 +46,9 @@ class HandlerContext:
     long as the handler."""
     layout: InputLayout
     """Parses and validates tensors against the manifest's inputs (the default preprocess)."""
+    max_client_batch_size: int | None = None
+    """Most texts an embedding or reranking request may carry (the ``max_client_batch_size``
+    setting; None: only ``layout.max_instances``)."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """``HFTextHandler``: a ``transformers`` text model's requests, answered as its pipeline does.
 
-What ``batchserve package --hf`` names for text models (``text-classification`` and
-``feature-extraction``). It is the text handler (the folder's ``tokenizer.json`` through the
-``tokenizers`` library; no ``transformers`` and no torch in the front end) with two additions:
+What ``batchserve package --hf`` names for text classifiers (``text-classification``; the
+reranking handler builds on it). It is the text handler (the folder's ``tokenizer.json``
+through the ``tokenizers`` library; no ``transformers`` and no torch in the front end) with
+two additions:
 
 - an instance is a string or a pair ``{"text": "...", "text_pair": "..."}``, tokenized as one
   sequence pair (``[CLS] a [SEP] b [SEP]`` for BERT), as the pipeline takes pairs;
@@ -16,7 +17,7 @@ Options and query parameters: the text handler's, and ``scores``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -28,6 +29,7 @@ from service.frontend.handlers.instances import json_instances, json_type
 from service.frontend.handlers.text import TEXT_MEDIA_TYPE, TEXTS_PER_CALL, TextHandler
 from service.frontend.preprocessing import check_deadline
 from service.tensors import NamedArrays
+from service.types import Array
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 #: A text, or a text and its pair.
@@ -82,12 +84,17 @@ class HFTextHandler(TextHandler):
         """The request's texts and pairs (``text/plain``: the body, one text)."""
         if request.media_type == TEXT_MEDIA_TYPE:
             return list(self.texts(request))
-        instances = json_instances(request.body, self.context.layout.max_instances)
+        instances = json_instances(request.body, self.context.layout.max_instances, self.max_texts)
         return [_text_instance(index, instance) for index, instance in enumerate(instances)]
 
-    def encode(self, texts: Sequence[TextInstance], deadline_s: float = math.inf) -> NamedArrays:
+    def encode(
+        self,
+        texts: Sequence[TextInstance],
+        deadline_s: float = math.inf,
+        extra: Mapping[str, Array] | None = None,
+    ) -> NamedArrays:
         """The text handler's inputs, for texts and pairs (``tokenize`` takes both)."""
-        return super().encode(texts, deadline_s)  # type: ignore[arg-type]
+        return super().encode(texts, deadline_s, extra)  # type: ignore[arg-type]
 
     def tokenize(
         self, texts: Sequence[TextInstance], deadline_s: float = math.inf

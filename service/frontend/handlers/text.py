@@ -40,7 +40,7 @@ Query parameters: ``top_k`` (classification answers only).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -79,6 +79,8 @@ class TextHandler(ClassificationHandler):
     """Strings in, the model's token inputs by name, top-k labels (or raw tensors) out."""
 
     media_types: ClassVar[frozenset[str]] = frozenset({"application/json", TEXT_MEDIA_TYPE})
+    #: Inputs of the model a subclass fills beside the token inputs (``encode``'s ``extra``).
+    filled_inputs: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -114,7 +116,7 @@ class TextHandler(ClassificationHandler):
         self.mask = specs.get(mask_input)
         self.type_ids = specs.get(type_ids_input)
         produced = {spec.name for spec in (self.ids, self.mask, self.type_ids) if spec}
-        missing = sorted(set(specs) - produced)
+        missing = sorted(set(specs) - produced - self.filled_inputs)
         if missing:
             raise ValueError(
                 f"{manifest.label} has input(s) {missing} that a text handler does not produce "
@@ -139,6 +141,8 @@ class TextHandler(ClassificationHandler):
                 raise ValueError(f"option {name} must be a positive integer, got {value!r}")
         self.max_chars = max_chars
         self.max_request_chars = max_request_chars
+        self.max_texts: int | None = None
+        """Most texts a request holds (413 above), where a subclass sets it."""
         # The handler pads with the manifest's pad values, and cuts to its max_length only.
         self.tokenizer.no_padding()
         if truncate and self.max_length is not None:
@@ -227,7 +231,7 @@ class TextHandler(ClassificationHandler):
                     f"the text/plain body is not valid UTF-8: byte {error.start} is "
                     f"{request.body[error.start : error.start + 1]!r}"
                 ) from None
-        instances = json_instances(request.body, self.context.layout.max_instances)
+        instances = json_instances(request.body, self.context.layout.max_instances, self.max_texts)
         for index, instance in enumerate(instances):
             if not isinstance(instance, str):
                 raise InvalidInputError(
@@ -249,9 +253,15 @@ class TextHandler(ClassificationHandler):
                 encodings.extend(self.tokenizer.encode_batch(group))
         return encodings
 
-    def encode(self, texts: Sequence[str], deadline_s: float = math.inf) -> NamedArrays:
+    def encode(
+        self,
+        texts: Sequence[str],
+        deadline_s: float = math.inf,
+        extra: Mapping[str, Array] | None = None,
+    ) -> NamedArrays:
         """Tokenize ``texts`` into the model's inputs, padded to the longest, with each
-        instance's own length (per-token outputs answer each at its length)."""
+        instance's own length (per-token outputs answer each at its length); ``extra``: the
+        ``filled_inputs``, a row per text."""
         encodings = self.tokenize(texts, deadline_s)
         lengths = np.fromiter((len(encoding) for encoding in encodings), np.int64, len(texts))
         self._check_lengths(lengths)
@@ -264,6 +274,7 @@ class TextHandler(ClassificationHandler):
             real = np.arange(longest) < lengths[:, np.newaxis]
             mask = np.where(real, 1, self.mask.pad_value)
             arrays[self.mask.name] = mask.astype(self.mask.numpy_dtype)
+        arrays.update(extra or {})
         checked = self.context.layout.check(arrays)
         return padded_instances(checked, lengths, self.context.manifest.inputs)
 

@@ -1,0 +1,121 @@
+"""``EmbeddingHandler``: texts in, one embedding each out, as ``SentenceTransformer.encode``.
+
+What ``batchserve package --hf`` names for embedding models: a ``sentence-transformers``
+folder, or a bare ``*Model`` (mean pooling). It is the text handler (the version's
+``tokenizer.json``, truncation to the model's length by tokens) answering the raw
+``embedding`` rows, with two additions:
+
+- named prompts (``named_prompts``): ``?prompt_name=query`` puts the version's ``query``
+  prompt before each text; without it the version's default prompt applies, or none. When the
+  model's pooling leaves the prompt out, the prompt's length in tokens goes to the model as
+  its ``prompt_length`` input, a row per text, so texts with different prompts share batches;
+- at most ``max_client_batch_size`` texts in one request (413 above, before any tokenizing).
+
+Options: the text handler's (``tokenizer_file``, ``truncate``, ``max_chars``,
+``max_request_chars``), ``prompts`` (name to text), ``default_prompt_name`` and
+``similarity_fn_name`` (how the folder compares embeddings: said in the description).
+
+The engine-side contract, for routes beside ``/predict`` (OpenAI's ``/v1/embeddings``, TEI's
+``/embed``): ``text_inputs(texts, prompt_name)`` gives the model's inputs, one row per text;
+``token_counts`` each text's tokens (prompt and special tokens included: what the model
+read); the engine answers an ``embedding`` row per text, in order.
+
+Query parameters: ``prompt_name``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from service.frontend.handlers.base import HandlerContext, HandlerRequest
+from service.frontend.handlers.instances import check_texts
+from service.frontend.handlers.named_prompts import PROMPT_NAME_PARAMETER, NamedPrompts
+from service.frontend.handlers.text import TextHandler
+from service.frontend.per_token import PaddedInstances
+from service.tensors import NamedArrays
+
+PROMPT_LENGTH_INPUT = "prompt_length"
+
+
+class EmbeddingHandler(TextHandler):
+    """Texts in (a prompt before each when named), the model's ``embedding`` rows out."""
+
+    query_parameters: ClassVar[frozenset[str]] = frozenset({PROMPT_NAME_PARAMETER})
+    filled_inputs: ClassVar[frozenset[str]] = frozenset({PROMPT_LENGTH_INPUT})
+
+    def __init__(
+        self,
+        context: HandlerContext,
+        *,
+        prompts: Mapping[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        similarity_fn_name: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(context, postprocess="tensors", **options)
+        self.prompts = NamedPrompts(self.tokenizer, prompts or {}, default_prompt_name)
+        self.similarity_fn_name = similarity_fn_name
+        self.max_texts = context.max_client_batch_size
+        self.prompt_length = next(
+            (spec for spec in context.manifest.inputs if spec.name == PROMPT_LENGTH_INPUT), None
+        )
+        """The input taking each row's prompt tokens, when the pooling leaves them out."""
+
+    def preprocess(self, request: HandlerRequest) -> NamedArrays:
+        return self.text_inputs(
+            self.texts(request), request.query.get(PROMPT_NAME_PARAMETER), request.deadline_s
+        )
+
+    def text_inputs(
+        self, texts: list[str], prompt_name: str | None = None, deadline_s: float = math.inf
+    ) -> NamedArrays:
+        """The model's inputs for ``texts``, each after the prompt ``prompt_name`` (or the
+        default): 422 for a prompt the version lacks, 413 for too many texts or characters."""
+        if self.max_texts is not None:
+            check_texts(len(texts), self.max_texts)
+        name = self.prompts.chosen(prompt_name)
+        prompt = self.prompts.text(name)
+        bounded = self.bounded([prompt + text for text in texts], deadline_s)
+        extra = {}
+        if self.prompt_length is not None:
+            length = self.prompts.length(name)
+            extra[PROMPT_LENGTH_INPUT] = np.full(len(texts), length, self.prompt_length.numpy_dtype)
+        return self.encode(bounded, deadline_s, extra)
+
+    def token_counts(self, inputs: NamedArrays) -> list[int]:
+        """Each text's tokens in ``inputs`` (``text_inputs``'), for usage counts."""
+        if isinstance(inputs, PaddedInstances):
+            return [int(length) for length in inputs.lengths]
+        ids = inputs[self.ids.name]
+        return [int(ids.shape[1])] * len(ids)
+
+    def describe(self) -> dict[str, Any]:
+        description = super().describe()
+        description["request"]["application/json"]["properties"]["instances"]["items"] = {
+            "type": "string",
+            "description": "A text to embed.",
+        }
+        dimensions = self.context.manifest.output.shape[-1]
+        return {
+            **description,
+            "answers": "embeddings",
+            "response": {
+                "type": "array",
+                "items": {"type": "number"},
+                "minItems": dimensions,
+                "maxItems": dimensions,
+                "description": "The text's embedding.",
+            },
+            "prompts": self.prompts.prompts,
+            "default_prompt_name": self.prompts.default_name,
+            "similarity_fn_name": self.similarity_fn_name,
+            "query_parameters": {
+                PROMPT_NAME_PARAMETER: f"one of {sorted(self.prompts.prompts)}"
+                if self.prompts.prompts
+                else "none: this version has no prompts"
+            },
+        }
