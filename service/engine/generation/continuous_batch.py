@@ -177,7 +177,7 @@ class ContinuousBatch:
         events = self._choose(stepped + prefilled, logits + prefill_logits)
         for sequence, event in zip(stepped + prefilled, events, strict=True):
             if event.finish_reason is not None:
-                self._release(sequence)
+                self._release(sequence, clear=event.finish_reason == "error")
         for sequence in prefilled:
             if sequence.slot >= 0:
                 self._promote(sequence)
@@ -271,9 +271,12 @@ class ContinuousBatch:
             sequence.slot = target
         self._decoding += 1
 
-    def _release(self, sequence: RunningSequence) -> None:
-        """Free a sequence's slot; the last decoding sequence moves into a decoding hole."""
+    def _release(self, sequence: RunningSequence, *, clear: bool = False) -> None:
+        """Free a sequence's slot (zeroed when ``clear``: it held non-finite values); the
+        last decoding sequence moves into a decoding hole."""
         slot = sequence.slot
+        if clear:
+            self._cache.clear(slot)
         if slot < self._decoding:
             last = self._decoding - 1
             mover = self._slots[last]

@@ -155,13 +155,12 @@ class SlotKVCache(Cache):
         self.tokens_per_slot = tokens_per_slot
         self._plan: ForwardPlan | None = None
         layers: list[Any] = []
-        with torch.inference_mode():
-            per_layer = zip(layout.heads, layout.key_dims, layout.value_dims, strict=True)
-            for heads, key_dim, value_dim in per_layer:
-                shape = (slots, heads, tokens_per_slot)
-                keys = torch.zeros((*shape, key_dim), dtype=layout.dtype, device=layout.device)
-                values = torch.zeros((*shape, value_dim), dtype=layout.dtype, device=layout.device)
-                layers.append(_SlotLayer(self, keys, values))
+        per_layer = zip(layout.heads, layout.key_dims, layout.value_dims, strict=True)
+        for heads, key_dim, value_dim in per_layer:
+            shape = (slots, heads, tokens_per_slot)
+            keys = torch.zeros((*shape, key_dim), dtype=layout.dtype, device=layout.device)
+            values = torch.zeros((*shape, value_dim), dtype=layout.dtype, device=layout.device)
+            layers.append(_SlotLayer(self, keys, values))
         super().__init__(layers=layers)
 
     @property
@@ -185,19 +184,24 @@ class SlotKVCache(Cache):
 
     def move(self, source: int, target: int, tokens: int) -> None:
         """Copy the first ``tokens`` positions of slot ``source`` into slot ``target``."""
-        with torch.inference_mode():
-            for layer in self._slot_layers():
-                layer.keys[target, :, :tokens] = layer.keys[source, :, :tokens]
-                layer.values[target, :, :tokens] = layer.values[source, :, :tokens]
+        for layer in self._slot_layers():
+            layer.keys[target, :, :tokens] = layer.keys[source, :, :tokens]
+            layer.values[target, :, :tokens] = layer.values[source, :, :tokens]
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot. Attention reads the stale tail of a slot masked, but a masked NaN
+        still makes NaN: a slot that held non-finite values is cleared before reuse."""
+        for layer in self._slot_layers():
+            layer.keys[slot].zero_()
+            layer.values[slot].zero_()
 
     def swap(self, first: int, second: int, first_tokens: int, second_tokens: int) -> None:
         """Exchange the contents of two slots (their first ``*_tokens`` positions)."""
-        with torch.inference_mode():
-            for layer in self._slot_layers():
-                for tensor in (layer.keys, layer.values):
-                    kept = tensor[first, :, :first_tokens].clone()
-                    tensor[first, :, :second_tokens] = tensor[second, :, :second_tokens]
-                    tensor[second, :, :first_tokens] = kept
+        for layer in self._slot_layers():
+            for tensor in (layer.keys, layer.values):
+                kept = tensor[first, :, :first_tokens].clone()
+                tensor[first, :, :second_tokens] = tensor[second, :, :second_tokens]
+                tensor[second, :, :first_tokens] = kept
 
     def _slot_layers(self) -> list[_SlotLayer]:
         return [layer for layer in self.layers if isinstance(layer, _SlotLayer)]
