@@ -55,6 +55,48 @@ def qwen2(seed: int = 0) -> Any:
     return Qwen2ForCausalLM(Qwen2Config(**_decoder_settings())).eval()
 
 
+def t5(seed: int = 0) -> Any:
+    """A T5 (``T5ForConditionalGeneration``): relative positions, no context of its own."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=EOS,
+        pad_token_id=EOS,
+        eos_token_id=1,
+        initializer_factor=4.0,
+    )
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(config).eval()
+
+
+def bart(seed: int = 0) -> Any:
+    """A BART (``BartForConditionalGeneration``) without its forced end-of-sequence token
+    (a logits processor of ``generate``, not part of the model)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        init_std=0.2,
+        forced_eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return BartForConditionalGeneration(config).eval()
+
+
 def _decoder_settings() -> dict[str, Any]:
     return {
         "vocab_size": VOCAB,

@@ -26,8 +26,13 @@ from service.engine.generation.admission import StepLimits, new_tokens_allowed, 
 from service.engine.generation.forward_inputs import Row, forward_inputs
 from service.engine.generation.kv_cache import SlotKVCache, probe_kv_layout, slots_for_budget
 from service.engine.generation.model_limits import context_tokens
-from service.engine.generation.sampling import choose, new_generator
-from service.engine.generation.sequences import GenerationRequest, RunningSequence, TokenEvent
+from service.engine.generation.sampling import new_generator
+from service.engine.generation.sequences import (
+    GenerationRequest,
+    RunningSequence,
+    TokenEvent,
+    accept_next,
+)
 from service.errors import InvalidInputError, QueueFullError
 
 Precision = Literal["fp32", "fp16", "bf16"]
@@ -60,7 +65,7 @@ class ContinuousBatch:
         model.set_attn_implementation("sdpa")
         self._model = model
         self._device: torch.device = next(model.parameters()).device
-        self._precision = _precision(precision, self._device)
+        self._precision = precision_context(precision, self._device)
         self.limits = limits
         self.max_waiting_sequences = max_waiting_sequences
         self._eos_ids = frozenset(eos_token_ids)
@@ -171,11 +176,14 @@ class ContinuousBatch:
             if tokens
         ]
         decoding = [sequence for sequence in self._slots[: self._decoding] if sequence]
-        with torch.inference_mode(), self._precision():
-            stepped, logits = self._decode(decoding)
-            prefilled, prefill_logits = self._prefill(chunks)
-        events = self._choose(stepped + prefilled, logits + prefill_logits)
-        for sequence, event in zip(stepped + prefilled, events, strict=True):
+        with torch.inference_mode():
+            with self._precision():
+                stepped, decode_logits = self._decode(decoding)
+                prefilled, prefill_logits = self._prefill(chunks)
+            sequences = stepped + prefilled
+            logits = decode_logits + prefill_logits
+            events = accept_next(sequences, torch.cat(logits)) if logits else []
+        for sequence, event in zip(sequences, events, strict=True):
             if event.finish_reason is not None:
                 self._release(sequence, clear=event.finish_reason == "error")
         for sequence in prefilled:
@@ -226,29 +234,6 @@ class ContinuousBatch:
         logits: torch.Tensor = output.logits[:, -1, :]
         return logits
 
-    def _choose(
-        self, sequences: list[RunningSequence], parts: list[torch.Tensor]
-    ) -> list[TokenEvent]:
-        """Each sequence's next token; a sequence whose logits are not finite fails alone."""
-        if not sequences:
-            return []
-        logits = torch.cat(parts).float()
-        finite: list[bool] = torch.isfinite(logits).all(dim=-1).tolist()
-        good = [index for index, ok in enumerate(finite) if ok]
-        choices = iter(
-            choose(
-                logits[good],
-                [sequences[index].request.sampling for index in good],
-                [sequences[index].generator for index in good],
-            )
-            if good
-            else []
-        )
-        return [
-            sequence.accept(next(choices)) if ok else sequence.failed()
-            for sequence, ok in zip(sequences, finite, strict=True)
-        ]
-
     def _place(self, sequence: RunningSequence) -> None:
         """Give a joining sequence a free slot (all are at or after the decoding ones)."""
         slot = self._slots.index(None, self._decoding)
@@ -293,9 +278,10 @@ class ContinuousBatch:
         del self._known[sequence.request.request_id]
 
 
-def _precision(
+def precision_context(
     precision: Precision, device: torch.device
 ) -> Callable[[], AbstractContextManager[object]]:
+    """What a forward runs under: nothing for fp32, else autocast to the precision's dtype."""
     dtype = _AUTOCAST_DTYPES.get(precision)
     if dtype is None:
         return nullcontext

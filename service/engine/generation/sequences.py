@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from service.engine.generation.sampling import Choice, SamplingParams
+from service.engine.generation.sampling import Choice, SamplingParams, choose
 
 FinishReason = Literal["stop", "length", "error"]
 """``stop``: an end-of-sequence or stop token; ``length``: ``max_tokens`` or the room the
@@ -84,3 +84,27 @@ class RunningSequence:
 
     def failed(self) -> TokenEvent:
         return TokenEvent(self.request.request_id, None, finish_reason="error")
+
+
+def accept_next(sequences: list[RunningSequence], logits: torch.Tensor) -> list[TokenEvent]:
+    """Each sequence's next token from its row of ``logits`` (``[rows, vocab]``); a sequence
+    whose logits are not finite fails alone, its batch-mates unharmed."""
+    if not sequences:
+        return []
+    logits = logits.float()
+    finite: list[bool] = torch.isfinite(logits).all(dim=-1).tolist()
+    good = [row for row, ok in enumerate(finite) if ok]
+    chosen = (
+        choose(
+            logits[good],
+            [sequences[row].request.sampling for row in good],
+            [sequences[row].generator for row in good],
+        )
+        if good
+        else []
+    )
+    choices = iter(chosen)
+    return [
+        sequence.accept(next(choices)) if ok else sequence.failed()
+        for sequence, ok in zip(sequences, finite, strict=True)
+    ]
