@@ -38,41 +38,49 @@ class ForwardInputs:
 
 
 def forward_inputs(rows: Sequence[Row], device: torch.device) -> ForwardInputs:
-    """The tensors of one forward over ``rows``, on ``device``. Rows in slots ``0..n-1`` in
-    order read their keys and values as a view, any others gathered."""
+    """The tensors of one forward over ``rows``, on ``device`` (built on the host and copied
+    over at once). Rows in slots ``0..n-1`` in order read their keys and values as a view,
+    any others gathered."""
     if not rows or any(not row.token_ids for row in rows):
         raise ValueError("a forward needs at least one row, each with at least one token")
     columns = max(len(row.token_ids) for row in rows)
-    ids: list[list[int]] = []
-    positions: list[list[int]] = []
-    writes: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+    ids: list[int] = []
+    positions: list[int] = []
+    write_slots: list[int] = []
+    write_positions: list[int] = []
+    write_rows: list[int] = []
+    write_columns: list[int] = []
     for index, row in enumerate(rows):
-        padding = columns - len(row.token_ids)
-        ids.append([0] * padding + list(row.token_ids))
-        own = range(row.start, row.start + len(row.token_ids))
-        positions.append([row.start] * padding + list(own))
-        for column, position in enumerate(own, start=padding):
-            for destination, value in zip(writes, (row.slot, position, index, column), strict=True):
-                destination.append(value)
-    read_tokens = max(row.start + len(row.token_ids) for row in rows)
+        count = len(row.token_ids)
+        padding = columns - count
+        own = range(row.start, row.start + count)
+        ids += [0] * padding
+        ids += row.token_ids
+        positions += [row.start] * padding
+        positions += own
+        write_slots += [row.slot] * count
+        write_positions += own
+        write_rows += [index] * count
+        write_columns += range(padding, columns)
     slots = [row.slot for row in rows]
-    read_slots: slice | torch.Tensor = (
-        slice(0, len(rows))
-        if slots == list(range(len(rows)))
-        else torch.tensor(slots, device=device)
-    )
-    position_ids = torch.tensor(positions, device=device)
+    contiguous = slots == list(range(len(rows)))
+    values = torch.tensor(
+        [*ids, *positions, *write_slots, *write_positions, *write_rows, *write_columns, *slots],
+        dtype=torch.long,
+    ).to(device)
+    cells, written = len(ids), len(write_slots)
+    parts = torch.split(values, [cells, cells, written, written, written, written, len(rows)])
+    input_ids = parts[0].view(len(rows), columns)
+    position_ids = parts[1].view(len(rows), columns)
+    read_tokens = max(row.start + len(row.token_ids) for row in rows)
     seen = torch.arange(read_tokens, device=device)
     mask = seen.view(1, 1, 1, -1) <= position_ids.view(len(rows), 1, columns, 1)
-    write_slots, write_positions, write_rows, write_columns = (
-        torch.tensor(values, device=device) for values in writes
-    )
     plan = ForwardPlan(
-        write_slots, write_positions, write_rows, write_columns, read_slots, read_tokens
+        write_slots=parts[2],
+        write_positions=parts[3],
+        write_rows=parts[4],
+        write_columns=parts[5],
+        read_slots=slice(0, len(rows)) if contiguous else parts[6],
+        read_tokens=read_tokens,
     )
-    return ForwardInputs(
-        input_ids=torch.tensor(ids, device=device),
-        position_ids=position_ids,
-        attention_mask=mask,
-        plan=plan,
-    )
+    return ForwardInputs(input_ids, position_ids, mask, plan)

@@ -122,9 +122,14 @@ class _SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transform
     ) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._owner.plan
         slots, positions = plan.write_slots, plan.write_positions
-        rows, columns = plan.write_rows, plan.write_columns
-        self.keys[slots, :, positions] = key_states[rows, :, columns].to(self.keys.dtype)
-        self.values[slots, :, positions] = value_states[rows, :, columns].to(self.values.dtype)
+        if key_states.shape[2] == 1:
+            # A decode step: one new token per row, every row written in order.
+            new_keys, new_values = key_states[:, :, 0], value_states[:, :, 0]
+        else:
+            rows, columns = plan.write_rows, plan.write_columns
+            new_keys, new_values = key_states[rows, :, columns], value_states[rows, :, columns]
+        self.keys[slots, :, positions] = new_keys.to(self.keys.dtype)
+        self.values[slots, :, positions] = new_values.to(self.values.dtype)
         tokens = plan.read_tokens
         return self.keys[plan.read_slots, :, :tokens], self.values[plan.read_slots, :, :tokens]
 
