@@ -25,7 +25,7 @@ from tests.generative_models import CONTEXT, EOS, VOCAB
 @pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
     """Tiny models on a shared machine: a second intra-op thread only spins against the
-    other processes (measured: a step 40x slower at a load of 6 on 2 cores)."""
+    other processes, many times slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -273,17 +273,29 @@ def test_requests_that_can_never_fit_are_refused_with_the_numbers() -> None:
     assert (batch.waiting, batch.running) == (0, 0)
 
 
-def test_a_full_waiting_line_refuses_with_429_and_retry_after() -> None:
-    batch = new_batch(generative_models.gpt2(), max_running=1, max_waiting=2)
-    for index in range(2):
+def test_a_full_cache_and_waiting_line_refuse_with_429_and_retry_after() -> None:
+    batch = new_batch(generative_models.gpt2(), max_running=2, max_waiting=1)
+    for index in range(3):  # two slots free, one more may wait
         batch.submit(GenerationRequest(index, (1, 2, 3), max_tokens=5))
     with pytest.raises(QueueFullError) as refused:
-        batch.submit(GenerationRequest(2, (1, 2, 3), max_tokens=5))
+        batch.submit(GenerationRequest(3, (1, 2, 3), max_tokens=5))
     assert refused.value.status_code == 429
     assert refused.value.headers["Retry-After"] == "1"
+    assert refused.value.message == (
+        "the KV cache's 2 slots are taken (0 sequences generate) and 3 wait, the most "
+        "allowed (max_waiting_sequences=1); retry later"
+    )
     batch.step()
-    assert (batch.running, batch.waiting) == (1, 1)
-    batch.submit(GenerationRequest(2, (1, 2, 3), max_tokens=5))
+    assert (batch.running, batch.waiting) == (2, 1)
+    with pytest.raises(QueueFullError):
+        batch.submit(GenerationRequest(3, (1, 2, 3), max_tokens=5))
+    assert batch.cancel(2)
+    batch.submit(GenerationRequest(3, (1, 2, 3), max_tokens=5))
+
+    no_waiting = new_batch(generative_models.gpt2(), max_running=1, max_waiting=0)
+    no_waiting.submit(GenerationRequest(0, (1, 2, 3), max_tokens=5))
+    with pytest.raises(QueueFullError):
+        no_waiting.submit(GenerationRequest(1, (1, 2, 3), max_tokens=5))
 
 
 def test_a_cancelled_sequence_frees_its_slot_for_the_next_step() -> None:

@@ -108,7 +108,7 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_cohort() -> None:
 
 
 def test_cohorts_refuse_what_never_fits_and_what_overflows_the_line() -> None:
-    batch = new_batch(generative_models.bart(), max_running_sequences=1, max_waiting_sequences=1)
+    batch = new_batch(generative_models.bart(), max_running_sequences=1, max_waiting_sequences=0)
     assert batch.context_tokens == 128  # BART's max_position_embeddings
     with pytest.raises(InvalidInputError, match="1 to 128 tokens, got 129"):
         batch.submit(GenerationRequest("long", tuple([5] * 129)))

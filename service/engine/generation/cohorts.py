@@ -71,7 +71,8 @@ class _Cohort:
 class CohortBatch:
     """The running cohorts of one encoder-decoder model, and the requests waiting to start.
 
-    ``submit``, ``cancel`` and ``step`` as ``ContinuousBatch``'s, called from one thread. A
+    ``submit``, ``cancel`` and ``step`` as ``ContinuousBatch``'s, called from one thread
+    (``max_waiting_sequences``: how many may wait beyond ``max_running_sequences``). A
     prompt is the encoder's input; ``max_tokens`` counts the decoder's tokens after its start
     token. ``context_tokens``: the most tokens an encoder input or a decoder sequence may
     hold, when the config names none (T5's relative positions have no limit of their own;
@@ -150,10 +151,12 @@ class CohortBatch:
         max_new_tokens = new_tokens_allowed(
             1, request.max_tokens, self.context_tokens, self.context_tokens
         )
-        if len(self._waiting) >= self.max_waiting_sequences:
+        room = self.max_running_sequences - self.running
+        if len(self._waiting) >= room + self.max_waiting_sequences:
             raise QueueFullError(
-                f"{self.running} sequences are generating and {len(self._waiting)} wait to "
-                "start, the most allowed (max_waiting_sequences); retry later"
+                f"{self.running} sequences generate, the most at once, and "
+                f"{len(self._waiting)} wait, the most allowed "
+                f"(max_waiting_sequences={self.max_waiting_sequences}); retry later"
             )
         stop_ids = frozenset(request.stop_token_ids)
         if not request.ignore_eos:

@@ -44,8 +44,9 @@ class ContinuousBatch:
 
     ``kv_budget_bytes``: device memory for the KV cache, allocated at once; it holds as many
     slots of ``tokens_per_slot`` tokens (default and at most: the model's context) as fit,
-    and no more than ``limits.max_running_sequences``. ``max_waiting_sequences``: waiting
-    sequences beyond which ``submit`` refuses with 429. ``eos_token_ids``: what ends a
+    and no more than ``limits.max_running_sequences``. ``max_waiting_sequences``: how many
+    may wait for a slot when every slot is taken (0: refuse with 429 as soon as the cache is
+    full). ``eos_token_ids``: what ends a
     sequence (``model_limits.eos_token_ids``). ``precision``: as the runner's (``bf16`` and
     ``fp16`` autocast the forwards).
     """
@@ -117,7 +118,8 @@ class ContinuousBatch:
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request to join at a coming step. Refused at once: a request that can
-        never fit (422), or one beyond ``max_waiting_sequences`` (429 with Retry-After)."""
+        never fit (422), or one that would wait beyond ``max_waiting_sequences`` for a slot
+        (429 with Retry-After)."""
         if request.request_id in self._known:
             raise ValueError(f"request {request.request_id!r} is already generating")
         bad = [token for token in request.prompt_ids if not 0 <= token < self._vocab_size]
@@ -128,11 +130,11 @@ class ContinuousBatch:
         max_new_tokens = new_tokens_allowed(
             len(request.prompt_ids), request.max_tokens, self.context_tokens, self.tokens_per_slot
         )
-        if len(self._waiting) >= self.max_waiting_sequences:
+        if len(self._waiting) >= self.free_slots + self.max_waiting_sequences:
             raise QueueFullError(
-                f"{self.running} sequences are generating and {len(self._waiting)} wait for "
-                f"room in the KV cache ({self.slots} slots), the most allowed "
-                "(max_waiting_sequences); retry later"
+                f"the KV cache's {self.slots} slots are taken ({self.running} sequences "
+                f"generate) and {len(self._waiting)} wait, the most allowed "
+                f"(max_waiting_sequences={self.max_waiting_sequences}); retry later"
             )
         stop_ids = frozenset(request.stop_token_ids)
         if not request.ignore_eos:
