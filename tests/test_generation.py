@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from service.config import Precision
 from service.engine.generation.admission import StepLimits
-from service.engine.generation.continuous_batch import ContinuousBatch, Precision
+from service.engine.generation.continuous_batch import ContinuousBatch
 from service.engine.generation.kv_cache import probe_kv_layout
 from service.engine.generation.sampling import SamplingParams
 from service.engine.generation.sequences import GenerationRequest
@@ -335,6 +336,39 @@ def test_a_sequence_with_non_finite_logits_fails_alone_and_its_slot_is_clean_aft
     assert run.reasons["poisoned"] == "error"
     for request in [*healthy, after]:
         assert run.tokens[request.request_id] == generated_alone(model, request)
+
+
+def test_a_step_whose_forward_fails_leaves_every_sequence_to_step_again() -> None:
+    model = generative_models.gpt2()
+    calls = 0
+
+    def fail_step_2_prefill(module: Any, args: Any, kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        # The probe, step 0 (prefill), step 1 (decode), step 2 (decode, then this prefill).
+        if calls == 5:
+            raise RuntimeError("the device failed")
+
+    model.register_forward_pre_hook(fail_step_2_prefill, with_kwargs=True)
+    first, second, late = (
+        GenerationRequest(name, prompt, max_tokens=8, sampling=GREEDY)
+        for name, prompt in [("first", (3, 4, 5)), ("second", (6, 7)), ("late", (8, 9, 10))]
+    )
+    batch = new_batch(model)
+    batch.submit(first)
+    batch.submit(second)
+    tokens: dict[Hashable, list[int | None]] = defaultdict(list)
+    for _ in range(2):
+        for event in batch.step():
+            tokens[event.request_id].append(event.token_id)
+    batch.submit(late)
+    with pytest.raises(RuntimeError, match="the device failed"):
+        batch.step()
+
+    rest = drive(batch, {})
+    for request in (first, second, late):
+        got = tokens[request.request_id] + rest.tokens[request.request_id]
+        assert got == generated_alone(model, request)
 
 
 def test_logprobs_are_the_model_distribution_of_the_chosen_tokens() -> None:

@@ -20,8 +20,9 @@ import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
+from service.config import Precision
 from service.engine.generation.admission import new_tokens_allowed
-from service.engine.generation.continuous_batch import Precision, precision_context
+from service.engine.generation.continuous_batch import precision_context
 from service.engine.generation.sampling import new_generator
 from service.engine.generation.sequences import (
     GenerationRequest,

@@ -18,10 +18,11 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Ordered
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from service.config import Precision
 from service.engine.generation.admission import StepLimits, new_tokens_allowed, plan_prefill
 from service.engine.generation.forward_inputs import Row, forward_inputs
 from service.engine.generation.kv_cache import SlotKVCache, probe_kv_layout, slots_for_budget
@@ -35,7 +36,6 @@ from service.engine.generation.sequences import (
 )
 from service.errors import InvalidInputError, QueueFullError
 
-Precision = Literal["fp32", "fp16", "bf16"]
 _AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -46,9 +46,8 @@ class ContinuousBatch:
     slots of ``tokens_per_slot`` tokens (default and at most: the model's context) as fit,
     and no more than ``limits.max_running_sequences``. ``max_waiting_sequences``: how many
     may wait for a slot when every slot is taken (0: refuse with 429 as soon as the cache is
-    full). ``eos_token_ids``: what ends a
-    sequence (``model_limits.eos_token_ids``). ``precision``: as the runner's (``bf16`` and
-    ``fp16`` autocast the forwards).
+    full). ``eos_token_ids``: what ends a sequence (``model_limits.eos_token_ids``).
+    ``precision``: as the runner's (``bf16`` and ``fp16`` autocast the forwards).
     """
 
     def __init__(
@@ -160,7 +159,9 @@ class ContinuousBatch:
     def step(self) -> list[TokenEvent]:
         """Run one iteration: a token for every decoding sequence, the next prompt chunks,
         and a first token for each sequence whose prompt is now cached. Finished sequences
-        (their event has a ``finish_reason``) have left the batch when it returns."""
+        (their event has a ``finish_reason``) have left the batch when it returns. A step
+        whose forward raises leaves the sequences as they were (those that joined stay
+        joined): the caller may step again or cancel them."""
         plan = plan_prefill(
             [sequence.prompt_left for sequence in self._prefilling],
             [len(sequence.request.prompt_ids) for sequence in self._waiting],
@@ -214,9 +215,12 @@ class ContinuousBatch:
         rows = []
         for sequence, tokens in chunks:
             start = sequence.prefilled
-            rows.append(Row(sequence.slot, start, sequence.request.prompt_ids[start:][:tokens]))
-            sequence.prefilled += tokens
+            rows.append(
+                Row(sequence.slot, start, sequence.request.prompt_ids[start : start + tokens])
+            )
         logits = self._forward(rows)
+        for sequence, tokens in chunks:
+            sequence.prefilled += tokens
         whole = [index for index, (sequence, _) in enumerate(chunks) if not sequence.prompt_left]
         if not whole:
             return [], []
