@@ -68,8 +68,8 @@ def probe_kv_layout(
     if not keys or len(keys) != len(probe.layers):
         raise ValueError(
             f"{type(model).__name__} did not fill a transformers Cache passed as `cache=` "
-            "(each of its layers needs keys and values; transformers 5.24 or later names the "
-            "argument `cache`)"
+            "(each of its layers needs keys and values; `cache` is the argument's name in "
+            "transformers 5.24, the version tested)"
         )
     return KVLayout(
         heads=tuple(int(key.shape[1]) for key in keys),
