@@ -1,0 +1,232 @@
+"""Encoder-decoder models (T5, BART: ``*ForConditionalGeneration``), batched in cohorts.
+
+Their decoders in ``transformers`` take one position for the whole batch (the cache's
+length; T5's relative position bias is computed from it), so a sequence cannot join a running
+batch at its own position as in ``continuous_batch.py``. Instead, the requests waiting at a
+step form a cohort: their prompts are encoded together, padded, and they decode together, one
+token each per step, with the library's own ``EncoderDecoderCache``. A finished or cancelled
+sequence leaves its cohort at once through the cache's public ``batch_select_indices``. Each
+step runs one forward per cohort, so a request waits at most one step to start, and at most
+``max_cohorts`` forwards share a step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput
+
+from service.config import Precision
+from service.engine.generation.admission import new_tokens_allowed
+from service.engine.generation.continuous_batch import precision_context
+from service.engine.generation.sampling import new_generator
+from service.engine.generation.sequences import (
+    GenerationRequest,
+    RunningSequence,
+    TokenEvent,
+    accept_next,
+)
+from service.errors import InvalidInputError, QueueFullError
+
+
+class _Cohort:
+    """Sequences that decode together: their encoder states, mask and cache, row by row."""
+
+    def __init__(
+        self,
+        sequences: list[RunningSequence],
+        encoded: torch.Tensor,
+        mask: torch.Tensor,
+        start_token_id: int,
+    ) -> None:
+        self.sequences = sequences
+        self.encoded = encoded
+        self.mask = mask
+        self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        self.start_token_id = start_token_id
+
+    def next_inputs(self) -> list[int]:
+        return [
+            sequence.generated[-1] if sequence.generated else self.start_token_id
+            for sequence in self.sequences
+        ]
+
+    def keep(self, kept: list[RunningSequence]) -> None:
+        """Drop every row but ``kept`` (in their order) from the cohort and its cache."""
+        if len(kept) == len(self.sequences):
+            return
+        rows = [self.sequences.index(sequence) for sequence in kept]
+        self.sequences = kept
+        if not kept:
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.encoded = self.encoded[index]
+        self.mask = self.mask[index]
+        self.cache.batch_select_indices(index)
+
+
+class CohortBatch:
+    """The running cohorts of one encoder-decoder model, and the requests waiting to start.
+
+    ``submit``, ``cancel`` and ``step`` as ``ContinuousBatch``'s, called from one thread
+    (``max_waiting_sequences``: how many may wait beyond ``max_running_sequences``). A
+    prompt is the encoder's input; ``max_tokens`` counts the decoder's tokens after its start
+    token. ``context_tokens``: the most tokens an encoder input or a decoder sequence may
+    hold, when the config names none (T5's relative positions have no limit of their own;
+    its tokenizer's ``model_max_length`` is the usual one).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_running_sequences: int,
+        max_waiting_sequences: int,
+        max_cohorts: int = 4,
+        eos_token_ids: Iterable[int] = (),
+        decoder_start_token_id: int | None = None,
+        context_tokens: int | None = None,
+        precision: Precision = "fp32",
+    ) -> None:
+        self._model = model
+        self._device: torch.device = next(model.parameters()).device
+        self._precision = precision_context(precision, self._device)
+        self.max_running_sequences = max_running_sequences
+        self.max_waiting_sequences = max_waiting_sequences
+        self.max_cohorts = max_cohorts
+        self._eos_ids = frozenset(eos_token_ids)
+        start = decoder_start_token_id
+        if start is None:
+            start = model.generation_config.decoder_start_token_id
+        if not isinstance(start, int):
+            raise ValueError(
+                f"{type(model).__name__} names no decoder_start_token_id (generation_config "
+                f"or config), got {start!r}"
+            )
+        self._start_token_id = start
+        named = getattr(model.config, "max_position_embeddings", None)
+        limit = named if isinstance(named, int) and named > 0 else context_tokens
+        if limit is None or limit < 2:
+            raise ValueError(
+                f"{type(model).__name__}'s config names no context length: pass "
+                f"context_tokens (at least 2), got {limit!r}"
+            )
+        self.context_tokens = limit
+        self._vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._cohorts: list[_Cohort] = []
+        self._waiting: deque[RunningSequence] = deque()
+        self._known: dict[Hashable, RunningSequence] = {}
+
+    @property
+    def running(self) -> int:
+        return sum(len(cohort.sequences) for cohort in self._cohorts)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def cohorts(self) -> int:
+        return len(self._cohorts)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request to start at a coming step; refused at once as
+        ``ContinuousBatch.submit`` refuses."""
+        if request.request_id in self._known:
+            raise ValueError(f"request {request.request_id!r} is already generating")
+        prompt = len(request.prompt_ids)
+        if not 1 <= prompt <= self.context_tokens:
+            raise InvalidInputError(
+                f"the prompt must hold 1 to {self.context_tokens} tokens, got {prompt}"
+            )
+        bad = [token for token in request.prompt_ids if not 0 <= token < self._vocab_size]
+        if bad:
+            raise InvalidInputError(
+                f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}"
+            )
+        # The decoder holds its start token and the generated ones.
+        max_new_tokens = new_tokens_allowed(
+            1, request.max_tokens, self.context_tokens, self.context_tokens
+        )
+        room = self.max_running_sequences - self.running
+        if len(self._waiting) >= room + self.max_waiting_sequences:
+            raise QueueFullError(
+                f"{self.running} sequences generate, the most at once, and "
+                f"{len(self._waiting)} wait, the most allowed "
+                f"(max_waiting_sequences={self.max_waiting_sequences}); retry later"
+            )
+        stop_ids = frozenset(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self._eos_ids
+        generator = new_generator(request.sampling, self._device)
+        sequence = RunningSequence(request, max_new_tokens, stop_ids, generator)
+        self._waiting.append(sequence)
+        self._known[request.request_id] = sequence
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Drop a request, waiting or running; False when it is not here."""
+        sequence = self._known.pop(request_id, None)
+        if sequence is None:
+            return False
+        if sequence in self._waiting:
+            self._waiting.remove(sequence)
+            return True
+        for cohort in self._cohorts:
+            if sequence in cohort.sequences:
+                cohort.keep([other for other in cohort.sequences if other is not sequence])
+        self._cohorts = [cohort for cohort in self._cohorts if cohort.sequences]
+        return True
+
+    def step(self) -> list[TokenEvent]:
+        """One token for every running sequence; the waiting ones (as many as fit) start as
+        a new cohort, their prompts encoded in this step."""
+        events: list[TokenEvent] = []
+        with torch.inference_mode():
+            self._start_cohort()
+            for cohort in self._cohorts:
+                events += self._decode(cohort)
+        self._cohorts = [cohort for cohort in self._cohorts if cohort.sequences]
+        return events
+
+    def _start_cohort(self) -> None:
+        room = self.max_running_sequences - self.running
+        if not self._waiting or room <= 0 or len(self._cohorts) >= self.max_cohorts:
+            return
+        joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        longest = max(len(sequence.request.prompt_ids) for sequence in joining)
+        ids = torch.zeros((len(joining), longest), dtype=torch.long)
+        mask = torch.zeros((len(joining), longest), dtype=torch.long)
+        for row, sequence in enumerate(joining):
+            prompt = sequence.request.prompt_ids
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+            mask[row, : len(prompt)] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        with self._precision():
+            encoded = self._model.get_encoder()(input_ids=ids, attention_mask=mask)
+        hidden: torch.Tensor = encoded.last_hidden_state
+        self._cohorts.append(_Cohort(joining, hidden, mask, self._start_token_id))
+
+    def _decode(self, cohort: _Cohort) -> list[TokenEvent]:
+        tokens = torch.tensor(cohort.next_inputs(), device=self._device).unsqueeze(1)
+        with self._precision():
+            output = self._model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=cohort.encoded),
+                attention_mask=cohort.mask,
+                decoder_input_ids=tokens,
+                cache=cohort.cache,
+                use_cache=True,
+            )
+        sequences = cohort.sequences
+        events = accept_next(sequences, output.logits[:, -1, :])
+        kept = []
+        for sequence, event in zip(sequences, events, strict=True):
+            if event.finish_reason is None:
+                kept.append(sequence)
+            else:
+                del self._known[sequence.request.request_id]
+        cohort.keep(kept)
+        return events

@@ -1,0 +1,121 @@
+"""Encoder-decoder models in cohorts: each sequence's tokens are those ``generate`` gives its
+prompt alone, whoever started with it or left it."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from service.engine.generation.cohorts import CohortBatch
+from service.engine.generation.sampling import SamplingParams
+from service.engine.generation.sequences import GenerationRequest
+from service.errors import InvalidInputError, QueueFullError
+from tests import generative_models
+from tests.generative_models import VOCAB
+
+GREEDY = SamplingParams(temperature=0.0)
+MODELS: dict[str, Callable[[], Any]] = {"t5": generative_models.t5, "bart": generative_models.bart}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def new_batch(model: Any, **settings: Any) -> CohortBatch:
+    defaults: dict[str, Any] = {
+        "max_running_sequences": 8,
+        "max_waiting_sequences": 16,
+        "eos_token_ids": [model.generation_config.eos_token_id],
+        "context_tokens": 128,
+    }
+    return CohortBatch(model, **(defaults | settings))
+
+
+def generated_alone(model: Any, request: GenerationRequest) -> list[int]:
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([request.prompt_ids]), do_sample=False, max_new_tokens=request.max_tokens
+        )
+    tokens: list[int] = output[0, 1:].tolist()  # after the decoder's start token
+    return tokens
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_tokens_equal_generate_alone_across_cohorts(name: str) -> None:
+    model = MODELS[name]()
+    chooser = random.Random(5)
+    requests = [
+        GenerationRequest(
+            f"r{index}",
+            tuple(chooser.randrange(3, VOCAB) for _ in range(chooser.choice((1, 4, 17, 60)))),
+            max_tokens=chooser.choice((1, 6, 20)),
+            sampling=GREEDY,
+        )
+        for index in range(12)
+    ]
+    leaving = GenerationRequest("leaving", (5, 6, 7, 8), max_tokens=20, sampling=GREEDY)
+    arrivals = {0: [leaving, *requests[:5]], 2: requests[5:9], 3: requests[9:]}
+    batch = new_batch(model, max_running_sequences=8, max_cohorts=2)
+    tokens: dict[Hashable, list[int | None]] = {}
+    reasons: dict[Hashable, str] = {}
+    most_cohorts = 0
+    for step in range(200):
+        for request in arrivals.get(step, []):
+            batch.submit(request)
+        if step == 4:
+            assert batch.cancel("leaving")
+        for event in batch.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+            if event.finish_reason:
+                reasons[event.request_id] = event.finish_reason
+        most_cohorts = max(most_cohorts, batch.cohorts)
+        if step > 3 and not (batch.running or batch.waiting):
+            break
+
+    assert most_cohorts == 2
+    for request in requests:
+        assert tokens[request.request_id] == generated_alone(model, request), request.request_id
+        assert reasons[request.request_id] in ("stop", "length")
+    assert len(tokens["leaving"]) == 4  # steps 0 to 3
+    assert tokens["leaving"] == generated_alone(model, leaving)[:4]
+    assert "leaving" not in reasons
+
+
+def test_a_seeded_request_draws_the_same_tokens_in_any_cohort() -> None:
+    model = generative_models.t5()
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    seeded = GenerationRequest("seeded", (9, 10, 11), max_tokens=12, sampling=sampling)
+
+    def run(mates: int) -> list[int | None]:
+        batch = new_batch(model)
+        for index in range(mates):
+            batch.submit(GenerationRequest(index, (3, 4) * (index + 1), max_tokens=12))
+        batch.submit(seeded)
+        drawn = []
+        while batch.running or batch.waiting:
+            drawn += [event.token_id for event in batch.step() if event.request_id == "seeded"]
+        return drawn
+
+    assert run(0) == run(5)
+
+
+def test_cohorts_refuse_what_never_fits_and_what_overflows_the_line() -> None:
+    batch = new_batch(generative_models.bart(), max_running_sequences=1, max_waiting_sequences=0)
+    assert batch.context_tokens == 128  # BART's max_position_embeddings
+    with pytest.raises(InvalidInputError, match="1 to 128 tokens, got 129"):
+        batch.submit(GenerationRequest("long", tuple([5] * 129)))
+    with pytest.raises(InvalidInputError, match="max_tokens 128 make 129, over"):
+        batch.submit(GenerationRequest("many", (5,), max_tokens=128))
+    batch.submit(GenerationRequest("first", (5,), max_tokens=3))
+    with pytest.raises(QueueFullError):
+        batch.submit(GenerationRequest("second", (5,), max_tokens=3))
+    with pytest.raises(ValueError, match="pass context_tokens"):
+        CohortBatch(generative_models.t5(), max_running_sequences=1, max_waiting_sequences=1)
