@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -113,9 +113,20 @@ class OutputFile:
             record = orjson.loads(line)
         except orjson.JSONDecodeError:
             record = None
-        if not isinstance(record, dict) or record.get("row") != row:
+        if not _is_record(record, row):
             raise OutputFileError(
                 f"line {row + 1} of {self.path} is not the record of row {row} that batchserve "
                 "predict writes: this file is not an output to resume; write to another file"
             )
         return record
+
+
+def _is_record(record: object, row: int) -> TypeGuard[dict[str, Any]]:
+    """Whether ``record`` is a line this command writes, for ``row``."""
+    return (
+        isinstance(record, dict)
+        and record.get("row") == row
+        and isinstance(record.get("model"), str)
+        and isinstance(record.get("version"), str)
+        and ("prediction" in record) != isinstance(record.get("error"), dict)
+    )

@@ -128,7 +128,9 @@ class RowPreparer:
         try:
             orjson.loads(value)
         except orjson.JSONDecodeError as error:
-            raise BadRequestError(f"the line is not one JSON value: {error}") from None
+            raise BadRequestError(
+                f"the line is not one JSON value ({error}); each line must hold one JSON instance"
+            ) from None
         return value
 
     def _json(self, start: int, values: list[bytes]) -> RowsRequest:
