@@ -256,6 +256,14 @@ def test_parquet_columns_by_input_name_or_one_column_of_texts(
     texts = [orjson.dumps(text) for text in TEXTS]
     assert_same_answers(records(output), served_answers(json_bodies(texts), "sentiment"))
 
+    parquet.write_table(pyarrow.table({"blob": [b"\x00\x01", b"\x02"]}), tmp_path / "bytes.parquet")
+    output = tmp_path / "bytes.jsonl"
+    status = predict("--model", "digits", "--input", tmp_path / "bytes.parquet", "--output", output)
+    assert status == 3
+    for record in records(output):
+        assert record["error"]["status"] == 400
+        assert "cannot be an instance as JSON" in record["error"]["message"]
+
 
 def test_parquet_without_pyarrow_names_the_extra(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

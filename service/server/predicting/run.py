@@ -150,17 +150,16 @@ class ChunkAnswers:
 
     async def lines(self, chunk: Chunk) -> list[Line]:
         try:
-            request = await self._in_thread(self.preparer.together, chunk)
+            if self.preparer.cheap_to_prepare(chunk):
+                request = self.preparer.together(chunk)
+            else:
+                request = await self._in_thread(self.preparer.together, chunk)
             return await self._answered(request)
         except ServiceError:
             pass  # some row, or the chunk as a whole, failed: each row is run alone
         prepared = await self._in_thread(self.preparer.alone, chunk)
-        outcomes = await asyncio.gather(
-            *(
-                self._answered_alone(chunk.start + offset, row)
-                for offset, row in enumerate(prepared)
-            )
-        )
+        rows = enumerate(prepared, start=chunk.start)
+        outcomes = await asyncio.gather(*(self._answered_alone(row, one) for row, one in rows))
         return [line for lines in outcomes for line in lines]
 
     async def _answered_alone(self, row: int, prepared: RowsRequest | ServiceError) -> list[Line]:
@@ -177,7 +176,9 @@ class ChunkAnswers:
         """The request's rows computed, postprocessed and written as lines."""
         with HeldRequest(self.frontend, NO_DEADLINE, f"row-{request.start}") as held:
             result = await held.infer(self.model, request.instances, "normal")
-        return await self._in_thread(self._answer_lines, request, result)
+        # On the event loop, as /predict's answers: a thread hop costs more than a chunk's
+        # postprocess (softmax and top-k of a few rows) and lines.
+        return self._answer_lines(request, result)
 
     def _answer_lines(self, request: RowsRequest, result: InferenceResult) -> list[Line]:
         values = self.preparer.answers(request, result)

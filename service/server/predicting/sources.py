@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +64,7 @@ class JsonRows:
     error that row already has (a text line that is not UTF-8, a value JSON cannot hold)."""
 
     start: int
-    values: list[bytes | ServiceError]
+    values: Sequence[bytes | ServiceError]
 
     def __len__(self) -> int:
         return len(self.values)
@@ -147,21 +147,21 @@ class LineSource:
             for _ in itertools.islice(lines, skip):
                 pass
             start = skip
-            values: list[bytes | ServiceError] = []
-            for line in lines:
-                values.append(self._value(line.removesuffix(b"\n"), start + len(values)))
-                if len(values) == size:
-                    yield JsonRows(start, values)
-                    start += size
-                    values = []
-            if values:
-                yield JsonRows(start, values)
+            # A JSON line is kept with its newline: JSON reads it as the space it is.
+            while block := list(itertools.islice(lines, size)):
+                if self.text:
+                    yield JsonRows(
+                        start, [self._text(line, start + at) for at, line in enumerate(block)]
+                    )
+                else:
+                    yield JsonRows(start, block)
+                start += len(block)
 
-    def _value(self, line: bytes, row: int) -> bytes | ServiceError:
-        if not self.text:
-            return line
+    @staticmethod
+    def _text(line: bytes, row: int) -> bytes | ServiceError:
+        """The line's text, without its line ending, as a JSON string."""
         try:
-            text = line.removesuffix(b"\r").decode("utf-8")
+            text = line.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
         except UnicodeDecodeError as error:
             return BadRequestError(
                 f"the line is not valid UTF-8: byte {error.start} is "
