@@ -27,6 +27,7 @@ from service.bridge.interface import InferenceResult, ModelInfo
 from service.config import Settings
 from service.engine.engine import Engine
 from service.errors import ModelLoadError, ServiceError
+from service.frontend.preprocessing import handler_thread_count
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.state import FrontendState
 from service.server.predicting.output_file import OutputFile, answer_line, error_line
@@ -37,9 +38,9 @@ from service.server.single import create_app
 
 T = TypeVar("T")
 
-#: Chunks in flight per device instance: one running, one queued to run next, two being read,
-#: prepared or written.
-CHUNKS_IN_FLIGHT = 4
+#: Chunks in flight per device instance: one running, and the next queued to start as it ends
+#: (more served fewer rows/s, measured: see docs/bench/batching.md).
+CHUNKS_PER_INSTANCE = 2
 #: A row's deadline: none (``HeldRequest`` names this source should one ever be reported).
 NO_DEADLINE = Deadline(math.inf, math.inf, "batchserve predict")
 
@@ -61,13 +62,16 @@ class Summary:
     """From the first chunk read to the last line written (the model's load excluded)."""
 
 
-def chunk_sizes(settings: Settings) -> tuple[int, int]:
-    """Rows per chunk (one batch), and chunks in flight: even when every row of every chunk
-    in flight is run alone, the queue holds them all."""
+def chunk_sizes(settings: Settings, prepared_in_threads: bool) -> tuple[int, int]:
+    """Rows per chunk (a batch), and chunks in flight: those the device instances run and
+    queue, and (``prepared_in_threads``: a handler's own preprocess) one being prepared in
+    each handler thread; never more than the queue holds if every row of them runs alone."""
     rows = min(settings.max_batch_size, settings.max_instances_per_request)
     rows = min(rows, settings.max_queue_size)
-    window = min(CHUNKS_IN_FLIGHT * settings.device_instances, settings.max_queue_size // rows)
-    return rows, max(1, window)
+    window = CHUNKS_PER_INSTANCE * settings.device_instances
+    if prepared_in_threads:
+        window += handler_thread_count(settings.handler_threads)
+    return rows, max(1, min(window, settings.max_queue_size // rows))
 
 
 @asynccontextmanager
@@ -104,7 +108,7 @@ async def predict_file(
         if problem is not None:
             raise InputFileError(problem)
         answering = ChunkAnswers(frontend, model, preparer)
-        rows, window = chunk_sizes(settings)
+        rows, window = chunk_sizes(settings, prepared_in_threads=not preparer.tensors_only)
         started_s = time.monotonic()
         in_flight: deque[asyncio.Task[list[Line]]] = deque()
         try:
