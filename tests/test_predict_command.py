@@ -26,9 +26,13 @@ from asgi_lifespan import LifespanManager
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
+from service.manifest import HandlerSpec
+from service.packaging.package import Packager
+from service.processes import EXIT_STALLED
 from service.server.cli import main
 from service.server.single import create_app
 from tests.digits_versions import add_digits_version, copy_bundled_digits
+from tests.torch_models import FEATURES, HANG_VALUE, package_hanging_model
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 SENTIMENT = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("sentiment")
@@ -438,3 +442,58 @@ def test_a_run_killed_leaves_only_valid_lines_and_resume_completes_it(tmp_path: 
 
 def records_of(data: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.splitlines()]
+
+
+def test_answers_a_handler_cannot_write_as_json_are_each_rows_500(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repository = tmp_path / "repository"
+    weights = BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact
+    Packager(repository).package(
+        name="sets",
+        artifact=weights,
+        format="safetensors",
+        architecture=DIGITS.architecture,
+        inputs=DIGITS.inputs,
+        outputs=DIGITS.outputs,
+        handler=HandlerSpec(import_path="tests.fixtures:AnswersValuesJsonCannotHold"),
+    )
+    source = write_jsonl(tmp_path / "in.jsonl", [row.tolist() for row in digit_rows(3)])
+    output = tmp_path / "out.jsonl"
+
+    status = predict(
+        "--model", "sets", "--repository", repository, "--input", source, "--output", output
+    )
+
+    assert status == 3
+    for record in records(output):
+        assert record["error"]["status"] == 500
+        assert record["error"]["code"] == "handler_failed"
+        assert "a value JSON cannot hold" in record["error"]["message"]
+    assert "0 ok, 3 failed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_model_that_hangs_ends_the_run_with_the_stalled_status(tmp_path: Path) -> None:
+    repository = tmp_path / "models"
+    gate = tmp_path / "gate"  # the model hangs on HANG_VALUE while this file exists
+    gate.touch()
+    package_hanging_model(repository, gate)
+    rows = [[1.0] * FEATURES] * 100 + [[HANG_VALUE] * FEATURES] + [[2.0] * FEATURES] * 10
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    command = [
+        sys.executable, "-m", "service.server.cli", "predict", "--model", "hangs",
+        "--repository", str(repository), "--input", str(source), "--output", str(output),
+    ]  # fmt: skip
+    environment = {**os.environ, "BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_STALL_TIMEOUT_S": "1"}
+    try:
+        run = subprocess.run(command, env=environment, capture_output=True, timeout=120)
+    finally:
+        gate.unlink()
+
+    assert run.returncode == EXIT_STALLED, run.stderr.decode()
+    assert "ran longer than stall_timeout_s (1 s): the model hangs" in run.stderr.decode()
+    got = records(output)  # the chunk before the hanging row's, whole
+    assert [record["row"] for record in got] == list(range(64))
+    assert {tuple(record["prediction"]) for record in got} == {(3.0,) * FEATURES}

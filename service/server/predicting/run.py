@@ -23,10 +23,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+import orjson
+
 from service.bridge.interface import InferenceResult, ModelInfo
 from service.config import Settings
 from service.engine.engine import Engine
-from service.errors import ModelLoadError, ServiceError
+from service.errors import HandlerError, ModelLoadError, ServiceError
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.state import FrontendState
@@ -186,10 +188,15 @@ class ChunkAnswers:
 
     def _answer_lines(self, request: RowsRequest, result: InferenceResult) -> list[Line]:
         values = self.preparer.answers(request, result)
-        return [
-            (answer_line(request.start + offset, self.name, result.version, value), None)
-            for offset, value in enumerate(values)
-        ]
+        try:
+            return [
+                (answer_line(request.start + offset, self.name, result.version, value), None)
+                for offset, value in enumerate(values)
+            ]
+        except orjson.JSONEncodeError as error:
+            raise HandlerError(
+                f"the model's handler answered a value JSON cannot hold ({error})"
+            ) from None
 
     async def _in_thread(self, step: Callable[..., T], *args: object) -> T:
         """``step`` in the handler threads: the event loop stays free to start batches."""
