@@ -3,8 +3,9 @@ process (``service.server.predicting``, imported only when ``predict`` runs: it 
 
 Exit status: 0 when every row was answered (or ``--allow-errors``), 3 when some rows failed
 (their error records are in the output), 2 when the input or output file cannot be used (and
-for wrong flags), 1 when the model cannot be loaded or served, 130 when interrupted (the
-output's complete lines are kept: ``--resume`` continues it).
+for wrong flags), 1 when the model cannot be loaded or served, 70 when it hangs
+(``stall_timeout_s``), 130 when interrupted; the output's complete lines are kept, and
+``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "(rows along axis 0), npz (an array per input name), parquet (a column per input "
         "name, or one column; needs the batch extra). Exit status: 0 when every row was "
         "answered, 3 when some failed, 2 when a file cannot be used, 1 when the model cannot "
-        "be served.",
+        "be served, 70 when it hangs (stall_timeout_s).",
     )
     predict.add_argument("--model", required=True, type=_checked(check_name), help="model name")
     predict.add_argument(

@@ -26,6 +26,10 @@ class Progress:
         self._started_s = time.monotonic()
         self._shown_s = self._started_s
 
+    def start(self) -> None:
+        """Count the rate from now (the first row read, the model loaded)."""
+        self._started_s = self._shown_s = time.monotonic()
+
     def update(self, done: int) -> None:
         """``done`` rows are written now; shown if the last showing is old enough."""
         self._done = done

@@ -112,6 +112,7 @@ async def predict_file(
         answering = ChunkAnswers(frontend, model, preparer)
         rows, window = chunk_sizes(settings, prepared_in_threads=not preparer.tensors_only)
         started_s = time.monotonic()
+        progress.start()
         in_flight: deque[asyncio.Task[list[Line]]] = deque()
         try:
             for chunk in source.chunks(rows, skip=output.tally.rows):
