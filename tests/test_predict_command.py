@@ -30,6 +30,7 @@ from service.manifest import HandlerSpec
 from service.packaging.package import Packager
 from service.processes import EXIT_STALLED
 from service.server.cli import main
+from service.server.predicting.progress import BAR_WIDTH, Progress
 from service.server.single import create_app
 from tests.digits_versions import add_digits_version, copy_bundled_digits
 from tests.torch_models import FEATURES, HANG_VALUE, package_hanging_model
@@ -497,3 +498,30 @@ def test_a_model_that_hangs_ends_the_run_with_the_stalled_status(tmp_path: Path)
     got = records(output)  # the chunk before the hanging row's, whole
     assert [record["row"] for record in got] == list(range(64))
     assert {tuple(record["prediction"]) for record in got} == {(3.0,) * FEATURES}
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_redrawn_on_a_terminal_and_lines_in_a_log() -> None:
+    terminal = Terminal()
+    bar = Progress(total=40, done=10, stream=terminal)
+    bar.interval_s = 3600.0  # no update is due: only the last state is drawn
+    bar.start()
+    bar.update(20)
+    assert terminal.getvalue() == ""
+    bar.update(40)
+    bar.finish()
+    drawn = terminal.getvalue()
+    assert drawn.startswith("\r[" + "#" * BAR_WIDTH + "] 40/40 rows (100%), ")
+    assert drawn.endswith("rows/s, 0 s left\x1b[K\n")
+
+    log = io.StringIO()
+    lines = Progress(total=40, done=0, stream=log)
+    lines.interval_s = 0.0  # every update is due
+    lines.update(10)
+    lines.finish()  # a log's last state is the summary's
+    assert log.getvalue().startswith("batchserve predict: 10/40 rows (25%), ")
+    assert log.getvalue().count("\n") == 1
