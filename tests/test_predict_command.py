@@ -322,7 +322,7 @@ def test_a_file_no_row_of_which_the_model_can_read_is_refused_before_any_run(
 
     assert status == 2
     assert message in capsys.readouterr().err
-    assert not output.exists() or output.read_bytes() == b""
+    assert not output.exists()
 
 
 def assert_same_records(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
@@ -400,7 +400,10 @@ def test_resume_refuses_an_output_it_did_not_write_for_this_model_version_and_in
 
 
 @pytest.mark.slow
-def test_a_run_killed_leaves_only_valid_lines_and_resume_completes_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stop", "status"), [(signal.SIGKILL, -9), (signal.SIGINT, 130)])
+def test_a_run_stopped_leaves_only_valid_lines_and_resume_completes_it(
+    tmp_path: Path, stop: signal.Signals, status: int
+) -> None:
     rows = digit_rows(10_000, seed=6)
     source = tmp_path / "in.npy"
     np.save(source, rows)
@@ -410,21 +413,28 @@ def test_a_run_killed_leaves_only_valid_lines_and_resume_completes_it(tmp_path: 
         "--input", str(source), "--output", str(output),
     ]  # fmt: skip
     environment = {**os.environ, "BATCHSERVE_DEVICE": "cpu"}
-    # Batches of one row: slow enough that the run is killed half-way through.
+    # Batches of one row: slow enough that the run is stopped half-way through.
     slow = {**environment, "BATCHSERVE_MAX_BATCH_SIZE": "1"}
-    run = subprocess.Popen(command, env=slow, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(command, env=slow, stderr=subprocess.PIPE)
     try:
         deadline_s = time.monotonic() + 120
         while not (output.exists() and output.read_bytes().count(b"\n") >= 100):
-            assert run.poll() is None, "the run ended before it could be killed"
+            assert run.poll() is None, "the run ended before it could be stopped"
             assert time.monotonic() < deadline_s, "no 100 rows written within 120 s"
             time.sleep(0.05)
-        run.send_signal(signal.SIGKILL)
+        run.send_signal(stop)
+        _, stderr = run.communicate(timeout=60)
     finally:
         run.kill()
         run.wait()
+    assert run.returncode == status
     written = output.read_bytes()
     complete = written[: written.rfind(b"\n") + 1]
+    if stop == signal.SIGINT:  # every chunk answered is written whole
+        assert complete == written
+        lines = complete.count(b"\n")
+        said = f"interrupted; {lines:,} rows in {output}, resume with --resume"
+        assert said in stderr.decode()
     assert 100 <= complete.count(b"\n") < len(rows)
     assert [record["row"] for record in records_of(complete)] == list(range(complete.count(b"\n")))
 
@@ -494,7 +504,10 @@ def test_a_model_that_hangs_ends_the_run_with_the_stalled_status(tmp_path: Path)
         gate.unlink()
 
     assert run.returncode == EXIT_STALLED, run.stderr.decode()
-    assert "ran longer than stall_timeout_s (1 s): the model hangs" in run.stderr.decode()
+    assert (
+        f"ran longer than stall_timeout_s (1 s): the model hangs; 64 rows in {output}, "
+        "resume with --resume"
+    ) in run.stderr.decode()
     got = records(output)  # the chunk before the hanging row's, whole
     assert [record["row"] for record in got] == list(range(64))
     assert {tuple(record["prediction"]) for record in got} == {(3.0,) * FEATURES}
@@ -525,3 +538,50 @@ def test_progress_is_a_bar_redrawn_on_a_terminal_and_lines_in_a_log() -> None:
     lines.finish()  # a log's last state is the summary's
     assert log.getvalue().startswith("batchserve predict: 10/40 rows (25%), ")
     assert log.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".parquet", ".txt"])
+def test_resume_skips_the_rows_written_in_every_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    rows = digit_rows(ROWS, seed=7)
+    source = tmp_path / f"in{suffix}"
+    model = "digits"
+    if suffix == ".npy":
+        np.save(source, rows)
+    elif suffix == ".npz":
+        np.savez_compressed(source, image=rows)
+    elif suffix == ".parquet":
+        pyarrow = pytest.importorskip("pyarrow")
+        parquet = pytest.importorskip("pyarrow.parquet")
+        table = pyarrow.table({"image": [row.tolist() for row in rows]})
+        parquet.write_table(table, source, row_group_size=40)  # skipped across row groups
+    else:
+        model = "sentiment"
+        source.write_text("".join(f"text number {index}\n" for index in range(ROWS)))
+    whole = tmp_path / "whole.jsonl"
+    assert predict("--model", model, "--input", source, "--output", whole) == 0
+    output = tmp_path / "out.jsonl"
+    output.write_bytes(b"".join(whole.read_bytes().splitlines(keepends=True)[:83]))
+
+    status = predict("--model", model, "--input", source, "--output", output, "--resume")
+
+    assert status == 0, capsys.readouterr().err
+    assert f"answered {ROWS - 83} rows" in capsys.readouterr().err
+    assert_same_records(records(output), records(whole))
+
+
+def test_parquet_columns_that_miss_an_input_are_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pyarrow = pytest.importorskip("pyarrow")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    source = tmp_path / "in.parquet"
+    parquet.write_table(pyarrow.table({"input_ids": [[2, 7, 3]], "id": [1]}), source)
+    output = tmp_path / "out.jsonl"
+
+    status = predict("--model", "sentiment_tensors", "--input", source, "--output", output)
+
+    assert status == 2
+    assert "has columns ['input_ids'] but not ['attention_mask']" in capsys.readouterr().err
+    assert not output.exists()

@@ -129,23 +129,28 @@ def run_predict(args: argparse.Namespace) -> int:
         progress = Progress(source.rows, output.tally.rows, sys.stderr)
         from service.server.predicting.run import ModelStalledError, predict_file
 
-        kept = f"; {output.tally.rows:,} rows in {args.output}, resume with --resume"
+        def kept() -> str:
+            return f"; {output.tally.rows:,} rows in {args.output}, resume with --resume"
+
+        summary = None
         try:
             summary = asyncio.run(predict_file(settings, source, format, output, progress))
         except InputFileError as error:
-            return _say(f"{error}{kept}", EXIT_UNUSABLE_FILE)
+            return _say(f"{error}{kept()}", EXIT_UNUSABLE_FILE)
         except ServiceError as error:  # the version's handler cannot be loaded
             return _say(error.message, 1)
         except ModelStalledError as error:
-            _say(f"{error}{kept}", EXIT_STALLED)
+            _say(f"{error}{kept()}", EXIT_STALLED)
             logging.shutdown()
             # The device thread is stuck in the model and would keep the interpreter from
             # exiting.
             os._exit(EXIT_STALLED)
         except KeyboardInterrupt:
-            return _say(f"interrupted{kept}", EXIT_INTERRUPTED)
+            return _say(f"interrupted{kept()}", EXIT_INTERRUPTED)
         finally:
             progress.finish()
+            if summary is None:
+                output.discard_if_unused()
     tally = output.tally
     rate = summary.rows_written / summary.seconds if summary.seconds > 0 else 0.0
     kept_before = f" ({output.resumed_rows:,} kept from before)" if output.resumed_rows else ""

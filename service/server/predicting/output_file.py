@@ -71,8 +71,9 @@ class OutputFile:
             raise OutputFileError(
                 f"{path} exists: pass --resume to continue it, or remove it to start again"
             )
+        self.created = not path.exists()
         try:
-            if path.exists():
+            if not self.created:
                 self._keep_written(model, version)
             self._file = path.open("ab")
         except OSError as error:
@@ -86,6 +87,13 @@ class OutputFile:
 
     def close(self) -> None:
         self._file.close()
+
+    def discard_if_unused(self) -> None:
+        """Remove the file if this run created it and wrote nothing: a run refused after the
+        model's load leaves no output that the next run would have to be told to resume."""
+        self._file.close()
+        if self.created and self.tally.rows == 0:
+            self.path.unlink(missing_ok=True)
 
     def _keep_written(self, model: str, version: str) -> None:
         """Count the complete lines of the file, each checked to be the next row's record

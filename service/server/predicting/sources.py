@@ -130,7 +130,9 @@ def open_source(path: Path, format: str, manifest: Manifest, resources: ExitStac
     if format == "npz":
         return _npz_source(path, manifest, resources)
     if format == "parquet":
-        return ParquetSource(path, manifest)
+        source = ParquetSource(path, manifest)
+        resources.callback(source.file.close)
+        return source
     raise InputFileError(f"unknown input format {format!r}; one of {', '.join(INPUT_FORMATS)}")
 
 
@@ -311,6 +313,12 @@ class ParquetSource:
             raise InputFileError(f"{path}: not a Parquet file: {error}") from None
         columns: list[str] = list(self.file.schema_arrow.names)
         inputs = [spec.name for spec in manifest.inputs if spec.name in columns]
+        required = [spec.name for spec in manifest.inputs if spec.default_value is None]
+        if inputs and not set(required) <= set(inputs):
+            raise InputFileError(
+                f"{path}: has columns {inputs} but not {sorted(set(required) - set(inputs))}: "
+                f"give a column per input {required}"
+            )
         if inputs:
             self.columns, self.by_name = inputs, True
         elif len(columns) == 1:
@@ -326,11 +334,10 @@ class ParquetSource:
     def chunks(self, size: int, skip: int = 0) -> Iterator[Chunk]:
         start = 0
         for batch in self.file.iter_batches(batch_size=size, columns=self.columns):
-            records: list[dict[str, Any]] = batch.to_pylist()
-            if start + len(records) <= skip:
-                start += len(records)
+            if start + batch.num_rows <= skip:
+                start += batch.num_rows
                 continue
-            records = records[max(0, skip - start) :]
+            records: list[dict[str, Any]] = batch.to_pylist()[max(0, skip - start) :]
             start = max(start, skip)
             values = [self._value(record) for record in records]
             for offset in range(0, len(values), size):
