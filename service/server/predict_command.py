@@ -64,7 +64,7 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "(rows along axis 0), npz (an array per input name), parquet (a column per input "
         "name, or one column; needs the batch extra). Exit status: 0 when every row was "
         "answered, 3 when some failed, 2 when a file cannot be used, 1 when the model cannot "
-        "be served, 70 when it hangs (stall_timeout_s).",
+        "be served, 70 when it hangs (stall_timeout_s), 130 when interrupted.",
     )
     predict.add_argument("--model", required=True, type=_checked(check_name), help="model name")
     predict.add_argument(
