@@ -9,7 +9,7 @@ from typing import TextIO
 #: Least time between two redraws of the bar on a terminal.
 REDRAW_INTERVAL_S = 0.2
 #: Time between two progress lines when stderr is not a terminal.
-LOG_INTERVAL_S = 10.0
+LOG_INTERVAL_S = 5.0
 BAR_WIDTH = 30
 
 
