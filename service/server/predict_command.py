@@ -104,6 +104,8 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    """Answer ``--input`` into ``--output``; the exit status (this module's docstring). The
+    model, the files and a resumed output are checked before torch is imported."""
     overrides: dict[str, object] = {"model_name": args.model, "models": ()}
     if args.repository is not None:
         overrides["model_repository"] = args.repository
