@@ -467,3 +467,11 @@ class HandlerParsingItsOwnBodies(Handler):
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         raise NotImplementedError("a test's handler: never sent a request")
+
+
+class AnswersValuesJsonCannotHold(Handler):
+    """The base handler's tensors in, and a Python set out for each instance: a handler
+    whose answers cannot be written as JSON."""
+
+    def postprocess(self, outputs: NamedArrays, request: HandlerRequest) -> list[Any]:
+        return [{index} for index in range(len(outputs))]

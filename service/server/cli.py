@@ -20,6 +20,7 @@ from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.env_file import apply_env_file
 from service.server.launcher import clear_configured_multiprocess_dir
+from service.server.predict_command import add_predict_parser, run_predict
 from service.server.tune_command import add_tune_parser, run_tune
 
 
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batchserve tune writes); the environment and flags win over it",
     )
     add_tune_parser(commands)
+    add_predict_parser(commands)
 
     package = commands.add_parser(
         "package",
@@ -373,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export(args)
         if args.command == "tune":
             return run_tune(args)
+        if args.command == "predict":
+            return run_predict(args)
         return _models(args)
     except SettingsError as error:
         print(error, file=sys.stderr)
