@@ -37,18 +37,17 @@ async def closed_loop(requests: int, max_wait_ms: float) -> list[float]:
     options: dict[str, Any] = {
         "executor": executor,
         "max_batch_size": 64,
-        "max_wait_ms": max_wait_ms,
         "max_queue_size": 1024,
         "request_timeout_ms": 10_000,
     }
     try:
-        from service.engine.batching import DynamicBatcher
+        from service.engine.batcher import DynamicBatcher, dispatch_policy
         from service.metrics import EngineMetrics
 
         batcher: Any = DynamicBatcher(
             _echo,
+            policy=dispatch_policy("adaptive", max_wait_ms, expected_requests=lambda: 1),
             metrics=EngineMetrics().for_model("c1"),
-            expected_requests=lambda: 1,
             max_batch_ms=100.0,  # the server's default time quantum
             stall_timeout_s=120.0,  # the server's default: a stall watch armed per batch
             **options,
@@ -62,7 +61,7 @@ async def closed_loop(requests: int, max_wait_ms: float) -> list[float]:
 
         from service.metrics import ServiceMetrics  # type: ignore[attr-defined]
 
-        batcher = OldBatcher(_echo, metrics=ServiceMetrics(), **options)
+        batcher = OldBatcher(_echo, metrics=ServiceMetrics(), max_wait_ms=max_wait_ms, **options)
 
         async def one(payload: np.ndarray) -> object:
             return await batcher.submit(payload, group="g")
@@ -99,7 +98,7 @@ def _resumptions(stats: pstats.Stats, name: str) -> int:
     return sum(
         entry[1]
         for (path, _, function), entry in stats.stats.items()  # type: ignore[attr-defined]
-        if function == name and path.endswith("batching.py")
+        if function == name and path.endswith(("batching.py", "collector.py"))
     )
 
 
@@ -124,7 +123,9 @@ class PathCounter:
             name = frame.f_code.co_name
             if name == "_collect_forever":
                 self._inside, self._frame = "collector", frame
-            elif name == "enqueue" and frame.f_code.co_filename.endswith("batching.py"):
+            elif name == "enqueue" and frame.f_code.co_filename.endswith(
+                ("batching.py", "collector.py")
+            ):
                 self._inside, self._frame = "enqueue", frame
 
 

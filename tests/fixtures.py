@@ -20,7 +20,8 @@ from typing import Any
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from service.engine.batching import BatchFunction, DynamicBatcher, Ticket
+from service.config import BatchPolicy
+from service.engine.batcher import BatchFunction, DynamicBatcher, Ticket, dispatch_policy
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.metrics import EngineMetrics
 
@@ -206,7 +207,7 @@ class ManualExecutor(Executor):
 
 
 class SteppedClock:
-    """The batcher's clock (``batch_clock.Clock``) for tests: real time plus an offset the
+    """The batcher's clock (``batcher.clock.Clock``) for tests: real time plus an offset the
     test moves on with ``advance``, which also fires at once the timers that came due, so a
     test can say how long requests have waited (or how long ago the device ran out of
     memory) without sleeping. Counts how often the batcher reads it. ``freeze`` stops it, for
@@ -319,16 +320,23 @@ class BatcherFactory:
         max_queue_size: int = 64,
         request_timeout_ms: float = 5_000,
         measured: bool = True,
+        policy: BatchPolicy = "adaptive",
+        expected_requests: Callable[[], int] = lambda: 0,
         **options: Any,
     ) -> Batcher:
         if executor is None:
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
         batcher = Batcher(
             run_batch,
+            policy=dispatch_policy(
+                policy,
+                max_wait_ms,
+                expected_requests=expected_requests,
+                instances=options.get("instances", 1),
+            ),
             executor=executor,
             metrics=(metrics if metrics is not None else EngineMetrics()).for_model("test"),
             max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
             max_queue_size=max_queue_size,
             request_timeout_ms=request_timeout_ms,
             **({"clock": self.clock} | options),

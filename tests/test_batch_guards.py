@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.engine.batch_guards import StallWatch
+from service.engine.batcher.run import StallWatch
 from tests.fixtures import SteppedClock
 
 

@@ -1,4 +1,4 @@
-"""Frame admission (``batch_intake``): a frame gets exactly what one-by-one submission gets.
+"""Frame admission (``DynamicBatcher.enqueue_frame``): a frame gets what one-by-one submission gets.
 
 Two identical batchers, their device held by a request of another group: one is given the
 requests as one frame (``enqueue_frame``), the other one at a time (``enqueue``); the refusals
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from service.engine.batching import Submission
+from service.engine.batcher import Submission
 from service.errors import ServiceError
 from tests.fixtures import (
     Batcher,

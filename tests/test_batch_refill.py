@@ -1,18 +1,20 @@
-"""``batch_refill``: how long the adaptive policy waits for the clients a batch answered."""
+"""The adaptive policy's refill wait: how long it waits for the clients a batch answered."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.engine.batch_dispatch import Dispatch
-from service.engine.batch_queue import Entry
-from service.engine.batch_refill import (
+from service.engine.batcher.adaptive import (
     REFILL_CAP_FACTOR,
+    AdaptivePolicy,
     Returns,
     next_turnaround_s,
     refill_until_s,
 )
-from tests.test_batch_selection import entry, queue_of
+from service.engine.batcher.policy import Target
+from service.engine.batcher.queue import Entry
+from service.engine.batcher.selection import Limits
+from tests.test_batch_selection import entry, never_measured, queue_of
 
 
 def from_source(source: str) -> Entry:
@@ -62,9 +64,18 @@ def test_returns_count_the_clients_of_the_last_batch_by_front_end() -> None:
 
 def test_the_refill_wait_never_makes_the_head_of_a_group_late() -> None:
     [group] = queue_of(entry(arrival_s=10.0, deadline_s=10.4))
-    adaptive = Dispatch("adaptive", 0.1)
-    assert adaptive.due_at_s(group, refill_until_s=10.3, refill=True) == pytest.approx(10.3)
+    adaptive = AdaptivePolicy(0.1)
+    adaptive.answered([from_source("a")], now_s=10.0)
+    adaptive.returns.turnaround_s = 0.3  # the refill wait ends at 10.3
+
+    def due_at_s(run_s: float) -> float:
+        return adaptive.due_at_s(group, Target(2, 4), True, Limits(4, 0), lambda g, r: run_s)
+
+    assert due_at_s(0.0) == pytest.approx(10.3)
     # A batch that takes 0.2 s must start by 10.2 to answer its head by 10.4.
-    assert adaptive.due_at_s(group, 10.3, refill=True, run_s=0.2) == pytest.approx(10.2)
+    assert due_at_s(0.2) == pytest.approx(10.2)
     # Never before the head's own max_wait, as without a refill wait.
-    assert adaptive.due_at_s(group, 10.3, refill=True, run_s=0.35) == pytest.approx(10.1)
+    assert due_at_s(0.35) == pytest.approx(10.1)
+    assert adaptive.due_at_s(group, Target(2, 4), True, Limits(4, 0), never_measured) == (
+        pytest.approx(10.3)
+    )

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from service.engine import estimates
-from service.engine.estimates import BatchTimes, size_class
+from service.engine.batcher import estimates
+from service.engine.batcher.estimates import BatchTimes, size_class
 
 
 def test_size_classes_double() -> None:
@@ -115,6 +115,3 @@ def test_tabled_estimates_read_as_computed_afresh_whatever_the_times_of_reads(
         for group in "ghx":
             for rows in (1, 2, 3, 5, 64, 200, 70_000):
                 assert times.estimate(group, rows) == afresh.estimate(group, rows)
-            known = [afresh.estimate(group, rows) for rows in range(1, 257)]
-            slowest = max((seconds for seconds in known if seconds is not None), default=0.0)
-            assert times.slowest(group, 256) == slowest

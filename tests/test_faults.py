@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from safetensors.torch import save_file
 
 from service.config import Settings
-from service.engine.batching import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
 from service.manifest import Architecture, TensorSpec
 from service.packaging.package import Packager
 from service.server.single import create_app

@@ -37,7 +37,7 @@ class BatchTimings:
 
 
 class TracedWork(Protocol):
-    """A queued piece of a request, as ``batching`` holds it."""
+    """A queued piece of a request (``queue.Entry``)."""
 
     rows: int
     arrival_s: float
