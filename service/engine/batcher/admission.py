@@ -150,11 +150,13 @@ def refusal(
     measured (``times.fastest``): the forward itself is too long, the client must send less.
     When only the recent durations make it late (a loaded device), or the queue ahead does,
     429 with ``Retry-After``."""
-    own = [times.estimate(group, rows) for rows in chunks]
-    if any(seconds is None for seconds in own):
-        return None
-    own_s = sum(seconds for seconds in own if seconds is not None)
-    quickest_s = sum(times.fastest(group, rows) or 0.0 for rows in chunks)
+    own_s = quickest_s = 0.0
+    for rows in chunks:
+        seconds = times.estimate(group, rows)
+        if seconds is None:
+            return None
+        own_s += seconds
+        quickest_s += times.fastest(group, rows) or 0.0
     needed_s = min(own_s, quickest_s)
     if needed_s > left_s:
         return DeadlineUnreachableError(
@@ -234,15 +236,16 @@ class Admission:
         """Queue one request: its ticket and entries (one per chunk); raises why not."""
         payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
         total_rows = len(payload)
-        if total_rows < 1:
+        if total_rows == 1:  # the common case: one chunk
+            chunks = [payload]
+        elif total_rows < 1:
             raise InvalidInputError("a request needs at least one instance")
-        chunks = chunks_of(
-            payload,
-            total_rows,
-            self._quantum.rows(group, total_rows, self._row_limit.max_batch_size, cost_per_row),
-            self._max_batch_cost,
-            cost_per_row,
-        )
+        else:
+            max_rows = self._row_limit.max_batch_size
+            rows_per_chunk = self._quantum.rows(group, total_rows, max_rows, cost_per_row)
+            chunks = chunks_of(
+                payload, total_rows, rows_per_chunk, self._max_batch_cost, cost_per_row
+            )
         if self._queue.entries + len(chunks) > self._max_queue_size:
             raise self._queue_full()
         rows = [total_rows] if len(chunks) == 1 else [len(chunk) for chunk in chunks]

@@ -77,8 +77,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._policy = policy
         self._instances = instances
         self._metrics = metrics
-        self.max_batch_size = max_batch_size
-        self.max_batch_cost = max_batch_cost
+        self._max_batch_cost = max_batch_cost
         self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
@@ -277,13 +276,13 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._row_limit.restore(self._clock.now())
         target = self._target = self._policy.target(self._row_limit.rows)
         limits = self._limits = Limits(
-            min(self._row_limit.rows, target.cap), self.max_batch_cost, self._quantum
+            min(self._row_limit.rows, target.cap), self._max_batch_cost, self._quantum
         )
         looked_again = not target.look_again
         while True:
             if limits.row_limit > self._row_limit.rows:  # another instance ran out of memory
                 limits = self._limits = Limits(
-                    self._row_limit.rows, self.max_batch_cost, self._quantum
+                    self._row_limit.rows, self._max_batch_cost, self._quantum
                 )
             if not self._queue:
                 if self._closing:

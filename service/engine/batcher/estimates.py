@@ -52,7 +52,7 @@ TABLE_SIZES = 16
 
 def size_class(rows: int) -> int:
     """1 for one row, 2 for 2-3 rows, 3 for 4-7 rows...: each class doubles the rows."""
-    return max(1, rows).bit_length()
+    return rows.bit_length() if rows > 1 else 1
 
 
 #: A sample's seconds, read in C.
