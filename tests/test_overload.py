@@ -397,4 +397,3 @@ def test_a_client_resending_before_retry_after_is_held_until_it_passes(tmp_path:
             assert held.headers["retry-after"] == "1"
         assert first_of_other.status == 429
         assert first_of_other.latency_s < 0.5
-
