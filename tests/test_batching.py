@@ -1808,6 +1808,35 @@ async def test_each_batch_is_counted_by_why_it_was_taken(
     assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 1, "drain": 0}
 
 
+async def test_under_the_fixed_policy_batches_are_counted_full_or_waited(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, metrics=metrics, executor=device, max_batch_size=2, max_wait_ms=100, policy="fixed"
+    )
+    full = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    alone = asyncio.create_task(batcher.submit([3], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    await settle_after(clock, 0.11)
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*full, alone)
+    assert model.batch_rows == [2, 1]
+    counted = {
+        reason: sample_total(
+            metrics.registry, "batchserve_batch_dispatches_total", {"reason": reason}
+        )
+        for reason in ("full", "target", "waited", "refill", "drain")
+    }
+    assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 0, "drain": 0}
+
+
 async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
     """Instances per device: the batcher feeds two device threads, so a second batch is
     collected while the first runs (one instance waits for the device to be free)."""
@@ -1861,6 +1890,9 @@ def test_the_adaptive_target_splits_the_requests_held_between_the_instances() ->
     adaptive.taken([])  # an empty batch counts as one row
     assert (adaptive.target(64).rows, adaptive.target(64).cap) == (1, 64)
     assert FixedPolicy(0.005).target(64).rows == 64  # fixed: only a full batch goes at once
+    # Only the adaptive policy lets requests already received join a batch not yet full.
+    assert adaptive.target(64).look_again
+    assert not FixedPolicy(0.005).target(64).look_again
 
 
 # ----------------------------------------------------------------- a batch's answers settled
