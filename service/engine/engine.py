@@ -212,7 +212,7 @@ class Engine:
             try:
                 group, cost_per_row = served.group_of(instances)
             except ServiceError as error:
-                results[index] = error
+                results[index] = error.with_traceback(None)  # no cycle through ``results``
                 continue
             frame = frames.get(id(served))
             if frame is None:

@@ -223,7 +223,8 @@ class Admission:
             try:
                 ticket, entries = self._queued(submission, source, sink)
             except ServiceError as error:
-                admitted.append(error)
+                # Kept without its traceback, whose frames hold this list: no reference cycle.
+                admitted.append(error.with_traceback(None))
                 continue
             admitted.append(ticket)
             watched += entries
