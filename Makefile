@@ -44,8 +44,9 @@ docs: install
 # MUTATE_SAMPLE=80` scores 80 drawn at random from each module, about 4 minutes.
 MUTATE_SAMPLE ?=
 MUTATE_OPTIONS := --fail-under 90 $(if $(MUTATE_SAMPLE),--sample $(MUTATE_SAMPLE) --seed 1)
-BATCHER_TESTS := tests/test_batch_selection.py tests/test_batch_refill.py tests/test_batch_guards.py \
-	tests/test_estimates.py tests/test_batch_spans.py tests/test_batch_intake.py tests/test_batching.py
+BATCHER_TESTS := tests/test_batch_clock.py tests/test_batch_selection.py tests/test_batch_refill.py \
+	tests/test_batch_guards.py tests/test_estimates.py tests/test_batch_spans.py \
+	tests/test_batch_intake.py tests/test_batching.py
 mutate: install
 	for piece in collector admission queue policy adaptive selection clock estimates run spans; do \
 		$(BIN)/python scripts/mutate.py --module service/engine/batcher/$$piece.py \

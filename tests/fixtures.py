@@ -245,6 +245,11 @@ class SteppedClock:
         self._timers.append(timer)
         return timer
 
+    @property
+    def armed(self) -> list[float]:
+        """When each timer not fired nor cancelled yet is due, in the order they were set."""
+        return [timer.when_s for timer in self._timers]
+
 
 class _SteppedTimer:
     """A timer of ``SteppedClock``: fires in real time (unless frozen), or when the test
