@@ -50,7 +50,7 @@ def split_rows(expected: int, row_limit: int, instances: int) -> int:
     applies (one instance, or no word from the front ends)."""
     if instances < 2 or expected < 1:
         return 0
-    return max(1, min(row_limit, -(-expected // instances)))
+    return min(row_limit, -(-expected // instances))
 
 
 def refill_until_s(
@@ -70,8 +70,8 @@ def next_turnaround_s(estimate_s: float, sample_s: float, complete: bool) -> flo
     (``complete``), or were not all back yet ``sample_s`` after it, when the next batch was
     answered: only a lower bound, which raises the estimate but never lowers it. The first
     measurement is the estimate."""
-    if not complete and sample_s <= estimate_s:
-        return estimate_s
+    if not complete:  # a lower bound: it may raise the estimate, never lower it
+        sample_s = max(sample_s, estimate_s)
     if estimate_s <= 0.0:
         return sample_s
     return estimate_s + TURNAROUND_WEIGHT * (sample_s - estimate_s)
@@ -153,14 +153,12 @@ class AdaptivePolicy:
         """Its oldest has waited ``max_wait``, or (``alone``) the refill wait is over, but never
         so late that a batch of the target's rows would end past a head's deadline."""
         due_s = waited_at_s(group, self.max_wait_s)
-        if not alone:
-            return due_s
-        until_s = self.returns.until_s(self.max_wait_s)
         grown_cost = group.cost + group.cost // group.rows
-        if until_s <= due_s or not limits.quantum.allows(group.key, group.rows + 1, grown_cost):
+        if not alone or not limits.quantum.allows(group.key, group.rows + 1, grown_cost):
             return due_s
         run_s = estimate(group.key, target.rows) or 0.0
         earliest_deadline_s = min(lane[0].deadline_s for lane in group.lanes.values() if lane)
+        until_s = self.returns.until_s(self.max_wait_s)
         return max(due_s, min(until_s, earliest_deadline_s - run_s))
 
     def reason(
