@@ -507,3 +507,27 @@ def test_a_frame_queued_at_once_is_queued_as_one_by_one() -> None:
         assert lane == [(each.rows, each.cost) for each in expected.lanes[priority]]
     assert at_once.entries == one_by_one.entries == 51
     assert all(each.queued for each in frame)
+
+
+def test_the_oldest_head_picks_the_group_whatever_the_order_groups_were_queued() -> None:
+    queue = queue_of(entry(group="a", arrival_s=2.0), entry(group="b", arrival_s=1.0))
+    assert pick_group(list(queue), "normal", last_group=None).key == "b"
+    assert pick_group(list(queue), "high", last_group=None).key == "b"  # none high: oldest
+
+
+def test_the_quantums_rules_at_their_edges() -> None:
+    """A batch expected to end exactly at the quantum runs; without a floor even a batch of
+    one position is held to the quantum; chunks are the most rows within it, enough for
+    ``max_chunks`` (rounded up), and a one-row request is never cut."""
+
+    def tenth_up_to_3_rows(group: Hashable, rows: int) -> float:
+        return 0.1 if rows <= 3 else 1.0
+
+    quantum = Quantum(0.1, tenth_up_to_3_rows)
+    assert quantum.rows("g", total_rows=8, max_rows=8) == 3
+    assert quantum.rows("g", total_rows=1, max_rows=8) == 8
+    assert not Quantum(0.1, PerRow(1.0).estimate).allows("g", 1, cost=1)
+    assert Quantum(0.1, PerRow(0.06).estimate, max_chunks=4).rows("g", 30, 32) == 8
+    floored = Quantum(0.1, PerRow(1.0).estimate, floor_cost=512)
+    assert floored.floor_rows(1024) == 1  # one row, however long
+    assert floored.rows("g", total_rows=32, max_rows=32) == 1  # no cost given: no floor rows
