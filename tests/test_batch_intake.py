@@ -266,3 +266,13 @@ async def test_a_frames_refusals_leave_no_garbage_for_the_collector(
         if was_enabled:
             gc.enable()
     await answered(batcher, device)
+
+
+async def test_a_request_without_a_cost_is_one_chunk_under_a_token_budget(
+    make_batcher: BatcherFactory,
+) -> None:
+    batcher, _, device = await busy_twin(make_batcher, max_batch_cost=1)
+    [ticket] = batcher.enqueue_frame([Submission([1, 2], "h")], source="fe", sink=None)
+    assert batcher.queue_depth == 1
+    await answered(batcher, device)
+    assert described(ticket) == ("answered", [[2, 4]])

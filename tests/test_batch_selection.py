@@ -14,7 +14,13 @@ import pytest
 
 from service.engine.batcher import estimates
 from service.engine.batcher.adaptive import AdaptivePolicy, target_rows
-from service.engine.batcher.admission import chunk_rows, estimated_wait_s, refusal, refusal_of_any
+from service.engine.batcher.admission import (
+    chunk_rows,
+    chunks_of,
+    estimated_wait_s,
+    refusal,
+    refusal_of_any,
+)
 from service.engine.batcher.clock import COMPACT_AT_LEAST, Deadlines
 from service.engine.batcher.estimates import BatchTimes, size_class
 from service.engine.batcher.policy import FixedPolicy, Target
@@ -531,3 +537,11 @@ def test_the_quantums_rules_at_their_edges() -> None:
     floored = Quantum(0.1, PerRow(1.0).estimate, floor_cost=512)
     assert floored.floor_rows(1024) == 1  # one row, however long
     assert floored.rows("g", total_rows=32, max_rows=32) == 1  # no cost given: no floor rows
+
+
+def test_a_request_that_fits_one_chunk_is_itself_and_unmeasured_groups_wait_nothing() -> None:
+    payload = [1, 2, 3]
+    assert chunks_of(payload, 3, max_batch_size=3, max_batch_cost=0, cost_per_row=0)[0] is payload
+    assert chunks_of(payload, 3, 2, 0, 0) == [[1, 2], [3]]
+    queue = queue_of(*(entry() for _ in range(5)))
+    assert estimated_wait_s(queue, "normal", 0.0, 4, 0, never_measured) == 0.0

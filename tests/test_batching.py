@@ -343,6 +343,29 @@ async def test_full_queue_refuses_at_once_with_retry_after(make_batcher: Batcher
     assert 3 not in model.computed_rows
 
 
+async def test_work_ahead_too_long_refuses_any_request_before_its_rows_are_known(
+    make_batcher: BatcherFactory,
+) -> None:
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=1)
+    running = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    for _ in range(3):
+        batcher.times.record("g", 1, 1.0)  # a row takes 1 s now
+    queued = asyncio.create_task(batcher.submit([1], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    soon_s = time.monotonic() + 0.5
+    assert batcher.refusal_of_any(deadline_s=time.monotonic() + 60) is None
+    assert dropped(metrics, "deadline_unreachable") == 0
+    refused = batcher.refusal_of_any(deadline_s=soon_s)
+    assert isinstance(refused, OverloadedError)
+    assert dropped(metrics, "deadline_unreachable") == 1
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(running, queued)
+
+
 async def test_a_full_queue_refuses_any_request_before_its_rows_are_known(
     make_batcher: BatcherFactory,
 ) -> None:

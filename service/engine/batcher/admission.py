@@ -237,10 +237,10 @@ class Admission:
         """Queue one request: its ticket and entries (one per chunk); raises why not."""
         payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
         total_rows = len(payload)
+        if total_rows < 1:
+            raise InvalidInputError("a request needs at least one instance")
         if total_rows == 1:  # the common case: one chunk
             chunks = [payload]
-        elif total_rows < 1:
-            raise InvalidInputError("a request needs at least one instance")
         else:
             max_rows = self._row_limit.max_batch_size
             rows_per_chunk = self._quantum.rows(group, total_rows, max_rows, cost_per_row)
@@ -249,7 +249,7 @@ class Admission:
             )
         if self._queue.entries + len(chunks) > self._max_queue_size:
             raise self._queue_full()
-        rows = [total_rows] if len(chunks) == 1 else [len(chunk) for chunk in chunks]
+        rows = [len(chunk) for chunk in chunks]
         arrival_s = self._clock.now()
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
