@@ -545,3 +545,11 @@ def test_a_request_that_fits_one_chunk_is_itself_and_unmeasured_groups_wait_noth
     assert chunks_of(payload, 3, 2, 0, 0) == [[1, 2], [3]]
     queue = queue_of(*(entry() for _ in range(5)))
     assert estimated_wait_s(queue, "normal", 0.0, 4, 0, never_measured) == 0.0
+
+
+def test_taking_a_batch_takes_its_rows_cost_and_high_rows_out_of_the_totals() -> None:
+    queue = queue_of(entry(2, cost=5), entry(1, cost=3, priority="high"), entry(4, cost=7))
+    [group] = list(queue)
+    queue.pop_heads(group, "normal", 1)
+    queue.pop_heads(group, "high", 1)
+    assert (group.rows, group.cost, group.high_rows, queue.entries) == (4, 7, 0, 1)

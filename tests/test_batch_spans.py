@@ -163,3 +163,21 @@ async def test_timings_of_an_earlier_batch_are_not_recorded_as_this_ones(
     assert batch.attributes is not None
     assert "batchserve.batch.padded_rows" not in batch.attributes
     assert [span.name for span in exported.get_finished_spans()] == ["queue_wait", "batch"]
+
+
+async def test_a_request_split_over_batches_records_each_batch_and_its_rows(
+    exported: InMemorySpanExporter, make_batcher: BatcherFactory
+) -> None:
+    batcher = make_batcher(RecordingDoubler(), max_batch_size=2, tracer=tracer())
+    async with asyncio.timeout(5):
+        ticket = batcher.enqueue([1, 2, 3], group="g", trace=SAMPLED)
+        assert await ticket.wait() == [[2, 4], [6]]
+    batches = named(exported, "batch")
+    assert len(batches) == 2
+    assert [rows for _, rows in ticket.traced_batches()] == [2, 1]
+    assert {traceparent for traceparent, _ in ticket.traced_batches()} == {
+        f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-"
+        f"{span.context.trace_flags:02x}"
+        for span in batches
+        if span.context is not None
+    }

@@ -430,6 +430,7 @@ async def test_queued_request_past_its_deadline_is_answered_and_never_computed(
             await batcher.submit([2], group="g")
     assert time.monotonic() - started_s >= 0.08
     assert expired.value.status_code == 504
+    assert expired.value.message == "the request was not answered within 100 ms"
     assert not model.released  # answered while the device was still busy
     assert batcher.queue_depth == 0
     # The running request is past its deadline too, and is answered as well.
@@ -648,6 +649,37 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     elapsed_s = clock.now() - started_s
     assert 0 < sample(metrics, "batchserve_queue_wait_seconds_sum") < elapsed_s
     assert 0 < sample(metrics, "batchserve_inference_duration_seconds_sum") < elapsed_s
+
+
+async def test_the_depth_gauge_is_written_once_after_a_refresh_interval(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    clock.freeze()
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=1)
+    running = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    queued = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.0)
+    assert sample(metrics, "batchserve_queue_depth") == 0  # not at every change
+    await settle_after(clock, QUEUE_DEPTH_REFRESH_S)
+    assert sample(metrics, "batchserve_queue_depth") == 2
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(running, *queued)
+
+
+async def test_an_answered_request_does_not_expire_at_its_deadline(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    metrics = EngineMetrics()
+    batcher = make_batcher(RecordingDoubler(), metrics=metrics, request_timeout_ms=1_000)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([1], group="g") == [[2]]
+    await settle_after(clock, 2.0)
+    assert dropped(metrics, "expired") == 0
 
 
 async def test_adaptive_policy_dispatches_a_lone_request_at_once(
@@ -958,8 +990,11 @@ async def test_rows_that_cannot_finish_even_alone_are_answered_504_and_never_com
             batcher.times.record("g", rows, 1.0)  # admitted when quick; now a row takes 1 s
     model.release()
     async with asyncio.timeout(PROMPTLY_S):
-        with pytest.raises(DeadlineExceededError, match="would take about 1000 ms"):
+        with pytest.raises(DeadlineExceededError) as late:
             await soon
+        assert late.value.message == (
+            "the request could not be answered within 5000 ms: its rows would take about 1000 ms"
+        )
         assert await later == [[4]]
         await blocker
     assert model.computed_rows == [0, 2]

@@ -369,14 +369,6 @@ class BatchQueue:
             self._forget(lane.popleft(), group)
         self._watch.changed(self.entries)
 
-    def oldest(self) -> Entry | None:
-        heads = [group.oldest() for group in self.groups.values()]
-        return min(
-            (head for head in heads if head is not None),
-            key=lambda entry: entry.arrival_s,
-            default=None,
-        )
-
     def normal_waiting(self) -> bool:
         return any(group.head("normal") is not None for group in self.groups.values())
 
