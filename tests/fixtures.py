@@ -21,7 +21,13 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from service.config import BatchPolicy
-from service.engine.batcher import BatchFunction, DynamicBatcher, Ticket, dispatch_policy
+from service.engine.batcher import (
+    BatchFunction,
+    DispatchPolicy,
+    DynamicBatcher,
+    Ticket,
+    dispatch_policy,
+)
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.metrics import EngineMetrics
 
@@ -325,7 +331,7 @@ class BatcherFactory:
         max_queue_size: int = 64,
         request_timeout_ms: float = 5_000,
         measured: bool = True,
-        policy: BatchPolicy = "adaptive",
+        policy: BatchPolicy | DispatchPolicy = "adaptive",
         expected_requests: Callable[[], int] = lambda: 0,
         **options: Any,
     ) -> Batcher:
@@ -338,7 +344,9 @@ class BatcherFactory:
                 max_wait_ms,
                 expected_requests=expected_requests,
                 instances=options.get("instances", 1),
-            ),
+            )
+            if isinstance(policy, str)
+            else policy,
             executor=executor,
             metrics=(metrics if metrics is not None else EngineMetrics()).for_model("test"),
             max_batch_size=max_batch_size,

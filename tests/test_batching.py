@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.engine.batcher import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, Ticket
+from service.engine.batcher import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, Submission, Ticket
 from service.engine.batcher.adaptive import AdaptivePolicy, split_rows, target_rows
 from service.engine.batcher.policy import FixedPolicy
+from service.engine.device_turns import DeviceTurns
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -1895,7 +1896,9 @@ async def test_under_the_fixed_policy_batches_are_counted_full_or_waited(
     assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 0, "drain": 0}
 
 
-async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
+async def test_with_two_instances_two_batches_run_at_once(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
     """Instances per device: the batcher feeds two device threads, so a second batch is
     collected while the first runs (one instance waits for the device to be free)."""
     model = RecordingDoubler()
@@ -1904,6 +1907,8 @@ async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherF
     tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4, 5)]
     await wait_until(lambda: device.pending == 2)  # [1, 2] and [3, 4] running together
     assert batcher.queue_depth == 1
+    await settle_after(clock, 1.0)  # [5] is due, but no instance is free
+    assert device.pending == 2
     await device.finish_until(lambda: all(task.done() for task in tasks))
     assert [task.result() for task in tasks] == [[[2 * row]] for row in (1, 2, 3, 4, 5)]
     assert model.batch_rows[:2] == [2, 2]
@@ -2062,3 +2067,172 @@ async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_c
     request.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await request
+
+
+# ----------------------------------------------------------------- the collector's own steps
+
+
+async def test_draining_with_two_instances_waits_for_both_batches_running(
+    make_batcher: BatcherFactory,
+) -> None:
+    device = ManualExecutor()
+    batcher = make_batcher(RecordingDoubler(), executor=device, max_batch_size=1, instances=2)
+    tickets = [batcher.enqueue([row], group="g") for row in (1, 2)]
+    await wait_until(lambda: device.pending == 2)
+    draining = asyncio.create_task(batcher.drain())
+    device.finish_next()
+    await wait_until(lambda: tickets[0].done)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not draining.done()  # the other batch still runs
+    await device.finish_until(draining.done)
+    assert [ticket.outputs() for ticket in tickets] == [[[2]], [[4]]]
+
+
+async def test_a_drained_batcher_leaves_no_timer_armed(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """Its deadlines' timer, the stall watch's and the one it slept on are cancelled."""
+    batcher = make_batcher(
+        RecordingDoubler(),
+        max_wait_ms=LONG_WAIT_MS,
+        stall_timeout_s=60.0,
+        expected_requests=lambda: 2,
+    )
+    max_wait_ends_s = clock.now() + LONG_WAIT_MS / 1000
+
+    def max_wait_armed() -> bool:
+        return any(abs(when_s - max_wait_ends_s) < 1.0 for when_s in clock.armed)
+
+    first = batcher.enqueue([1], group="g")  # the batch should have two rows: it waits
+    await settle_after(clock, 0.0)
+    assert max_wait_armed()
+    second = batcher.enqueue([2], group="g")  # now it has: it goes, and stops waiting
+    async with asyncio.timeout(PROMPTLY_S):
+        assert [await first.wait(), await second.wait()] == [[[2]], [[4]]]
+    assert not max_wait_armed()
+    await batcher.drain()
+    await settle_after(clock, QUEUE_DEPTH_REFRESH_S)  # the depth gauge's last refresh
+    assert clock.armed == []
+
+
+async def test_a_frame_wakes_an_idle_collector(make_batcher: BatcherFactory) -> None:
+    sink = RecordingSink()
+    batcher = make_batcher(RecordingDoubler())
+    await asyncio.sleep(0)  # the collector sleeps on an empty queue, with no timer
+    [ticket] = batcher.enqueue_frame([Submission([1], "g")], source=sink, sink=sink)
+    await wait_until(lambda: sink.tickets == [ticket])
+    assert ticket.outputs() == [[2]]
+
+
+async def test_the_adaptive_policy_hears_of_every_request_from_its_front_end(
+    make_batcher: BatcherFactory,
+) -> None:
+    policy = AdaptivePolicy(0.05)
+    batcher = make_batcher(RecordingDoubler(), policy=policy)
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.enqueue([1], group="g", source="fe").wait()
+        await batcher.enqueue([2], group="g", source="fe").wait()
+    await wait_until(lambda: policy.returns.outstanding == 1)  # the second's client
+    batcher.enqueue([3], group="g", source="fe")
+    assert policy.returns.outstanding == 0
+    policy.answered([*(entry_of("fe") for _ in range(3))], now_s=0.0)
+    batcher.enqueue_frame([Submission([4], "g"), Submission([5], "g")], source="fe")
+    assert policy.returns.outstanding == 1
+
+
+def entry_of(source: str) -> Any:
+    """An answered request of ``source``, as the policy counts it."""
+    from service.engine.batcher.queue import Entry
+
+    return Entry(
+        None, 0, None, rows=1, cost=0, group="g", priority="normal", arrival_s=0.0,
+        deadline_s=1.0, source=source,
+    )  # fmt: skip
+
+
+async def test_requests_read_as_the_collector_first_looks_join_a_batch_already_due(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """The collector looks once more, after the requests already received are queued, before
+    a batch that is not ready goes: here its oldest request is past its max_wait (it waited
+    while nothing woke the collector)."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, executor=device, max_batch_size=8, max_wait_ms=10, expected_requests=lambda: 2
+    )
+    await asyncio.sleep(0)  # the collector sleeps on an empty queue
+    first = batcher.enqueue([1], group="g")  # wakes it
+    clock.advance(0.05)  # past max_wait before it looks
+    later: list[Ticket[Payload]] = []
+    asyncio.get_running_loop().call_soon(lambda: later.append(batcher.enqueue([2], group="g")))
+    await wait_until(lambda: device.pending == 1)
+    await device.finish_until(lambda: first.done and bool(later) and later[0].done)
+    assert model.batches == [[[1], [2]]]
+
+
+async def test_quantum_chunks_are_bounded_by_a_quarter_of_the_queue(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = GatedModel()
+    batcher = make_batcher(
+        model, max_batch_size=8, max_queue_size=8, max_batch_ms=100, measured=False
+    )
+    for rows in range(1, 9):
+        batcher.times.record("g", rows, 0.2)  # any batch of "g" is over the quantum
+    blocker = asyncio.create_task(batcher.submit([0], group="other"))
+    await model.wait_started()
+    ticket = batcher.enqueue(list(range(1, 9)), group="g")
+    assert batcher.queue_depth == 2  # chunks of 4: at most 8 // 4 of them
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await blocker
+        assert flatten(await ticket.wait()) == doubled(list(range(1, 9)))
+
+
+async def test_a_model_whose_queue_emptied_while_it_waited_for_the_device_hands_it_on(
+    make_batcher: BatcherFactory,
+) -> None:
+    turns = DeviceTurns()
+    other = GatedModel()
+    waiting = make_batcher(RecordingDoubler(), turns=turns.for_model("a"))
+    holding = make_batcher(other, turns=turns.for_model("b"))
+    running = asyncio.create_task(holding.submit([1], group="g"))
+    await other.wait_started()
+    leaving = asyncio.create_task(waiting.submit([2], group="g"))
+    for _ in range(20):  # its collector asks for the device, which "b" holds
+        await asyncio.sleep(0)
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    other.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await running
+        assert await holding.submit([3], group="g") == [[6]]
+
+
+async def test_a_model_with_nothing_due_once_it_has_the_device_hands_it_on(
+    make_batcher: BatcherFactory,
+) -> None:
+    turns = DeviceTurns()
+    other = GatedModel()
+    waiting = make_batcher(
+        RecordingDoubler(), turns=turns.for_model("a"), policy="fixed", max_batch_size=2,
+        max_wait_ms=LONG_WAIT_MS,
+    )  # fmt: skip
+    holding = make_batcher(other, turns=turns.for_model("b"))
+    running = asyncio.create_task(holding.submit([1], group="g"))
+    await other.wait_started()
+    full = asyncio.create_task(waiting.submit([2, 3], group="g"))  # due: full
+    not_due = asyncio.create_task(waiting.submit([4], group="h"))  # due after LONG_WAIT_MS
+    for _ in range(20):
+        await asyncio.sleep(0)
+    full.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await full
+    other.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await running
+        assert await holding.submit([5], group="g") == [[10]]
+    not_due.cancel()
