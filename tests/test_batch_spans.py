@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from service import tracing
 from service.engine.batcher.spans import BatchTimings, BatchTracer
-from tests.fixtures import BatcherFactory, GatedModel, RecordingDoubler
+from service.metrics import EngineMetrics
+from tests.fixtures import BatcherFactory, GatedModel, RecordingDoubler, sample_total
 
 SAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 SAMPLED_TOO = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -181,3 +182,15 @@ async def test_a_request_split_over_batches_records_each_batch_and_its_rows(
         for span in batches
         if span.context is not None
     }
+
+
+async def test_a_traced_requests_queue_wait_is_observed_with_its_exemplar(
+    exported: InMemorySpanExporter, make_batcher: BatcherFactory
+) -> None:
+    metrics = EngineMetrics()
+    batcher = make_batcher(RecordingDoubler(), metrics=metrics, tracer=tracer())
+    async with asyncio.timeout(5):
+        await batcher.enqueue([1], group="g", trace=SAMPLED).wait()
+        await batcher.enqueue([2], group="g").wait()
+    count = sample_total(metrics.registry, "batchserve_queue_wait_seconds_count")
+    assert count == 2

@@ -2236,3 +2236,11 @@ async def test_a_model_with_nothing_due_once_it_has_the_device_hands_it_on(
         await running
         assert await holding.submit([5], group="g") == [[10]]
     not_due.cancel()
+
+
+async def test_each_batch_that_runs_is_measured(make_batcher: BatcherFactory) -> None:
+    batcher = make_batcher(RecordingDoubler(), measured=False)
+    assert batcher.times.estimate("g", 1) is None
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.submit([1], group="g")
+    assert batcher.times.estimate("g", 1) is not None
