@@ -66,10 +66,9 @@ _ALL_UNKNOWN = [_UNKNOWN] * (TABLE_SIZES + 1)
 @dataclass(frozen=True, slots=True)
 class _Table:
     """A group's estimates by size class (index 0 unused), each computed when first asked,
-    unchanged from ``since_s`` to ``until_s`` unless a duration is recorded (a batch is
-    planned with a few sizes between two records)."""
+    unchanged until ``until_s`` unless a duration is recorded (a batch is planned with a few
+    sizes between two records)."""
 
-    since_s: float
     until_s: float
     seconds: list[float | None]
     sources: list[int]
@@ -78,7 +77,7 @@ class _Table:
 
 
 #: The table of every group never measured (none is stored for it): no estimate of any size.
-_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), [0] * (TABLE_SIZES + 1))
+_UNMEASURED = _Table(math.inf, [None] * (TABLE_SIZES + 1), [0] * (TABLE_SIZES + 1))
 
 
 @dataclass
@@ -109,12 +108,10 @@ class BatchTimes:
         if durations is None:  # not ``setdefault``: it would build one a record
             durations = by_size[size] = _Durations()
         now_s = self._now()
+        # The group's table stays when this size was fresh already (then updated below);
+        # one that has expired meanwhile is rebuilt at the next read anyway.
         table = self._tables.get(group)
-        kept = (
-            table is not None
-            and durations.newest_at_s >= now_s - FRESH_FOR_S
-            and table.since_s <= now_s <= table.until_s
-        )
+        kept = table is not None and durations.newest_at_s >= now_s - FRESH_FOR_S
         if table is not None and not kept:
             del self._tables[group]
         samples = durations.samples
@@ -142,7 +139,7 @@ class BatchTimes:
         """Seconds a batch of ``rows`` rows of ``group`` should take now; None if unknown."""
         now_s = self._now()
         table = self._tables.get(group)
-        if table is None or not table.since_s <= now_s <= table.until_s:
+        if table is None or now_s > table.until_s:
             table = self._table(group, now_s)
         size = size_class(rows)
         if size > TABLE_SIZES:
@@ -163,9 +160,7 @@ class BatchTimes:
             if known.newest_at_s >= now_s - FRESH_FOR_S
         ]
         until_s = min(fresh) + FRESH_FOR_S if fresh else math.inf
-        table = self._tables[group] = _Table(
-            now_s, until_s, list(_ALL_UNKNOWN), [0] * (TABLE_SIZES + 1)
-        )
+        table = self._tables[group] = _Table(until_s, list(_ALL_UNKNOWN), [0] * (TABLE_SIZES + 1))
         return table
 
     def _tabled(self, table: _Table, group: Hashable, size: int, now_s: float) -> float | None:
