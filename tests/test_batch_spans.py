@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
@@ -13,9 +14,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service import tracing
-from service.engine.batcher.spans import BatchTimings, BatchTracer
+from service.engine.batcher.spans import BatchTimings, BatchTracer, batch_tracer
+from service.errors import InferenceError
 from service.metrics import EngineMetrics
-from tests.fixtures import BatcherFactory, GatedModel, RecordingDoubler, sample_total
+from tests.fixtures import (
+    BatcherFactory,
+    GatedModel,
+    PoisonModel,
+    RecordingDoubler,
+    sample_total,
+)
 
 SAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 SAMPLED_TOO = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -58,10 +66,14 @@ async def test_a_batch_span_links_each_sampled_request_with_its_rows(
     batcher = make_batcher(model, max_batch_size=8, tracer=tracer())
     blocker = asyncio.create_task(batcher.submit([0], group="g"))
     await model.wait_started()
+    before_ns = time.time_ns()
     traced = batcher.enqueue([1, 2], group="g", trace=SAMPLED)
     also = batcher.enqueue([3], group="g", trace=SAMPLED_TOO)
     unsampled = batcher.enqueue([4], group="g", trace=UNSAMPLED)
     untraced = batcher.enqueue([5], group="g")
+    queued_ns = time.time_ns()
+    await asyncio.sleep(0)
+    released_ns = time.time_ns()
     model.release()
     async with asyncio.timeout(5):
         await blocker
@@ -98,11 +110,12 @@ async def test_a_batch_span_links_each_sampled_request_with_its_rows(
         trace_id(SAMPLED),
         trace_id(SAMPLED_TOO),
     }
-    for span in waits:
+    for span in waits:  # from each request's arrival to its batch's start
         assert span.parent is not None
         assert span.start_time is not None
         assert span.end_time is not None
-        assert span.start_time <= span.end_time <= batch.start_time  # type: ignore[operator]
+        assert before_ns - 10**6 <= span.start_time <= queued_ns + 10**6
+        assert released_ns - 10**6 <= span.end_time <= batch.start_time  # type: ignore[operator]
     rows = {
         span.context.trace_id: dict(span.attributes or {})["batchserve.rows"]
         for span in waits
@@ -194,3 +207,27 @@ async def test_a_traced_requests_queue_wait_is_observed_with_its_exemplar(
         await batcher.enqueue([2], group="g").wait()
     count = sample_total(metrics.registry, "batchserve_queue_wait_seconds_count")
     assert count == 2
+
+
+async def test_a_batch_span_records_the_forwards_exception(
+    exported: InMemorySpanExporter, make_batcher: BatcherFactory
+) -> None:
+    batcher = make_batcher(PoisonModel(poison=1), tracer=tracer())
+    async with asyncio.timeout(5):
+        with pytest.raises(InferenceError):
+            await batcher.enqueue([1], group="g", trace=SAMPLED).wait()
+    [batch] = named(exported, "batch")
+    assert [event.name for event in batch.events] == ["exception"]
+
+
+def test_a_versions_tracer_names_its_model_version_device_and_precision() -> None:
+    manifest = SimpleNamespace(name="digits", version="abc123")
+    runner = SimpleNamespace(device="cuda:0", precision="bf16", last_batch=None)
+    made = batch_tracer(manifest, runner)  # type: ignore[arg-type]
+    assert (made.model, made.version, made.device, made.precision) == (
+        "digits",
+        "abc123",
+        "cuda:0",
+        "bf16",
+    )
+    assert made.timings() is None
