@@ -44,11 +44,13 @@ docs: install
 # MUTATE_SAMPLE=80` scores 80 drawn at random from each module, about 4 minutes.
 MUTATE_SAMPLE ?=
 MUTATE_OPTIONS := --fail-under 90 $(if $(MUTATE_SAMPLE),--sample $(MUTATE_SAMPLE) --seed 1)
+BATCHER_TESTS := tests/test_batch_clock.py tests/test_batch_selection.py tests/test_batch_refill.py \
+	tests/test_batch_guards.py tests/test_estimates.py tests/test_batch_spans.py \
+	tests/test_batch_intake.py tests/test_batching.py
 mutate: install
-	for piece in batching batch_queue batch_admission batch_selection batch_dispatch batch_fill \
-		batch_guards batch_run batch_deadlines batch_ticket; do \
-		$(BIN)/python scripts/mutate.py --module service/engine/$$piece.py \
-			--tests tests/test_batch_selection.py tests/test_batching.py $(MUTATE_OPTIONS) || exit 1; \
+	for piece in collector admission queue policy adaptive selection clock estimates run spans; do \
+		$(BIN)/python scripts/mutate.py --module service/engine/batcher/$$piece.py \
+			--tests $(BATCHER_TESTS) $(MUTATE_OPTIONS) || exit 1; \
 	done
 	for module in inputs tensor_layout bodies; do \
 		$(BIN)/python scripts/mutate.py --module service/frontend/$$module.py --tests tests/test_inputs.py $(MUTATE_OPTIONS) || exit 1; \

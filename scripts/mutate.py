@@ -11,7 +11,7 @@ the repository in a temporary folder (never the working tree), and the tests run
 pytest (``-x -q -p no:cacheprovider``); a mutant the tests fail on, or that runs past
 ``--timeout-s``, is killed, one they pass with has survived.
 
-    python scripts/mutate.py --module service/engine/batching.py --tests tests/test_batching.py
+    python scripts/mutate.py --module service/engine/batcher/queue.py --tests tests/test_batching.py
 
 Third-party pytest plugins are not auto-loaded (schemathesis and hypothesis cost about two
 seconds a run); ``--plugin`` names those the tests need (pytest-asyncio by default).

@@ -321,7 +321,7 @@ class ModelMetrics:
         return self._dropped.labels(self.model, reason)
 
     def dispatched(self, reason: str) -> None:
-        """One batch taken, for ``reason`` (``batch_dispatch.DispatchReason``)."""
+        """One batch taken, for ``reason`` (``engine.batcher.policy.DispatchReason``)."""
         counter = self._dispatch_counters.get(reason)
         if counter is None:
             counter = self._dispatch_counters[reason] = self._dispatches.labels(self.model, reason)

@@ -20,7 +20,14 @@ from typing import Any, ClassVar
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from service.engine.batching import BatchFunction, DynamicBatcher, Ticket
+from service.config import BatchPolicy
+from service.engine.batcher import (
+    BatchFunction,
+    DispatchPolicy,
+    DynamicBatcher,
+    Ticket,
+    dispatch_policy,
+)
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.metrics import EngineMetrics
@@ -221,7 +228,7 @@ class CountingThreadExecutor(ThreadPoolExecutor):
 
 
 class SteppedClock:
-    """The batcher's clock (``batch_clock.Clock``) for tests: real time plus an offset the
+    """The batcher's clock (``batcher.clock.Clock``) for tests: real time plus an offset the
     test moves on with ``advance``, which also fires at once the timers that came due, so a
     test can say how long requests have waited (or how long ago the device ran out of
     memory) without sleeping. Counts how often the batcher reads it. ``freeze`` stops it, for
@@ -258,6 +265,11 @@ class SteppedClock:
         timer = _SteppedTimer(self, when_s, callback)
         self._timers.append(timer)
         return timer
+
+    @property
+    def armed(self) -> list[float]:
+        """When each timer not fired nor cancelled yet is due, in the order they were set."""
+        return [timer.when_s for timer in self._timers]
 
 
 class _SteppedTimer:
@@ -334,16 +346,25 @@ class BatcherFactory:
         max_queue_size: int = 64,
         request_timeout_ms: float = 5_000,
         measured: bool = True,
+        policy: BatchPolicy | DispatchPolicy = "adaptive",
+        expected_requests: Callable[[], int] = lambda: 0,
         **options: Any,
     ) -> Batcher:
         if executor is None:
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
         batcher = Batcher(
             run_batch,
+            policy=dispatch_policy(
+                policy,
+                max_wait_ms,
+                expected_requests=expected_requests,
+                instances=options.get("instances", 1),
+            )
+            if isinstance(policy, str)
+            else policy,
             executor=executor,
             metrics=(metrics if metrics is not None else EngineMetrics()).for_model("test"),
             max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
             max_queue_size=max_queue_size,
             request_timeout_ms=request_timeout_ms,
             **({"clock": self.clock} | options),

@@ -1,11 +1,11 @@
-"""The stall watch (``batch_guards.StallWatch``): one timer for every running batch, on a
+"""The stall watch (``batcher.run.StallWatch``): one timer for every running batch, on a
 stepped clock (no sleeps)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from service.engine.batch_guards import StallWatch
+from service.engine.batcher.run import StallWatch
 from tests.fixtures import SteppedClock
 
 
@@ -65,3 +65,40 @@ async def test_no_timer_without_a_stall_timeout() -> None:
     watch = StallWatch(clock, 0.0, None)
     watch.finished(watch.started(clock.now()))
     assert clock._timers == []
+
+
+async def test_of_batches_running_at_once_the_oldest_is_reported_when_it_outlives_the_timeout() -> (
+    None
+):
+    clock = SteppedClock()
+    clock.freeze()
+    stalls: list[str] = []
+    watch = StallWatch(clock, 10.0, lambda: stalls.append("stalled"))
+    first = watch.started(clock.now())
+    clock.advance(5.0)
+    second = watch.started(clock.now())  # two instances: both run
+    clock.advance(5.0)
+    await _turn()
+    assert stalls == ["stalled"]  # the first, at its 10 s
+    watch.finished(first)
+    watch.finished(second)
+    watch.close()
+
+
+async def test_a_batch_still_running_is_watched_when_another_comes_back() -> None:
+    clock = SteppedClock()
+    clock.freeze()
+    stalls: list[str] = []
+    watch = StallWatch(clock, 10.0, lambda: stalls.append("stalled"))
+    first = watch.started(clock.now())
+    clock.advance(1.0)
+    second = watch.started(clock.now())
+    watch.finished(first)
+    clock.advance(9.5)
+    await _turn()
+    assert stalls == []
+    clock.advance(0.5)  # the second has run 10 s
+    await _turn()
+    assert stalls == ["stalled"]
+    watch.finished(second)
+    watch.close()

@@ -1,4 +1,4 @@
-"""Frame admission (``batch_intake``): a frame gets exactly what one-by-one submission gets.
+"""Frame admission (``DynamicBatcher.enqueue_frame``): a frame gets what one-by-one submission gets.
 
 Two identical batchers, their device held by a request of another group: one is given the
 requests as one frame (``enqueue_frame``), the other one at a time (``enqueue``); the refusals
@@ -8,12 +8,13 @@ requests as one frame (``enqueue_frame``), the other one at a time (``enqueue``)
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from service.engine.batching import Submission
+from service.engine.batcher import Submission
 from service.errors import ServiceError
 from tests.fixtures import (
     Batcher,
@@ -242,3 +243,36 @@ async def test_the_requests_of_a_frame_expire_each_at_its_own_deadline(
     await answered(batcher, device)
     assert described(default) == ("answered", [[6]])
     assert [1] not in [payload for batch in model.batches for payload in batch]
+
+
+async def test_a_frames_refusals_leave_no_garbage_for_the_collector(
+    make_batcher: BatcherFactory,
+) -> None:
+    """A refusal kept with its traceback holds the frames it passed through, one of which
+    holds the list it is kept in: a reference cycle per refused request, which in a storm of
+    refusals makes the garbage collector pause the engine's event loop."""
+    batcher, _, device = await busy_twin(make_batcher, max_queue_size=2)
+    full = [Submission([row], "h") for row in range(8)]  # two queued, six refused
+    batcher.enqueue_frame(full, source="fe", sink=None)  # caches and lazily built parts
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        outcomes = batcher.enqueue_frame(full, source="fe", sink=None)
+        assert [type(outcome).__name__ for outcome in outcomes] == ["QueueFullError"] * 8
+        del outcomes
+        assert gc.collect() == 0
+    finally:
+        if was_enabled:
+            gc.enable()
+    await answered(batcher, device)
+
+
+async def test_a_request_without_a_cost_is_one_chunk_under_a_token_budget(
+    make_batcher: BatcherFactory,
+) -> None:
+    batcher, _, device = await busy_twin(make_batcher, max_batch_cost=1)
+    [ticket] = batcher.enqueue_frame([Submission([1, 2], "h")], source="fe", sink=None)
+    assert batcher.queue_depth == 1
+    await answered(batcher, device)
+    assert described(ticket) == ("answered", [[2, 4]])

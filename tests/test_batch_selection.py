@@ -12,26 +12,33 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.engine import estimates
-from service.engine.batch_admission import chunk_rows, estimated_wait_s, refusal, refusal_of_any
-from service.engine.batch_deadlines import COMPACT_AT_LEAST, Deadlines
-from service.engine.batch_dispatch import Dispatch
-from service.engine.batch_fill import BatchFiller
-from service.engine.batch_queue import BatchQueue, Entry, Group
-from service.engine.batch_selection import (
+from service.engine.batcher import estimates
+from service.engine.batcher.adaptive import AdaptivePolicy, target_rows
+from service.engine.batcher.admission import (
+    chunk_rows,
+    chunks_of,
+    estimated_wait_s,
+    refusal,
+    refusal_of_any,
+)
+from service.engine.batcher.clock import COMPACT_AT_LEAST, Deadlines
+from service.engine.batcher.estimates import BatchTimes, size_class
+from service.engine.batcher.policy import FixedPolicy, Target
+from service.engine.batcher.queue import BatchQueue, Entry, Group
+from service.engine.batcher.selection import (
     HIGH_PRIORITY_STREAK_LIMIT,
     NO_QUANTUM,
     Estimate,
     Limits,
     Plan,
     Quantum,
+    Selector,
     finishes_late,
     is_full,
     lead_priority,
     pick_group,
     plan_batch,
 )
-from service.engine.estimates import BatchTimes, size_class
 from service.errors import DeadlineUnreachableError, OverloadedError
 from service.types import Priority
 from tests.fixtures import SteppedClock
@@ -48,24 +55,21 @@ def entry(
 ) -> Entry:
     return Entry(
         None,
+        0,
+        None,
         rows=rows,
         cost=cost,
         group=group,
         priority=priority,
         arrival_s=arrival_s,
         deadline_s=deadline_s,
-        request_id="-",
-        source=None,
-        trace=None,
-        ticket=None,
-        index=0,
     )
 
 
 def queue_of(*entries: Entry) -> BatchQueue:
     queue = BatchQueue()
     for each in entries:
-        queue.add(each)
+        queue.add_all([each])
     return queue
 
 
@@ -142,21 +146,6 @@ def test_entries_whose_caller_left_are_taken_out_uncomputed() -> None:
     assert plan.batch == [kept]
 
 
-def test_a_plan_asks_whether_the_caller_left_only_of_entries_a_caller_may_await() -> None:
-    """A front end's request (``Entry.awaited`` False: no in-process caller) is never asked
-    ``gone``: only a cancel withdraws it, and withdrawn entries are not queued."""
-    awaited, unawaited = entry(arrival_s=0.0), entry(arrival_s=1.0)
-    unawaited.awaited = False
-    [group] = queue_of(awaited, unawaited)
-    asked: list[Entry] = []
-    plan = plan_batch(
-        group, ("normal",), Limits(4, 0), never_measured, 0.0, lambda e: not asked.append(e)
-    )
-    assert asked == [awaited]
-    assert plan.gone == [awaited]
-    assert plan.batch == [unawaited]
-
-
 def test_a_plan_reads_the_estimate_of_a_smaller_size_class_after_a_lane_stops_at_a_large_one() -> (
     None
 ):
@@ -177,23 +166,31 @@ def test_a_plan_reads_the_estimate_of_a_smaller_size_class_after_a_lane_stops_at
 
 
 def test_the_adaptive_target_is_the_last_batch_or_the_load_held_within_the_row_limit() -> None:
-    adaptive, fixed = Dispatch("adaptive", 0.005), Dispatch("fixed", 0.005)
-    assert adaptive.target_rows(last_batch_rows=3, expected=0, row_limit=8) == 3
-    assert adaptive.target_rows(last_batch_rows=3, expected=6, row_limit=8) == 6
-    assert adaptive.target_rows(last_batch_rows=3, expected=60, row_limit=8) == 8
-    assert adaptive.target_rows(last_batch_rows=0, expected=0, row_limit=8) == 1
-    assert fixed.target_rows(last_batch_rows=3, expected=6, row_limit=8) == 8
+    assert target_rows(last_batch_rows=3, expected=0, row_limit=8) == 3
+    assert target_rows(last_batch_rows=3, expected=6, row_limit=8) == 6
+    assert target_rows(last_batch_rows=3, expected=60, row_limit=8) == 8
+    assert target_rows(last_batch_rows=0, expected=0, row_limit=8) == 1
+    held = [6]
+    adaptive = AdaptivePolicy(0.005, lambda: held[0])
+    adaptive.taken([entry(2), entry(1)])
+    assert adaptive.target(8) == Target(6, 8, look_again=True)
+    held[0] = 0
+    assert adaptive.target(8).rows == 3  # the last batch's rows
+    assert FixedPolicy(0.005).target(8) == Target(8, 8)
 
 
 def test_a_group_is_due_at_max_wait_and_after_a_refill_wait_only_when_none_is_ready() -> None:
     [group] = queue_of(entry(arrival_s=10.0))
-    adaptive, fixed = Dispatch("adaptive", 0.5), Dispatch("fixed", 0.5)
-    assert adaptive.due_at_s(group, refill_until_s=0.5, refill=True) == 10.5
-    assert adaptive.due_at_s(group, refill_until_s=10.7, refill=True) == pytest.approx(10.7)
-    assert adaptive.due_at_s(group, refill_until_s=10.7, refill=False) == 10.5
-    assert fixed.due_at_s(group, refill_until_s=10.7, refill=True) == 10.5
-    assert adaptive.is_ready(group, target_rows=1, limits=Limits(4, 0))
-    assert not fixed.is_ready(group, target_rows=1, limits=Limits(4, 0))
+    adaptive, fixed = AdaptivePolicy(0.5), FixedPolicy(0.5)
+    target, limits = Target(4, 4), Limits(4, 0)
+    assert adaptive.due_at_s(group, target, True, limits, never_measured) == 10.5  # none out
+    adaptive.answered([entry()], now_s=10.1)  # its client is not back yet
+    adaptive.returns.turnaround_s = 0.6
+    assert adaptive.due_at_s(group, target, True, limits, never_measured) == pytest.approx(10.7)
+    assert adaptive.due_at_s(group, target, False, limits, never_measured) == 10.5
+    assert fixed.due_at_s(group, target, True, limits, never_measured) == 10.5
+    assert adaptive.is_ready(group, Target(1, 4), limits)
+    assert not fixed.is_ready(group, Target(1, 4), limits)
 
 
 def test_chunks_fit_a_batch_by_rows_and_by_token_budget() -> None:
@@ -248,8 +245,8 @@ def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
 def test_a_request_of_one_chunk_is_refused_as_the_same_rows_in_two_chunks(
     fastest_s: float | None, left_s: float, ahead_s: float
 ) -> None:
-    """One chunk (read without a comprehension) and two whose estimates add up to the same:
-    the same verdict, message and ``Retry-After``."""
+    """One chunk and two whose estimates add up to the same: the same verdict, message and
+    ``Retry-After``."""
     times = PerRow(1.0, fastest_s)
     one = refusal([2], "g", left_s, times, waits(ahead_s), "normal")
     two = refusal([1, 1], "g", left_s, times, waits(ahead_s), "normal")
@@ -338,11 +335,11 @@ def test_a_slow_measurement_never_cuts_a_batch_below_one_longest_row() -> None:
 
 def test_round_robin_lets_a_short_group_in_between_quanta_of_a_long_one() -> None:
     queue = queue_of(*(entry(group="long", arrival_s=0.0) for _ in range(8)))
-    queue.add(entry(group="short", arrival_s=0.05))
-    filler = BatchFiller()
+    queue.add_all([entry(group="short", arrival_s=0.05)])
+    selector = Selector()
     limits = Limits(32, 0, Quantum(0.1, PerRow(0.06).estimate))
-    groups = [filler.take(queue, list(queue), limits, never_measured, 0.1).batch[0].group]
-    groups += [filler.take(queue, list(queue), limits, never_measured, 0.2).batch[0].group]
+    groups = [selector.take(queue, list(queue), limits, never_measured, 0.1)[0].group]
+    groups += [selector.take(queue, list(queue), limits, never_measured, 0.2)[0].group]
     assert groups == ["long", "short"]
 
 
@@ -354,11 +351,11 @@ async def test_deadlines_of_answered_requests_do_not_pile_up() -> None:
     deadlines = Deadlines(clock, expired.extend)
     for _ in range(3 * COMPACT_AT_LEAST):
         answered = entry(deadline_s=clock.now() + 60.0)
-        deadlines.add(answered)
+        deadlines.add_all([answered])
         answered.done = True
     assert len(deadlines) <= COMPACT_AT_LEAST
     late = entry(deadline_s=clock.now() + 1.0)
-    deadlines.add(late)
+    deadlines.add_all([late])
     clock.advance(2.0)
     await asyncio.sleep(0)
     assert expired == [late]
@@ -373,7 +370,7 @@ async def test_answered_frames_behind_another_front_ends_deadlines_do_not_pile_u
     clock = SteppedClock()
     deadlines = Deadlines(clock, lambda expired: None)
     waiting = entry(deadline_s=10.0)  # the first front end's request, never answered here
-    deadlines.add(waiting)
+    deadlines.add_all([waiting])
     gc.collect()
     alive_before = _entries_alive()
     for _ in range(2_000):
@@ -397,13 +394,12 @@ def test_after_a_streak_of_high_batches_the_oldest_normal_requests_lead_from_any
     """Anti-starvation looks at every group, not only the groups due."""
     normal, high = entry(group="n", arrival_s=0.0), entry(group="h", priority="high")
     queue = queue_of(normal, high)
-    filler = BatchFiller()
-    filler.high_streak = HIGH_PRIORITY_STREAK_LIMIT
+    selector = Selector()
+    selector.high_streak = HIGH_PRIORITY_STREAK_LIMIT
     due = [group for group in queue if group.key == "h"]
-    plan = filler.take(queue, due, Limits(4, 0), never_measured, 0.0)
-    assert plan.batch == [normal]
-    assert filler.high_streak == 0
-    assert filler.last_group == "n"
+    assert selector.take(queue, due, Limits(4, 0), never_measured, 0.0) == [normal]
+    assert selector.high_streak == 0
+    assert selector.last_group == "n"
 
 
 def test_a_plan_asks_each_size_class_once_and_decides_as_asking_each_time() -> None:
@@ -432,7 +428,8 @@ def _plan_one_rule_at_a_time(
     group: Group, order: tuple[Priority, ...], limits: Limits, estimate: Estimate, now_s: float
 ) -> Plan:
     """The plan as its rules read, each asked as a function (``Quantum.allows``,
-    ``finishes_late``): what ``plan_batch``'s loop, written out once a request, must equal."""
+    ``finishes_late``) of the estimates themselves: what ``plan_batch``, which asks each size
+    class once, must equal."""
     plan = Plan()
     rows = cost = 0
     finish_by_s = math.inf
@@ -491,20 +488,20 @@ def test_a_plan_equals_its_rules_asked_one_at_a_time(seed: int) -> None:
 
 def test_a_frame_queued_at_once_is_queued_as_one_by_one() -> None:
     """``BatchQueue.add_all`` (a frame's entries of one group): the same lanes, in order, and
-    the same totals as ``add`` of each."""
+    the same totals as each added alone."""
     rng = random.Random(7)
     frame = [
         entry(rng.randint(1, 9), priority=rng.choice(["normal", "high"]), cost=rng.randint(0, 64))
         for _ in range(50)
     ]
     at_once, one_by_one = BatchQueue(), BatchQueue()
-    at_once.add(entry(3, priority="high", cost=5))  # a group already queued
-    one_by_one.add(entry(3, priority="high", cost=5))
-    grown = at_once.add_all(frame[:30])
-    assert grown is at_once.add_all(frame[30:])
+    at_once.add_all([entry(3, priority="high", cost=5)])  # a group already queued
+    one_by_one.add_all([entry(3, priority="high", cost=5)])
+    [grown] = at_once.add_all(frame[:30])
+    assert at_once.add_all(frame[30:]) == [grown]
     copies = [entry(each.rows, priority=each.priority, cost=each.cost) for each in frame]
     for each in copies:
-        one_by_one.add(each)
+        one_by_one.add_all([each])
     [group], [expected] = list(at_once), list(one_by_one)
     assert (group.rows, group.cost, group.high_rows) == (
         expected.rows,
@@ -516,3 +513,43 @@ def test_a_frame_queued_at_once_is_queued_as_one_by_one() -> None:
         assert lane == [(each.rows, each.cost) for each in expected.lanes[priority]]
     assert at_once.entries == one_by_one.entries == 51
     assert all(each.queued for each in frame)
+
+
+def test_the_oldest_head_picks_the_group_whatever_the_order_groups_were_queued() -> None:
+    queue = queue_of(entry(group="a", arrival_s=2.0), entry(group="b", arrival_s=1.0))
+    assert pick_group(list(queue), "normal", last_group=None).key == "b"
+    assert pick_group(list(queue), "high", last_group=None).key == "b"  # none high: oldest
+
+
+def test_the_quantums_rules_at_their_edges() -> None:
+    """A batch expected to end exactly at the quantum runs; without a floor even a batch of
+    one position is held to the quantum; chunks are the most rows within it, enough for
+    ``max_chunks`` (rounded up), and a one-row request is never cut."""
+
+    def tenth_up_to_3_rows(group: Hashable, rows: int) -> float:
+        return 0.1 if rows <= 3 else 1.0
+
+    quantum = Quantum(0.1, tenth_up_to_3_rows)
+    assert quantum.rows("g", total_rows=8, max_rows=8) == 3
+    assert quantum.rows("g", total_rows=1, max_rows=8) == 8
+    assert not Quantum(0.1, PerRow(1.0).estimate).allows("g", 1, cost=1)
+    assert Quantum(0.1, PerRow(0.06).estimate, max_chunks=4).rows("g", 30, 32) == 8
+    floored = Quantum(0.1, PerRow(1.0).estimate, floor_cost=512)
+    assert floored.floor_rows(1024) == 1  # one row, however long
+    assert floored.rows("g", total_rows=32, max_rows=32) == 1  # no cost given: no floor rows
+
+
+def test_a_request_that_fits_one_chunk_is_itself_and_unmeasured_groups_wait_nothing() -> None:
+    payload = [1, 2, 3]
+    assert chunks_of(payload, 3, max_batch_size=3, max_batch_cost=0, cost_per_row=0)[0] is payload
+    assert chunks_of(payload, 3, 2, 0, 0) == [[1, 2], [3]]
+    queue = queue_of(*(entry() for _ in range(5)))
+    assert estimated_wait_s(queue, "normal", 0.0, 4, 0, never_measured) == 0.0
+
+
+def test_taking_a_batch_takes_its_rows_cost_and_high_rows_out_of_the_totals() -> None:
+    queue = queue_of(entry(2, cost=5), entry(1, cost=3, priority="high"), entry(4, cost=7))
+    [group] = list(queue)
+    queue.pop_heads(group, "normal", 1)
+    queue.pop_heads(group, "high", 1)
+    assert (group.rows, group.cost, group.high_rows, queue.entries) == (4, 7, 0, 1)

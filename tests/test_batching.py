@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.engine.batch_dispatch import Dispatch
-from service.engine.batching import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, Ticket
+from service.engine.batcher import OOM_BACKOFF_S, QUEUE_DEPTH_REFRESH_S, Submission, Ticket
+from service.engine.batcher.adaptive import AdaptivePolicy, split_rows, target_rows
+from service.engine.batcher.policy import FixedPolicy
+from service.engine.device_turns import DeviceTurns
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -343,6 +345,29 @@ async def test_full_queue_refuses_at_once_with_retry_after(make_batcher: Batcher
     assert 3 not in model.computed_rows
 
 
+async def test_work_ahead_too_long_refuses_any_request_before_its_rows_are_known(
+    make_batcher: BatcherFactory,
+) -> None:
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=1)
+    running = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    for _ in range(3):
+        batcher.times.record("g", 1, 1.0)  # a row takes 1 s now
+    queued = asyncio.create_task(batcher.submit([1], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    soon_s = time.monotonic() + 0.5
+    assert batcher.refusal_of_any(deadline_s=time.monotonic() + 60) is None
+    assert dropped(metrics, "deadline_unreachable") == 0
+    refused = batcher.refusal_of_any(deadline_s=soon_s)
+    assert isinstance(refused, OverloadedError)
+    assert dropped(metrics, "deadline_unreachable") == 1
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(running, queued)
+
+
 async def test_a_full_queue_refuses_any_request_before_its_rows_are_known(
     make_batcher: BatcherFactory,
 ) -> None:
@@ -407,6 +432,7 @@ async def test_queued_request_past_its_deadline_is_answered_and_never_computed(
             await batcher.submit([2], group="g")
     assert time.monotonic() - started_s >= 0.08
     assert expired.value.status_code == 504
+    assert expired.value.message == "the request was not answered within 100 ms"
     assert not model.released  # answered while the device was still busy
     assert batcher.queue_depth == 0
     # The running request is past its deadline too, and is answered as well.
@@ -544,8 +570,8 @@ async def test_submit_before_start_is_refused() -> None:
             model,
             executor=executor,
             metrics=metrics.for_model("test"),
+            policy=AdaptivePolicy(0.05),
             max_batch_size=4,
-            max_wait_ms=50,
             max_queue_size=4,
             request_timeout_ms=1_000,
         )
@@ -581,8 +607,8 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
             RecordingDoubler(),
             executor=executor,
             metrics=EngineMetrics().for_model("test"),
+            policy=AdaptivePolicy(0.05),
             max_batch_size=max_batch_size,
-            max_wait_ms=50,
             max_queue_size=max_queue_size,
             request_timeout_ms=1_000,
         )
@@ -625,6 +651,37 @@ async def test_queue_depth_returns_to_zero_and_batch_size_histogram_counts_forwa
     elapsed_s = clock.now() - started_s
     assert 0 < sample(metrics, "batchserve_queue_wait_seconds_sum") < elapsed_s
     assert 0 < sample(metrics, "batchserve_inference_duration_seconds_sum") < elapsed_s
+
+
+async def test_the_depth_gauge_is_written_once_after_a_refresh_interval(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    clock.freeze()
+    metrics = EngineMetrics()
+    model = GatedModel()
+    batcher = make_batcher(model, metrics=metrics, max_batch_size=1)
+    running = asyncio.create_task(batcher.submit([0], group="g"))
+    await model.wait_started()
+    queued = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
+    await wait_until(lambda: batcher.queue_depth == 2)
+    await settle_after(clock, 0.0)
+    assert sample(metrics, "batchserve_queue_depth") == 0  # not at every change
+    await settle_after(clock, QUEUE_DEPTH_REFRESH_S)
+    assert sample(metrics, "batchserve_queue_depth") == 2
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(running, *queued)
+
+
+async def test_an_answered_request_does_not_expire_at_its_deadline(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    metrics = EngineMetrics()
+    batcher = make_batcher(RecordingDoubler(), metrics=metrics, request_timeout_ms=1_000)
+    async with asyncio.timeout(PROMPTLY_S):
+        assert await batcher.submit([1], group="g") == [[2]]
+    await settle_after(clock, 2.0)
+    assert dropped(metrics, "expired") == 0
 
 
 async def test_adaptive_policy_dispatches_a_lone_request_at_once(
@@ -935,8 +992,11 @@ async def test_rows_that_cannot_finish_even_alone_are_answered_504_and_never_com
             batcher.times.record("g", rows, 1.0)  # admitted when quick; now a row takes 1 s
     model.release()
     async with asyncio.timeout(PROMPTLY_S):
-        with pytest.raises(DeadlineExceededError, match="would take about 1000 ms"):
+        with pytest.raises(DeadlineExceededError) as late:
             await soon
+        assert late.value.message == (
+            "the request could not be answered within 5000 ms: its rows would take about 1000 ms"
+        )
         assert await later == [[4]]
         await blocker
     assert model.computed_rows == [0, 2]
@@ -1808,7 +1868,38 @@ async def test_each_batch_is_counted_by_why_it_was_taken(
     assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 1, "drain": 0}
 
 
-async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherFactory) -> None:
+async def test_under_the_fixed_policy_batches_are_counted_full_or_waited(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    metrics = EngineMetrics()
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, metrics=metrics, executor=device, max_batch_size=2, max_wait_ms=100, policy="fixed"
+    )
+    full = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2)]
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    alone = asyncio.create_task(batcher.submit([3], group="g"))
+    await wait_until(lambda: batcher.queue_depth == 1)
+    await settle_after(clock, 0.11)
+    await wait_until(lambda: device.pending == 1)
+    device.finish_next()
+    async with asyncio.timeout(PROMPTLY_S):
+        await asyncio.gather(*full, alone)
+    assert model.batch_rows == [2, 1]
+    counted = {
+        reason: sample_total(
+            metrics.registry, "batchserve_batch_dispatches_total", {"reason": reason}
+        )
+        for reason in ("full", "target", "waited", "refill", "drain")
+    }
+    assert counted == {"full": 1, "target": 0, "waited": 1, "refill": 0, "drain": 0}
+
+
+async def test_with_two_instances_two_batches_run_at_once(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
     """Instances per device: the batcher feeds two device threads, so a second batch is
     collected while the first runs (one instance waits for the device to be free)."""
     model = RecordingDoubler()
@@ -1817,6 +1908,8 @@ async def test_with_two_instances_two_batches_run_at_once(make_batcher: BatcherF
     tasks = [asyncio.create_task(batcher.submit([row], group="g")) for row in (1, 2, 3, 4, 5)]
     await wait_until(lambda: device.pending == 2)  # [1, 2] and [3, 4] running together
     assert batcher.queue_depth == 1
+    await settle_after(clock, 1.0)  # [5] is due, but no instance is free
+    assert device.pending == 2
     await device.finish_until(lambda: all(task.done() for task in tasks))
     assert [task.result() for task in tasks] == [[[2 * row]] for row in (1, 2, 3, 4, 5)]
     assert model.batch_rows[:2] == [2, 2]
@@ -1847,15 +1940,23 @@ async def test_with_two_instances_the_clients_held_are_split_into_a_batch_for_ea
 
 
 def test_the_adaptive_target_splits_the_requests_held_between_the_instances() -> None:
-    dispatch = Dispatch("adaptive", 0.005)
-    assert dispatch.target_rows(64, 64, 64) == 64  # one instance: every client in one batch
-    assert dispatch.split_rows(64, 64, instances=1) == 0
-    assert dispatch.split_rows(64, 64, instances=2) == 32
-    assert dispatch.split_rows(5, 64, instances=2) == 3  # rounded up: none left over
-    assert dispatch.split_rows(64, 16, instances=2) == 16  # never over the row limit
-    assert dispatch.split_rows(0, 64, instances=2) == 0  # nothing said: no split, and
-    assert dispatch.target_rows(7, 0, 64) == 7  # the target is the last batch's rows
-    assert Dispatch("fixed", 0.005).target_rows(1, 0, 64) == 64
+    assert target_rows(64, 64, 64) == 64  # one instance: every client in one batch
+    assert split_rows(64, 64, instances=1) == 0
+    assert split_rows(64, 64, instances=2) == 32
+    assert split_rows(5, 64, instances=2) == 3  # rounded up: none left over
+    assert split_rows(64, 16, instances=2) == 16  # never over the row limit
+    assert split_rows(0, 64, instances=2) == 0  # nothing said: no split, and
+    assert target_rows(7, 0, 64) == 7  # the target is the last batch's rows
+    held = [64]
+    adaptive = AdaptivePolicy(0.005, lambda: held[0], instances=2)
+    assert (adaptive.target(64).rows, adaptive.target(64).cap) == (32, 32)
+    held[0] = 0
+    adaptive.taken([])  # an empty batch counts as one row
+    assert (adaptive.target(64).rows, adaptive.target(64).cap) == (1, 64)
+    assert FixedPolicy(0.005).target(64).rows == 64  # fixed: only a full batch goes at once
+    # Only the adaptive policy lets requests already received join a batch not yet full.
+    assert adaptive.target(64).look_again
+    assert not FixedPolicy(0.005).target(64).look_again
 
 
 # ----------------------------------------------------------------- a batch's answers settled
@@ -1897,15 +1998,11 @@ async def test_one_batch_settles_front_ends_in_process_callers_chunks_failures_a
     async with asyncio.timeout(PROMPTLY_S):
         assert await awaiting_both == [[14]]
     assert [ticket.outputs() for ticket in (first, second, last)] == [[[2]], [[6]], [[12]]]
-    assert first.output == [2]
     with pytest.raises(InferenceError):
         failing.outputs()
-    assert failing.output is None
     with pytest.raises(asyncio.CancelledError):
         leaving.outputs()
-    assert leaving.output is None
     assert flatten(chunked.outputs()) == [2 * row for row in range(10, 20)]
-    assert chunked.output is None  # several chunks: read with outputs()
     assert two.deliveries == [[leaving], [second, both]]
     # The first batch's requests of front end one, in one delivery, in queue order.
     assert one.deliveries[0] == [first, failing]
@@ -1953,8 +2050,9 @@ async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_c
     device.submit(busy.wait, 5.0)  # another model's batch, running
     model = RecordingDoubler()
     batcher = Batcher(
-        model, executor=device, metrics=EngineMetrics().for_model("test"), max_batch_size=4,
-        max_wait_ms=1, max_queue_size=8, request_timeout_ms=5_000,
+        model, policy=AdaptivePolicy(0.001), executor=device,
+        metrics=EngineMetrics().for_model("test"), max_batch_size=4, max_queue_size=8,
+        request_timeout_ms=5_000,
     )  # fmt: skip
     batcher.start()
     request = asyncio.create_task(batcher.submit([1], group="g"))
@@ -1969,3 +2067,180 @@ async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_c
     request.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await request
+
+
+# ----------------------------------------------------------------- the collector's own steps
+
+
+async def test_draining_with_two_instances_waits_for_both_batches_running(
+    make_batcher: BatcherFactory,
+) -> None:
+    device = ManualExecutor()
+    batcher = make_batcher(RecordingDoubler(), executor=device, max_batch_size=1, instances=2)
+    tickets = [batcher.enqueue([row], group="g") for row in (1, 2)]
+    await wait_until(lambda: device.pending == 2)
+    draining = asyncio.create_task(batcher.drain())
+    device.finish_next()
+    await wait_until(lambda: tickets[0].done)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not draining.done()  # the other batch still runs
+    await device.finish_until(draining.done)
+    assert [ticket.outputs() for ticket in tickets] == [[[2]], [[4]]]
+
+
+async def test_a_drained_batcher_leaves_no_timer_armed(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """Its deadlines' timer, the stall watch's and the one it slept on are cancelled."""
+    batcher = make_batcher(
+        RecordingDoubler(),
+        max_wait_ms=LONG_WAIT_MS,
+        stall_timeout_s=60.0,
+        expected_requests=lambda: 2,
+    )
+    max_wait_ends_s = clock.now() + LONG_WAIT_MS / 1000
+
+    def max_wait_armed() -> bool:
+        return any(abs(when_s - max_wait_ends_s) < 1.0 for when_s in clock.armed)
+
+    first = batcher.enqueue([1], group="g")  # the batch should have two rows: it waits
+    await settle_after(clock, 0.0)
+    assert max_wait_armed()
+    second = batcher.enqueue([2], group="g")  # now it has: it goes, and stops waiting
+    async with asyncio.timeout(PROMPTLY_S):
+        assert [await first.wait(), await second.wait()] == [[[2]], [[4]]]
+    assert not max_wait_armed()
+    await batcher.drain()
+    await settle_after(clock, QUEUE_DEPTH_REFRESH_S)  # the depth gauge's last refresh
+    assert clock.armed == []
+
+
+async def test_a_frame_wakes_an_idle_collector(make_batcher: BatcherFactory) -> None:
+    sink = RecordingSink()
+    batcher = make_batcher(RecordingDoubler())
+    await asyncio.sleep(0)  # the collector sleeps on an empty queue, with no timer
+    [ticket] = batcher.enqueue_frame([Submission([1], "g")], source=sink, sink=sink)
+    await wait_until(lambda: sink.tickets == [ticket])
+    assert ticket.outputs() == [[2]]
+
+
+async def test_the_adaptive_policy_hears_of_every_request_from_its_front_end(
+    make_batcher: BatcherFactory,
+) -> None:
+    policy = AdaptivePolicy(0.05)
+    batcher = make_batcher(RecordingDoubler(), policy=policy)
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.enqueue([1], group="g", source="fe").wait()
+        await batcher.enqueue([2], group="g", source="fe").wait()
+    await wait_until(lambda: policy.returns.outstanding == 1)  # the second's client
+    batcher.enqueue([3], group="g", source="fe")
+    assert policy.returns.outstanding == 0
+    policy.answered([*(entry_of("fe") for _ in range(3))], now_s=0.0)
+    batcher.enqueue_frame([Submission([4], "g"), Submission([5], "g")], source="fe")
+    assert policy.returns.outstanding == 1
+
+
+def entry_of(source: str) -> Any:
+    """An answered request of ``source``, as the policy counts it."""
+    from service.engine.batcher.queue import Entry
+
+    return Entry(
+        None, 0, None, rows=1, cost=0, group="g", priority="normal", arrival_s=0.0,
+        deadline_s=1.0, source=source,
+    )  # fmt: skip
+
+
+async def test_requests_read_as_the_collector_first_looks_join_a_batch_already_due(
+    make_batcher: BatcherFactory, clock: SteppedClock
+) -> None:
+    """The collector looks once more, after the requests already received are queued, before
+    a batch that is not ready goes: here its oldest request is past its max_wait (it waited
+    while nothing woke the collector)."""
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model, executor=device, max_batch_size=8, max_wait_ms=10, expected_requests=lambda: 2
+    )
+    await asyncio.sleep(0)  # the collector sleeps on an empty queue
+    first = batcher.enqueue([1], group="g")  # wakes it
+    clock.advance(0.05)  # past max_wait before it looks
+    later: list[Ticket[Payload]] = []
+    asyncio.get_running_loop().call_soon(lambda: later.append(batcher.enqueue([2], group="g")))
+    await wait_until(lambda: device.pending == 1)
+    await device.finish_until(lambda: first.done and bool(later) and later[0].done)
+    assert model.batches == [[[1], [2]]]
+
+
+async def test_quantum_chunks_are_bounded_by_a_quarter_of_the_queue(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = GatedModel()
+    batcher = make_batcher(
+        model, max_batch_size=8, max_queue_size=8, max_batch_ms=100, measured=False
+    )
+    for rows in range(1, 9):
+        batcher.times.record("g", rows, 0.2)  # any batch of "g" is over the quantum
+    blocker = asyncio.create_task(batcher.submit([0], group="other"))
+    await model.wait_started()
+    ticket = batcher.enqueue(list(range(1, 9)), group="g")
+    assert batcher.queue_depth == 2  # chunks of 4: at most 8 // 4 of them
+    model.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await blocker
+        assert flatten(await ticket.wait()) == doubled(list(range(1, 9)))
+
+
+async def test_a_model_whose_queue_emptied_while_it_waited_for_the_device_hands_it_on(
+    make_batcher: BatcherFactory,
+) -> None:
+    turns = DeviceTurns()
+    other = GatedModel()
+    waiting = make_batcher(RecordingDoubler(), turns=turns.for_model("a"))
+    holding = make_batcher(other, turns=turns.for_model("b"))
+    running = asyncio.create_task(holding.submit([1], group="g"))
+    await other.wait_started()
+    leaving = asyncio.create_task(waiting.submit([2], group="g"))
+    for _ in range(20):  # its collector asks for the device, which "b" holds
+        await asyncio.sleep(0)
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    other.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await running
+        assert await holding.submit([3], group="g") == [[6]]
+
+
+async def test_a_model_with_nothing_due_once_it_has_the_device_hands_it_on(
+    make_batcher: BatcherFactory,
+) -> None:
+    turns = DeviceTurns()
+    other = GatedModel()
+    waiting = make_batcher(
+        RecordingDoubler(), turns=turns.for_model("a"), policy="fixed", max_batch_size=2,
+        max_wait_ms=LONG_WAIT_MS,
+    )  # fmt: skip
+    holding = make_batcher(other, turns=turns.for_model("b"))
+    running = asyncio.create_task(holding.submit([1], group="g"))
+    await other.wait_started()
+    full = asyncio.create_task(waiting.submit([2, 3], group="g"))  # due: full
+    not_due = asyncio.create_task(waiting.submit([4], group="h"))  # due after LONG_WAIT_MS
+    for _ in range(20):
+        await asyncio.sleep(0)
+    full.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await full
+    other.release()
+    async with asyncio.timeout(PROMPTLY_S):
+        await running
+        assert await holding.submit([5], group="g") == [[10]]
+    not_due.cancel()
+
+
+async def test_each_batch_that_runs_is_measured(make_batcher: BatcherFactory) -> None:
+    batcher = make_batcher(RecordingDoubler(), measured=False)
+    assert batcher.times.estimate("g", 1) is None
+    async with asyncio.timeout(PROMPTLY_S):
+        await batcher.submit([1], group="g")
+    assert batcher.times.estimate("g", 1) is not None

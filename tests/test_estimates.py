@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from service.engine import estimates
-from service.engine.estimates import BatchTimes, size_class
+from service.engine.batcher import estimates
+from service.engine.batcher.estimates import BatchTimes, size_class
 
 
 def test_size_classes_double() -> None:
@@ -113,8 +113,33 @@ def test_tabled_estimates_read_as_computed_afresh_whatever_the_times_of_reads(
             afresh.record(group, rows, seconds)
         afresh_now[0] = now[0]
         for group in "ghx":
-            for rows in (1, 2, 3, 5, 64, 200, 70_000):
+            for rows in (1, 2, 3, 5, 64, 200, 2**14, 2**15, 2**16 - 1, 2**16, 70_000):
                 assert times.estimate(group, rows) == afresh.estimate(group, rows)
-            known = [afresh.estimate(group, rows) for rows in range(1, 257)]
-            slowest = max((seconds for seconds in known if seconds is not None), default=0.0)
-            assert times.slowest(group, 256) == slowest
+
+
+def test_sizes_beyond_the_table_are_scaled_as_within_it() -> None:
+    times = BatchTimes(lambda: 1000.0)
+    times.record("g", 1, 0.001)
+    for rows, size in ((2**14, 15), (2**15, 16), (2**16, 17), (2**17, 18)):
+        assert times.estimate("g", rows) == pytest.approx(0.001 * 2 ** (size - 1))
+        assert times.fastest("g", rows) == pytest.approx(0.001 * 2 ** (size - 1))
+
+
+def test_a_duration_counts_for_exactly_fresh_for_s() -> None:
+    now = [1000.0]
+    times = BatchTimes(lambda: now[0])
+    times.record("g", 1, 0.5)
+    assert times.estimate("g", 2) == 1.0  # tabled from now on
+    now[0] += estimates.FRESH_FOR_S
+    assert times.estimate("g", 1) == 0.5
+    assert times.estimate("g", 2) == 1.0
+    now[0] += 0.001
+    assert times.estimate("g", 1) is None
+    assert times.estimate("g", 2) is None
+
+
+def test_between_two_sizes_as_near_the_larger_is_read_unscaled() -> None:
+    times = BatchTimes()
+    times.record("g", 2, 0.010)  # class 2
+    times.record("g", 8, 0.050)  # class 4
+    assert times.estimate("g", 4) == 0.050  # class 3: as long as the larger, not 0.020

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 from asgi_lifespan import LifespanManager
@@ -18,10 +19,11 @@ from fastapi import FastAPI
 from safetensors.torch import save_file
 
 from service.config import Settings
-from service.engine.batching import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
 from service.manifest import Architecture, TensorSpec
 from service.packaging.package import Packager
 from service.server.single import create_app
+from service.tensors import NamedArrays
 from service.types import Array
 from tests.apps import engine_of, registry_of
 from tests.fixtures import predict_scope, sample_total, wait_until
@@ -221,6 +223,82 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(
             assert (await blocker).status_code == 200
         # Only the blocker's row was ever computed: one batch of one row.
         assert sample(app, "batchserve_batch_size_rows_sum") == 1
+
+
+async def loop_turns(count: int = 20) -> None:
+    """Let the event loop run ``count`` turns: what a disconnect sets off takes a few, and no
+    real time passes (a timer the server armed does not fire)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def test_clients_that_leave_stop_counting_as_queued_work_at_once(
+    tmp_path: Path, hang_released: None
+) -> None:
+    """Issue 35.6: clients that send and leave must not hold the queue, nor the work that
+    admission counts ahead of the next request, until the collector reaches them (or until a
+    watch started late notices): their requests are withdrawn as they leave, and the next
+    request is admitted."""
+    async with serving(
+        tmp_path, "tests.torch_models:HangsOnValue", request_timeout_ms=2_500, stall_timeout_s=0.0
+    ) as (app, client):
+        batcher = batcher_of(app)
+        served = engine_of(app).served
+        assert served is not None
+        group, _ = served.group_of(NamedArrays({"x": np.zeros((1, FEATURES), np.float32)}))
+        blocker = asyncio.create_task(predict(client, HANG_VALUE))  # holds the device
+        await wait_until(lambda: sample(app, "batchserve_batch_size_rows_count") == 1)
+
+        def slow_device() -> None:  # each row now takes 1 s by the recent durations
+            batcher.times.record(group, 1, 1.0)
+
+        disconnect = asyncio.Event()
+
+        async def leaving_client(value: float) -> list[dict[str, Any]]:
+            body = orjson.dumps({"instances": rows(value)})
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await disconnect.wait()
+                return {"type": "http.disconnect"}
+
+            sent: list[dict[str, Any]] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            await app(predict_scope([(b"content-type", b"application/json")]), receive, send)
+            return sent
+
+        slow_device()
+        leaving = [asyncio.create_task(leaving_client(value)) for value in (2.0, 3.0)]
+        await wait_until(lambda: batcher.queue_depth == 2)
+        slow_device()
+        assert batcher.estimated_wait_s() >= 2.0
+        refused = await predict(client, 4.0)  # 2 s queued ahead + its own 1 s > 2.5 s
+        assert refused.status_code == 429, refused.text
+
+        disconnect.set()
+        await loop_turns()
+        assert batcher.queue_depth == 0, "the clients left: their requests are not queued work"
+        slow_device()
+        assert batcher.estimated_wait_s() < 1.0
+        admitted = asyncio.create_task(predict(client, 5.0))
+        await wait_until(lambda: batcher.queue_depth == 1 or admitted.done())
+        assert not admitted.done(), admitted.result().text  # queued, not refused
+
+        async with asyncio.timeout(PROMPTLY_S):
+            assert await asyncio.gather(*leaving) == [[], []], "nobody is left to answer"
+            HANG_RELEASE.set()
+            assert (await blocker).status_code == 200
+            answer = await admitted
+        assert answer.status_code == 200
+        assert answer.json()["predictions"] == rows(2 * 5.0 + 1)
+        assert sample(app, "batchserve_dropped_requests_total", {"reason": "cancelled"}) == 2
+        # The leaving clients' rows were never computed: the blocker's, then the admitted one.
+        assert sample(app, "batchserve_batch_size_rows_sum") == 2
 
 
 async def test_high_priority_requests_run_before_waiting_normal_ones(

@@ -272,7 +272,7 @@ async def test_v2_and_predict_requests_share_batches(
     digits: FastAPI, client: httpx.AsyncClient
 ) -> None:
     """Rows sent by V2 hold 0.25, rows sent to /predict 0.75: some batch holds both."""
-    run = engine_of(digits).served.batcher._runner  # type: ignore[union-attr]
+    run = engine_of(digits).served.batcher._run  # type: ignore[union-attr]
     batches: list[set[float]] = []
     original = run._run_batch
 

@@ -30,7 +30,13 @@ from service.config import Settings
 from service.errors import DeadlineExceededError, QueueFullError, ServiceError
 from service.frontend.app import create_frontend_app
 from service.frontend.middleware import request_id_of
-from service.frontend.requests import SERVER_TIMEOUT, Deadline, DisconnectWatcher, HeldRequest
+from service.frontend.requests import (
+    SERVER_TIMEOUT,
+    ClientDisconnectedError,
+    Deadline,
+    DisconnectWatcher,
+    HeldRequest,
+)
 from service.frontend.state import FrontendState
 from service.manifest import Architecture, Manifest, TensorSpec
 from service.metrics import FrontendMetrics, ProcessMetrics
@@ -290,17 +296,43 @@ def test_a_request_id_is_the_clients_one_plain_token_else_a_fresh_one() -> None:
     assert any(value.startswith("0") for value in fresh_ids)  # zero-padded to 32 digits
 
 
-def test_a_disconnect_watch_waits_on_the_loop_it_runs_on_when_loops_change() -> None:
-    async def watched() -> asyncio.AbstractEventLoop:
-        async def receive() -> Message:
-            return {"type": "http.request"}
+async def test_a_disconnect_cancels_the_wait_at_once_not_when_a_timer_says() -> None:
+    """The watch starts with the wait: a client that leaves is noticed within a few turns of
+    the event loop, whether or not it has waited long (issue 35: clients that sent and left at
+    once held the queue)."""
+    left = asyncio.Event()
 
-        with DisconnectWatcher(receive) as watcher:
-            return watcher._waiting.loop
+    async def receive() -> Message:
+        await left.wait()
+        return {"type": "http.disconnect"}
 
-    for _ in range(3):  # each asyncio.run is a new loop: its own _Waiting, its own timer
-        loop = asyncio.new_event_loop()
-        try:
-            assert loop.run_until_complete(watched()) is loop
-        finally:
-            loop.close()
+    async def waiting() -> None:
+        with DisconnectWatcher(receive):
+            await asyncio.Event().wait()  # an answer that never comes
+
+    waiter = asyncio.create_task(waiting())
+    await asyncio.sleep(0)
+    left.set()
+    for _ in range(10):  # turns of the loop, no real time: no timer fires meanwhile
+        await asyncio.sleep(0)
+    assert waiter.done()
+    with pytest.raises(ClientDisconnectedError):
+        waiter.result()
+
+
+async def test_a_watch_ends_with_the_wait_and_leaves_the_caller_uncancelled() -> None:
+    received: list[str] = []
+
+    async def receive() -> Message:
+        received.append("asked")
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    with DisconnectWatcher(receive) as watcher:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert received == ["asked"]
+    assert not watcher.disconnected
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0

@@ -39,24 +39,18 @@ PREPARED_TIMEOUT_S = 120.0
 
 
 class QueuedRequest(Protocol):
-    """A request queued in an engine (``engine.batch_ticket.Ticket``)."""
+    """A request queued in an engine (``engine.batcher.Ticket``)."""
 
     tag: Any
     """The bridge's: the request's call id and the version computing it."""
 
-    @property
-    def output(self) -> NamedArrays | None:
-        """Its outputs once computed, when it ran in one batch (else None: ask ``outputs``)."""
+    def outputs(self) -> list[NamedArrays]:
+        """Its outputs, one per chunk; raises its error, or ``CancelledError`` if withdrawn."""
         ...
 
-    @property
-    def batches(self) -> tuple[tuple[str, int], ...]:
-        """``traced_batches()``, read without a call where the ticket holds them."""
+    def cancel(self) -> None:
+        """Withdraw it: dropped from the queue unless it is running already."""
         ...
-
-    def outputs(self) -> list[NamedArrays]: ...
-
-    def cancel(self) -> None: ...
 
     def traced_batches(self) -> tuple[tuple[str, int], ...]: ...
 
@@ -296,16 +290,13 @@ class _Connection(asyncio.Protocol):
         for ticket in tickets:
             call_id, version = ticket.tag  # (int, str), as _submitted set it
             queued.pop(call_id, None)
-            output = ticket.output  # computed in one batch: no call to ask it
-            if output is None:
-                outcome = self._outcome(call_id, ticket)
-                if outcome is None:
-                    continue
-                if not isinstance(outcome, NamedArrays):
-                    answers.append(outcome)
-                    continue
-                output = outcome
-            computed.append((call_id, version, ticket.batches, output))
+            outcome = self._outcome(call_id, ticket)
+            if outcome is None:
+                continue
+            if isinstance(outcome, NamedArrays):
+                computed.append((call_id, version, ticket.traced_batches(), outcome))
+            else:
+                answers.append(outcome)
         packer = contract.DataPacker()
         if computed:
             specs = packer.pack_all([each[3] for each in computed])

@@ -19,8 +19,7 @@ from typing import Protocol
 from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, SwitchResult
 from service.config import Settings
 from service.engine import lifecycle
-from service.engine.batch_intake import Submission
-from service.engine.batch_ticket import Sink, Ticket
+from service.engine.batcher import Sink, Submission, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
@@ -57,11 +56,6 @@ class FrameHeader(Protocol):
 FrameRequest = tuple[FrameHeader, NamedArrays]
 #: A queued request and the version that will compute it, or why it was refused.
 Queued = tuple[Ticket[NamedArrays], str] | ServiceError
-
-
-def _any_refused(admitted: Sequence[object]) -> bool:
-    """Whether some of a frame's outcomes is a refusal; each one's type read in C."""
-    return any(issubclass(kind, ServiceError) for kind in set(map(type, admitted)))
 
 
 class Engine:
@@ -199,90 +193,45 @@ class Engine:
     def enqueue_frame(
         self, requests: Sequence[FrameRequest], frontend_load: int, sink: Sink
     ) -> list[Queued]:
-        """Queue the requests of one front end's frame at once (``batch_intake``): for each,
-        in order, its ticket and version, or the error ``enqueue`` would have raised for it
-        had they been queued one by one."""
+        """Queue the requests of one front end's frame at once: for each, in order, its ticket
+        and version, or the error ``enqueue`` would have raised for it had they been queued
+        one by one."""
         self.state.frontend_loads[id(sink)] = (frontend_load, time.monotonic())
         results: list[Queued | None] = [None] * len(requests)  # each set below
-        models: dict[tuple[str, str], ServedModel | ServiceError] = {}
+        serving: dict[tuple[str, str], ServedModel | ServiceError] = {}
+        # By model served: its requests' indexes in the frame, and the requests.
         frames: dict[int, tuple[ServedModel, list[int], list[Submission]]] = {}
-        # What the previous request asked, reused while the next asks the same (a frame's
-        # requests are mostly alike): its model's, its frame's, its group's.
-        model = version = None
-        served: ServedModel | ServiceError | None = None
-        live: ServedModel | None = None  # served, unless refused
-        refused: ServiceError | None = None  # why, if so
-        indexes: list[int] = []
-        submissions: list[Submission] = []
-        grouping = ""
-        known_shape: tuple[int, ...] | None = None  # the group's instance shape
-        known_full: tuple[int, ...] | None = None  # and the rows of the previous request
-        rows: int | None = None
-        group: tuple[int, ...] = ()
-        cost_per_row = 0
         for index, (request, instances) in enumerate(requests):
-            if request.model != model or request.version != version:
-                model, version = request.model, request.version
-                key = (model, version)
-                served = models.get(key)
-                if served is None:
-                    served = models[key] = self._serving(model, version)
-                if isinstance(served, ServiceError):
-                    live, refused = None, served
-                else:
-                    live = served
-                    frame = frames.get(id(served))
-                    if frame is None:
-                        frame = frames[id(served)] = (served, [], [])
-                    _, indexes, submissions = frame
-                    grouping = served.grouping_name
-                    known_shape = known_full = None
-            if live is None:
-                results[index] = refused  # its model's refusal
+            key = (request.model, request.version)
+            served = serving.get(key)
+            if served is None:
+                served = serving[key] = self._serving(*key)
+            if isinstance(served, ServiceError):
+                results[index] = served
                 continue
-            # The group and cost follow from the grouping input's instance shape alone
-            # (``ServedModel.grouping_name``): asked again only when that shape changes.
             try:
-                shape = instances.arrays[grouping].shape
-            except KeyError:
-                shape = None  # group_of says what is wrong
-            if shape is None or shape != known_full:  # else: like the previous request
-                try:
-                    rows, instance_shape = shape[0], shape[1:]  # type: ignore[index]
-                except (TypeError, IndexError):
-                    rows, instance_shape = None, None  # group_of says what is wrong
-                if instance_shape is None or instance_shape != known_shape:
-                    try:
-                        group, cost_per_row = live.group_of(instances)
-                    except ServiceError as error:
-                        results[index] = error
-                        continue
-                    known_shape = instance_shape
-                known_full = shape if instance_shape is not None else None
-            indexes.append(index)
-            # Built as a plain tuple: a NamedTuple's own constructor is a Python call, and
-            # this runs once a request.
-            submissions.append(
-                tuple.__new__(
-                    Submission,
-                    (
-                        instances,
-                        group,
-                        cost_per_row,
-                        request.priority,
-                        request.deadline_s,
-                        request.request_id,
-                        request.trace,
-                        None,
-                        rows,
-                    ),
+                group, cost_per_row = served.group_of(instances)
+            except ServiceError as error:
+                results[index] = error.with_traceback(None)  # no cycle through ``results``
+                continue
+            frame = frames.get(id(served))
+            if frame is None:
+                frame = frames[id(served)] = (served, [], [])
+            frame[1].append(index)
+            frame[2].append(
+                Submission(
+                    instances,
+                    group,
+                    cost_per_row,
+                    request.priority,
+                    request.deadline_s,
+                    request.request_id,
+                    request.trace,
                 )
             )
         for served, indexes, submissions in frames.values():
             version = served.manifest.version
             admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=sink)
-            if len(indexes) == len(results) and not _any_refused(admitted):
-                return [(ticket, version) for ticket in admitted]  # type: ignore[misc]
             for index, outcome in zip(indexes, admitted, strict=True):
                 results[index] = (
                     outcome if isinstance(outcome, ServiceError) else (outcome, version)

@@ -22,8 +22,8 @@ from service.bridge import published
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory
-from service.engine.batch_spans import batch_tracer
-from service.engine.batching import DynamicBatcher
+from service.engine.batcher import DynamicBatcher, dispatch_policy
+from service.engine.batcher.spans import batch_tracer
 from service.engine.device_turns import ModelTurns
 from service.engine.instances import device_threads
 from service.engine.outputs import example_inputs
@@ -93,19 +93,22 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
     runner.count_positions = metrics.batch_positions  # warmed up: requests' batches from now
     batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
+        policy=dispatch_policy(
+            settings.batch_policy,
+            settings.max_wait_ms,
+            expected_requests=state.expected_requests,
+            instances=settings.device_instances,
+        ),
         executor=runner.executor,
         metrics=metrics,
         max_batch_size=settings.max_batch_size,
-        max_wait_ms=settings.max_wait_ms,
         max_queue_size=settings.max_queue_size,
         request_timeout_ms=settings.request_timeout_ms,
         max_batch_cost=settings.max_batch_tokens if edges else 0,
         max_batch_ms=settings.max_batch_ms,
         quantum_floor_cost=max((batch_group(manifest, b, edges)[1] for b in batches), default=0),
-        policy=settings.batch_policy,
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
-        expected_requests=state.expected_requests,
         tracer=batch_tracer(manifest, runner),
         instances=settings.device_instances,
         turns=state.device_turns.for_model(manifest.name),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from service.config import CompileMode, Precision
-from service.engine.batch_spans import BatchTimings
+from service.engine.batcher.spans import BatchTimings
 from service.engine.output_split import length_ties, split_rows
 from service.engine.outputs import (
     OutputMismatchError,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from service.bridge.interface import ModelInfo
 from service.buckets import batch_group
 from service.config import Settings
-from service.engine.batching import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
 from service.engine.device_turns import DeviceTurns
 from service.engine.model_store import ModelStore
 from service.errors import InvalidInputError
@@ -56,16 +56,9 @@ class ServedModel:
             ) from error
 
     @functools.cached_property
-    def grouping_name(self) -> str:
-        """The input whose instance shape (its shape past the rows) alone decides the group
-        and cost ``group_of`` gives: requests whose arrays of that name have one instance
-        shape share them."""
-        return self._grouping_input.name
-
-    @functools.cached_property
     def _fixed_shape_input(self) -> str | None:
         """The grouping input's name when its shape is fixed (its shape is then the group),
-        else None; read once a request, so not recomputed from the manifest each time."""
+        else None."""
         spec = self._grouping_input
         return spec.name if spec.variable_axis is None else None
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from typing import NamedTuple
 
 from starlette.types import Message, Receive
@@ -138,22 +137,17 @@ class HeldRequest:
 
 
 class DisconnectWatcher:
-    """While the caller waits for its batch, cancels the wait if the client disconnects.
+    """While the caller waits for its batch, cancels the wait as soon as the client leaves.
 
-    The cancellation drops the request's queued work (it is never computed) and surfaces as
-    ``ClientDisconnectedError``. Without it the server would only learn of the disconnect when
-    it tried to write the answer. Watching costs a task, so it starts only once the
-    request has waited ``WATCH_AFTER_S``: most requests are answered sooner, and those are the
-    ones for which dropping queued work matters least. At 20 ms most requests of 64 closed-loop
-    clients over two front ends crossed it (their batch waits for its clients' turnaround):
-    the front ends spent more than the fuller batches saved
-    (``docs/bench/engines.md``). One timer per event loop (``_Waiting``) starts the
-    watches that are due, rather than a timer per request.
+    The cancellation withdraws the request from the engine at once: it stops counting as
+    queued work (in the queue's depth and in the wait that admission estimates for every later
+    request) and is never computed; it surfaces as ``ClientDisconnectedError``. Without it the
+    server would learn of the disconnect only when it wrote the answer. The watch starts with
+    the wait: one started later let clients that send and leave at once hold the queue until
+    it started, and the requests of the clients who stayed were refused 429.
     """
 
-    WATCH_AFTER_S = 0.1
-
-    __slots__ = ("_caller", "_receive", "_waiting", "_watch", "disconnected")
+    __slots__ = ("_caller", "_receive", "_watch", "disconnected")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
@@ -161,22 +155,10 @@ class DisconnectWatcher:
         self.disconnected = False
 
     def __enter__(self) -> DisconnectWatcher:
-        loop = asyncio.get_running_loop()
-        self._caller = asyncio.current_task(loop)
-        waiting = _last_waiting[0]
-        if waiting is None or waiting.loop is not loop:  # tests run several loops in turn
-            waiting = _WAITING.get(loop)
-            if waiting is None:
-                waiting = _WAITING[loop] = _Waiting(loop, self.WATCH_AFTER_S)
-            _last_waiting[0] = waiting  # found again without WeakKeyDictionary's weak reference
-        self._waiting = waiting
-        waiting.add(self)
-        return self
-
-    def start(self) -> None:
-        """Watch the client from now on (``_Waiting`` calls it once the request is due)."""
+        self._caller = asyncio.current_task()
         self._watch = asyncio.ensure_future(self._receive())
         self._watch.add_done_callback(self._on_message)
+        return self
 
     def _on_message(self, watch: asyncio.Future[Message]) -> None:
         if watch.cancelled() or watch.exception() is not None:
@@ -188,47 +170,9 @@ class DisconnectWatcher:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> None:
-        self._waiting.remove(self)
         if self._watch is not None:
             self._watch.remove_done_callback(self._on_message)
             self._watch.cancel()
         if self.disconnected and kind is asyncio.CancelledError and self._caller is not None:
             self._caller.uncancel()
             raise ClientDisconnectedError from None
-
-
-class _Waiting:
-    """The watchers of one event loop whose requests wait for the engine, in arrival order;
-    one timer starts each one's watch once it has waited ``after_s``."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, after_s: float) -> None:
-        self.loop = loop
-        self._after_s = after_s
-        self._since: dict[DisconnectWatcher, float] = {}
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, watcher: DisconnectWatcher) -> None:
-        self._since[watcher] = self.loop.time()
-        if self._timer is None:
-            self._timer = self.loop.call_later(self._after_s, self._start_due)
-
-    def remove(self, watcher: DisconnectWatcher) -> None:
-        self._since.pop(watcher, None)
-
-    def _start_due(self) -> None:
-        self._timer = None
-        now = self.loop.time()
-        while self._since:
-            watcher, since = next(iter(self._since.items()))
-            if now - since < self._after_s:
-                self._timer = self.loop.call_later(since + self._after_s - now, self._start_due)
-                return
-            del self._since[watcher]
-            watcher.start()
-
-
-_WAITING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waiting] = (
-    weakref.WeakKeyDictionary()
-)
-_last_waiting: list[_Waiting | None] = [None]
-"""The ``_Waiting`` of the loop a watcher last started on (held by ``_WAITING`` too)."""

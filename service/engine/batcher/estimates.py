@@ -24,7 +24,7 @@ loaded (a warm-up beside other work) is then bounded by its neighbours' quicker 
 so one slow measurement cannot keep a size looking slow while nothing runs it again.
 Admission answers 422 ``deadline_unreachable`` only when even that exceeds the time left; a
 request the recent durations alone make late is refused for load (429 with ``Retry-After``);
-the time quantum (``batch_selection.Quantum``) reads it too.
+the time quantum (``selection.Quantum``) reads it too.
 
 The batcher asks for an estimate on every request and every entry of a batch it plans, so each
 is a lookup: the median is taken when a duration is recorded (once per batch), and each
@@ -52,7 +52,7 @@ TABLE_SIZES = 16
 
 def size_class(rows: int) -> int:
     """1 for one row, 2 for 2-3 rows, 3 for 4-7 rows...: each class doubles the rows."""
-    return max(1, rows).bit_length()
+    return rows.bit_length() if rows > 1 else 1
 
 
 #: A sample's seconds, read in C.
@@ -66,21 +66,18 @@ _ALL_UNKNOWN = [_UNKNOWN] * (TABLE_SIZES + 1)
 @dataclass(frozen=True, slots=True)
 class _Table:
     """A group's estimates by size class (index 0 unused), each computed when first asked,
-    unchanged from ``since_s`` to ``until_s`` unless a duration is recorded (a batch is
-    planned with a few sizes between two records); ``slowest_s``: by size class, the
-    longest estimate of it and every class below."""
+    unchanged until ``until_s`` unless a duration is recorded (a batch is planned with a few
+    sizes between two records)."""
 
-    since_s: float
     until_s: float
     seconds: list[float | None]
-    slowest_s: dict[int, float]
     sources: list[int]
     """By size class, the size class measured that its estimate was read from (0: none
     yet), so a record of that class updates the estimate in place."""
 
 
 #: The table of every group never measured (none is stored for it): no estimate of any size.
-_UNMEASURED = _Table(-math.inf, math.inf, [None] * (TABLE_SIZES + 1), {}, [0] * (TABLE_SIZES + 1))
+_UNMEASURED = _Table(math.inf, [None] * (TABLE_SIZES + 1), [0] * (TABLE_SIZES + 1))
 
 
 @dataclass
@@ -96,7 +93,7 @@ class BatchTimes:
     """Recent forward durations, in seconds, by group and size class."""
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
-        """``now``: the batcher's clock (``batch_clock``)."""
+        """``now``: the batcher's clock (``clock.py``)."""
         self._now = now
         self._durations: dict[Hashable, dict[int, _Durations]] = {}
         self._fastest: dict[Hashable, list[float]] = {}
@@ -111,12 +108,10 @@ class BatchTimes:
         if durations is None:  # not ``setdefault``: it would build one a record
             durations = by_size[size] = _Durations()
         now_s = self._now()
+        # The group's table stays when this size was fresh already (then updated below);
+        # one that has expired meanwhile is rebuilt at the next read anyway.
         table = self._tables.get(group)
-        kept = (
-            table is not None
-            and durations.newest_at_s >= now_s - FRESH_FOR_S
-            and table.since_s <= now_s <= table.until_s
-        )
+        kept = table is not None and durations.newest_at_s >= now_s - FRESH_FOR_S
         if table is not None and not kept:
             del self._tables[group]
         samples = durations.samples
@@ -129,12 +124,10 @@ class BatchTimes:
         if kept and table is not None:
             # A size already fresh: the sizes fresh stay the same, and none goes stale before
             # the table's ``until_s``, so each estimate still comes from the same size. Those
-            # read from this one are updated as ``_scaled`` would compute them (at frames of
-            # 64, every size is read from the size of 64: no recomputing a batch).
+            # read from this one are updated as ``_scaled`` would compute them.
             for at, source in enumerate(table.sources):
                 if source == size:
                     table.seconds[at] = typical_s * 2 ** (at - size) if at > size else typical_s
-            table.slowest_s.clear()
         if seconds < durations.fastest_s:
             durations.fastest_s = seconds
             fastest = {size: known.fastest_s for size, known in by_size.items()}
@@ -146,7 +139,7 @@ class BatchTimes:
         """Seconds a batch of ``rows`` rows of ``group`` should take now; None if unknown."""
         now_s = self._now()
         table = self._tables.get(group)
-        if table is None or not table.since_s <= now_s <= table.until_s:
+        if table is None or now_s > table.until_s:
             table = self._table(group, now_s)
         size = size_class(rows)
         if size > TABLE_SIZES:
@@ -155,30 +148,6 @@ class BatchTimes:
         if seconds is _UNKNOWN:  # first asked since the table was made
             seconds = self._tabled(table, group, size, now_s)
         return seconds
-
-    def slowest(self, group: Hashable, rows: int) -> float:
-        """The longest ``estimate`` of any batch of ``group`` of up to ``rows`` rows (0.0
-        when none is known): what admission assumes of every batch ahead of a frame."""
-        now_s = self._now()
-        table = self._tables.get(group)
-        if table is None or not table.since_s <= now_s <= table.until_s:
-            table = self._table(group, now_s)
-        top = size_class(rows)
-        slowest_s = table.slowest_s.get(top)
-        if slowest_s is None:  # from the table: each record cleared it (at c=64, once a batch)
-            known = []
-            for size in range(1, top + 1):
-                seconds = (
-                    table.seconds[size]
-                    if size <= TABLE_SIZES
-                    else self._computed(group, size, now_s)
-                )
-                if seconds is _UNKNOWN:
-                    seconds = self._tabled(table, group, size, now_s)
-                known.append(seconds)
-            slowest_s = max([seconds for seconds in known if seconds is not None], default=0.0)
-            table.slowest_s[top] = slowest_s
-        return slowest_s
 
     def _table(self, group: Hashable, now_s: float) -> _Table:
         """``group``'s estimates now, and until when they hold: until its first fresh
@@ -191,9 +160,7 @@ class BatchTimes:
             if known.newest_at_s >= now_s - FRESH_FOR_S
         ]
         until_s = min(fresh) + FRESH_FOR_S if fresh else math.inf
-        table = self._tables[group] = _Table(
-            now_s, until_s, list(_ALL_UNKNOWN), {}, [0] * (TABLE_SIZES + 1)
-        )
+        table = self._tables[group] = _Table(until_s, list(_ALL_UNKNOWN), [0] * (TABLE_SIZES + 1))
         return table
 
     def _tabled(self, table: _Table, group: Hashable, size: int, now_s: float) -> float | None:

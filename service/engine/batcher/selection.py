@@ -1,4 +1,5 @@
-"""Which requests the next batch holds: pure functions of the queue, the limits and ``now``.
+"""Which requests the next batch holds: pure functions of the queue, the limits and ``now``,
+and the ``Selector`` that applies them.
 
 Fairness: a group whose oldest request is due (full, as full as the dispatch policy wants, or
 waited long enough) competes for the next batch by the age of its oldest request, except the
@@ -14,18 +15,19 @@ Deadlines, the token budget and the time quantum: a batch takes only the request
 finish before every deadline in it (the others wait for the next batch), within the row limit,
 the token budget and the quantum (``Quantum``: a short request waits for one quantum of a long
 group, not for a whole batch of it, before round robin gives its group the device); the first
-request of a batch is not asked (a chunk larger than the limits runs
-alone), but one that cannot finish by its deadline even alone is answered 504 at once.
+request of a batch is not asked (a chunk larger than the limits runs alone), but one that
+cannot finish by its deadline even alone is answered 504 at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-from service.engine.batch_queue import Entry, Group
-from service.engine.estimates import size_class
+from service.engine.batcher.estimates import size_class
+from service.engine.batcher.queue import BatchQueue, Entry, Group
 from service.types import Priority
 
 #: After this many batches led by high-priority requests while normal ones wait, the next
@@ -141,6 +143,11 @@ def finishes_late(
     return now_s + seconds > min(finish_by_s, entry.deadline_s)
 
 
+def caller_gone(entry: Entry) -> bool:
+    """Whether ``entry``'s in-process caller has left (``Entry.abandoned``)."""
+    return entry.abandoned
+
+
 @dataclass(slots=True)
 class Plan:
     """How many heads of each priority lane to take, and what becomes of each."""
@@ -151,7 +158,7 @@ class Plan:
     late: list[Entry] = field(default_factory=list)
     """Cannot finish by their deadline even alone: answered 504 uncomputed."""
     taken: dict[Priority, int] = field(default_factory=dict)
-    """Entries popped from the head of each lane (the batch's and the late ones)."""
+    """Entries popped from the head of each lane (the batch's and the others)."""
 
 
 def plan_batch(
@@ -160,71 +167,44 @@ def plan_batch(
     limits: Limits,
     estimate: Estimate,
     now_s: float,
-    gone: Callable[[Entry], bool] = lambda entry: False,
+    gone: Callable[[Entry], bool] = caller_gone,
 ) -> Plan:
     """Fill one batch from ``group``'s lanes in ``order``, each in arrival order, stopping a
-    lane at its first entry that does not fit; skip the entries whose caller is ``gone``
-    (asked only of an entry some caller may have left: ``Entry.awaited``).
+    lane at its first entry that does not fit; skip the entries whose caller is ``gone``.
     Reads the queue; changes nothing.
 
-    An entry fits a batch of ``rows`` and ``cost`` when the larger batch stays within the row
-    limit, the token budget and the time quantum (``Quantum.allows``), and is still estimated
-    to end before every deadline in it (``finishes_late``). This runs once a request: those
-    rules are written out here, each estimate asked once per size class (``Estimate``), and
-    read again only when the batch's rows reach the next size class."""
+    An entry fits a batch when the larger batch stays within the row limit, the token budget
+    and the time quantum (``Quantum.allows``), and is still estimated to end before every
+    deadline in it (``finishes_late``). Each estimate is asked once per size class."""
     plan = Plan()
     batch = plan.batch
-    estimated = _BySizeClass(estimate)
-    quantum = limits.quantum
-    max_batch_s, floor_cost = quantum.max_batch_s, quantum.floor_cost
-    quantum_seconds = _BySizeClass(quantum.batch_seconds)
+    estimate = _BySizeClass(estimate)
+    quantum = dataclasses.replace(
+        limits.quantum, batch_seconds=_BySizeClass(limits.quantum.batch_seconds)
+    )
     row_limit, max_cost = limits.row_limit, limits.max_batch_cost
     rows = cost = 0
     finish_by_s = math.inf  # the earliest deadline in the batch
-    # Per size class of the grown batch (rows from ``class_rows`` to below
-    # ``next_class_rows``; asked again when the grown rows leave it, which a lane that
-    # stopped at a large entry can make them do downwards): when it would end by its
-    # estimate (-inf: unmeasured), and whether it exceeds the quantum (None: not asked yet).
-    class_rows = next_class_rows = 0
-    ends_s = -math.inf
-    over_quantum: bool | None = None
     for priority in order:
         taken = 0
         for entry in group.lanes[priority]:
-            if entry.awaited and gone(entry):
+            if gone(entry):
                 plan.gone.append(entry)
-                taken += 1
-                continue
-            if not batch:
-                if finishes_late(entry, entry.rows, math.inf, estimated, now_s):
-                    plan.late.append(entry)
-                    taken += 1
-                    continue
+            elif not batch and finishes_late(entry, entry.rows, math.inf, estimate, now_s):
+                plan.late.append(entry)
             else:
-                grown_rows = rows + entry.rows
-                grown_cost = cost + entry.cost
-                if grown_rows > row_limit or (max_cost and grown_cost > max_cost):
+                grown_rows, grown_cost = rows + entry.rows, cost + entry.cost
+                if batch and (
+                    grown_rows > row_limit
+                    or (max_cost and grown_cost > max_cost)
+                    or not quantum.allows(entry.group, grown_rows, grown_cost)
+                    or finishes_late(entry, grown_rows, finish_by_s, estimate, now_s)
+                ):
                     break
-                if not class_rows <= grown_rows < next_class_rows:  # size_class, inline
-                    class_rows = 1 << (grown_rows.bit_length() - 1)
-                    next_class_rows = class_rows << 1
-                    seconds = estimated(entry.group, grown_rows)
-                    ends_s = -math.inf if seconds is None else now_s + seconds
-                    over_quantum = None
-                if max_batch_s and not 0 < grown_cost <= floor_cost:  # Quantum.allows
-                    if over_quantum is None:
-                        seconds = quantum_seconds(entry.group, grown_rows)
-                        over_quantum = seconds is not None and seconds > max_batch_s
-                    if over_quantum:
-                        break
-                if ends_s > finish_by_s or ends_s > entry.deadline_s:  # finishes_late
-                    break
-            batch.append(entry)
+                batch.append(entry)
+                rows, cost = grown_rows, grown_cost
+                finish_by_s = min(finish_by_s, entry.deadline_s)
             taken += 1
-            rows += entry.rows
-            cost += entry.cost
-            if entry.deadline_s < finish_by_s:
-                finish_by_s = entry.deadline_s
         plan.taken[priority] = taken
     return plan
 
@@ -240,9 +220,43 @@ class _BySizeClass:
         self._known: dict[int, float | None] = {}
 
     def __call__(self, group: Hashable, rows: int) -> float | None:
-        size = rows.bit_length() if rows > 1 else 1  # size_class, inline: once a request
-        known = self._known
-        if size in known:
-            return known[size]
-        seconds = known[size] = self._estimate(group, rows)
-        return seconds
+        size = size_class(rows)
+        if size not in self._known:
+            self._known[size] = self._estimate(group, rows)
+        return self._known[size]
+
+
+class Selector:
+    """Takes one batch out of the queue (and answers what it skipped), remembering what the
+    next choice depends on: the group of the last batch (round robin) and how many batches
+    high-priority requests have led in a row (anti-starvation)."""
+
+    def __init__(self) -> None:
+        self.high_streak = 0
+        self.last_group: Hashable | None = None
+
+    def take(
+        self,
+        queue: BatchQueue,
+        candidates: list[Group],
+        limits: Limits,
+        estimate: Estimate,
+        now_s: float,
+    ) -> list[Entry]:
+        """Pop the next batch from the best of ``candidates``, the groups due, and answer the
+        entries it skipped (caller gone, or too late even alone)."""
+        normal_waiting = queue.normal_waiting()
+        lead = lead_priority(self.high_streak, normal_waiting)
+        if lead == "normal":
+            candidates = list(queue)
+        group = pick_group(candidates, lead, self.last_group)
+        order: tuple[Priority, ...] = ("high", "normal") if lead == "high" else ("normal", "high")
+        plan = plan_batch(group, order, limits, estimate, now_s)
+        for priority, taken in plan.taken.items():
+            if taken:
+                queue.pop_heads(group, priority, taken)
+        queue.skipped(plan.gone, plan.late, estimate)
+        self.last_group = group.key
+        led_by_high = bool(plan.batch) and plan.batch[0].priority == "high"
+        self.high_streak = self.high_streak + 1 if led_by_high and normal_waiting else 0
+        return plan.batch

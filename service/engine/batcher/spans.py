@@ -37,7 +37,7 @@ class BatchTimings:
 
 
 class TracedWork(Protocol):
-    """A queued piece of a request, as ``batching`` holds it."""
+    """A queued piece of a request (``queue.Entry``)."""
 
     rows: int
     arrival_s: float
@@ -86,12 +86,12 @@ class BatchTracer:
         if tracing.current is None:
             return
         tracer = tracing.current.engine_tracer
-        now_ns = time.time_ns()
-        started_ns = now_ns - int((time.monotonic() - started_s) * 1e9)
+        wall_ns = time.time_ns() - time.monotonic_ns()  # a monotonic time's wall-clock time
+        started_ns = wall_ns + int(started_s * 1e9)
         for work in batch:
             if work.trace is None or not tracing.is_sampled(work.trace):
                 continue
-            arrival_ns = now_ns - int((time.monotonic() - work.arrival_s) * 1e9)
+            arrival_ns = wall_ns + int(work.arrival_s * 1e9)
             span = tracer.start_span(
                 "queue_wait",
                 context=tracing.parent_from(work.trace),

@@ -1,13 +1,11 @@
-"""Dynamic batching: many concurrent requests, one forward pass.
+"""The collector: one task owns the queue, and turns it into batches.
 
-Pure asyncio: no torch, no web framework. ``DynamicBatcher`` is the collector: one task owns
-the queue. It waits until the device is free (the previous batch has returned), then takes a
-group (requests whose instances have the same shape or length bucket) and fills a batch from
-it, up to the row limit and the token budget, as the dispatch policy says when; the batch runs
-in the runner's executor thread, so the event loop never runs model code.
-
-Its pieces (``batch_*.py``, each tested alone): the queue, admission, selection, fill,
-dispatch policies, guards, the run, deadlines (one heap, one timer), tickets, the clock.
+It waits until the device is free (the previous batch has returned, and the model's turn on a
+device shared with other models has come), asks the dispatch policy what the next batch should
+be, looks at the queue until a group is ready or due, takes a batch from it (``selection``)
+and runs it (``run``) in the runner's executor thread, so the event loop never runs model code.
+Requests come in through ``enqueue`` (one, from this process) and ``enqueue_frame`` (a front
+end's frame), admitted or refused at once (``admission``).
 
 Each request is answered exactly once, by whichever comes first: its result, its error, its
 deadline, or its caller going away. A request whose caller has gone, or whose deadline has
@@ -17,41 +15,29 @@ passed, is removed from the queue and never computed.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from typing import Generic
 
-from service.config import BatchPolicy
-from service.engine.batch_clock import Clock, MonotonicClock, Timer
-from service.engine.batch_deadlines import Deadlines
-from service.engine.batch_dispatch import Dispatch
-from service.engine.batch_fill import BatchFiller, answer_skipped
-from service.engine.batch_guards import OOM_BACKOFF_S, RowLimit, StallWatch
-from service.engine.batch_intake import Admitted, Intake, Submission
-from service.engine.batch_queue import QUEUE_DEPTH_REFRESH_S, BatchQueue, DepthGauge, Entry, Group
-from service.engine.batch_refill import Returns
-from service.engine.batch_run import BatchFunction, BatchRun, Deliveries, OutputT, PayloadT
-from service.engine.batch_selection import Limits, Quantum
-from service.engine.batch_spans import BatchTracer
-from service.engine.batch_ticket import Sink, Ticket
+from service.engine.batcher.admission import Admission, Admitted, Submission
+from service.engine.batcher.clock import Clock, Deadlines, MonotonicClock, Timer
+from service.engine.batcher.estimates import BatchTimes
+from service.engine.batcher.policy import DispatchPolicy, Target
+from service.engine.batcher.queue import BatchQueue, Entry, Group, QueueMetrics, Sink, Ticket
+from service.engine.batcher.run import (
+    BatchFunction,
+    BatchRun,
+    OutputT,
+    PayloadT,
+    RowLimit,
+    StallWatch,
+)
+from service.engine.batcher.selection import Limits, Quantum, Selector
+from service.engine.batcher.spans import BatchTracer
 from service.engine.device_turns import HeldTurn, ModelTurns
-from service.engine.estimates import BatchTimes
-from service.errors import DeadlineExceededError, InferenceError, ServiceError
-from service.metrics import DropReason, ModelMetrics
+from service.errors import ServiceError
+from service.metrics import ModelMetrics
 from service.types import Priority
-
-__all__ = [
-    "OOM_BACKOFF_S",
-    "QUEUE_DEPTH_REFRESH_S",
-    "Admitted",
-    "BatchFunction",
-    "DynamicBatcher",
-    "Submission",
-    "Ticket",
-]
-
-logger = logging.getLogger(__name__)
 
 
 class DynamicBatcher(Generic[PayloadT, OutputT]):
@@ -61,17 +47,15 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self,
         run_batch: BatchFunction[PayloadT, OutputT],
         *,
+        policy: DispatchPolicy,
         executor: Executor,
         metrics: ModelMetrics,
         max_batch_size: int,
-        max_wait_ms: float,
         max_queue_size: int,
         request_timeout_ms: float,
         max_batch_cost: int = 0,
-        policy: BatchPolicy = "adaptive",
         stall_timeout_s: float = 0.0,
         on_stall: Callable[[], None] | None = None,
-        expected_requests: Callable[[], int] = lambda: 0,
         tracer: BatchTracer | None = None,
         turns: ModelTurns | None = None,
         clock: Clock | None = None,
@@ -79,37 +63,33 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         max_batch_ms: float = 0.0,
         quantum_floor_cost: int = 0,
     ) -> None:
-        """``turns``: this model's turns on a device shared with other models; a batch is
-        taken once its turn has come, and runs within it. ``expected_requests``: how many
-        requests the front ends hold now (the adaptive policy's hint). ``instances``: batches that
-        may run at once (``instances.py``: the executor's threads). ``quantum_floor_cost``: padded
-        positions a batch always may hold whatever ``max_batch_ms`` says (one longest row)."""
+        """``policy``: when a batch goes (``policy.py``). ``turns``: this model's turns on a
+        device shared with other models; a batch is taken once its turn has come, and runs
+        within it. ``instances``: batches that may run at once (``instances.py``: the
+        executor's threads). ``quantum_floor_cost``: padded positions a batch always may hold
+        whatever ``max_batch_ms`` says (one longest row)."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
                 f"got {max_batch_size} and {max_queue_size}"
             )
         self._clock = clock or MonotonicClock()
+        self._policy = policy
         self._instances = instances
         self._metrics = metrics
-        self.max_batch_size = max_batch_size
-        self.max_batch_cost = max_batch_cost
-        self.policy = policy
-        self._dispatch = Dispatch(policy, max_wait_ms / 1000.0)
-        self._request_timeout_s = request_timeout_ms / 1000.0
-        self._expected_requests = expected_requests
+        self._max_batch_cost = max_batch_cost
         self._turn = HeldTurn(turns)
         self.times = BatchTimes(self._clock.now)
         """Recent forward durations by group and size; the warm-up seeds them."""
         self._quantum = Quantum(
             max_batch_ms / 1e3, self.times.fastest, max(1, max_queue_size // 4), quantum_floor_cost
         )
-        self._queue = BatchQueue()
-        self._deadlines = Deadlines(self._clock, self._expire)
-        self._deliveries = Deliveries()
+        request_timeout_s = request_timeout_ms / 1000.0
+        self._queue = BatchQueue(QueueMetrics(self._clock, metrics), request_timeout_s)
+        self._deadlines = Deadlines[Entry](self._clock, self._queue.expire)
         self._row_limit = RowLimit(max_batch_size, metrics.effective_max_batch_size.set)
         self._stall = StallWatch(self._clock, stall_timeout_s, on_stall)
-        self._runner = BatchRun[PayloadT, OutputT](
+        self._run = BatchRun[PayloadT, OutputT](
             run_batch,
             executor=executor,
             metrics=metrics,
@@ -118,11 +98,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             row_limit=self._row_limit,
             stall=self._stall,
             tracer=tracer,
-            deliveries=self._deliveries,
+            outbox=self._queue.outbox,
         )
-        self._depth = DepthGauge(self._clock, self._queue, metrics.queue_depth.set)
-        self._filler = BatchFiller()
-        self._intake = Intake(
+        self._admission = Admission(
             clock=self._clock,
             queue=self._queue,
             deadlines=self._deadlines,
@@ -130,18 +108,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             times=self.times,
             quantum=self._quantum,
             row_limit=self._row_limit,
+            running=self._run,
             max_batch_cost=max_batch_cost,
             max_queue_size=max_queue_size,
-            request_timeout_s=self._request_timeout_s,
-            running_until_s=lambda: self._runner.running_until_s,
-            accepting=lambda: self.accepting and self._collector is not None,
-            withdraw=self._withdraw,
-            finished=self._deliveries.finished,
-            added=self._added,
+            request_timeout_s=request_timeout_s,
         )
-        self._returns = Returns()
-        self._target_rows = self._cap_rows = max_batch_size
-        self._last_limits = Limits(max_batch_size, max_batch_cost, self._quantum)
+        self._selector = Selector()
+        self._target = Target(max_batch_size, max_batch_size)
+        self._limits = Limits(max_batch_size, max_batch_cost, self._quantum)
         self._wakeup = asyncio.Event()
         self._wakeup_timer: Timer | None = None
         self._closing = False
@@ -169,7 +143,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
 
     @property
     def accepting(self) -> bool:
-        return not (self._closing or self._stall.stalled)
+        """Started, and neither draining nor stalled."""
+        return not (self._closing or self._stall.stalled) and self._collector is not None
 
     @property
     def stalled(self) -> bool:
@@ -181,11 +156,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Rows per batch now: ``max_batch_size``, or less for a while after an OOM."""
         return self._row_limit.rows
 
-    def _limits(self) -> Limits:
-        rows = min(self._row_limit.rows, self._cap_rows)
-        if self._last_limits.row_limit != rows:  # the same until the row limit or cap changes
-            self._last_limits = Limits(rows, self.max_batch_cost, self._quantum)
-        return self._last_limits
+    # ----------------------------------------------------------------- requests in
 
     def enqueue(
         self,
@@ -216,12 +187,17 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         rows), ``NotReadyError`` (draining, stalled); the ticket fails with
         ``DeadlineExceededError`` or ``InferenceError`` (the model failed on its input).
         """
-        self._returns.arrived(source, 1, self._clock.now())
-        return self._intake.enqueue(
+        self._policy.arrived(source, 1, self._clock.now())
+        if not self.accepting:
+            raise self._admission.not_ready()
+        was_empty = not self._queue
+        ticket = self._admission.admit(
             Submission(payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag),
             source,
             sink,
         )
+        self._added(was_empty)
+        return ticket
 
     def enqueue_frame(
         self,
@@ -230,56 +206,39 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         source: Hashable = None,
         sink: Sink | None = None,
     ) -> list[Admitted]:
-        """Queue the requests of one frame from one front end at once (``batch_intake``): for
-        each, in order, its ticket or the error ``enqueue`` would have raised for it had the
-        requests been queued one by one."""
-        self._returns.arrived(source, len(submissions), self._clock.now())
-        return self._intake.enqueue_frame(submissions, source, sink)
+        """Queue the requests of one frame from one front end, in order: for each, its ticket
+        or the error ``enqueue`` would have raised for it."""
+        self._policy.arrived(source, len(submissions), self._clock.now())
+        if not self.accepting:
+            return [self._admission.not_ready() for _ in submissions]
+        was_empty = not self._queue
+        admitted = self._admission.admit_frame(list(submissions), source, sink)
+        self._added(was_empty)
+        return admitted
 
     def refusal_of_any(
         self, priority: Priority = "normal", deadline_s: float | None = None
     ) -> ServiceError | None:
         """What ``enqueue`` would raise now for any request at ``priority`` due at
-        ``deadline_s``, whatever its rows (``Intake.refusal_of_any``)."""
-        return self._intake.refusal_of_any(priority, deadline_s)
+        ``deadline_s``, whatever its rows (``Admission.refusal_of_any``)."""
+        return self._admission.refusal_of_any(priority, deadline_s)
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
-        """How long a request queued now would wait for the device (``batch_admission``)."""
-        return self._intake.estimated_wait_s(priority)
+        """How long a request queued now would wait for the device (``admission``)."""
+        return self._admission.estimated_wait_s(priority)
 
-    def _added(self, groups: list[Group], was_empty: bool) -> None:
-        self._depth.changed()
+    def _added(self, was_empty: bool) -> None:
         # Wake the collector only when its decision can change: the queue was empty (it sleeps
-        # without a timer), or a group just reached a full batch or the adaptive target.
-        limits = self._limits()
-        if was_empty or any(
-            self._dispatch.is_ready(group, self._target_rows, limits) for group in groups
+        # without a timer), or a group is ready now.
+        if self._queue and (
+            was_empty
+            or any(
+                self._policy.is_ready(group, self._target, self._limits) for group in self._queue
+            )
         ):
             self._wakeup.set()
 
-    def _expire(self, entries: list[Entry]) -> None:
-        """Deadline: answer 504 now, even while another batch is running."""
-        for entry in entries:
-            if entry.queued:
-                self._queue.remove(entry)
-            self._metrics.dropped(DropReason.EXPIRED).inc()
-        self._depth.changed()
-        for entry in entries:
-            entry.reject(
-                DeadlineExceededError(
-                    f"the request was not answered within {self._request_timeout_s * 1000:.0f} ms"
-                )
-            )
-
-    def _withdraw(self, entries: list[Entry]) -> None:
-        """The caller stopped waiting (or one chunk failed): drop the queued chunks so they
-        are never computed, and answer every chunk not answered yet as cancelled."""
-        for entry in entries:
-            if entry.queued:
-                self._queue.remove(entry)
-                self._depth.changed()
-                self._metrics.dropped(DropReason.CANCELLED).inc()
-            entry.reject(asyncio.CancelledError())
+    # ----------------------------------------------------------------- batches out
 
     async def _collect_forever(self) -> None:
         running: set[asyncio.Task[None]] = set()
@@ -291,9 +250,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                 if batch is None:
                     break
                 if self._instances == 1:
-                    await self._run(batch)
+                    await self._run_and_release(batch)
                 else:
-                    task = asyncio.get_running_loop().create_task(self._run(batch))
+                    task = asyncio.get_running_loop().create_task(self._run_and_release(batch))
                     running.add(task)
                     task.add_done_callback(running.discard)
             if running:
@@ -304,72 +263,67 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._cancel_wakeup_timer()
             self._stall.close()
 
-    async def _run(self, batch: list[Entry]) -> None:
+    async def _run_and_release(self, batch: list[Entry]) -> None:
         try:
-            await self._runner.run(batch)
-        except Exception:  # never let one batch stop the collector
-            logger.exception("batch_failed_unexpectedly")
-            with self._deliveries.per_batch():
-                for entry in batch:
-                    entry.reject(InferenceError("internal error while running the batch"))
+            await self._run.run(batch)
         finally:
-            self._returns.answered(batch, self._clock.now())
+            self._policy.answered(batch, self._clock.now())
             self._turn.release()
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""
         if self._row_limit.rows < self._row_limit.max_batch_size:  # capped after an OOM
             self._row_limit.restore(self._clock.now())
-        adaptive = self._dispatch.adaptive
-        expected = self._expected_requests() if adaptive else 0
-        rows = self._row_limit.rows
-        split = self._dispatch.split_rows(expected, rows, self._instances)
-        self._target_rows = split or self._dispatch.target_rows(
-            self._filler.last_batch_rows, expected, rows
+        target = self._target = self._policy.target(self._row_limit.rows)
+        limits = self._limits = Limits(
+            min(self._row_limit.rows, target.cap), self._max_batch_cost, self._quantum
         )
-        self._cap_rows = split or rows
-        yielded = not adaptive
+        looked_again = not target.look_again
         while True:
+            if limits.row_limit > self._row_limit.rows:  # another instance ran out of memory
+                limits = self._limits = Limits(
+                    self._row_limit.rows, self._max_batch_cost, self._quantum
+                )
             if not self._queue:
                 if self._closing:
                     return None
                 self._turn.release()  # what it waited for is gone (expired, cancelled)
                 await self._sleep_until(None)
                 continue
-            limits = self._limits()
-            ready = [
-                g for g in self._queue if self._dispatch.is_ready(g, self._target_rows, limits)
-            ]
-            if not yielded and not ready:
+            ready = [group for group in self._queue if self._policy.is_ready(group, target, limits)]
+            if not looked_again and not ready:
                 # Requests already received but not yet parsed are queued ahead of us on the
                 # event loop: let them run once so they can join, even if the oldest has
                 # waited max_wait (it waited while the device was busy). Not when a batch is
                 # ready: the device would wait for every answer of the last batch to be written.
-                yielded = True
+                looked_again = True
                 await asyncio.sleep(0)
                 continue
+            due_at: dict[Hashable, float] = {}
             if ready and len(ready) == len(self._queue.groups):  # all ready (c=1): all due
-                due, due_at = ready, {}
+                due = ready
             else:
                 now_s = self._clock.now()
-                refill = not ready
-                until_s = self._returns.until_s(self._dispatch.max_wait_s)
-                due_at = {g.key: self._due_at_s(g, until_s, refill) for g in self._queue}
+                alone = not ready
+                for group in self._queue:
+                    due_at[group.key] = self._policy.due_at_s(
+                        group, target, alone, limits, self.times.estimate
+                    )
                 due = [g for g in self._queue if g in ready or due_at[g.key] <= now_s]
             if (due or self._closing) and await self._turn.take():
                 continue  # the device was another model's: take what is due now
             if due or self._closing:
-                self._metrics.dispatched(self._dispatch.reason(ready, due, limits, due_at))
+                self._metrics.dispatched(self._policy.reason(ready, due, limits, due_at))
                 return self._take(due or list(self._queue), limits)
             self._turn.release()  # nothing due any more (expired, cancelled): let others run
             await self._sleep_until(min(due_at.values()))
 
-    def _due_at_s(self, group: Group, refill_until_s: float, refill: bool) -> float:
-        # No refill wait where the quantum would not let the batch grow by a row anyway.
-        grown_cost = group.cost + group.cost // group.rows
-        refill = refill and self._quantum.allows(group.key, group.rows + 1, grown_cost)
-        run_s = (self.times.estimate(group.key, self._target_rows) or 0.0) if refill else 0.0
-        return self._dispatch.due_at_s(group, refill_until_s, refill, run_s)
+    def _take(self, candidates: list[Group], limits: Limits) -> list[Entry]:
+        batch = self._selector.take(
+            self._queue, candidates, limits, self.times.estimate, self._clock.now()
+        )
+        self._policy.taken(batch)
+        return batch
 
     async def _sleep_until(self, when_s: float | None) -> None:
         """Wait for an enqueue that can change the decision, or until ``when_s``."""
@@ -379,19 +333,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         try:
             await self._wakeup.wait()
         finally:
-            if self._wakeup_timer is not None:  # tested here: at c=1 none is set, a call less
-                self._cancel_wakeup_timer()
+            self._cancel_wakeup_timer()
 
     def _cancel_wakeup_timer(self) -> None:
         if self._wakeup_timer is not None:
             self._wakeup_timer.cancel()
             self._wakeup_timer = None
-
-    def _take(self, candidates: list[Group], limits: Limits) -> list[Entry]:
-        """Fill one batch from the best candidate group (``batch_fill``) within ``limits``."""
-        taken = self._filler.take(
-            self._queue, candidates, limits, self.times.estimate, self._clock.now()
-        )
-        self._depth.changed()
-        answer_skipped(taken, self._metrics, self.times.estimate, self._request_timeout_s)
-        return taken.batch

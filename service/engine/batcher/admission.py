@@ -1,0 +1,318 @@
+"""Admission: what a request is split into, and what is refused at once.
+
+A request is split into chunks that each fit in one batch (by rows, the token budget and the
+time quantum), checked against the queue's bound, and refused before it is queued when it
+cannot be served in time, from recent forward durations (``estimates.BatchTimes``): 422 when
+it alone needs longer than its deadline even at its fastest, 429 with ``Retry-After`` when the
+work queued ahead of it, or a device slowed by load, would make it late. Groups not measured
+lately are never refused on an estimate. Under overload the device thus keeps computing
+answers someone gets.
+
+The work queued ahead is estimated from the queue's running totals at each request, so a
+request withdrawn (its client left) stops counting at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from service.engine.batcher.clock import Clock, Deadlines
+from service.engine.batcher.queue import BatchQueue, Entry, Sink, Ticket
+from service.engine.batcher.run import RowLimit, Rows
+from service.engine.batcher.selection import Estimate, Quantum
+from service.errors import (
+    DeadlineUnreachableError,
+    InvalidInputError,
+    NotReadyError,
+    OverloadedError,
+    QueueFullError,
+    ServiceError,
+)
+from service.metrics import DropReason, ModelMetrics
+from service.types import Priority
+
+RowsT = TypeVar("RowsT", bound=Rows)
+
+
+class Submission(NamedTuple):
+    """One request, as ``DynamicBatcher.enqueue`` takes it (the same meanings)."""
+
+    payload: Any
+    group: Hashable
+    cost_per_row: int = 0
+    priority: Priority = "normal"
+    deadline_s: float | None = None
+    request_id: str = "-"
+    trace: str | None = None
+    tag: object = None
+
+
+#: A queued request as its caller holds it (a ``Ticket``), or why it was refused.
+Admitted = Ticket[Any] | ServiceError
+
+
+class Durations(Protocol):
+    """Forward durations by group and rows (``estimates.BatchTimes``)."""
+
+    def estimate(self, group: Hashable, rows: int) -> float | None:
+        """Recent: how long such a batch takes now."""
+
+    def fastest(self, group: Hashable, rows: int) -> float | None:
+        """The quickest it was ever measured: the forward itself."""
+
+
+class Running(Protocol):
+    """The batch on the device (``run.BatchRun``)."""
+
+    @property
+    def running_until_s(self) -> float:
+        """When it should end, by its estimate (0: none running)."""
+        ...
+
+
+def chunk_rows(max_batch_size: int, max_batch_cost: int, cost_per_row: int) -> int:
+    """Rows per chunk of a request: what fits in one batch by rows and token budget (at
+    least one row whatever its cost)."""
+    rows = max_batch_size
+    if max_batch_cost and cost_per_row:
+        rows = max(1, min(rows, max_batch_cost // cost_per_row))
+    return rows
+
+
+def chunks_of(
+    payload: RowsT, total_rows: int, max_batch_size: int, max_batch_cost: int, cost_per_row: int
+) -> list[RowsT]:
+    """``payload`` (of ``total_rows`` rows) in chunks of ``chunk_rows`` rows (itself when it
+    fits in one)."""
+    rows = chunk_rows(max_batch_size, max_batch_cost, cost_per_row)
+    if rows >= total_rows:
+        return [payload]
+    return [payload[start : start + rows] for start in range(0, total_rows, rows)]
+
+
+def estimated_wait_s(
+    queue: BatchQueue,
+    priority: Priority,
+    running_left_s: float,
+    row_limit: int,
+    max_batch_cost: int,
+    estimate: Estimate,
+) -> float:
+    """How long a request queued now would wait for the device: what is left of the running
+    batch, then the queued batches it would not go before (all of them for a normal request;
+    the high-priority ones for a high one). Unmeasured groups count 0."""
+    wait_s = max(0.0, running_left_s)
+    for group in queue:
+        rows = group.high_rows if priority == "high" else group.rows
+        if rows == 0:
+            continue
+        per_batch = row_limit
+        if max_batch_cost and group.cost:
+            per_batch = max(1, min(per_batch, max_batch_cost * group.rows // group.cost))
+        full_batches, rest = divmod(rows, per_batch)
+        if full_batches:
+            wait_s += full_batches * (estimate(group.key, per_batch) or 0.0)
+        if rest:
+            wait_s += estimate(group.key, rest) or 0.0
+    return wait_s
+
+
+def refusal_of_any(ahead_s: float, left_s: float) -> ServiceError | None:
+    """Why any request queued now would be late whatever its rows, before they are known: the
+    work queued ahead of it (``ahead_s``, ``estimated_wait_s``) alone outlasts the ``left_s``
+    before its deadline (429 with ``Retry-After``). Unlike ``refusal`` it does not wait for
+    the request's own group to be measured: the work ahead is what was measured."""
+    if ahead_s <= left_s:
+        return None
+    return OverloadedError(
+        f"the queue holds about {ahead_s * 1000:.0f} ms of work, more than the "
+        f"{left_s * 1000:.0f} ms left before the request's deadline; retry shortly",
+        retry_after_s=max(1, math.ceil(ahead_s)),
+    )
+
+
+def refusal(
+    chunks: list[int],
+    group: Hashable,
+    left_s: float,
+    times: Durations,
+    wait_s: Callable[[Priority], float],
+    priority: Priority,
+) -> ServiceError | None:
+    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, from its
+    chunks' recent durations (``times.estimate``) and the ``wait_s`` of the work ahead of it
+    at ``priority``; None when it can (or when a chunk has no recent estimate: admitted, it is
+    measured).
+
+    422 only when the chunks need longer than ``left_s`` even at the fastest they were ever
+    measured (``times.fastest``): the forward itself is too long, the client must send less.
+    When only the recent durations make it late (a loaded device), or the queue ahead does,
+    429 with ``Retry-After``."""
+    own_s = quickest_s = 0.0
+    for rows in chunks:
+        seconds = times.estimate(group, rows)
+        if seconds is None:
+            return None
+        own_s += seconds
+        quickest_s += times.fastest(group, rows) or 0.0
+    needed_s = min(own_s, quickest_s)
+    if needed_s > left_s:
+        return DeadlineUnreachableError(
+            f"these {sum(chunks)} instances need about {needed_s * 1000:.0f} ms of "
+            f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
+            "deadline; send fewer instances per request"
+        )
+    ahead_s = wait_s(priority)
+    if ahead_s + own_s > left_s:
+        return OverloadedError(
+            f"the queue holds about {ahead_s * 1000:.0f} ms of work, and this request "
+            f"needs {own_s * 1000:.0f} ms more at the device's recent pace: it could not be "
+            f"answered within the {left_s * 1000:.0f} ms left before its deadline; retry "
+            "shortly",
+            retry_after_s=max(1, math.ceil(ahead_s)),
+        )
+    return None
+
+
+class Admission:
+    """Admits requests into ``queue``, or says why not."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        queue: BatchQueue,
+        deadlines: Deadlines[Entry],
+        metrics: ModelMetrics,
+        times: Durations,
+        quantum: Quantum,
+        row_limit: RowLimit,
+        running: Running,
+        max_batch_cost: int,
+        max_queue_size: int,
+        request_timeout_s: float,
+    ) -> None:
+        self._clock = clock
+        self._queue = queue
+        self._deadlines = deadlines
+        self._metrics = metrics
+        self._times = times
+        self._quantum = quantum
+        self._row_limit = row_limit
+        self._running = running
+        self._max_batch_cost = max_batch_cost
+        self._max_queue_size = max_queue_size
+        self._request_timeout_s = request_timeout_s
+
+    def admit(self, submission: Submission, source: Hashable, sink: Sink | None) -> Ticket[Any]:
+        """Queue one request now: its ticket. Raises why not (``DynamicBatcher.enqueue``)."""
+        ticket, entries = self._queued(submission, source, sink)
+        self._deadlines.add_all(entries)
+        return ticket
+
+    def admit_frame(
+        self, submissions: list[Submission], source: Hashable, sink: Sink | None
+    ) -> list[Admitted]:
+        """Queue the requests of a frame in order, each as ``admit`` would: for each, its
+        ticket or why it was refused. Their deadlines are watched together."""
+        admitted: list[Admitted] = []
+        watched: list[Entry] = []
+        for submission in submissions:
+            try:
+                ticket, entries = self._queued(submission, source, sink)
+            except ServiceError as error:
+                # Kept without its traceback, whose frames hold this list: no reference cycle.
+                admitted.append(error.with_traceback(None))
+                continue
+            admitted.append(ticket)
+            watched += entries
+        self._deadlines.add_all(watched)
+        return admitted
+
+    def _queued(
+        self, submission: Submission, source: Hashable, sink: Sink | None
+    ) -> tuple[Ticket[Any], list[Entry]]:
+        """Queue one request: its ticket and entries (one per chunk); raises why not."""
+        payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
+        total_rows = len(payload)
+        if total_rows < 1:
+            raise InvalidInputError("a request needs at least one instance")
+        if total_rows == 1:  # the common case: one chunk
+            chunks = [payload]
+        else:
+            max_rows = self._row_limit.max_batch_size
+            rows_per_chunk = self._quantum.rows(group, total_rows, max_rows, cost_per_row)
+            chunks = chunks_of(
+                payload, total_rows, rows_per_chunk, self._max_batch_cost, cost_per_row
+            )
+        if self._queue.entries + len(chunks) > self._max_queue_size:
+            raise self._queue_full()
+        rows = [len(chunk) for chunk in chunks]
+        arrival_s = self._clock.now()
+        if deadline_s is None:
+            deadline_s = arrival_s + self._request_timeout_s
+        refused = refusal(
+            rows, group, deadline_s - arrival_s, self._times, self.estimated_wait_s, priority
+        )
+        if refused is not None:
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+            raise refused
+        ticket: Ticket[Any] = Ticket(self._queue, sink, tag)
+        entries = [
+            Entry(
+                ticket,
+                index,
+                chunk,
+                rows=rows[index],
+                cost=rows[index] * cost_per_row,
+                group=group,
+                priority=priority,
+                arrival_s=arrival_s,
+                deadline_s=deadline_s,
+                request_id=request_id,
+                source=source,
+                trace=trace,
+            )
+            for index, chunk in enumerate(chunks)
+        ]
+        ticket.attach(entries)
+        self._queue.add_all(entries)
+        return ticket, entries
+
+    def refusal_of_any(self, priority: Priority, deadline_s: float | None) -> ServiceError | None:
+        """What ``admit`` would raise now for any request at ``priority`` due at
+        ``deadline_s`` (None: not known yet), whatever its rows: the queue is full (a request
+        is at least one entry), or the work ahead alone would make it late. Asked before a
+        request's body is parsed, so a storm of requests that would be refused costs no parse."""
+        if self._queue.entries >= self._max_queue_size:
+            return self._queue_full()
+        if deadline_s is None or not self._queue:
+            return None
+        refused = refusal_of_any(self.estimated_wait_s(priority), deadline_s - self._clock.now())
+        if refused is not None:
+            self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
+        return refused
+
+    def estimated_wait_s(self, priority: Priority = "normal") -> float:
+        """How long a request queued now would wait for the device (``estimated_wait_s``)."""
+        return estimated_wait_s(
+            self._queue,
+            priority,
+            self._running.running_until_s - self._clock.now(),
+            self._row_limit.rows,
+            self._max_batch_cost,
+            self._times.estimate,
+        )
+
+    def not_ready(self) -> NotReadyError:
+        """The refusal of a request while the batcher is not accepting (counted)."""
+        self._metrics.dropped(DropReason.DRAINING).inc()
+        return NotReadyError("the server is not accepting requests (starting or draining)")
+
+    def _queue_full(self) -> QueueFullError:
+        self._metrics.dropped(DropReason.QUEUE_FULL).inc()
+        return QueueFullError(
+            f"the queue is full ({self._max_queue_size} requests waiting); retry shortly"
+        )
