@@ -599,6 +599,7 @@ def test_named_instances_become_one_padded_array_per_input() -> None:
             [[3]],
             "instance 0 must be an object keyed by input name ['ids', 'mask', 'scale'], got a list",
         ),
+        ([], "'instances' is empty; send at least one instance"),
         (
             [{"ids": [3], "mask": [True], "scale": 256}],
             "instances contain integers outside the range of uint8",
