@@ -177,6 +177,8 @@ def test_the_largest_float32_is_accepted_and_beyond_it_is_not_finite() -> None:
         "range)"
     )
     assert "not finite in float16" in refusal(layout("float16").parse_json, body([[70000.0, 0]]))
+    # An integer too: refused as such, with no overflow warning from the cast (an error here).
+    assert "not finite in float16" in refusal(layout("float16").parse_json, body([[70000, 0]]))
 
 
 @pytest.mark.parametrize(("dtype", "largest"), [("int64", 2**63 - 1), ("int32", 2**31 - 1)])
