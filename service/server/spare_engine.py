@@ -15,13 +15,14 @@ The spare is a child like the engines: it dies with the supervisor, and stops wi
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
+
+import orjson
 
 from service.server.child_processes import die_with_parent
 
@@ -120,7 +121,7 @@ class SpareEngine:
         assert process.stdin is not None
         self._check_ready()
         try:
-            process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
+            process.stdin.write(orjson.dumps(dict(variables)) + b"\n")
             process.stdin.close()
         except OSError:  # it died just now: start the engine fresh
             process.kill()

@@ -4,12 +4,13 @@ so and everything else is written."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import orjson
 
 from service.server.env_file import render_env_file
 from service.server.tuning.search import Bound, ModelLimit, Result
@@ -250,5 +251,6 @@ def write_report(report: TuneReport, folder: Path, stem: str) -> list[Path]:
     page = folder / f"{stem}.md"
     page.write_text(markdown(report, image.name if has_plot else None))
     data = folder / f"{stem}.json"
-    data.write_text(json.dumps(asdict(report), indent=1, default=str) + "\n")
+    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS  # ceiling_rps is keyed by int
+    data.write_bytes(orjson.dumps(asdict(report), default=str, option=options) + b"\n")
     return [page, *written, data]
