@@ -173,14 +173,11 @@ class TensorLayout:
             )
         low, high = self.bounds or _UNBOUNDED
         if not low <= bottom <= top <= high:
-            self._check_range(array)  # a value outside, unless it is the padding value
+            self._check_range(array, low, high)  # one outside, unless it is the padding value
         return array
 
-    def _check_range(self, array: Array) -> None:
+    def _check_range(self, array: Array, low: float, high: float) -> None:
         spec = self.spec
-        if self.bounds is None:
-            return
-        low, high = self.bounds
         values = array.astype(np.float64, copy=False)
         outside = ((values < low) | (values > high)) & (values != spec.pad_value)
         if outside.any():
@@ -203,8 +200,11 @@ def _largest_and_smallest(array: Array) -> tuple[float, float]:
 
 def _may_hold_booleans(body: bytes) -> bool:
     """Whether ``body`` holds ``true`` or ``false``: one byte of each is looked for first,
-    which most bodies of numbers lack."""
-    return (b"u" in body or b"l" in body) and (b"true" in body or b"false" in body)
+    which most bodies of numbers lack (with ``find``: ``in`` first tries the byte as an
+    integer, and fails)."""
+    return (body.find(b"u") >= 0 or body.find(b"l") >= 0) and (
+        body.find(b"true") >= 0 or body.find(b"false") >= 0
+    )
 
 
 def _holds_booleans(value: Any) -> bool:
