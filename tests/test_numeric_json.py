@@ -1,20 +1,24 @@
-"""JSON bodies of numbers for a float tensor of fixed shape, answered as the API promises.
+"""JSON bodies of numbers for a float tensor of fixed shape: answered as the API promises,
+and alike with and without the fast path (``numeric_json.plain_float_rows``).
 
 The promise, written here apart from the code that keeps it (``promised``): a body that
 orjson does not read is 400; one that is not ``{"instances": [...]}`` with 1 to
 ``max_instances`` instances, each nested lists of exactly the instance shape with a number
 (not a boolean, string, null, list or object) at every leaf, every value finite in the
 tensor's dtype and within its range (or the padding value), is 422; any other is the array
-numpy reads from the nested lists, cast to the dtype, in memory of its own. Checked over bodies
-written to break a parser (tricky syntax, numbers at the edges of float32 and float64, the
-right count of values in the wrong nesting), over generated ones, and through a one-input
-model's ``InputLayout``.
+numpy reads from the nested lists, cast to the dtype, in memory of its own. Every body is also
+parsed by the general path alone (``parse_instances``): the answer, or the refusal and its
+words, must be the same. Checked over bodies written to break a parser (tricky syntax, numbers
+at the edges of float32 and float64, the right count of values in the wrong nesting), over
+generated ones, and through a one-input model's ``InputLayout``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,7 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.errors import ServiceError
+from service.frontend.bodies import read_instances
 from service.frontend.inputs import InputLayout
+from service.frontend.numeric_json import plain_float_rows
 from service.frontend.tensor_layout import TensorLayout
 from service.manifest import Architecture, Manifest, TensorSpec
 from service.types import Array
@@ -128,13 +134,24 @@ def _shaped(value: Any, shape: tuple[int, ...], leaves: list[int | float]) -> bo
 
 
 def answered(layout: TensorLayout, body: bytes) -> int | Array:
-    """The status ``layout`` refuses ``body`` with, or the array it parses."""
+    """The status ``layout`` refuses ``body`` with, or the array it parses; the same as the
+    general path alone gives, word for word and byte for byte."""
+    fast, general = outcome(layout.parse_json, body), outcome(general_path(layout), body)
+    assert fast[:-1] == general[:-1], body[:200]
+    return fast[-1]
+
+
+def general_path(layout: TensorLayout) -> Callable[[bytes], Array]:
+    return lambda body: layout.parse_instances(read_instances(body), body)
+
+
+def outcome(parse: Callable[[bytes], Array], body: bytes) -> tuple[Any, ...]:
+    """What ``parse`` makes of ``body``, comparable; its last item the status or the array."""
     try:
-        return layout.parse_json(body)
+        array = parse(body)
     except ServiceError as error:
-        refused = error
-    assert refused.message
-    return refused.status_code
+        return type(error).__name__, error.message, error.status_code
+    return array.dtype.str, array.shape, array.tobytes(), array
 
 
 def assert_as_promised(layout: TensorLayout, body: bytes) -> None:
@@ -211,40 +228,6 @@ def test_integers_beyond_float64s_precision_round_once() -> None:
     assert np.float32(float(value)) == np.float32(2**60)
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        '{"instances": [[1, 2]]}',
-        '{ "instances" :\n\t[ [ 1.5e0 , -2E+1 ] ,[0.0e-0,-0] ] }',
-        '{"instances": [[1e400, 2]]}',
-        '{"instances": [[-1e400, 2]]}',
-        '{"instances": [[1, 2], [3]]}',
-        '{"instances": [[1, 2, 3]]}',
-        '{"instances": [[[1, 2]]]}',
-        '{"instances": [1, 2]}',
-        '{"instances": [[]]}',
-        '{"instances": []}',
-        '{"instances": [[1, 2]], "extra": 1}',
-        '{"instances": [[true, 2]]}',
-        '{"instances": [[null, 2]]}',
-        '{"instances": [["1", 2]]}',
-        '{"instances": [[{"a": 1}, 2]]}',
-        '{"instances": [[NaN, 2]]}',
-        '{"instances": [[Infinity, 2]]}',
-        '{"instances": [[1, 2]',
-        '{"instan\\u0063es": [[1, 2]]}',
-        '{"instances": [[1, 2]]}  ',
-        '{"instances": [[18446744073709551616, 2]]}',
-        '{"instances": [[-9223372036854775809, 2]]}',
-        '{"instances": [[1' + "0" * 400 + ", 2]]}",
-        '{"instances": ' + "[" * 70 + "1" + "]" * 70 + "}",
-    ],
-)
-def test_written_numbers_are_answered_as_promised(text: str) -> None:
-    for dtype in DTYPES:
-        assert_as_promised(layout_of(dtype, (-1, 2)), text.encode())
-
-
 def test_a_value_range_is_checked() -> None:
     layout = layout_of("float32", (-1, 2), min_value=-1.0, max_value=1.0)
     for instances in ([[0.5, -1.0]], [[0.5, 1.5]], [[-3, 0]]):
@@ -285,6 +268,15 @@ TRICKY_BODIES = [
     b'{"instances": [[1, 2],]}',
     b'{"instances": [[1, 2, ], [3, 4]]}',
     b'{"instances": [[1, 2]],}',
+    b'{ "instances" :\n\t[ [ 1.5e0 , -2E+1 ] ,[0.0e-0,-0] ] }',
+    b'{"instances": [[1, 2], [3]]}',
+    b'{"instances": [[1, 2, 3]]}',
+    b'{"instances": [[[1, 2]]]}',
+    b'{"instances": [[1, 2]], "extra": 1}',
+    b'{"instances": [[{"a": 1}, 2]]}',
+    b'{"instan\\u0063es": [[1, 2]]}',
+    b'{"instances": [[1, 2]]}  ',
+    b'{"instances": [[1' + b"0" * 400 + b", 2]]}",
     b'{"instances": [[1, 2]]}\x0b',
     b'{"instances": [[1, 2]]}\x0c',
     b'{"instances": [[1, 2]]}\x00',
@@ -493,6 +485,77 @@ def test_scalar_instances_are_answered_as_promised() -> None:
         for body in [*TRICKY_BODIES, *ALL_NESTED_BODIES, *extra]:
             assert_as_promised(layout, body)
     assert layout.parse_json(extra[0]).tolist() == [1.0, 2.5, 0.0]
+
+
+def lifted(body: bytes) -> bytes:
+    """A tricky body of two-wide rows as one instance of shape (rows + 1, 2): its rows after
+    a plain one, so that its numbers and syntax are read inside a nested body."""
+    head, _, tail = body.partition(b'"instances": [')
+    if not tail:
+        return body
+    inner, bracket, rest = tail.rpartition(b"]")
+    return head + b'"instances": [[[0.5, 0.25], ' + inner + bracket + b"]" + rest
+
+
+def test_tricky_bodies_inside_a_nested_instance_are_answered_as_promised() -> None:
+    for dtype in DTYPES:
+        for shape in ((-1, 2, 2), (-1, 3, 2)):
+            layout = layout_of(dtype, shape)
+            for body in TRICKY_BODIES:
+                assert_as_promised(layout, lifted(body))
+
+
+def test_plain_bodies_take_the_fast_path() -> None:
+    """Without this, the comparisons above could pass with a fast path that takes nothing."""
+    for shape in NESTED_SHAPES:
+        good = nested_bodies(shape)[1]
+        rows = plain_float_rows(good, shape, 8)
+        assert rows is not None
+        assert rows.shape == (2, *shape)
+        assert rows.tobytes() == np.array([_grid(shape), _grid(shape, 100)]).tobytes()
+    rows = plain_float_rows(b'{"instances": [[1.5, -2], [3e2, -0]]}', (2,), 8)
+    assert rows is not None
+    assert rows.tolist() == [[1.5, -2.0], [300.0, 0.0]]
+    assert not np.signbit(rows[1, 1])  # -0 is the integer 0, as orjson reads it
+    digits = layout_of("float32", (-1, 8, 8), min_value=0.0, max_value=1.0)
+    assert digits.plain_range == (0.0, 1.0)
+    pixels = (np.arange(64) / 64).reshape(8, 8).tolist()
+    assert digits.parse_plain_json(_dumps([pixels])) is not None
+    assert layout_of("float32", (-1, 2), min_value=0.1, max_value=1.0).plain_range is None
+    assert layout_of("float64", (-1, 2), min_value=0.1, max_value=1.0).plain_range == (0.1, 1)
+    for dtype, shape in [("int64", (-1, 2)), ("float16", (-1, 2)), ("float32", (-1, -1))]:
+        assert layout_of(dtype, shape).plain_shape is None
+
+
+@pytest.mark.parametrize(
+    ("body", "shape"),
+    [
+        (b'{"instances": [[[1, 2, 3], [4]]]}', (2, 2)),  # as many [ and values: the walk sees it
+        (b'{"instances": [[[1, [2]], [3, 4]]]}', (2, 2)),  # right lengths: the [ count sees it
+        (b'{"instances": [[[[], [1, 2]], [3, 4]]]}', (2, 2)),
+        (b'{"instances": [[1, 2], [3, 4]]}', (2,)),  # more rows than max_rows (1, below)
+        (b'{"instances": [[1125899906842624, 2]]}', (2,)),  # 2**50: beyond the exact bound
+        (b'{"instances": [[[1, 2], [3, 4]]]}', (2, 0)),  # an empty axis
+        (b"not json at all", (2,)),
+    ],
+)
+def test_the_fast_path_leaves_what_it_cannot_prove(body: bytes, shape: tuple[int, ...]) -> None:
+    """The right number of values in the wrong nesting reaches ``as_buffer`` (which flattens
+    any nesting) unless the walk or the count of ``[`` refuses it."""
+    assert plain_float_rows(body, shape, 1) is None
+    again = plain_float_rows(b'{"instances": [[7, 8]]}', (2,), 8)  # the parser is usable again
+    assert again is not None
+    assert again.tolist() == [[7.0, 8.0]]
+
+
+def test_the_fast_path_parses_in_several_threads_at_once() -> None:
+    """One simdjson parser per thread: handlers parse in a pool."""
+    bodies = [json.dumps({"instances": [[index, -index / 3]]}).encode() for index in range(400)]
+    with ThreadPoolExecutor(4) as pool:
+        parsed = list(pool.map(lambda body: plain_float_rows(body, (2,), 8), bodies))
+    for index, rows in enumerate(parsed):
+        assert rows is not None
+        assert rows.tolist() == [[index, -index / 3]]
 
 
 DIGITS = st.text("0123456789", min_size=1, max_size=25)

@@ -87,6 +87,10 @@ class InputLayout:
         """``{"instances": [...]}``: each instance the bare value of a one-input model, or an
         object keyed by input name."""
         only = self.only
+        if only is not None and only[1].plain_shape is not None:
+            plain = only[1].parse_plain_json(body)
+            if plain is not None:
+                return NamedArrays.of_rows({only[0]: plain})
         instances = read_instances(body)
         if only is not None and not (instances and isinstance(instances[0], dict)):
             name, tensor = only

@@ -18,6 +18,7 @@ from service.errors import (
     InvalidInputError,
 )
 from service.frontend.bodies import NPY_MEDIA_TYPE, ZIP_MAGICS, check_npy_data_size, read_instances
+from service.frontend.numeric_json import FAST_DTYPES, plain_float_rows
 from service.manifest import TensorSpec
 from service.types import Array
 
@@ -43,6 +44,13 @@ class TensorLayout:
     """The spec's ``variable_axis`` (a property that searches its shape), read once."""
     bounds: tuple[float, float] | None = field(init=False, repr=False, compare=False)
     """The spec's value range, infinite where it is open; None without one."""
+    plain_shape: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    """The instance shape when a JSON body may take ``numeric_json.plain_float_rows`` (a
+    float32 or float64 tensor of fixed shape), else None."""
+    plain_range: tuple[float, float] | None = field(init=False, repr=False, compare=False)
+    """The spec's value range when the dtype holds both ends exactly, else None. Rounding to
+    the dtype is monotonic, so float64 values within it stay within it once cast: the
+    reductions ``plain_float_rows`` makes anyway check it."""
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -55,6 +63,9 @@ class TensorLayout:
                 math.inf if spec.max_value is None else spec.max_value,
             )
         object.__setattr__(self, "bounds", bounds)
+        plain = spec.variable_axis is None and spec.numpy_dtype in FAST_DTYPES
+        object.__setattr__(self, "plain_shape", spec.instance_shape if plain else None)
+        object.__setattr__(self, "plain_range", _exact_range(spec.numpy_dtype, bounds))
 
     def parse(self, body: bytes, media_type: str) -> Array:
         if media_type == NPY_MEDIA_TYPE:
@@ -63,7 +74,25 @@ class TensorLayout:
 
     def parse_json(self, body: bytes) -> Array:
         """``{"instances": [...]}`` -> one array in the spec's dtype."""
+        plain = self.parse_plain_json(body)
+        if plain is not None:
+            return plain
         return self.parse_instances(read_instances(body), body)
+
+    def parse_plain_json(self, body: bytes) -> Array | None:
+        """The body's instances as the general path (``parse_instances``) would give them,
+        read by ``numeric_json.plain_float_rows``; None when only the general path can say
+        (it then answers or refuses)."""
+        if self.plain_shape is None:
+            return None
+        bounds = self.plain_range or _UNBOUNDED
+        rows = plain_float_rows(body, self.plain_shape, self.max_instances, *bounds)
+        if rows is None:
+            return None  # not plain, or a value outside the range: the general path says
+        array = rows.astype(self.dtype)  # a copy: the parsed buffer is read-only
+        if self.bounds is not None and self.plain_range is None:
+            self._check_range(array, *self.bounds)
+        return array
 
     def parse_instances(self, instances: list[Any], body: bytes) -> Array:
         """The JSON instances of this tensor (``body`` is the whole request's) as one array."""
@@ -189,6 +218,17 @@ class TensorLayout:
 
 
 _UNBOUNDED = (-math.inf, math.inf)
+
+
+def _exact_range(
+    dtype: np.dtype[Any], bounds: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    """``bounds`` (infinite where open) when ``dtype``, a float dtype, holds both exactly."""
+    if dtype.kind != "f" or bounds is None:
+        return None
+    with np.errstate(over="ignore"):  # a bound beyond float32 casts to infinity: not exact
+        exact = all(float(dtype.type(bound)) == bound for bound in bounds)
+    return bounds if exact else None
 
 
 def _largest_and_smallest(array: Array) -> tuple[float, float]:
