@@ -700,6 +700,33 @@ def test_a_one_input_model_takes_an_object_keyed_by_its_name_too() -> None:
     same(layout_.parse_json(body([[1, 2]]))["ids"], np.array([[1, 2]], dtype=np.int64))
 
 
+def test_a_one_input_float_model_reads_plain_bodies_and_refuses_the_rest() -> None:
+    """A plain body takes the fast path (``numeric_json``), any other the general one."""
+    pairs = InputLayout(manifest_of(PAIRS.spec))
+    same(pairs.parse_json(body([[1, 2.5]]))["pairs"], np.array([[1, 2.5]], "f4"))
+    assert refusal(pairs.parse_json, body([[True, 1]])) == (
+        "instances must contain only numbers (float32); got booleans"
+    )
+    assert refusal(InputLayout(manifest_of(IDS)).parse_json, body([[1]] * 1025)) == (
+        "1025 instances in one request; at most 1024 are accepted"
+    )
+
+
+def test_only_float32_and_float64_inputs_of_fixed_shape_take_the_fast_path() -> None:
+    """``tests/test_numeric_json.py`` holds the fast path to the general path's answers."""
+    plain = body([[1, 2]])
+    assert PAIRS.parse_plain_json(plain) is not None
+    assert layout("float64").parse_plain_json(plain) is not None
+    for other in (layout("float16"), layout("int64"), layout(shape=(-1, -1))):
+        assert other.parse_plain_json(plain) is None
+    # A range the dtype holds exactly is checked on the values read; another after the cast.
+    assert layout(min_value=0, max_value=1).plain_range == (0, 1)
+    assert layout(min_value=0.1, max_value=1).plain_range is None
+    assert refusal(layout(min_value=0.1, max_value=1).parse_json, body([[0.5, 2]])).endswith(
+        "got 2"
+    )
+
+
 def test_bfloat16_inputs_travel_as_float32() -> None:
     layout_ = InputLayout(manifest_of(TensorSpec(name="x", dtype="bfloat16", shape=(-1, 2))))
     same(layout_.parse_json(body([[0.5, 1]]))["x"], np.array([[0.5, 1]], dtype=np.float32))

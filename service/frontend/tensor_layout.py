@@ -201,13 +201,13 @@ class TensorLayout:
                 "or beyond its range)"
             )
         low, high = self.bounds or _UNBOUNDED
-        if not low <= bottom <= top <= high:
+        if not (low <= bottom and top <= high):
             self._check_range(array, low, high)  # one outside, unless it is the padding value
         return array
 
     def _check_range(self, array: Array, low: float, high: float) -> None:
         spec = self.spec
-        values = array.astype(np.float64, copy=False)
+        values = array.astype(np.float64)
         outside = ((values < low) | (values > high)) & (values != spec.pad_value)
         if outside.any():
             value = values[outside].flat[0]
@@ -240,11 +240,8 @@ def _largest_and_smallest(array: Array) -> tuple[float, float]:
 
 def _may_hold_booleans(body: bytes) -> bool:
     """Whether ``body`` holds ``true`` or ``false``: one byte of each is looked for first,
-    which most bodies of numbers lack (with ``find``: ``in`` first tries the byte as an
-    integer, and fails)."""
-    return (body.find(b"u") >= 0 or body.find(b"l") >= 0) and (
-        body.find(b"true") >= 0 or body.find(b"false") >= 0
-    )
+    which most bodies of numbers lack."""
+    return (b"u" in body or b"l" in body) and (b"true" in body or b"false" in body)
 
 
 def _holds_booleans(value: Any) -> bool:
@@ -280,7 +277,7 @@ def _json_to_array(instances: list[Any] | Any, spec: TensorSpec) -> Array:
     if target.kind == "f" and array.dtype.kind == "f" and array.itemsize > target.itemsize:
         top, bottom = _largest_and_smallest(array)
         limit = float(np.finfo(target).max)
-        if not -limit <= bottom <= top <= limit:
+        if not (-limit <= bottom and top <= limit):
             raise InvalidInputError(
                 f"instances contain values that are not finite in {spec.dtype} (NaN, infinity, "
                 "or beyond its range)"
