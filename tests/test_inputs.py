@@ -26,10 +26,14 @@ from service.frontend.bodies import (
     answer_media_type,
     body_media_type,
     encode_npy,
+    encode_npz,
+    npz_members,
 )
 from service.frontend.inputs import InputLayout
+from service.frontend.per_token import PaddedInstances
 from service.frontend.tensor_layout import TensorLayout
 from service.manifest import Manifest, TensorSpec
+from service.tensors import NamedArrays
 from service.types import Array
 
 #: Pairs of floats, any value.
@@ -652,6 +656,30 @@ def test_an_npz_body_carries_one_array_per_input() -> None:
     assert "this model takes 3 inputs" in refusal(PAIR.parse, npy(ids), NPY_MEDIA_TYPE)
 
 
+def test_answers_encode_as_npz_one_member_per_name_and_never_as_pickles() -> None:
+    logits, label = np.array([[0.5, -1]], np.float32), np.array([1])
+    with np.load(io.BytesIO(encode_npz(NamedArrays.of(logits=logits, label=label)))) as loaded:
+        same(loaded["logits"], logits)
+        same(loaded["label"], label)
+    with pytest.raises(ValueError, match="allow_pickle=False"):
+        encode_npz(NamedArrays.of(x=np.array([{"a": 1}], dtype=object)))
+
+
+def test_npz_members_are_read_up_to_their_limit_exactly() -> None:
+    archive = npz(ids=np.ones((1, 2), np.int64), mask=np.ones((1, 2), bool))
+    members = npz_members(archive, 1 << 20)
+    size = sum(len(member) for member in members.values())
+    assert npz_members(archive, size) == members
+    with pytest.raises(PayloadTooLargeError):
+        npz_members(archive, size - 1)
+    foldered = io.BytesIO()
+    with zipfile.ZipFile(foldered, "w") as zipped:
+        zipped.writestr("inner/ids.npy", members["ids"])
+    assert bad_request(PAIR.parse_npz, foldered.getvalue()) == (
+        "an .npz archive holds only .npy members, got 'inner/ids.npy'"
+    )
+
+
 def test_an_npz_archive_holding_other_members_or_inflating_too_far_is_refused() -> None:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -669,6 +697,26 @@ def test_an_npz_archive_holding_other_members_or_inflating_too_far_is_refused() 
     )
     with pytest.raises(PayloadTooLargeError):
         PAIR.parse_npz(bomb.getvalue())
+
+
+def test_named_instances_of_fixed_shape_and_each_instances_own_length() -> None:
+    pair = TensorSpec(name="pair", dtype="float32", shape=(-1, 2))
+    fixed = InputLayout(manifest_of(pair, SCALE)).parse_json(
+        body([{"pair": [1, 2], "scale": 3}, {"pair": [4, 5], "scale": 6}])
+    )
+    same(fixed["pair"], np.array([[1, 2], [4, 5]], "f4"))
+    same(fixed["scale"], np.array([3, 6], np.uint8))
+    # Instances of 3 and 1 ids keep their own lengths: per-token outputs answer each at it.
+    padded = PAIR.parse_json(
+        body(
+            [
+                {"ids": [3, 4, 5], "mask": [True] * 3, "scale": 1},
+                {"ids": [9], "mask": [True], "scale": 2},
+            ]
+        )
+    )
+    assert isinstance(padded, PaddedInstances)
+    assert padded.lengths.tolist() == [3, 1]
 
 
 def test_a_handlers_arrays_are_checked_like_a_request() -> None:
