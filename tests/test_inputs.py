@@ -719,6 +719,31 @@ def test_named_instances_of_fixed_shape_and_each_instances_own_length() -> None:
     assert padded.lengths.tolist() == [3, 1]
 
 
+def test_every_instance_gives_the_same_optional_inputs() -> None:
+    types = TensorSpec(name="types", dtype="int64", shape=(-1, -1), max_length=6, default_value=0)
+    optional = InputLayout(manifest_of(IDS, types))
+    assert refusal(optional.parse_json, body([{"ids": [1]}, {"ids": [1], "types": [0]}])) == (
+        "every instance must give the same inputs: instance 0 gives ['ids'], instance 1 "
+        "['ids', 'types']"
+    )
+    assert refusal(optional.parse_json, body([{"ids": [1], "types": [0]}, {"ids": [1]}])) == (
+        "every instance must give the same inputs: instance 0 gives ['ids', 'types'], "
+        "instance 1 ['ids']"
+    )
+
+
+def test_each_instance_keeps_its_own_length_on_a_deeper_variable_axis() -> None:
+    deeper = TensorSpec(name="v", dtype="float32", shape=(-1, 2, -1))
+    single = InputLayout(manifest_of(deeper))
+    for instances in (
+        [[[1], [2]], [[3, 4], [5, 6]]],
+        [{"v": [[1], [2]]}, {"v": [[3, 4], [5, 6]]}],
+    ):
+        padded = single.parse_json(body(instances))
+        assert isinstance(padded, PaddedInstances)
+        assert padded.lengths.tolist() == [1, 2]
+
+
 def test_a_handlers_arrays_are_checked_like_a_request() -> None:
     ids = np.array([[1, 2]], dtype=np.int64)
     mask = np.array([[True, True]])
