@@ -6,12 +6,12 @@ value fails at start-up with a message naming the variable, the value and the ra
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+import orjson
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -272,8 +272,8 @@ class Settings(BaseSettings):
             return value
         if value.lstrip().startswith("["):
             try:
-                return json.loads(value)
-            except json.JSONDecodeError:
+                return orjson.loads(value)
+            except orjson.JSONDecodeError:
                 raise ValueError(f"not a JSON list of integers: {value!r}") from None
         return tuple(part for part in value.split(",") if part.strip())
 

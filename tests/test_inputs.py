@@ -26,10 +26,14 @@ from service.frontend.bodies import (
     answer_media_type,
     body_media_type,
     encode_npy,
+    encode_npz,
+    npz_members,
 )
 from service.frontend.inputs import InputLayout
+from service.frontend.per_token import PaddedInstances
 from service.frontend.tensor_layout import TensorLayout
 from service.manifest import Manifest, TensorSpec
+from service.tensors import NamedArrays
 from service.types import Array
 
 #: Pairs of floats, any value.
@@ -177,6 +181,8 @@ def test_the_largest_float32_is_accepted_and_beyond_it_is_not_finite() -> None:
         "range)"
     )
     assert "not finite in float16" in refusal(layout("float16").parse_json, body([[70000.0, 0]]))
+    # An integer too: refused as such, with no overflow warning from the cast (an error here).
+    assert "not finite in float16" in refusal(layout("float16").parse_json, body([[70000, 0]]))
 
 
 @pytest.mark.parametrize(("dtype", "largest"), [("int64", 2**63 - 1), ("int32", 2**31 - 1)])
@@ -599,6 +605,7 @@ def test_named_instances_become_one_padded_array_per_input() -> None:
             [[3]],
             "instance 0 must be an object keyed by input name ['ids', 'mask', 'scale'], got a list",
         ),
+        ([], "'instances' is empty; send at least one instance"),
         (
             [{"ids": [3], "mask": [True], "scale": 256}],
             "instances contain integers outside the range of uint8",
@@ -649,6 +656,30 @@ def test_an_npz_body_carries_one_array_per_input() -> None:
     assert "this model takes 3 inputs" in refusal(PAIR.parse, npy(ids), NPY_MEDIA_TYPE)
 
 
+def test_answers_encode_as_npz_one_member_per_name_and_never_as_pickles() -> None:
+    logits, label = np.array([[0.5, -1]], np.float32), np.array([1])
+    with np.load(io.BytesIO(encode_npz(NamedArrays.of(logits=logits, label=label)))) as loaded:
+        same(loaded["logits"], logits)
+        same(loaded["label"], label)
+    with pytest.raises(ValueError, match="allow_pickle=False"):
+        encode_npz(NamedArrays.of(x=np.array([{"a": 1}], dtype=object)))
+
+
+def test_npz_members_are_read_up_to_their_limit_exactly() -> None:
+    archive = npz(ids=np.ones((1, 2), np.int64), mask=np.ones((1, 2), bool))
+    members = npz_members(archive, 1 << 20)
+    size = sum(len(member) for member in members.values())
+    assert npz_members(archive, size) == members
+    with pytest.raises(PayloadTooLargeError):
+        npz_members(archive, size - 1)
+    foldered = io.BytesIO()
+    with zipfile.ZipFile(foldered, "w") as zipped:
+        zipped.writestr("inner/ids.npy", members["ids"])
+    assert bad_request(PAIR.parse_npz, foldered.getvalue()) == (
+        "an .npz archive holds only .npy members, got 'inner/ids.npy'"
+    )
+
+
 def test_an_npz_archive_holding_other_members_or_inflating_too_far_is_refused() -> None:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -666,6 +697,51 @@ def test_an_npz_archive_holding_other_members_or_inflating_too_far_is_refused() 
     )
     with pytest.raises(PayloadTooLargeError):
         PAIR.parse_npz(bomb.getvalue())
+
+
+def test_named_instances_of_fixed_shape_and_each_instances_own_length() -> None:
+    pair = TensorSpec(name="pair", dtype="float32", shape=(-1, 2))
+    fixed = InputLayout(manifest_of(pair, SCALE)).parse_json(
+        body([{"pair": [1, 2], "scale": 3}, {"pair": [4, 5], "scale": 6}])
+    )
+    same(fixed["pair"], np.array([[1, 2], [4, 5]], "f4"))
+    same(fixed["scale"], np.array([3, 6], np.uint8))
+    # Instances of 3 and 1 ids keep their own lengths: per-token outputs answer each at it.
+    padded = PAIR.parse_json(
+        body(
+            [
+                {"ids": [3, 4, 5], "mask": [True] * 3, "scale": 1},
+                {"ids": [9], "mask": [True], "scale": 2},
+            ]
+        )
+    )
+    assert isinstance(padded, PaddedInstances)
+    assert padded.lengths.tolist() == [3, 1]
+
+
+def test_every_instance_gives_the_same_optional_inputs() -> None:
+    types = TensorSpec(name="types", dtype="int64", shape=(-1, -1), max_length=6, default_value=0)
+    optional = InputLayout(manifest_of(IDS, types))
+    assert refusal(optional.parse_json, body([{"ids": [1]}, {"ids": [1], "types": [0]}])) == (
+        "every instance must give the same inputs: instance 0 gives ['ids'], instance 1 "
+        "['ids', 'types']"
+    )
+    assert refusal(optional.parse_json, body([{"ids": [1], "types": [0]}, {"ids": [1]}])) == (
+        "every instance must give the same inputs: instance 0 gives ['ids', 'types'], "
+        "instance 1 ['ids']"
+    )
+
+
+def test_each_instance_keeps_its_own_length_on_a_deeper_variable_axis() -> None:
+    deeper = TensorSpec(name="v", dtype="float32", shape=(-1, 2, -1))
+    single = InputLayout(manifest_of(deeper))
+    for instances in (
+        [[[1], [2]], [[3, 4], [5, 6]]],
+        [{"v": [[1], [2]]}, {"v": [[3, 4], [5, 6]]}],
+    ):
+        padded = single.parse_json(body(instances))
+        assert isinstance(padded, PaddedInstances)
+        assert padded.lengths.tolist() == [1, 2]
 
 
 def test_a_handlers_arrays_are_checked_like_a_request() -> None:
@@ -695,6 +771,33 @@ def test_a_one_input_model_takes_an_object_keyed_by_its_name_too() -> None:
         np.array([[1, 2], [3, 0]], dtype=np.int64),
     )
     same(layout_.parse_json(body([[1, 2]]))["ids"], np.array([[1, 2]], dtype=np.int64))
+
+
+def test_a_one_input_float_model_reads_plain_bodies_and_refuses_the_rest() -> None:
+    """A plain body takes the fast path (``numeric_json``), any other the general one."""
+    pairs = InputLayout(manifest_of(PAIRS.spec))
+    same(pairs.parse_json(body([[1, 2.5]]))["pairs"], np.array([[1, 2.5]], "f4"))
+    assert refusal(pairs.parse_json, body([[True, 1]])) == (
+        "instances must contain only numbers (float32); got booleans"
+    )
+    assert refusal(InputLayout(manifest_of(IDS)).parse_json, body([[1]] * 1025)) == (
+        "1025 instances in one request; at most 1024 are accepted"
+    )
+
+
+def test_only_float32_and_float64_inputs_of_fixed_shape_take_the_fast_path() -> None:
+    """``tests/test_numeric_json.py`` holds the fast path to the general path's answers."""
+    plain = body([[1, 2]])
+    assert PAIRS.parse_plain_json(plain) is not None
+    assert layout("float64").parse_plain_json(plain) is not None
+    for other in (layout("float16"), layout("int64"), layout(shape=(-1, -1))):
+        assert other.parse_plain_json(plain) is None
+    # A range the dtype holds exactly is checked on the values read; another after the cast.
+    assert layout(min_value=0, max_value=1).plain_range == (0, 1)
+    assert layout(min_value=0.1, max_value=1).plain_range is None
+    assert refusal(layout(min_value=0.1, max_value=1).parse_json, body([[0.5, 2]])).endswith(
+        "got 2"
+    )
 
 
 def test_bfloat16_inputs_travel_as_float32() -> None:

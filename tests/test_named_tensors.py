@@ -137,6 +137,7 @@ async def test_ids_and_mask_are_bucketed_and_padded_together(
             "instance 0 must have exactly the inputs ['input_ids', 'attention_mask']; "
             "missing ['attention_mask']",
         ),
+        ({"instances": []}, "'instances' is empty; send at least one instance"),
         (
             {"instances": [[1, 2, 3]]},
             "instance 0 must be an object keyed by input name ['input_ids', 'attention_mask'], "

@@ -23,9 +23,10 @@ import argparse
 import contextlib
 import gc
 import importlib
-import json
 import os
 import sys
+
+import orjson
 
 from service.config import load_settings
 from service.engine import process
@@ -75,7 +76,7 @@ def _served_backends() -> list[str]:
 def engine_variables(line: bytes) -> dict[str, str]:
     """The engine's variables from the supervisor's line; ValueError when it is not a JSON
     object of strings."""
-    variables = json.loads(line)
+    variables = orjson.loads(line)
     if not isinstance(variables, dict) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in variables.items()
     ):

@@ -102,6 +102,8 @@ class InputLayout:
             return self._with_own_lengths(
                 parsed, [_length(value, axis) or 0 for value in instances]
             )
+        # Counted first, as one input's instances are: without any there is no column to count.
+        self.tensors[self.names[0]].check_count(len(instances))
         columns: dict[str, list[Any]] = {name: [] for name in self.names}
         for index, instance in enumerate(instances):
             if not isinstance(instance, dict):

@@ -1,27 +1,20 @@
-"""The fast path of a JSON body that holds nothing but numbers: its instances into a float
-array in one numpy call, with two cheap checks in place of the general path's passes.
+"""The one fast path for JSON bodies: instances of plain numbers read straight into doubles.
 
-The general path (``tensor_layout._json_to_array`` then ``TensorLayout.validated``) lets numpy
-discover the nested lists' dtype, checks the kind, the magnitude before narrowing, booleans
-and finiteness: five passes over the values, about half of a front end's own Python per
-``/predict`` request on a 256-float instance (py-spy). Here the body's bytes prove there is no
-string, boolean or null in it, numpy converts the lists to float64 directly (refusing
-anything else), and their maximum and minimum prove every value finite and small enough
-that float64 holds it exactly as an integer and the target dtype holds it finitely.
-Whatever this path cannot prove it leaves to the general path (``None``), which then answers
-or refuses exactly as before: the fast path only ever returns the array the general path
-would have built. A body of instances of a fixed shape (``plain_float_rows``: feature vectors,
-8x8 images) is not even read by orjson: simdjson writes its numbers straight into a buffer of
-doubles.
+A body ``{"instances": [...]}`` of float instances of a fixed shape (feature vectors, 8x8
+images) is the common request. The general path (``bodies.read_instances``, then
+``tensor_layout``) builds a Python float per value, which numpy reads back: for the MLP's 256
+floats, most of what parsing costs. Here simdjson writes the numbers straight into a buffer of
+doubles. The path answers only what it proves the general path reads alike, and leaves every
+other body to it (``None``), which then answers or refuses as it always does: it only ever
+returns the array the general path would have built. ``tests/test_numeric_json.py`` checks
+that, differentially, on written and generated bodies; ``docs/architecture.md`` gives what it
+saves.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import struct
 import threading
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -38,30 +31,6 @@ _max, _min = np.maximum.reduce, np.minimum.reduce
 FAST_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
-def plain_float_array(
-    instances: list[Any], body: bytes, dtype: np.dtype[Any], instance_shape: tuple[int, ...]
-) -> Array | None:
-    """``instances`` as an array of ``dtype`` (one of ``FAST_DTYPES``) shaped (len,
-    *``instance_shape``), or None when the general path must decide.
-
-    ``body`` is the whole JSON document, already read as an object whose only key is
-    ``instances`` (``bodies.read_instances``).
-    """
-    if not _numbers_and_lists(body):
-        return None
-    try:
-        array = _float64_rows(instances, instance_shape)
-    except (ValueError, TypeError, OverflowError, RecursionError, struct.error):
-        return None  # ragged, too deep, or an integer beyond float64: the general path says
-    if array is None or array.shape[1:] != instance_shape or array.size == 0:
-        return None
-    # Two reductions (a dot product would be one, but warns when it overflows), called as
-    # ufuncs: ``array.max()`` goes through a Python wrapper in numpy.
-    if not (_max(array, None) < _MAX_MAGNITUDE and _min(array, None) > -_MAX_MAGNITUDE):
-        return None
-    return array.astype(dtype)  # a copy: the packed buffer is read-only
-
-
 def plain_float_rows(
     body: bytes,
     instance_shape: tuple[int, ...],
@@ -70,23 +39,20 @@ def plain_float_rows(
     high: float = math.inf,
 ) -> Array | None:
     """The instances of a body ``{"instances": [...]}`` of 1 to ``max_rows`` instances of
-    ``instance_shape`` (any number of axes, each of at least one element: a feature vector,
-    an 8x8 image) of plain numbers, shaped (count, *``instance_shape``), as float64 values
-    that the ``_MAX_MAGNITUDE`` bound holds exactly and that lie in [``low``, ``high``],
-    parsed without a Python object per value; None when the general path must decide.
+    ``instance_shape`` (any number of axes, each of at least one element) of plain numbers,
+    shaped (count, *``instance_shape``), as float64 values that ``_MAX_MAGNITUDE`` bounds
+    and that lie in [``low``, ``high``]; None when the general path must decide.
 
-    simdjson parses the body and writes its numbers straight into a buffer of doubles
-    (``as_buffer``, which flattens nested arrays in document order), where orjson built a
-    ``float`` per value that numpy or ``struct`` packed back. It answers only what it proves
-    the general path reads alike: the body is ASCII (simdjson skips a byte-order mark that
-    orjson refuses) and holds no string but its key and no literal (``_numbers_and_lists``);
-    simdjson checks the whole document's grammar, as strict as orjson's, and rounds every
-    number correctly, as orjson does (``-0`` is the integer 0 in both); the instances are
-    ``count`` arrays, every array down to the innermost axis's rows is an array of its axis's
-    length, and the body's ``[`` are exactly those arrays and the instances' (each found one
-    at a time, where ``bytes.count`` cost 10,800 instructions on a 5 kB body), so no element
-    of an innermost row is a list (``as_buffer`` refuses an object), and the values are
-    within ``_MAX_MAGNITUDE`` (and the caller's range: the same two reductions).
+    simdjson parses the body and writes its numbers into a buffer of doubles (``as_buffer``,
+    which flattens nested arrays in document order). What proves the general path would read
+    the body alike: it is ASCII (simdjson skips a byte-order mark that orjson refuses) and
+    holds no string but its key and no literal (``_numbers_and_lists``); simdjson checks the
+    whole document's grammar, as strictly as orjson, and rounds every number correctly, as
+    orjson does (``-0`` is the integer 0 in both); the instances are ``count`` arrays, every
+    array down to the innermost axis's rows is an array of its axis's length, and the body's
+    ``[`` are exactly those arrays and the instances' (so no element of an innermost row is a
+    list, which ``as_buffer`` would flatten; it refuses an object); and the values are within
+    ``_MAX_MAGNITUDE`` and the caller's range.
     """
     if 0 in instance_shape or not (body.isascii() and _numbers_and_lists(body)):
         return None
@@ -135,40 +101,18 @@ def plain_float_rows(
 _parsers = threading.local()
 
 
-def _float64_rows(instances: list[Any], instance_shape: tuple[int, ...]) -> Array | None:
-    """The nested lists as float64. Rows of one axis (the common case, a feature vector)
-    are packed as C doubles by ``struct`` (a fifth of ``np.array``'s cost, which discovers
-    their shape first), once every row is known to be a list of the right length (``struct``
-    refuses an item that is not a number); deeper instances go through ``np.array``."""
-    if len(instance_shape) != 1:
-        return np.array(instances, dtype=np.float64)
-    width = instance_shape[0]
-    for row in instances:
-        if type(row) is not list or len(row) != width:
-            return None
-    count = len(instances) * width
-    packed = _doubles(count).pack(*(instances[0] if len(instances) == 1 else chain(*instances)))
-    return np.frombuffer(packed, np.float64).reshape(len(instances), width)
-
-
-@functools.lru_cache(maxsize=64)
-def _doubles(count: int) -> struct.Struct:
-    return struct.Struct(f"{count}d")
-
-
 def _numbers_and_lists(body: bytes) -> bool:
     """Whether ``body``, a JSON object whose only key is ``instances``, holds no other
     string (its two quotes are the key's) and no ``true``, ``false`` or ``null`` (a ``u`` or
-    an ``l``; the key has neither): numbers, lists and empty objects are left, and the
-    conversion to float64 refuses an object or a list where a number belongs. Five
-    single-byte searches (``memchr``), where deleting the number bytes with
-    ``bytes.translate`` cost 20,000 instructions on a 5 kB body."""
+    an ``l``; the key has neither): numbers, lists and empty objects are left, which the walk
+    of ``plain_float_rows`` and ``as_buffer`` tell apart. Single-byte searches (``find``:
+    ``in`` first tries the byte as an integer, and fails)."""
     first = body.find(b'"')
     second = body.find(b'"', first + 1)
     return (
         first >= 0
         and second > first
         and body.find(b'"', second + 1) < 0
-        and body.find(b"u") < 0  # not ``b"u" not in body``: ``in`` first tries the byte as an
-        and body.find(b"l") < 0  # integer and builds a TypeError (1,800 instructions)
+        and body.find(b"u") < 0
+        and body.find(b"l") < 0
     )

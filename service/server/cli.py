@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
 from service.config import Settings, SettingsError, load_settings
@@ -86,8 +86,8 @@ def _parse_tensor(text: str) -> TensorSpec:
 
 def _parse_json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")

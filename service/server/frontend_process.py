@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import orjson
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
@@ -27,7 +27,7 @@ from service.repository import ModelRepository
 
 
 def engines_from_environment() -> list[tuple[Path, str]]:
-    return [(Path(path), str(device)) for path, device in json.loads(os.environ[ENGINES_ENV])]
+    return [(Path(path), str(device)) for path, device in orjson.loads(os.environ[ENGINES_ENV])]
 
 
 def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, str]]) -> FastAPI:

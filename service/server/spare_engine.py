@@ -21,7 +21,6 @@ The spare is a child like the engines: it dies with the supervisor, and stops wi
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+
+import orjson
 
 from service.processes import SPARE_READY, SPARE_TAKEN
 from service.server.child_processes import die_with_parent
@@ -131,7 +132,7 @@ class SpareEngine:
         assert process.stdin is not None
         self._check_ready()
         try:
-            process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
+            process.stdin.write(orjson.dumps(dict(variables)) + b"\n")
             process.stdin.close()
         except OSError:  # it died just now: start the engine fresh
             self._kill()

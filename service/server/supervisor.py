@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+import orjson
 from prometheus_client import multiprocess
 
 from service.config import Settings
@@ -398,7 +398,7 @@ def run_server(settings: Settings, overrides: Mapping[str, object]) -> int:
             for index, device in enumerate(devices)
             for slot in range(1 + settings.standby_engines)
         ]
-        environ[ENGINES_ENV] = json.dumps([[str(e.socket), e.device] for e in engines])
+        environ[ENGINES_ENV] = orjson.dumps([[str(e.socket), e.device] for e in engines]).decode()
         sys.stdout.flush()
         return Supervisor(settings, environ, engines).run()
     finally:

@@ -4,10 +4,11 @@ so and everything else is written."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import orjson
 
 from service.config import BUNDLED_MODEL_REPOSITORY
 from service.server.env_file import MODEL_NAME, MODEL_VERSION, render_env_file
@@ -309,5 +310,6 @@ def write_report(report: TuneReport, folder: Path, stem: str) -> list[Path]:
     page = folder / f"{stem}.md"
     page.write_text(markdown(report, image.name if has_plot else None))
     data = folder / f"{stem}.json"
-    data.write_text(json.dumps(asdict(report), indent=1, default=str) + "\n")
+    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS  # ceiling_rps is keyed by int
+    data.write_bytes(orjson.dumps(asdict(report), default=str, option=options) + b"\n")
     return [page, *written, data]
