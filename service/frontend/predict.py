@@ -1,8 +1,6 @@
 """``POST /predict``: read the body, validate it, queue it on an engine, answer its rows.
 
-The service's middleware calls ``serve_prediction`` directly, without the framework's routing
-and dependency machinery (half of the event loop's time per request under load, measured with
-py-spy); the documented FastAPI route in ``routes.py`` calls the same function.
+``serve_prediction`` answers ``/predict`` and the model routes (``routes.py`` registers them).
 """
 
 from __future__ import annotations
