@@ -40,7 +40,6 @@ from service.frontend.bodies import (
 )
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
-from service.frontend.receiving import received_or_pending
 from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_answer
 from service.frontend.state import FrontendState
@@ -113,12 +112,6 @@ async def read_body(
             raise PayloadTooLargeError(
                 f"the body is {int(declared_length)} bytes; at most {max_bytes} bytes are accepted"
             )
-    first, pending = received_or_pending(receive)
-    if first is not None and first["type"] == "http.request" and not first.get("more_body"):
-        body: bytes = first.get("body", b"")  # all there already: no timer to arm
-        if len(body) > max_bytes:
-            raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
-        return body
     chunks: list[bytes] = []
     received = 0
     more_body = True
@@ -126,12 +119,7 @@ async def read_body(
     try:
         async with asyncio.timeout_at(loop.time() + deadline_s - time.monotonic()):
             while more_body:
-                if first is not None:
-                    message, first = first, None
-                elif pending is not None:
-                    message, pending = await pending, None
-                else:
-                    message = await receive()
+                message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnectedError
                 chunk: bytes = message.get("body", b"")
