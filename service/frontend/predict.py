@@ -115,9 +115,8 @@ async def read_body(
     chunks: list[bytes] = []
     received = 0
     more_body = True
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout_at(loop.time() + deadline_s - time.monotonic()):
+        with CutAt(deadline_s):
             while more_body:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -133,6 +132,42 @@ async def read_body(
             f"the body was not received within the request's deadline ({received} bytes came)"
         ) from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class CutAt:
+    """``asyncio.timeout_at`` for ``deadline_s`` (``time.monotonic()``), as a plain context
+    manager: the task is cancelled at the deadline, and that cancellation comes out of the
+    block as ``TimeoutError``; any other goes on. Every request reads its body under one,
+    and ``asyncio.timeout``'s asynchronous entry and exit cost several times the timer."""
+
+    __slots__ = ("_cancelling", "_cut", "_task", "_timer")
+
+    def __init__(self, deadline_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        assert task is not None
+        self._task = task
+        self._cut = False
+        self._cancelling = task.cancelling()
+        self._timer = loop.call_at(loop.time() + deadline_s - time.monotonic(), self._cut_now)
+
+    def _cut_now(self) -> None:
+        self._cut = True
+        self._task.cancel()
+
+    def __enter__(self) -> CutAt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: object
+    ) -> None:
+        self._timer.cancel()
+        if (
+            self._cut
+            and self._task.uncancel() <= self._cancelling
+            and kind is asyncio.CancelledError
+        ):
+            raise TimeoutError from error
 
 
 async def serve_prediction(
