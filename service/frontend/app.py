@@ -147,7 +147,7 @@ class ServingApp(FastAPI):
                 if match is Match.FULL:
                     scope["app"] = self
                     scope.update(child_scope)
-                    await route.handle(scope, receive, send)
+                    await route.serve(scope, receive, send)
                     return
         await super().__call__(scope, receive, send)
 

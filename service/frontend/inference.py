@@ -39,7 +39,8 @@ CLIENT_CLOSED_STATUS = 499
 
 ErrorAnswer = Callable[[ServiceError, str], Response]
 """A protocol's answer to an error, given the request id."""
-Answer = Callable[[], Awaitable[Response]]
+Serve = Callable[[FrontendState, str], Awaitable[Response]]
+"""A protocol's answer to an inference request, given the front end and the request id."""
 
 
 class DirectRoute(APIRoute):
@@ -49,13 +50,18 @@ class DirectRoute(APIRoute):
     endpoint reads and checks its headers and body itself."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        endpoint = self.endpoint
+        return self.respond
 
-        async def handler(request: Request) -> Response:
-            response: Response = await endpoint(request, **request.path_params)
-            return response
+    async def respond(self, request: Request) -> Response:
+        """The endpoint's answer to ``request``."""
+        response: Response = await self.endpoint(request, **request.path_params)
+        return response
 
-        return handler
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer a request this route fully matched (``scope`` updated with the match), as
+        an ASGI app: the request, the endpoint's answer, sent."""
+        response = await self.respond(Request(scope, receive))
+        await response(scope, receive, send)
 
 
 class NoAnswer(Response):
@@ -69,18 +75,18 @@ class NoAnswer(Response):
         return
 
 
-async def answer_inference(request: Request, serve: Answer, error_answer: ErrorAnswer) -> Response:
-    """``serve()``'s answer to ``request``, or ``error_answer``'s to what it raised."""
-    answer = partial(_answered, request, serve, error_answer)
+async def answer_inference(request: Request, serve: Serve, error_answer: ErrorAnswer) -> Response:
+    """``serve``'s answer to ``request``, or ``error_answer``'s to what it raised."""
     if tracing.current is None:
-        return await answer()
+        return await _answered(request, serve, error_answer)
     route = INFERENCE_LABELS[request.scope["route"].path]
+    answer = partial(_answered, request, serve, error_answer)
     return await request_spans.answer_traced(request.scope, route, answer)
 
 
-async def _answered(request: Request, serve: Answer, error_answer: ErrorAnswer) -> Response:
+async def _answered(request: Request, serve: Serve, error_answer: ErrorAnswer) -> Response:
     frontend: FrontendState = request.app.state.frontend
-    request_id: str = request.state.request_id
+    request_id: str = request.scope["state"]["request_id"]  # ServiceMiddleware's
     tally = frontend.request_tally
     tally.started()
     frontend.receiving += 1
@@ -91,7 +97,7 @@ async def _answered(request: Request, serve: Answer, error_answer: ErrorAnswer) 
                 f"this front end holds {limit} requests already (max_requests_per_frontend);"
                 " retry shortly"
             )
-        return await serve()
+        return await serve(frontend, request_id)
     except ServiceError as error:
         await frontend.refusal_holds.hold(request.scope.get("client"), error)
         forget_traceback(error)

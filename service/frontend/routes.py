@@ -88,12 +88,12 @@ async def _predicted(
 ) -> Response:
     scope = request.scope
 
-    async def serve() -> Response:
+    async def serve(frontend: FrontendState, request_id: str) -> Response:
         return await serve_prediction(
-            frontend_of(request),
+            frontend,
             PredictHeaders.from_scope(scope),
             request.receive,
-            request.state.request_id,
+            request_id,
             scope.get("query_string", b""),
             name,
             version,

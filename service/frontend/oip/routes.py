@@ -228,13 +228,13 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
     """Run the model on the request's named tensors (JSON ``data`` or binary data); every
     output, or the ones asked for, in JSON or as binary data."""
 
-    async def serve() -> Response:
+    async def serve(frontend: FrontendState, request_id: str) -> Response:
         headers = {
             key.decode("latin-1").lower(): value.decode("latin-1")
             for key, value in request.scope["headers"]
         }
         return await serve_v2_inference(
-            frontend_of(request), headers, request.receive, request.state.request_id, name, version
+            frontend, headers, request.receive, request_id, name, version
         )
 
     return await answer_inference(request, serve, _error_answer)
