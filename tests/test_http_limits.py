@@ -178,6 +178,41 @@ async def test_a_head_trickling_in_behind_a_request_in_flight_is_refused_after_i
     assert b"connection: close" in refusal
 
 
+async def accepting_websockets(scope: Scope, receive: Receive, send: Send) -> None:
+    """Accepts a WebSocket, echoes one text message, closes."""
+    if scope["type"] != "websocket":
+        return
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    message = await receive()
+    await send({"type": "websocket.send", "text": message.get("text")})
+    await send({"type": "websocket.close"})
+
+
+async def test_a_websocket_handshake_is_handed_to_uvicorns_websocket_protocol() -> None:
+    """Past the head limits, uvicorn upgrades a connection as it would without them, and the
+    limits leave it alone after (no 408 once its head timer would have run out)."""
+    config = uvicorn_config(
+        accepting_websockets,  # type: ignore[arg-type]
+        Settings(port=1, header_timeout_s=HEAD_TIMEOUT_S),
+    )
+    config.port, config.lifespan = 0, "off"
+    async with uvicorn_port(config) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10.0)
+        await asyncio.sleep(2 * HEAD_TIMEOUT_S)  # past the head timeout: nothing may cut it
+        # One masked text frame, "hi".
+        writer.write(bytes([0x81, 0x82, 1, 2, 3, 4, ord("h") ^ 1, ord("i") ^ 2]))
+        echoed = await asyncio.wait_for(reader.readexactly(4), timeout=10.0)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 101 ")
+    assert echoed == bytes([0x81, 2]) + b"hi"
+
+
 async def test_gunicorn_front_ends_limit_heads_too(tmp_path: Path) -> None:
     with serve_with_engines(
         tmp_path,

@@ -2,8 +2,10 @@
 and its model routes, V2 ``infer``).
 
 ``DirectRoute``: the route class they are registered with, in the app's router like any
-other; FastAPI documents them from their registration and its error handling and middleware
-see them, but their handlers are called with the request and its path parameters as they are.
+other. FastAPI documents them from that registration and answers what they do not (a method
+other than ``POST``: 405); their handlers are called with the request and its path parameters
+as they are, and a request they answer is served by ``DirectRoute.serve`` straight from the
+middleware (``app.ServingApp``).
 
 ``answer_inference``: what every inference request goes through. It is counted in flight;
 refused (503) when the front end holds its limit of requests; traced, while tracing is on; a

@@ -4,8 +4,9 @@ status.
 
 A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request), outside
 FastAPI's error handling, so that its 500s carry a request id and are counted too. The route
-of a request is the one FastAPI's router matched (``scope["route"]``): routes outside the
-request metrics' list are counted as ``other``.
+of a request is the route object that took it (``scope["route"]``, set by FastAPI's router or
+by ``ServingApp``'s short way to the inference routes): routes outside the request metrics'
+list are counted as ``other``.
 """
 
 from __future__ import annotations

@@ -238,9 +238,11 @@ class HeadLimitedProtocol(asyncio.Protocol):
             self._transport.resume_reading()
 
     def handed_over(self) -> None:
-        """uvicorn upgraded the connection (a WebSocket): the head limits are done with it."""
+        """uvicorn upgraded the connection (a WebSocket): the head limits are done with it,
+        and its end goes to the new protocol."""
         self._watching = False
         self._stop_head_timer()
+        type(self).open_connections.discard(self)
 
 
 def _refusal_answer(status: int, limits: HeadLimitedProtocol, server: ServerState) -> bytes:
