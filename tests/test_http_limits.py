@@ -8,16 +8,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from service.config import Settings
 from service.server.draining import uvicorn_config
-from tests.fixtures import uvicorn_port, wait_until
+from tests.fixtures import uvicorn_port
 from tests.processes import serve_with_engines, wait_until_serving
 
 HEAD_TIMEOUT_S = 0.5
@@ -166,6 +164,55 @@ async def test_the_head_timer_spares_slow_answers_and_restarts_for_the_next_requ
     assert 0.9 <= idle_closed_s < 4.0  # keep_alive_timeout_s = 1
 
 
+async def test_a_head_trickling_in_behind_a_request_in_flight_is_refused_after_its_answer() -> None:
+    """A pipelined head cut at the timeout while the request before it is answered: that
+    answer is written whole first, then the 408, then the connection is closed."""
+    async with serving(keep_alive_timeout_s=30) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nX-Slow: a")
+        answer = await asyncio.wait_for(reader.read(), timeout=10.0)  # until it is closed
+        writer.close()
+    first, _, refusal = answer.partition(b"hello")
+    assert status_and_body(first + b"hello") == (200, b"hello")
+    assert status_and_body(refusal)[0] == 408
+    assert b"connection: close" in refusal
+
+
+async def accepting_websockets(scope: Scope, receive: Receive, send: Send) -> None:
+    """Accepts a WebSocket, echoes one text message, closes."""
+    if scope["type"] != "websocket":
+        return
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    message = await receive()
+    await send({"type": "websocket.send", "text": message.get("text")})
+    await send({"type": "websocket.close"})
+
+
+async def test_a_websocket_handshake_is_handed_to_uvicorns_websocket_protocol() -> None:
+    """Past the head limits, uvicorn upgrades a connection as it would without them, and the
+    limits leave it alone after (no 408 once its head timer would have run out)."""
+    config = uvicorn_config(
+        accepting_websockets,  # type: ignore[arg-type]
+        Settings(port=1, header_timeout_s=HEAD_TIMEOUT_S),
+    )
+    config.port, config.lifespan = 0, "off"
+    async with uvicorn_port(config) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10.0)
+        await asyncio.sleep(2 * HEAD_TIMEOUT_S)  # past the head timeout: nothing may cut it
+        # One masked text frame, "hi".
+        writer.write(bytes([0x81, 0x82, 1, 2, 3, 4, ord("h") ^ 1, ord("i") ^ 2]))
+        echoed = await asyncio.wait_for(reader.readexactly(4), timeout=10.0)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 101 ")
+    assert echoed == bytes([0x81, 2]) + b"hi"
+
+
 async def test_gunicorn_front_ends_limit_heads_too(tmp_path: Path) -> None:
     with serve_with_engines(
         tmp_path,
@@ -180,78 +227,3 @@ async def test_gunicorn_front_ends_limit_heads_too(tmp_path: Path) -> None:
     assert status_and_body(big)[0] == 431
     assert status_and_body(half)[0] == 408
     assert half_s < 3.0
-
-
-class TransportRecordingWrites(asyncio.Transport):
-    """A connection's transport that keeps what each ``write`` call was given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append(bytes(data))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
-            name, default
-        )
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-async def answer_with(app: Any, request: bytes) -> list[bytes]:
-    """The writes of batchserve's HTTP protocol answering ``request`` with ``app``."""
-    config = uvicorn_config(app, Settings(port=1))
-    config.lifespan = "off"
-    config.load()
-    state = uvicorn.server.ServerState()
-    protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
-    transport = TransportRecordingWrites()
-    protocol.connection_made(transport)
-    protocol.data_received(request)
-    await wait_until(lambda: not state.tasks)
-    await asyncio.sleep(0)
-    protocol.connection_lost(None)
-    return transport.writes
-
-
-async def test_an_answers_head_and_body_go_out_in_one_write() -> None:
-    """uvicorn writes the head on ``http.response.start`` and the body apart: two system
-    calls and two TCP segments per answer. Held until the body comes, the head goes with it."""
-    writes = await answer_with(slow_hello, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    assert len(writes) == 1
-    status, body = status_and_body(writes[0])
-    assert (status, body) == (200, b"hello")
-
-
-async def test_a_head_whose_body_comes_later_is_written_at_the_end_of_its_turn() -> None:
-    """A streamed answer: its head is not held back while the body is still being made (it
-    went out alone, before the body)."""
-    head_written = asyncio.Event()
-
-    async def streaming(scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await asyncio.sleep(0.05)  # the body is made later: the behaviour tested
-        head_written.set()
-        await send({"type": "http.response.body", "body": b"late", "more_body": False})
-
-    task = asyncio.create_task(
-        answer_with(streaming, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"), name="answer"
-    )
-    await head_written.wait()
-    writes = await task
-    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
-    assert writes[0].endswith(b"\r\n\r\n")
-    assert b"late" in b"".join(writes[1:])

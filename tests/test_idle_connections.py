@@ -1,7 +1,7 @@
 """A kept-alive connection is closed ``keep_alive_timeout_s`` after its last answer if no
-byte came since, as uvicorn closes it, with one timer per connection moved on when it fires
-early (``http_limits.LimitedHttpToolsProtocol.on_response_complete``) rather than one armed
-and cancelled per request."""
+byte came since, served as batchserve serves it (uvicorn's keep-alive timer, behind the head
+limits of ``http_limits``): never while a request is answered, and a request before the
+timeout moves the close to the timeout after its answer."""
 
 from __future__ import annotations
 

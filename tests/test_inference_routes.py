@@ -1,56 +1,91 @@
-"""The one table of inference routes: the middleware's dispatch, the OpenAPI document and the
-metrics labels all come from it."""
+"""The one table of inference routes: each is registered once with the app's router, which
+answers it, describes it in the OpenAPI document, and labels it in the request metrics."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
 from service.frontend.app import create_frontend_app
-from service.frontend.inference_routes import INFERENCE_ROUTES, match_inference
-from service.frontend.middleware import route_of
-from tests.test_requests import EngineAnsweringLate, frontend_with, no_lifespan
+from service.frontend.inference_routes import INFERENCE_ROUTES
+from service.frontend.state import FrontendState
+from tests.fixtures import sample_total
+from tests.test_requests import EngineAnsweringLate, frontend_with, no_lifespan, tokens_model
+
+BODY = b'{"instances": [[1, 2, 3]]}'
+V2_BODY = b'{"inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]}]}'
+
+
+def app_with_tokens(tmp_path: Path) -> tuple[FastAPI, FrontendState]:
+    frontend = frontend_with(EngineAnsweringLate(tokens_model()), tmp_path)
+    return create_frontend_app(frontend, no_lifespan), frontend
+
+
+def requests_total(frontend: FrontendState, route: str, status: str) -> float:
+    frontend.request_tally.flush()
+    labels = {"route": route, "status": status}
+    return sample_total(frontend.registry, "batchserve_requests_total", labels)
 
 
 @pytest.mark.parametrize(
-    ("path", "label", "name", "version"),
+    ("path", "label"),
     [
-        ("/predict", "/predict", None, None),
-        ("/models/digits/predict", "/models/{name}/predict", "digits", None),
-        ("/models/digits/versions/abc/predict", "/models/{name}/predict", "digits", "abc"),
-        ("/v2/models/digits/infer", "/v2/models/{name}/infer", "digits", None),
-        ("/v2/models/digits/versions/abc/infer", "/v2/models/{name}/infer", "digits", "abc"),
+        ("/predict", "/predict"),
+        ("/models/tokens/predict", "/models/{name}/predict"),
+        ("/models/tokens/versions/abc/predict", "/models/{name}/predict"),
+        ("/v2/models/tokens/infer", "/v2/models/{name}/infer"),
+        ("/v2/models/tokens/versions/abc/infer", "/v2/models/{name}/infer"),
     ],
 )
-def test_each_inference_path_matches_its_route_with_its_model_and_version(
-    path: str, label: str, name: str | None, version: str | None
+async def test_each_inference_path_is_answered_by_its_route_and_counted_under_its_label(
+    tmp_path: Path, path: str, label: str
 ) -> None:
-    found = match_inference(path)
-    assert found is not None
-    assert (found.route.label, found.name, found.version) == (label, name, version)
-    assert route_of(path) == (label, found)
+    """The engine answers every request 504; a version not served is 404: either way the
+    route's own code answered (a path no route takes would be 404 ``not_found``)."""
+    app, frontend = app_with_tokens(tmp_path)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as client:
+        body = V2_BODY if path.startswith("/v2/") else BODY
+        answer = await client.post(path, content=body, headers={"content-type": "application/json"})
+    expected = 404 if "/versions/" in path else 504
+    assert answer.status_code == expected, answer.text
+    assert '"code":"not_found"' not in answer.text  # the router's own 404
+    assert answer.headers["x-request-id"]
+    assert requests_total(frontend, label, str(expected)) == 1
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "/predict/",
-        "/models/a/b/predict",
-        "/models//predict",
-        "/models/digits/versions/abc/extra/predict",
-        "/v2/models/digits/ready",
-        "/v2/models/digits/infer/x",
-        "/healthz",
-    ],
-)
-def test_other_paths_are_no_inference_route(path: str) -> None:
-    assert match_inference(path) is None
+async def test_other_paths_are_counted_by_themselves_or_as_other(tmp_path: Path) -> None:
+    app, frontend = app_with_tokens(tmp_path)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.head("/healthz")).status_code == 200
+        assert (await client.get("/no/such/thing")).status_code == 404
+        assert (await client.get("/predict")).status_code == 405
+    assert requests_total(frontend, "/healthz", "200") == 2
+    assert requests_total(frontend, "other", "404") == 1
+    assert requests_total(frontend, "/predict", "405") == 1
 
 
-def test_other_paths_are_labelled_by_themselves_or_other() -> None:
-    assert route_of("/healthz") == ("/healthz", None)
-    assert route_of("/no/such/thing") == ("other", None)
+async def test_other_methods_on_an_inference_path_are_fastapis_405(tmp_path: Path) -> None:
+    """What an inference route does not answer goes through FastAPI's own handling, which
+    answers it as for every route: the service's JSON 405, with ``Allow`` and a request id."""
+    app, _ = app_with_tokens(tmp_path)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as client:
+        answers = [await client.get(path) for path in ("/predict", "/v2/models/tokens/infer")]
+    for answer in answers:
+        assert answer.status_code == 405
+        assert answer.headers["allow"] == "POST"
+        error = answer.json()["error"]
+        assert error["code"] == "method_not_allowed"
+        assert error["request_id"] == answer.headers["x-request-id"]
 
 
 async def test_the_openapi_document_describes_exactly_the_table_s_inference_routes(

@@ -39,11 +39,13 @@ def test_requests_are_written_when_the_front_end_goes_idle_and_on_flush() -> Non
     tally.started()
     assert sample_total(registry, "batchserve_in_flight_requests") == 1  # shown at once
     tally.started()
+    tally.stopped()
     tally.answered("/predict", "200", 0.002)
-    tally.answered("/healthz", "200", 0.001, in_flight=False)
+    tally.answered("/healthz", "200", 0.001)
     assert sample_total(registry, "batchserve_requests_total") == 0  # one still in flight
     tally.flush()  # as /metrics does
     assert sample_total(registry, "batchserve_requests_total") == 2
+    tally.stopped()
     tally.answered("/predict", "504", 2.0)
     assert sample_total(registry, "batchserve_requests_total") == 3
     assert sample_total(registry, "batchserve_in_flight_requests") == 0
@@ -56,6 +58,7 @@ def test_under_load_the_tally_is_written_at_most_flush_every_s_apart() -> None:
     tally = RequestTally(FrontendMetrics(registry), flush_every_s=0.0)
     tally.started()
     tally.started()
+    tally.stopped()
     tally.answered("/predict", "200", 0.002)
     assert sample_total(registry, "batchserve_requests_total") == 1
     assert sample_total(registry, "batchserve_in_flight_requests") == 1
@@ -77,6 +80,7 @@ async def test_on_an_event_loop_going_idle_is_written_once_at_the_end_of_the_tur
     tally.flush = counted_flush  # type: ignore[method-assign]
     for _ in range(3):
         tally.started()
+        tally.stopped()
         tally.answered("/predict", "200", 0.002)
     assert sample_total(registry, "batchserve_requests_total") == 0  # not yet: same turn
     await asyncio.sleep(0)

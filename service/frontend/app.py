@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from service import tracing
@@ -24,6 +25,7 @@ from service.errors import HandlerError, ServiceError
 from service.frontend import admin, docs, routes
 from service.frontend.about import __version__
 from service.frontend.head_requests import HeadAsGet
+from service.frontend.inference import DirectRoute
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
 from service.frontend.openapi import model_openapi, with_model_routes
@@ -51,7 +53,14 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
         # FastAPI's pages load their scripts from CDNs; docs.py serves Swagger UI offline.
         docs_url=None,
         redoc_url=None,
+        # The service traces requests itself (request_spans.py): FastAPI's own spans, metrics
+        # and logs would duplicate them, and checking for them costs every request.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    # The inference routes on the app's own router, first (ServingApp answers them directly).
+    routes.add_predict_routes(app.router)
+    oip_routes.add_infer_routes(app.router)
+    app.inference_routes = [route for route in app.router.routes if isinstance(route, DirectRoute)]
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(oip_routes.router)
@@ -105,22 +114,42 @@ def _with_grpc(frontend: FrontendState, lifespan: Lifespan) -> Lifespan:
 
 
 class ServingApp(FastAPI):
-    """FastAPI with ``ServiceMiddleware`` in front of FastAPI's own middleware stack, and an
-    OpenAPI document that describes the served model.
+    """FastAPI with ``ServiceMiddleware`` (and ``HeadAsGet``) in front of FastAPI's own
+    middleware stack, a short way to the inference routes, and an OpenAPI document that
+    describes the served model.
 
-    Placed outside, the middleware answers ``POST /predict`` before FastAPI's per-request
-    error, telemetry and body-limit layers run; every other request goes through them.
+    Placed outside, the middleware gives a request id to every answer, FastAPI's 500s
+    included, and counts them all by the route taken. A request an inference route answers
+    (a ``POST`` to one of their paths) goes to that route straight from the middleware:
+    FastAPI's middleware stack and router, which every other request goes through, cost a
+    front end more CPU per request than the rest of its own work on one (the figure is in
+    docs/architecture.md). The routes are the router's own (``inference.DirectRoute``,
+    ``inference_routes``): FastAPI documents them, and answers anything else sent to their
+    paths (405) as for every route.
     """
 
     def __init__(self, frontend: FrontendState, **options: Any) -> None:
         super().__init__(**options)
         self.state.frontend = frontend
-        self._outer = ServiceMiddleware(HeadAsGet(super().__call__), frontend)
+        self.inference_routes: list[DirectRoute] = []
+        """The router's inference routes, in its order (``create_frontend_app`` sets them)."""
+        self._outer = HeadAsGet(ServiceMiddleware(self._route, frontend))
         # The served version and its document: built once a version, not once a request.
         self._model_openapi: tuple[str, dict[str, Any]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._outer(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for route in self.inference_routes:
+                match, child_scope = route.matches(scope)
+                if match is Match.FULL:
+                    scope["app"] = self
+                    scope.update(child_scope)
+                    await route.serve(scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
         """FastAPI's document with ``/predict`` stating the first model's inputs and outputs

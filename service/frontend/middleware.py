@@ -1,41 +1,32 @@
-"""The outermost layer of the service: request ids, request metrics, and the predict paths.
+"""The outermost layer of every HTTP request: its request id, the ``x-request-id`` of its answer
+(with ``connection: close`` while the front end drains), and the request metrics by route and
+status.
 
-A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request). It answers
-``POST`` on the inference routes (``inference_routes.INFERENCE_ROUTES``: ``/predict``,
-``/models/{name}[/versions/{version}]/predict`` and the V2 ``infer`` routes) itself, through
-``predict.serve_prediction`` or ``oip.rest.serve_v2_inference``: routing them through
-FastAPI's exception, dependency and routing layers took half of the event loop's time per
-request. Every other request goes on to the FastAPI app.
+A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request), outside
+FastAPI's error handling, so that its 500s carry a request id and are counted too. The route
+of a request is the route object that took it (``scope["route"]``, set by FastAPI's router or
+by ``ServingApp``'s short way to the inference routes): routes outside the request metrics'
+list are counted as ``other``.
 """
 
 from __future__ import annotations
 
-import logging
 import random
 import re
 import time
 
-from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import tracing
-from service.errors import FrontendBusyError, ServiceError, forget_traceback
 from service.frontend import request_spans
-from service.frontend.answer_writing import send_answer, sends_whole
-from service.frontend.inference_routes import INFERENCE_LABELS, RouteMatch, match_inference
-from service.frontend.oip import rest as v2
-from service.frontend.predict import PredictHeaders, serve_prediction
-from service.frontend.refusal_hold import RefusalHolds
-from service.frontend.requests import ClientDisconnectedError
-from service.frontend.responses import internal_error_response, service_error_response
+from service.frontend.inference import CLIENT_CLOSED_STATUS
+from service.frontend.inference_routes import INFERENCE_LABELS
 from service.frontend.state import FrontendState
 
-logger = logging.getLogger(__name__)
-
-#: nginx's code for "client closed the request": counted, never sent.
-CLIENT_CLOSED_STATUS = 499
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ROUTES_WITH_METRICS = INFERENCE_LABELS | {"/healthz", "/readyz", "/models", "/metrics"}
+#: The routes counted by themselves in the request metrics, by their paths.
+ROUTE_LABELS = INFERENCE_LABELS | {
+    path: path for path in ("/healthz", "/readyz", "/models", "/metrics")
+}
 
 
 class ServiceMiddleware:
@@ -48,24 +39,15 @@ class ServiceMiddleware:
         # Its own generator: code that seeds the global one (tests, libraries) must not make
         # request ids repeat.
         self._ids = random.Random()
-        self.holds = RefusalHolds(frontend.settings.refusal_hold_ms)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if tracing.current is not None:
-            route = traced_route(scope)
-            if route is not None:
-                await request_spans.serve_traced(self._serve, route, scope, receive, send)
-                return
-        await self._serve(scope, receive, send)
-
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope, self._ids)
-        scope.setdefault("state", {})["request_id"] = request_id
-        route, found = route_of(scope["path"])
-        status = 500
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        status: int | None = None
         started_s = time.perf_counter()
 
         async def send_with_request_id(message: Message) -> None:
@@ -81,109 +63,24 @@ class ServiceMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        inference = found if scope["method"] == "POST" else None
         try:
-            if inference is not None:
-                self.tally.started()
-                self.frontend.receiving += 1
-                if inference.route.protocol == "v2":
-                    response = await self._infer_v2(scope, receive, request_id, inference)
-                else:
-                    response = await self._predict(scope, receive, request_id, inference)
-                if response is None:
-                    status = CLIENT_CLOSED_STATUS
-                elif sends_whole(response):
-                    status = response.status_code
-                    await send_answer(response, request_id, self.frontend.draining, send)
-                else:
-                    await response(scope, receive, send_with_request_id)
-            else:
-                await self.app(scope, receive, send_with_request_id)
+            await self.app(scope, receive, send_with_request_id)
+        except BaseException:
+            if status is None:
+                status = 500
+            raise
         finally:
-            if inference is not None:
-                self.frontend.receiving -= 1
-            self.tally.answered(
-                route, str(status), time.perf_counter() - started_s, inference is not None
-            )
-
-    async def _predict(
-        self,
-        scope: Scope,
-        receive: Receive,
-        request_id: str,
-        inference: RouteMatch,
-    ) -> Response | None:
-        """The prediction's response, an error response, or None if the client left."""
-        try:
-            self._check_capacity()
-            return await serve_prediction(
-                self.frontend,
-                PredictHeaders.from_scope(scope),
-                receive,
-                request_id,
-                scope.get("query_string", b""),
-                inference.name,
-                inference.version,
-            )
-        except ServiceError as error:
-            await self.holds.hold(scope.get("client"), error)
-            forget_traceback(error)
-            return service_error_response(error, request_id)
-        except ClientDisconnectedError:
-            return None
-        except Exception:
-            logger.exception("unhandled_error", extra={"request_id": request_id})
-            return internal_error_response(request_id)
-
-    async def _infer_v2(
-        self, scope: Scope, receive: Receive, request_id: str, inference: RouteMatch
-    ) -> Response | None:
-        """A V2 inference's response, its ``{"error": ...}`` response, or None if the client
-        left."""
-        try:
-            self._check_capacity()
-            headers = {
-                name.decode("latin-1").lower(): value.decode("latin-1")
-                for name, value in scope["headers"]
-            }
-            return await v2.serve_v2_inference(
-                self.frontend, headers, receive, request_id, inference.name or "", inference.version
-            )
-        except ServiceError as error:
-            await self.holds.hold(scope.get("client"), error)
-            forget_traceback(error)
-            return v2.error_response(error)
-        except ClientDisconnectedError:
-            return None
-        except Exception:
-            logger.exception("unhandled_error", extra={"request_id": request_id})
-            return v2.error_response(ServiceError("internal server error"))
-
-    def _check_capacity(self) -> None:
-        limit = self.frontend.settings.max_requests_per_frontend
-        if self.frontend.receiving > limit:
-            raise FrontendBusyError(
-                f"this front end holds {limit} requests already (max_requests_per_frontend);"
-                " retry shortly"
-            )
+            # An app that returned without an answer did so because its client had left.
+            answered = CLIENT_CLOSED_STATUS if status is None else status
+            latency_s = time.perf_counter() - started_s
+            exemplar = state.get(request_spans.EXEMPLAR_STATE)
+            self.tally.answered(route_label(scope), str(answered), latency_s, exemplar)
 
 
-def route_of(path: str) -> tuple[str, RouteMatch | None]:
-    """The route label of ``path`` in the request metrics, and the inference route it is on
-    (with the model and version it names), if any."""
-    found = match_inference(path)
-    if found is not None:
-        return found.route.label, found
-    return (path if path in _ROUTES_WITH_METRICS else "other"), None
-
-
-def traced_route(scope: Scope) -> str | None:
-    """The route label of an inference request (``POST`` on an inference route): only those
-    are traced."""
-    if scope["method"] != "POST":
-        return None
-    found = match_inference(scope["path"])
-    return None if found is None else found.route.label
+def route_label(scope: Scope) -> str:
+    """The route of an answered request in the request metrics: its inference route's label,
+    the path of a route counted by itself, else ``other``."""
+    return ROUTE_LABELS.get(getattr(scope.get("route"), "path", ""), "other")
 
 
 def request_id_of(scope: Scope, ids: random.Random) -> str:

@@ -1,8 +1,6 @@
 """``POST /predict``: read the body, validate it, queue it on an engine, answer its rows.
 
-The service's middleware calls ``serve_prediction`` directly, without the framework's routing
-and dependency machinery (half of the event loop's time per request under load, measured with
-py-spy); the documented FastAPI route in ``routes.py`` calls the same function.
+``serve_prediction`` answers ``/predict`` and the model routes (``routes.py`` registers them).
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ from service.frontend.bodies import (
 )
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
-from service.frontend.receiving import received_or_pending
 from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_answer
 from service.frontend.state import FrontendState
@@ -115,25 +112,13 @@ async def read_body(
             raise PayloadTooLargeError(
                 f"the body is {int(declared_length)} bytes; at most {max_bytes} bytes are accepted"
             )
-    first, pending = received_or_pending(receive)
-    if first is not None and first["type"] == "http.request" and not first.get("more_body"):
-        body: bytes = first.get("body", b"")  # all there already: no timer to arm
-        if len(body) > max_bytes:
-            raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
-        return body
     chunks: list[bytes] = []
     received = 0
     more_body = True
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout_at(loop.time() + deadline_s - time.monotonic()):
+        with CutAt(deadline_s):
             while more_body:
-                if first is not None:
-                    message, first = first, None
-                elif pending is not None:
-                    message, pending = await pending, None
-                else:
-                    message = await receive()
+                message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnectedError
                 chunk: bytes = message.get("body", b"")
@@ -147,6 +132,42 @@ async def read_body(
             f"the body was not received within the request's deadline ({received} bytes came)"
         ) from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class CutAt:
+    """``asyncio.timeout_at`` for ``deadline_s`` (``time.monotonic()``), as a plain context
+    manager: the task is cancelled at the deadline, and that cancellation comes out of the
+    block as ``TimeoutError``; any other goes on. Every request reads its body under one,
+    and ``asyncio.timeout``'s asynchronous entry and exit cost several times the timer."""
+
+    __slots__ = ("_cancelling", "_cut", "_task", "_timer")
+
+    def __init__(self, deadline_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        assert task is not None
+        self._task = task
+        self._cut = False
+        self._cancelling = task.cancelling()
+        self._timer = loop.call_at(loop.time() + deadline_s - time.monotonic(), self._cut_now)
+
+    def _cut_now(self) -> None:
+        self._cut = True
+        self._task.cancel()
+
+    def __enter__(self) -> CutAt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: object
+    ) -> None:
+        self._timer.cancel()
+        if (
+            self._cut
+            and self._task.uncancel() <= self._cancelling
+            and kind is asyncio.CancelledError
+        ):
+            raise TimeoutError from error
 
 
 async def serve_prediction(

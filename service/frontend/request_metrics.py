@@ -2,8 +2,8 @@
 written to the Prometheus metrics a batch at a time.
 
 With several processes each write to a metric is a write to a memory-mapped file under a lock,
-five per request (the count, the latency's sum and bucket, in-flight up and down): about 8 % of
-a front end's CPU at 64 connections (py-spy). Here a request adds to a dict; the tally is
+five per request (the count, the latency's sum and bucket, in-flight up and down), a share of
+a front end's CPU under load. Here a request adds to a dict; the tally is
 written when the front end goes idle (nothing in flight: what a quiet server or a test then
 scrapes is exact), when a request arrives at an idle front end (so in-flight shows at once),
 when this process renders ``/metrics`` (``flush``), and otherwise at most ``FLUSH_EVERY_S``
@@ -11,11 +11,11 @@ apart, so a scrape of another process lags this one's counts by that much at mos
 
 Going idle and leaving it are written once a loop turn (``call_soon``), for all the requests
 of the turn: a request served without waiting (its body in, its answer computed at
-once, as the HTTP ceiling's) starts and ends in one step of its task, and writing the files at
-both ends cost 11 % of such a front end's CPU (py-spy under wrk at 64 connections).
+once, as the HTTP ceiling's) starts and ends in one step of its task, and would otherwise
+write the files at both ends.
 
 A request traced with an exemplar is written at once: the exemplar belongs to its own
-observation.
+observation (HTTP requests bring theirs from their span, ``request_spans.EXEMPLAR_STATE``).
 """
 
 from __future__ import annotations
@@ -23,16 +23,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from service import tracing
 from service.metrics import FrontendMetrics, observe_many
 
 FLUSH_EVERY_S = 0.1
 
 
 class RequestTally:
-    """Requests of one front end (HTTP and gRPC): inference requests from arrival
-    (``started``) to answer (``answered``), the others when answered. One event loop uses it:
-    no lock."""
+    """Requests of one front end (HTTP and gRPC): every request when answered, and inference
+    requests in flight from arrival (``started``) to answer (``stopped``). One event loop uses
+    it: no lock."""
 
     def __init__(self, metrics: FrontendMetrics, flush_every_s: float = FLUSH_EVERY_S) -> None:
         self._metrics = metrics
@@ -44,16 +43,20 @@ class RequestTally:
         self._flush_pending = False
 
     def started(self) -> None:
+        """An inference request arrived: in flight until ``stopped``."""
         self.in_flight += 1
         if self.in_flight == 1:
             self._flush_soon()
 
-    def answered(self, route: str, status: str, latency_s: float, in_flight: bool = True) -> None:
-        """One request of ``route`` answered ``status`` after ``latency_s``; ``in_flight``:
-        one that ``started`` counted."""
-        if in_flight:
-            self.in_flight -= 1
-        exemplar = tracing.current_exemplar()
+    def stopped(self) -> None:
+        """An inference request that ``started`` has its answer (or its client left)."""
+        self.in_flight -= 1
+
+    def answered(
+        self, route: str, status: str, latency_s: float, exemplar: dict[str, str] | None = None
+    ) -> None:
+        """One request of ``route`` answered ``status`` after ``latency_s``; ``exemplar``: the
+        sampled trace it belongs to, if any (``tracing.current_exemplar``)."""
         if exemplar is not None:
             self._metrics.requests.labels(route, status).inc()
             self._metrics.request_latency.labels(route, status).observe(latency_s, exemplar)

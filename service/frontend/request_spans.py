@@ -1,8 +1,9 @@
 """Spans of one inference request in a front end (HTTP and gRPC), while tracing is on.
 
 The server span continues the client's W3C ``traceparent`` and is current while the request is
-handled, so its children (``parse``, and ``engine`` in one process or ``bridge`` to an engine
-process), its ``body_read`` event and every log line belong to it. After the engine answers,
+handled (from its route's handler to its answer, built), so its children (``parse``, and
+``engine`` in one process or ``bridge`` to an engine process), its ``body_read`` event and
+every log line belong to it. After the engine answers,
 the request span records each batch that computed it (span id and rows, and a link to it).
 """
 
@@ -15,7 +16,8 @@ from typing import TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Scope
 
 from service import tracing
 from service.bridge.interface import InferenceRequest, InferenceResult
@@ -24,19 +26,24 @@ from service.frontend.state import FrontendState
 T = TypeVar("T")
 
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+#: Where a traced HTTP request's state keeps its exemplar (``tracing.current_exemplar``) for
+#: the request metrics, which observe its latency once its span has ended.
+EXEMPLAR_STATE = "trace_exemplar"
 _NOT_TRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
-async def serve_traced(
-    serve: ASGIApp, route: str, scope: Scope, receive: Receive, send: Send
-) -> None:
-    """``serve`` the HTTP request inside its server span."""
+async def answer_traced(
+    scope: Scope, route: str, answer: Callable[[], Awaitable[Response]]
+) -> Response:
+    """``answer()`` an HTTP request inside its server span; the span's exemplar for the
+    request's latency is left in its state (``EXEMPLAR_STATE``)."""
     assert tracing.current is not None
     carrier = {
         name.decode("latin-1"): value.decode("latin-1")
         for name, value in scope["headers"]
         if name in _TRACE_HEADERS
     }
+    state = scope.setdefault("state", {})
     with tracing.current.tracer.start_as_current_span(
         f"{scope['method']} {route}",
         context=tracing.context_from(carrier),
@@ -47,21 +54,17 @@ async def serve_traced(
             "url.path": scope["path"],
         },
     ) as span:
-
-        async def send_traced(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status: int = message["status"]
-                span.set_attribute("http.response.status_code", status)
-                if status >= 500:
-                    span.set_status(Status(StatusCode.ERROR))
-            await send(message)
-
         try:
-            await serve(scope, receive, send_traced)
+            response = await answer()
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            return response
         finally:
-            request_id = scope.get("state", {}).get("request_id")
+            request_id = state.get("request_id")
             if request_id is not None:
                 span.set_attribute("batchserve.request_id", request_id)
+            state[EXEMPLAR_STATE] = tracing.current_exemplar()
 
 
 async def serve_traced_grpc(

@@ -20,11 +20,9 @@ def json_response(
 
 
 class PreparedResponse(Response):
-    """A ``Response`` whose headers come ready, as raw pairs: the answer of every inference
-    request skips Starlette's ``init_headers`` (a dict of headers lowered, encoded and
-    scanned for each answer). Its header names are lower-case and its names and values are
-    built from values validated already (model names, versions, lengths, media types), so
-    the server writes them unchecked (``answer_writing.send_answer``)."""
+    """A ``Response`` whose headers come ready, as raw pairs (lower-case names, latin-1
+    values): a prediction's answer skips Starlette's ``init_headers`` (a dict of headers
+    lowered, encoded and scanned for each answer)."""
 
     def __init__(
         self, body: bytes, raw_headers: list[tuple[bytes, bytes]], status_code: int = 200

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError
 from service.frontend.bodies import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+from service.frontend.inference import DirectRoute, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.predict import PredictHeaders, serve_prediction
-from service.frontend.responses import JSON, json_response
+from service.frontend.responses import JSON, json_response, service_error_response
 from service.frontend.schemas import (
     ErrorResponse,
     HealthResponse,
@@ -73,38 +74,46 @@ async def predict(request: Request) -> Response:
     (``application/x-npz``); ask for the outputs as ``.npy`` (one output) or ``.npz`` with
     ``Accept``. The schemas below are those of the first model served, which answers.
     """
-    return await serve_prediction(
-        frontend_of(request),
-        PredictHeaders.from_scope(request.scope),
-        request.receive,
-        request.state.request_id,
-    )
+    return await _predicted(request)
 
 
 async def predict_with_model(request: Request, name: str, version: str | None = None) -> Response:
     """As ``/predict``, answered by the model ``name`` (404 when it is not served), at
     ``version`` when one is named (404 when that version is not the one served)."""
-    return await serve_prediction(
-        frontend_of(request),
-        PredictHeaders.from_scope(request.scope),
-        request.receive,
-        request.state.request_id,
-        request.scope.get("query_string", b""),
-        name,
-        version,
-    )
+    return await _predicted(request, name, version)
 
 
-# The middleware answers these paths itself (inference_routes.py); FastAPI has them for the
-# OpenAPI document, with the same code behind them.
-for _route in of_protocol("predict"):
-    router.add_api_route(
-        _route.path,
-        predict_with_model if _route.names_model else predict,
-        methods=["POST"],
-        summary=_route.summary,
-        **_PREDICT_DOCUMENT,
-    )
+async def _predicted(
+    request: Request, name: str | None = None, version: str | None = None
+) -> Response:
+    scope = request.scope
+
+    async def serve(frontend: FrontendState, request_id: str) -> Response:
+        return await serve_prediction(
+            frontend,
+            PredictHeaders.from_scope(scope),
+            request.receive,
+            request_id,
+            scope.get("query_string", b""),
+            name,
+            version,
+        )
+
+    return await answer_inference(request, serve, service_error_response)
+
+
+def add_predict_routes(router: APIRouter) -> None:
+    """Register ``/predict`` and the model routes (``inference_routes``) with ``router``: the
+    app's own (``app.py``)."""
+    for route in of_protocol("predict"):
+        router.add_api_route(
+            route.path,
+            predict_with_model if route.names_model else predict,
+            methods=["POST"],
+            summary=route.summary,
+            route_class_override=DirectRoute,
+            **_PREDICT_DOCUMENT,
+        )
 
 
 @router.head("/healthz", include_in_schema=False)

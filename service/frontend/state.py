@@ -15,6 +15,7 @@ from service.errors import HandlerError, ModelNotFoundError
 from service.frontend.handlers.base import Handler, HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
 from service.frontend.preprocessing import handler_thread_count
+from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.request_metrics import RequestTally
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
@@ -50,12 +51,15 @@ class FrontendState:
     """More gauges to refresh with this process's (an engine in this process adds its own)."""
     request_tally: RequestTally = field(init=False)
     """Request counts, latencies and in-flight, written to ``metrics`` a batch at a time."""
+    refusal_holds: RefusalHolds = field(init=False)
+    """When each HTTP client refused for load may retry."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
     _handler_pool: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         self.request_tally = RequestTally(self.metrics)
+        self.refusal_holds = RefusalHolds(self.settings.refusal_hold_ms)
 
     @property
     def handler_pool(self) -> ThreadPoolExecutor:

@@ -11,18 +11,26 @@ import socket
 from types import FrameType
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from service.config import Settings
 from service.frontend.loop_lag import watch_loop_lag
 from service.frontend.state import FrontendState
 from service.garbage import collect_young_garbage_rarely
-from service.server.http_limits import limited_protocol
+from service.server.http_limits import HeadLimitedProtocol, limited_protocol
 
 
-def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
-    """uvicorn serving ``app`` in one process: our JSON logs, no access log, no ``Server``
-    header, and the settings' address, shutdown grace and limits on request heads."""
+def uvicorn_config(
+    app: ASGIApp,
+    settings: Settings,
+    *,
+    forwarded_allow_ips: list[str] | str | None = None,
+    backlog: int = 2048,
+) -> uvicorn.Config:
+    """uvicorn serving ``app``, alone or as a gunicorn worker: our JSON logs, no access log, no
+    ``Server`` header, and the settings' address, keep-alive, shutdown grace and limits on
+    request heads. A gunicorn worker passes gunicorn's ``forwarded_allow_ips`` and
+    ``backlog``."""
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -33,6 +41,8 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         http=limited_protocol(settings),
         timeout_keep_alive=settings.keep_alive_timeout_s,
+        forwarded_allow_ips=forwarded_allow_ips,
+        backlog=backlog,
     )
 
 
@@ -115,11 +125,11 @@ class DrainingServer(uvicorn.Server):
             await loop.connect_accepted_socket(self._new_protocol, connection)
         # uvicorn's shutdown closes every connection that has not begun a request: give
         # those whose requests are still on their way a moment (polled: shutdown only).
+        protocol = self.config.http_protocol_class
+        if not (isinstance(protocol, type) and issubclass(protocol, HeadLimitedProtocol)):
+            return
         for _ in range(round(FIRST_REQUEST_WAIT_S / FIRST_REQUEST_POLL_S)):
-            if not any(
-                getattr(connection, "cycle", True) is None
-                for connection in self.server_state.connections
-            ):
+            if not any(c.awaiting_first_request for c in protocol.open_connections):
                 break
             await asyncio.sleep(FIRST_REQUEST_POLL_S)
 

@@ -38,9 +38,8 @@ def logging_config(level: str) -> dict[str, Any]:
     """``logging.config.dictConfig`` settings giving the same JSON lines on stdout as
     ``logs.configure_logging``, for gunicorn's, uvicorn's and the service's records.
 
-    ``gunicorn.error`` gets the handler itself (not through the root) because the uvicorn
-    worker copies that logger's handlers onto ``uvicorn.error``. No access log, as with one
-    process.
+    uvicorn's loggers write through the root's handler; ``gunicorn.error`` has it itself and
+    does not propagate. No access log, as with one process.
     """
     level_name = level.upper()
     return {
@@ -77,8 +76,6 @@ def gunicorn_options(settings: Settings) -> dict[str, Any]:
         "graceful_timeout": graceful_timeout_s(settings),
         # A front end holds no model, but recycling would still drop its keep-alive clients.
         "max_requests": 0,
-        # uvicorn's default 5 s; gunicorn's 2 s is shorter than most load balancers' idle timeout.
-        "keepalive": settings.keep_alive_timeout_s,
         # gunicorn >= 25 would otherwise open a control socket under $HOME, shared by every
         # instance of the same user (and failing on a read-only home in a container).
         "control_socket_disable": True,

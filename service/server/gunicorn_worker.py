@@ -1,10 +1,16 @@
-"""The gunicorn worker of a front end: uvicorn's worker, made to start and stop like one.
+"""The gunicorn worker of a front end: uvicorn serving the front end's app, started and stopped
+as the service needs.
 
-Five differences from ``uvicorn_worker.UvicornWorker``:
+A custom worker on gunicorn's documented base class (``gunicorn.workers.base.Worker``: gunicorn
+forks it, calls ``run``, and watches its heartbeat), running ``uvicorn.Server`` on gunicorn's
+sockets with the same configuration as one process serving alone
+(``draining.uvicorn_config``):
 
 - It limits request heads in size and arrival time (``http_limits``).
 - It serves with ``DrainingServer``: on SIGTERM readiness turns 503 at once and the worker
   keeps serving for ``drain_delay_s`` before it closes its socket and waits for its requests.
+  SIGQUIT (gunicorn's quick shutdown: its master sends it on SIGINT) stops at once. SIGHUP,
+  SIGTTIN and SIGTTOU are the master's, as gunicorn documents them.
 - It accepts no connection before an engine is ready: the kernel then hands connections only
   to front ends that can answer them. If every engine failed to load, it fails its start, and
   gunicorn stops instead of restarting workers that cannot serve. Told to stop before then
@@ -22,16 +28,16 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Any
+import sys
 
 from fastapi import FastAPI
+from gunicorn.arbiter import Arbiter
+from gunicorn.workers.base import Worker
 from starlette.types import Message, Receive, Scope, Send
-from uvicorn_worker import UvicornWorker
 
 from service.bridge.interface import EngineStatus
 from service.frontend.state import FrontendState
-from service.server.draining import DrainingServer
-from service.server.http_limits import limited_protocol
+from service.server.draining import DrainingServer, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,43 +45,58 @@ logger = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 1.0
 
 
-class BatchserveWorker(UvicornWorker):  # type: ignore[misc]
+class BatchserveWorker(Worker):  # type: ignore[misc]
     """gunicorn worker class ``service.server.gunicorn_worker.BatchserveWorker``."""
 
-    CONFIG_KWARGS: dict[str, Any] = {
-        **UvicornWorker.CONFIG_KWARGS,
-        "server_header": False,
-        "access_log": False,
-    }
+    def init_signals(self) -> None:
+        """gunicorn's handlers off: uvicorn handles SIGTERM and SIGINT, ``_serve`` SIGQUIT
+        (and the event loop, not gunicorn, listens for signals); SIGUSR1 reopens the logs."""
+        for each in self.SIGNALS:
+            signal.signal(each, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, self.handle_usr1)
+        signal.siginterrupt(signal.SIGUSR1, False)
 
-    async def _serve(self) -> None:
+    def run(self) -> None:
         app: FastAPI = self.wsgi
         frontend: FrontendState = app.state.frontend
         settings = frontend.settings
-        self.config.http = limited_protocol(settings)
-        self.config.timeout_graceful_shutdown = settings.shutdown_grace_s
-        server = DrainingServer(self.config, frontend, settings.drain_delay_s)
+        # uvicorn's keep-alive is the settings' (gunicorn's own ``keepalive`` is not read).
+        config = uvicorn_config(
+            app,
+            settings,
+            forwarded_allow_ips=self.cfg.forwarded_allow_ips,
+            backlog=self.cfg.backlog,
+        )
+        server = DrainingServer(config, frontend, settings.drain_delay_s)
         ready_gate = ReadyBeforeAccepting(app, server.stopping)
-        self.config.app = ready_gate
-        asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit_now, server)
-        housekeeping = asyncio.create_task(self._housekeeping(frontend, server))
+        config.app = ready_gate
         try:
-            await server.serve(sockets=self.sockets)
+            with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+                runner.run(self._serve(server, frontend))
         except SystemExit:
             # uvicorn exits with gunicorn's boot-error status when the start-up fails; a stop
             # asked for during start-up is no boot error (gunicorn would halt over it).
             if not ready_gate.stopped_before_ready:
                 raise
+            return
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)
+
+    async def _serve(self, server: DrainingServer, frontend: FrontendState) -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit_now, server)
+        housekeeping = asyncio.create_task(self._housekeeping(frontend, server))
+        try:
+            await server.serve(sockets=self.sockets)
         finally:
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await housekeeping
 
     async def _housekeeping(self, frontend: FrontendState, server: DrainingServer) -> None:
-        """Tell gunicorn this worker is alive (uvicorn does so only once it serves, and an
-        engine can take longer than gunicorn's timeout to load), refresh the gauges, and drain
-        and exit if the master has died (killed, say): uvicorn workers do not check, and an
-        orphan would go on holding the port forever."""
+        """Tell gunicorn this worker is alive (an engine can take longer than gunicorn's
+        timeout to load, and uvicorn serves nothing meanwhile), refresh the gauges, and drain
+        and exit if the master has died (killed, say): an orphan would go on holding the port
+        forever."""
         while True:
             if os.getppid() != self.ppid:
                 logger.warning("master_gone", extra={"master_pid": self.ppid, "pid": os.getpid()})

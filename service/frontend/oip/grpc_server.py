@@ -151,7 +151,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise
         finally:
             self.frontend.receiving -= 1
-            tally.answered(INFER_ROUTE, status, time.perf_counter() - started_s)
+            tally.stopped()
+            latency_s = time.perf_counter() - started_s
+            tally.answered(INFER_ROUTE, status, latency_s, tracing.current_exemplar())
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]

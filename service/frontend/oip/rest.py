@@ -4,8 +4,8 @@ JSON as the protocol defines it (``id`` echoed, ``parameters``, ``outputs`` sele
 or flat row-major ``data``), and the binary tensor extension: a body whose first
 ``Inference-Header-Content-Length`` bytes are the JSON header and whose rest holds each input
 with a ``binary_data_size``, in order; outputs asked with ``binary_data`` (or all, with
-``binary_data_output``) come back the same way. The middleware answers it directly, as it
-answers ``/predict``, and it is queued on the same engine, so both share batches.
+``binary_data_output``) come back the same way. It is queued on the same engine as
+``/predict``, so both share batches.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 from service.errors import ModelNotFoundError, ServiceError
 from service.frontend.about import __version__
 from service.frontend.admin import require_admin_token
+from service.frontend.inference import DirectRoute, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.oip.datatypes import datatype_of
 from service.frontend.oip.rest import (
@@ -226,23 +227,33 @@ _INFER = {
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     """Run the model on the request's named tensors (JSON ``data`` or binary data); every
     output, or the ones asked for, in JSON or as binary data."""
-    frontend = frontend_of(request)
-    headers = {key.lower(): value for key, value in request.headers.items()}
-    try:
+
+    async def serve(frontend: FrontendState, request_id: str) -> Response:
+        headers = {
+            key.decode("latin-1").lower(): value.decode("latin-1")
+            for key, value in request.scope["headers"]
+        }
         return await serve_v2_inference(
-            frontend, headers, request.receive, request.state.request_id, name, version
+            frontend, headers, request.receive, request_id, name, version
         )
-    except ServiceError as error:
-        return error_response(error)
+
+    return await answer_inference(request, serve, _error_answer)
 
 
-# The middleware answers these paths itself (inference_routes.py); FastAPI has them for the
-# OpenAPI document, with the same code behind them.
-for _route in of_protocol("v2"):
-    router.add_api_route(
-        _route.path.removeprefix(router.prefix),
-        infer,
-        methods=["POST"],
-        summary=_route.summary,
-        **_INFER,  # type: ignore[arg-type]
-    )
+def _error_answer(error: ServiceError, request_id: str) -> Response:
+    return error_response(error)
+
+
+def add_infer_routes(app_router: APIRouter) -> None:
+    """Register the V2 inference routes (``inference_routes``) with ``app_router``: the
+    app's own (``app.py``), under this module's tag."""
+    for route in of_protocol("v2"):
+        app_router.add_api_route(
+            route.path,
+            infer,
+            methods=["POST"],
+            summary=route.summary,
+            tags=list(router.tags),
+            route_class_override=DirectRoute,
+            **_INFER,  # type: ignore[arg-type]
+        )
