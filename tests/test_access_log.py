@@ -17,7 +17,10 @@ import pytest
 import tritonclient.grpc as triton_grpc_client
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from service import tracing
 from service.config import Settings
 from service.logs import configure_logging
 from service.server.gunicorn_setup import logging_config
@@ -96,6 +99,28 @@ async def test_no_line_while_it_is_off(
         assert (await client.post("/predict", json={"instances": DIGIT.tolist()})).is_success
         assert (await client.get("/healthz")).is_success
     assert access_records(caplog) == []
+
+
+async def test_a_traced_request_has_its_trace_and_span_ids(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    exporter = InMemorySpanExporter()
+    tracing.start([SimpleSpanProcessor(exporter)], role="server")
+    try:
+        application = create_app(Settings(device="cpu", access_log=True))
+        async with LifespanManager(application):
+            await application.state.loading
+            transport = httpx.ASGITransport(app=application)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"instances": DIGIT.tolist()}
+                assert (await client.post("/predict", json=body)).is_success
+    finally:
+        tracing.stop()
+    (server,) = [span for span in exporter.get_finished_spans() if span.name == "POST /predict"]
+    (line,) = access_records(caplog)
+    assert line.trace_id == format(server.context.trace_id, "032x")  # type: ignore[attr-defined]
+    assert line.span_id == format(server.context.span_id, "016x")  # type: ignore[attr-defined]
 
 
 ACCESS_FIELDS = (
