@@ -148,6 +148,9 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Running]:
         BATCHSERVE_WORKERS=str(workers),
         BATCHSERVE_GRPC_PORT=str(grpc_port),
         BATCHSERVE_ACCESS_LOG="true",
+        # Less start-up work on a busy machine: no spare interpreter importing torch meanwhile.
+        BATCHSERVE_SPARE_ENGINE="false",
+        BATCHSERVE_WARMUP_BATCH_SIZES="1",
     )
     url = f"http://127.0.0.1:{port}"
     with running([str(BATCHSERVE), "serve"], url, tmp_path / "server.log", env) as running_server:

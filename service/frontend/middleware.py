@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -50,7 +51,7 @@ class ServiceMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         status: int | None = None
-        answer_headers: list[tuple[bytes, bytes]] = []
+        answer_headers: Sequence[tuple[bytes, bytes]] = ()  # the access log's, once answered
         started_s = time.perf_counter()
 
         async def send_with_request_id(message: Message) -> None:
