@@ -250,7 +250,18 @@ class Settings(BaseSettings):
     """Batch sizes run once at load; empty means powers of two up to ``max_batch_size``."""
 
     log_level: LogLevel = "info"
-    """Level of the JSON log lines written to stdout."""
+    """Level of the JSON log lines written to stdout by the service, uvicorn and gunicorn."""
+
+    library_log_level: LogLevel = "warning"
+    """Level of every other library's log lines (Pillow, python-multipart, asyncio, grpc,
+    ...): ``debug`` at ``log_level`` ``debug`` would flood the log with, say, Pillow's PNG
+    chunks."""
+
+    access_log: bool = False
+    """One JSON line per HTTP request and gRPC ``ModelInfer`` call, on the ``batchserve.access``
+    logger, whatever ``log_level`` says. Off by default: a line per request costs CPU on every
+    request (see Monitoring) and a server behind a proxy or mesh usually has its access log
+    there already."""
 
     @field_validator("device")
     @classmethod

@@ -218,6 +218,11 @@ async def test_body_over_the_limit_is_413_by_declared_length_and_by_stream() -> 
                 "/predict", content=big, headers={"content-type": "application/json"}
             )
             assert declared.status_code == 413
+            # Issue 37.6: the 413 names the limit and the setting that raises it.
+            assert declared.json()["error"]["message"] == (
+                f"the body is {len(big):,} bytes; at most 2,048 bytes are accepted (the "
+                "server's max_body_bytes, set by BATCHSERVE_MAX_BODY_BYTES or --max-body-bytes)"
+            )
 
             async def undeclared_length() -> AsyncIterator[bytes]:
                 for start in range(0, len(big), 512):
@@ -230,6 +235,8 @@ async def test_body_over_the_limit_is_413_by_declared_length_and_by_stream() -> 
             )
             assert streamed.status_code == 413
             assert streamed.json()["error"]["code"] == "payload_too_large"
+            assert "at most 2,048 bytes" in streamed.json()["error"]["message"]
+            assert "BATCHSERVE_MAX_BODY_BYTES" in streamed.json()["error"]["message"]
     finally:
         await manager.__aexit__(None, None, None)
 

@@ -6,6 +6,7 @@ calls ``/predict`` of a handler model and of a tensor model."""
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import re
 import subprocess
@@ -26,9 +27,10 @@ from service.frontend.openapi_clients import for_clients, not_null
 from service.manifest import TensorSpec
 from service.server.single import create_app
 from tests.apps import engine_of
+from tests.test_handler_serving import drawn_digit, png
 
 VERSION_ID = re.compile(r"[0-9a-f]{12}")
-MODELS = ("digits", "sentiment", "textenc")
+MODELS = ("digits", "digits_png", "sentiment", "textenc")
 PACKAGE = "batchserve_generated_client"
 
 
@@ -147,6 +149,51 @@ def generated_client(document: dict[str, Any], tmp_path_factory: pytest.TempPath
     return tmp_path
 
 
+def test_the_query_parameters_a_handler_reads_are_declared(document: dict[str, Any]) -> None:
+    """Issue 37.6: ``?top_k=`` was read but not declared, so a generated client could not
+    send it. Declared from the handler's own table, on the routes whose model reads it."""
+
+    def query(path: str) -> dict[str, Any]:
+        parameters = document["paths"][path]["post"].get("parameters", [])
+        return {p["name"]: p for p in parameters if p["in"] == "query"}
+
+    for path, classes in (("/models/digits_png/predict", 10), ("/models/sentiment/predict", 2)):
+        (top_k,) = query(path).values()
+        assert top_k["name"] == "top_k"
+        assert top_k["required"] is False
+        assert top_k["schema"]["type"] == "integer"
+        assert (top_k["schema"]["minimum"], top_k["schema"]["maximum"]) == (1, classes)
+        assert "best first" in top_k["description"]
+    assert query("/models/digits/predict") == {}  # no handler, no query parameter
+    assert query("/predict") == {}  # described for digits, the first model
+
+
+def test_every_module_of_the_generated_client_imports(generated_client: Path) -> None:
+    """Issue 37.6: a route whose body has several media types (V2 ``infer`` at a version:
+    JSON or binary; an image model: JSON or multipart) and no optional parameter got a module
+    that used ``Unset`` without importing it (openapi-python-client 0.29)."""
+    modules = sorted((generated_client / PACKAGE / "api").glob("*/*.py"))
+    names = [
+        ".".join(path.relative_to(generated_client).with_suffix("").parts)
+        for path in modules
+        if path.name != "__init__.py"
+    ]
+    assert any(name.endswith("infer_v2_models_name_versions_version_infer_post") for name in names)
+    sys.path.insert(0, str(generated_client))
+    try:
+        failures = {}
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as error:  # each module's failure is reported
+                failures[name] = repr(error)
+    finally:
+        sys.path.remove(str(generated_client))
+        for loaded in [loaded for loaded in sys.modules if loaded.startswith(PACKAGE)]:
+            del sys.modules[loaded]
+    assert failures == {}
+
+
 @pytest.mark.slow
 async def test_a_generated_client_calls_a_handler_model_and_a_tensor_model(
     generated_client: Path,
@@ -165,12 +212,22 @@ async def test_a_generated_client_calls_a_handler_model_and_a_tensor_model(
         digits_body = importlib.import_module(
             f"{package}.models.predict_with_digits_json_body"
         ).PredictWithDigitsJsonBody
+        digits_png = importlib.import_module(f"{package}.api.default.predict_with_digits_png")
+        upload = importlib.import_module(
+            f"{package}.models.predict_with_digits_png_files_body"
+        ).PredictWithDigitsPngFilesBody()
+        file_type = importlib.import_module(f"{package}.types").File
+        upload["image"] = file_type(
+            payload=io.BytesIO(png(drawn_digit("7"))), file_name="7.png", mime_type="image/png"
+        )
         async with served() as http:
             client = client_module.Client(base_url="http://test")
             client.set_async_httpx_client(http)
             labelled = await sentiment.asyncio(
-                client=client, body=sentiment_body(instances=["a wonderful film"])
+                client=client, body=sentiment_body(instances=["a wonderful film"]), top_k=2
             )
+            # A multipart upload, and ?top_k= as generated from the handler's parameters.
+            ranked = await digits_png.asyncio(client=client, body=upload, top_k=3)
             image = np.zeros((8, 8)).tolist()
             scored = await digits.asyncio(client=client, body=digits_body(instances=[image]))
     finally:
@@ -179,5 +236,8 @@ async def test_a_generated_client_calls_a_handler_model_and_a_tensor_model(
             del sys.modules[name]
     assert labelled.model == "sentiment"
     assert labelled.predictions[0][0].label.value in ("negative", "positive")
+    assert len(labelled.predictions[0]) == 2
+    assert ranked.model == "digits_png"
+    assert len(ranked.predictions[0]) == 3
     assert scored.model == "digits"
     assert len(scored.predictions[0]) == 10

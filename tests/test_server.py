@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
@@ -179,6 +180,21 @@ def test_sigterm_drains_front_ends_then_the_engine_and_exits_0(tmp_path: Path) -
         front_ends_done = output.index('"event":"Shutting down: Master"')
         assert output.index('"event":"shutdown_complete"') > front_ends_done
         assert '"event":"supervisor_stopped"' in output
+        # Issue 37.4: a normal stop logged "Error while closing socket [Errno 9]" (at info)
+        # and an engine_connection_lost warning from each front end.
+        assert "Error while closing socket" not in output
+        troubles = [line for line in output.splitlines() if not logged_below_warning(line)]
+        assert not troubles, "\n".join(troubles)
+
+
+def logged_below_warning(line: str) -> bool:
+    """Whether ``line`` is a JSON log record at a level below warning (anything else, such
+    as a traceback on stderr, is not)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and record.get("level") in ("debug", "info")
 
 
 async def load_then_sigterm(server: Running) -> tuple[list[int], int]:

@@ -92,7 +92,7 @@ class BridgeClient:
             run.cancel()
         await asyncio.gather(*self._runs, return_exceptions=True)
         for connection in self._connections:
-            connection.close()
+            connection.stop()
 
     async def wait_until_settled(self) -> EngineStatus:
         """Wait until some engine is ready, or every engine has failed to load."""

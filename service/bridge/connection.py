@@ -68,6 +68,8 @@ class EngineConnection(asyncio.Protocol):
         self._writer: wire.FrameWriter | None = None
         self._transport: asyncio.Transport | None = None
         self._lost: asyncio.Event = asyncio.Event()
+        self._closing = False
+        """Set by ``stop``: the loss that follows is the front end's own doing."""
         self.last_heard_s = 0.0
         """When the engine last sent anything (``time.monotonic()``): a frame of any kind,
         a heartbeat repeating its status too; kept once the connection is lost."""
@@ -127,7 +129,10 @@ class EngineConnection(asyncio.Protocol):
         if self.status.phase != "down":  # given up already (heartbeat): keep that reason
             self._fail_everything("down", "the connection to the engine was lost")
         self._lost.set()
-        logger.warning("engine_connection_lost", extra={"engine": str(self.path)})
+        if self._closing:
+            logger.info("engine_connection_closed", extra={"engine": str(self.path)})
+        else:
+            logger.warning("engine_connection_lost", extra={"engine": str(self.path)})
 
     def _fail_everything(self, phase: Phase, detail: str) -> None:
         """The engine is gone: answer every request waiting on it now (503, Retry-After)."""
@@ -146,8 +151,15 @@ class EngineConnection(asyncio.Protocol):
         self._on_status()
 
     def close(self) -> None:
+        """Drop the connection; ``run`` connects again."""
         if self._transport is not None:
             self._transport.close()
+
+    def stop(self) -> None:
+        """Close the connection for good (``run`` cancelled first): the front end is
+        stopping, and the loss that follows is no fault."""
+        self._closing = True
+        self.close()
 
     # ----------------------------------------------------------------- frames in
 

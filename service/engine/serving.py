@@ -199,7 +199,7 @@ def _mark_ready(heartbeat_file: Path) -> None:
 def run_engine(settings: Settings, starting: StartingHeartbeat) -> int:
     """Serve the device of this process's variables (``service/processes.py``) until stopped;
     the exit status. ``starting`` beats the heartbeat file meanwhile (``process.py``)."""
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.library_log_level)
     logger.info("engine_imports_done")  # torch and the rest: a step of a restart's timeline
     # What the imports made lives as long as the process: out of the full collections that
     # loading runs before the first model serves (each walks it: 0.1 s quiet, 1 s on a busy

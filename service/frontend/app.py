@@ -154,12 +154,13 @@ class ServingApp(FastAPI):
     def openapi(self) -> dict[str, Any]:
         """FastAPI's document with ``/predict`` stating the first model's inputs and outputs
         (``openapi.model_openapi``) and a predict route per model served, each stating its
-        own (``openapi.with_model_routes``); FastAPI's own while no model is loaded."""
-        base = for_clients(super().openapi())
+        own (``openapi.with_model_routes``); FastAPI's own while no model is loaded. Either
+        way as client generators take it (``openapi_clients.for_clients``)."""
+        base = super().openapi()
         frontend: FrontendState = self.state.frontend
         models = frontend.engine.status().models
         if not models:
-            return base
+            return for_clients(base)
         key = ",".join(model.manifest.label for model in models)
         if self._model_openapi is not None and self._model_openapi[0] == key:
             return self._model_openapi[1]
@@ -176,19 +177,27 @@ class ServingApp(FastAPI):
         document = model_openapi(
             base, first, max_instances=max_instances, handler_description=first_described
         )
-        document = with_model_routes(document, described, max_instances=max_instances)
+        document = for_clients(with_model_routes(document, described, max_instances=max_instances))
         if complete:
             self._model_openapi = (key, document)
         return document
 
 
 def _handler_description(frontend: FrontendState, model: ModelInfo) -> dict[str, Any] | None:
-    """What the version's handler says of its bodies, with the media types it reads; None for a
-    version without a handler, whose bodies are the manifest's tensors."""
+    """What the version's handler says of its bodies, with the media types and the query
+    parameters it reads (the names ``predict`` checks a query against, each with its schema);
+    None for a version without a handler, whose bodies are the manifest's tensors."""
     if model.manifest.handler is None:
         return None
     handler = frontend.handler_for(model)
-    return {**handler.describe(), "media_types": sorted(handler.media_types)}
+    schemas = handler.query_schemas()
+    return {
+        **handler.describe(),
+        "media_types": sorted(handler.media_types),
+        "query_parameters": {
+            name: schemas.get(name, {"type": "string"}) for name in sorted(handler.query_parameters)
+        },
+    }
 
 
 def _request_id(request: Request) -> str:

@@ -1,6 +1,6 @@
 """The outermost layer of every HTTP request: its request id, the ``x-request-id`` of its answer
-(with ``connection: close`` while the front end drains), and the request metrics by route and
-status.
+(with ``connection: close`` while the front end drains), the request metrics by route and
+status, and its access-log line while the access log is on (``access_log``).
 
 A plain ASGI middleware (``BaseHTTPMiddleware`` would cost a task per request), outside
 FastAPI's error handling, so that its 500s carry a request id and are counted too. The route
@@ -14,10 +14,11 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.frontend import request_spans
+from service.frontend import access_log, request_spans
 from service.frontend.inference import CLIENT_CLOSED_STATUS
 from service.frontend.inference_routes import INFERENCE_LABELS
 from service.frontend.state import FrontendState
@@ -30,12 +31,14 @@ ROUTE_LABELS = INFERENCE_LABELS | {
 
 
 class ServiceMiddleware:
-    """Request id in ``X-Request-ID``, request count and latency by route and status."""
+    """Request id in ``X-Request-ID``, request count and latency by route and status, and
+    the access log."""
 
     def __init__(self, app: ASGIApp, frontend: FrontendState) -> None:
         self.app = app
         self.frontend = frontend
         self.tally = frontend.request_tally
+        self.access_log = frontend.settings.access_log
         # Its own generator: code that seeds the global one (tests, libraries) must not make
         # request ids repeat.
         self._ids = random.Random()
@@ -48,10 +51,11 @@ class ServiceMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         status: int | None = None
+        answer_headers: Sequence[tuple[bytes, bytes]] = ()  # the access log's, once answered
         started_s = time.perf_counter()
 
         async def send_with_request_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answer_headers
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
@@ -60,7 +64,7 @@ class ServiceMiddleware:
                 ):
                     # A keep-alive client would send its next request to a closing socket.
                     headers.append((b"connection", b"close"))
-                message["headers"] = headers
+                message["headers"] = answer_headers = headers
             await send(message)
 
         try:
@@ -75,6 +79,8 @@ class ServiceMiddleware:
             latency_s = time.perf_counter() - started_s
             exemplar = state.get(request_spans.EXEMPLAR_STATE)
             self.tally.answered(route_label(scope), str(answered), latency_s, exemplar)
+            if self.access_log:
+                access_log.log_http(scope, answered, latency_s, answer_headers)
 
 
 def route_label(scope: Scope) -> str:

@@ -48,7 +48,8 @@ def model_openapi(
     what the version's handler's ``describe()`` returned, if it has one: its ``"request"``
     (JSON schemas by media type) and ``"response"`` (the schema of one prediction row) replace
     the tensor schemas, which do not apply to a handler's bodies. Without them the bodies are
-    described loosely, by the ``"media_types"`` it lists (the handler's ``media_types``); the
+    described loosely, by the ``"media_types"`` it lists (the handler's ``media_types``); its
+    ``"query_parameters"`` (JSON schemas by name) become the operation's query parameters; the
     whole description is kept in the operation's ``x-batchserve-handler``. ``base`` is left
     unchanged.
     """
@@ -123,12 +124,26 @@ def _describe_model(
     else:
         request_content, row = _handler_contract(manifest, handler_description or {})
         answers = {JSON: {"schema": _prediction_answer(row, max_instances)}}
+        query = (handler_description or {}).get("query_parameters", {})
+        if query:
+            operation["parameters"] = [
+                *operation.get("parameters", []),
+                *(_query_parameter(name, schema) for name, schema in query.items()),
+            ]
         operation["x-batchserve-handler"] = {
             "import_path": manifest.handler.import_path,
             **(handler_description or {}),
         }
     operation["requestBody"]["content"] = request_content
     operation["responses"]["200"]["content"] = answers
+
+
+def _query_parameter(name: str, schema: Schema) -> Schema:
+    """An optional query parameter; its description is the schema's."""
+    parameter: Schema = {"name": name, "in": "query", "required": False, "schema": schema}
+    if "description" in schema:
+        parameter["description"] = schema["description"]
+    return parameter
 
 
 def input_schema(spec: TensorSpec, length_limit: int | None) -> Schema:

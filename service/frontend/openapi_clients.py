@@ -3,7 +3,16 @@
 FastAPI states a path parameter of a handler serving two routes (``/v2/models/{name}`` and
 ``/v2/models/{name}/versions/{version}``, with ``version: str | None``) as nullable; a path
 segment cannot be null, and ``openapi-python-client`` drops such operations ("None | str is
-not allowed in path"). This rewrites the document's content only, whatever the routes are.
+not allowed in path").
+
+A request body of several media types (JSON, a binary file and multipart images, say) is
+declared optional: ``openapi-python-client`` (0.29) makes such a body an optional argument
+(``body: JsonBody | File | Unset = UNSET``) whatever ``required`` says, but imports ``Unset``
+only for what the document declares optional, so the module it wrote for a route with a
+required body of several media types and no optional parameter did not import (NameError).
+The server still refuses a request without a body (415 or 422).
+
+This rewrites the document's content only, whatever the routes are.
 """
 
 from __future__ import annotations
@@ -16,7 +25,8 @@ _NULL: Schema = {"type": "null"}
 
 
 def for_clients(document: Schema) -> Schema:
-    """A copy of ``document`` whose path parameters are required and never null."""
+    """A copy of ``document`` whose path parameters are required and never null, and whose
+    request bodies of several media types are optional."""
     document = copy.deepcopy(document)
     for item in document.get("paths", {}).values():
         for operation in item.values():
@@ -26,6 +36,9 @@ def for_clients(document: Schema) -> Schema:
                 if parameter.get("in") == "path":
                     parameter["required"] = True
                     parameter["schema"] = not_null(parameter.get("schema", {}))
+            body = operation.get("requestBody")
+            if isinstance(body, dict) and len(body.get("content", {})) > 1:
+                body["required"] = False
     return document
 
 

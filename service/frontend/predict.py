@@ -99,6 +99,13 @@ _PREDICT_HEADERS = frozenset(
 )
 
 
+#: What a 413 for a body too large says of the limit: which setting sets it.
+_BODY_LIMIT = (
+    "at most {:,} bytes are accepted (the server's max_body_bytes, set by "
+    "BATCHSERVE_MAX_BODY_BYTES or --max-body-bytes)"
+)
+
+
 async def read_body(
     receive: Receive, declared_length: str | None, max_bytes: int, deadline_s: float
 ) -> bytes:
@@ -110,7 +117,7 @@ async def read_body(
             raise BadRequestError(f"invalid Content-Length {declared_length[:32]!r}")
         if int(declared_length) > max_bytes:
             raise PayloadTooLargeError(
-                f"the body is {int(declared_length)} bytes; at most {max_bytes} bytes are accepted"
+                f"the body is {int(declared_length):,} bytes; {_BODY_LIMIT.format(max_bytes)}"
             )
     chunks: list[bytes] = []
     received = 0
@@ -124,7 +131,9 @@ async def read_body(
                 chunk: bytes = message.get("body", b"")
                 received += len(chunk)
                 if received > max_bytes:
-                    raise PayloadTooLargeError(f"the body exceeds {max_bytes} bytes")
+                    raise PayloadTooLargeError(
+                        f"the body is over {max_bytes:,} bytes; {_BODY_LIMIT.format(max_bytes)}"
+                    )
                 chunks.append(chunk)
                 more_body = message.get("more_body", False)
     except TimeoutError:

@@ -21,6 +21,7 @@ from starlette.types import Scope
 
 from service import tracing
 from service.bridge.interface import InferenceRequest, InferenceResult
+from service.frontend.access_log import TRACE_IDS_STATE
 from service.frontend.state import FrontendState
 
 T = TypeVar("T")
@@ -65,6 +66,11 @@ async def answer_traced(
             if request_id is not None:
                 span.set_attribute("batchserve.request_id", request_id)
             state[EXEMPLAR_STATE] = tracing.current_exemplar()
+            ids = span.get_span_context()
+            state[TRACE_IDS_STATE] = {
+                "trace_id": format(ids.trace_id, "032x"),
+                "span_id": format(ids.span_id, "016x"),
+            }
 
 
 async def serve_traced_grpc(

@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.env_file is not None:
                 apply_env_file(args.env_file, flags=overrides)
             settings = load_settings(**overrides)
-            configure_logging(settings.log_level)
+            configure_logging(settings.log_level, settings.library_log_level)
             return serve(settings, overrides)
         configure_logging("warning")
         if args.command == "package":

@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import multiprocess
 
 from service.config import SHUTDOWN_MARGIN_S, Settings
+from service.logs import logger_levels
 from service.metrics import MULTIPROCESS_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -34,14 +35,17 @@ def graceful_timeout_s(settings: Settings) -> int:
     return math.ceil(settings.drain_delay_s) + settings.shutdown_grace_s + SHUTDOWN_MARGIN_S
 
 
-def logging_config(level: str) -> dict[str, Any]:
+def logging_config(level: str, library_level: str) -> dict[str, Any]:
     """``logging.config.dictConfig`` settings giving the same JSON lines on stdout as
-    ``logs.configure_logging``, for gunicorn's, uvicorn's and the service's records.
+    ``logs.configure_logging``, for gunicorn's, uvicorn's, the service's and libraries'
+    records, each logger at its level (``logs.logger_levels``).
 
     uvicorn's loggers write through the root's handler; ``gunicorn.error`` has it itself and
-    does not propagate. No access log, as with one process.
+    does not propagate. gunicorn's access log is off: the front ends write their own
+    (``access_log``), as one process does.
     """
     level_name = level.upper()
+    levels = logger_levels(level, library_level)
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -53,8 +57,9 @@ def logging_config(level: str) -> dict[str, Any]:
                 "stream": "ext://sys.stdout",
             }
         },
-        "root": {"level": level_name, "handlers": ["stdout"]},
+        "root": {"level": levels.pop(""), "handlers": ["stdout"]},
         "loggers": {
+            **{name: {"level": name_level} for name, name_level in levels.items()},
             "gunicorn.error": {"level": level_name, "handlers": ["stdout"], "propagate": False},
             "gunicorn.access": {"level": level_name, "handlers": [], "propagate": False},
         },
@@ -81,7 +86,7 @@ def gunicorn_options(settings: Settings) -> dict[str, Any]:
         "control_socket_disable": True,
         "proc_name": "batchserve-frontend",
         "loglevel": settings.log_level,
-        "logconfig_dict": logging_config(settings.log_level),
+        "logconfig_dict": logging_config(settings.log_level, settings.library_log_level),
         "child_exit": forget_dead_worker_gauges,
     }
 

@@ -86,7 +86,10 @@ class BatchserveWorker(Worker):  # type: ignore[misc]
         asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit_now, server)
         housekeeping = asyncio.create_task(self._housekeeping(frontend, server))
         try:
-            await server.serve(sockets=self.sockets)
+            # The sockets themselves, not gunicorn's wrappers of them: uvloop closes a wrapped
+            # socket's descriptor behind the wrapper's back, and uvicorn's close of the wrapper
+            # then logged "Error while closing socket [Errno 9]" at every shutdown.
+            await server.serve(sockets=[listener.sock for listener in self.sockets])
         finally:
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):

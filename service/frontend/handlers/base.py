@@ -100,6 +100,12 @@ class Handler:
         """What the OpenAPI schema says about this handler's requests and answers."""
         return {"handler": type(self).__name__}
 
+    def query_schemas(self) -> dict[str, dict[str, Any]]:
+        """The JSON schema (with a description) of each of ``query_parameters`` that says
+        more than "a string": the OpenAPI document declares each of ``query_parameters``
+        with its schema from here."""
+        return {}
+
 
 def build_handler(context: HandlerContext) -> Handler:
     """The handler the context's version names (its class imported from the version's folder

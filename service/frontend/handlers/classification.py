@@ -104,6 +104,17 @@ class ClassificationHandler(Handler):
             )
         return top_k
 
+    def query_schemas(self) -> dict[str, dict[str, Any]]:
+        return {
+            "top_k": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": self.classes,
+                "description": "How many classes to answer per instance, best first "
+                f"(default {self.default_top_k}); classification answers only.",
+            }
+        }
+
     def classify(self, scores: np.ndarray[Any, Any], top_k: int) -> list[Any]:
         """Per row, the ``top_k`` best ``{"label", "score"}``, best first (ties: lower index)."""
         probabilities = softmax(scores) if self.apply_softmax else np.asarray(scores, np.float64)
@@ -127,7 +138,6 @@ class ClassificationHandler(Handler):
             "output": self.output,
             "labels": list(self.labels),
             "top_k": self.default_top_k,
-            "query_parameters": {"top_k": f"integer from 1 to {self.classes}"},
             "response": {
                 "type": "array",
                 "minItems": 1,

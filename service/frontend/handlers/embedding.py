@@ -33,7 +33,11 @@ import numpy as np
 
 from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.instances import check_texts
-from service.frontend.handlers.named_prompts import PROMPT_NAME_PARAMETER, NamedPrompts
+from service.frontend.handlers.named_prompts import (
+    PROMPT_NAME_PARAMETER,
+    NamedPrompts,
+    prompt_name_schema,
+)
 from service.frontend.handlers.text import TextHandler
 from service.frontend.per_token import PaddedInstances
 from service.tensors import NamedArrays
@@ -113,9 +117,8 @@ class EmbeddingHandler(TextHandler):
             "prompts": self.prompts.prompts,
             "default_prompt_name": self.prompts.default_name,
             "similarity_fn_name": self.similarity_fn_name,
-            "query_parameters": {
-                PROMPT_NAME_PARAMETER: f"one of {sorted(self.prompts.prompts)}"
-                if self.prompts.prompts
-                else "none: this version has no prompts"
-            },
         }
+
+    def query_schemas(self) -> dict[str, dict[str, Any]]:
+        prompts = self.prompts
+        return {PROMPT_NAME_PARAMETER: prompt_name_schema(prompts.prompts, prompts.default_name)}

@@ -18,6 +18,18 @@ from service.errors import InvalidInputError
 PROMPT_NAME_PARAMETER = "prompt_name"
 
 
+def prompt_name_schema(prompts: Mapping[str, str], default_name: str | None) -> dict[str, object]:
+    """The JSON schema of ``?prompt_name=`` for a version with these prompts."""
+    if not prompts:
+        return {"type": "string", "description": "This version has no prompts: none is accepted."}
+    default = f" (default {default_name!r})" if default_name is not None else " (default none)"
+    return {
+        "type": "string",
+        "enum": sorted(prompts),
+        "description": f"The prompt put before each text{default}.",
+    }
+
+
 class NamedPrompts:
     """The prompts by name, the default one, and each one's length in tokens."""
 

@@ -36,7 +36,11 @@ from service.errors import InvalidInputError
 from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.hf_text import HFTextHandler, TextInstance
 from service.frontend.handlers.instances import check_texts
-from service.frontend.handlers.named_prompts import PROMPT_NAME_PARAMETER, NamedPrompts
+from service.frontend.handlers.named_prompts import (
+    PROMPT_NAME_PARAMETER,
+    NamedPrompts,
+    prompt_name_schema,
+)
 from service.tensors import NamedArrays
 
 RAW_SCORES_PARAMETER = "raw_scores"
@@ -141,11 +145,16 @@ class RerankHandler(HFTextHandler):
             "activation": self.activation,
             "prompts": self.prompts.prompts,
             "default_prompt_name": self.prompts.default_name,
-            "query_parameters": {
-                RAW_SCORES_PARAMETER: "true or false",
-                PROMPT_NAME_PARAMETER: f"one of {sorted(self.prompts.prompts)}"
-                if self.prompts.prompts
-                else "none: this version has no prompts",
-            },
             "response": {"type": "number", "description": "The pair's relevance score."},
+        }
+
+    def query_schemas(self) -> dict[str, dict[str, Any]]:
+        prompts = self.prompts
+        return {
+            RAW_SCORES_PARAMETER: {
+                "type": "boolean",
+                "description": "true: the model's raw scores, without the activation "
+                f"({self.activation}); default false.",
+            },
+            PROMPT_NAME_PARAMETER: prompt_name_schema(prompts.prompts, prompts.default_name),
         }

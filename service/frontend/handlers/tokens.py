@@ -115,6 +115,16 @@ class TokenClassificationHandler(TextHandler):
             return self.default_strategy
         return _strategy(text, "query parameter aggregation_strategy", InvalidInputError)
 
+    def query_schemas(self) -> dict[str, dict[str, Any]]:
+        return {
+            "aggregation_strategy": {
+                "type": "string",
+                "enum": ["none", "simple"],
+                "description": "none: an entry per token; simple: adjacent tokens of one "
+                f"entity grouped (default {self.default_strategy}).",
+            }
+        }
+
     def postprocess(self, outputs: NamedArrays, request: HandlerRequest) -> list[Any]:
         """Per instance, its tokens' entries (or entities). The texts are tokenized again
         for their offsets: the handler keeps no state between a request's two steps, and
@@ -189,7 +199,6 @@ class TokenClassificationHandler(TextHandler):
             "labels": list(self.labels),
             "aggregation_strategy": self.default_strategy,
             "ignore_labels": sorted(self.ignore_labels),
-            "query_parameters": {"aggregation_strategy": "none or simple"},
             "request": {
                 "application/json": _instances_schema(
                     {"type": "string", "description": "A text to tag."},

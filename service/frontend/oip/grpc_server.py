@@ -28,7 +28,7 @@ from service.errors import (
     forget_traceback,
     grpc_status_name,
 )
-from service.frontend import request_spans
+from service.frontend import access_log, request_spans
 from service.frontend.about import __version__
 from service.frontend.oip.parameters import TIMEOUT_PARAMETER, batch_priority, timeout_s
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
@@ -76,6 +76,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
         self.holds = RefusalHolds(frontend.settings.refusal_hold_ms)
+        self.access_log = frontend.settings.access_log
 
     async def ServerLive(  # noqa: N802 - the protocol's names
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -136,11 +137,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         tally = self.frontend.request_tally
         started_s = time.perf_counter()
         status = "200"
+        reply: pb.ModelInferResponse | None = None
         tally.started()
         self.frontend.receiving += 1
         try:
             try:
-                return await self._infer(request, context)
+                reply = await self._infer(request, context)
+                return reply
             except ServiceError as error:
                 status = str(error.status_code)
                 _set_status(context, error)
@@ -154,6 +157,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             tally.stopped()
             latency_s = time.perf_counter() - started_s
             tally.answered(INFER_ROUTE, status, latency_s, tracing.current_exemplar())
+            if self.access_log:
+                access_log.log_grpc(
+                    "/" + MODEL_INFER_METHOD,
+                    int(status),
+                    latency_s,
+                    request_id=request.id or None,
+                    model=request.model_name or None,
+                    version=reply.model_version if reply is not None else None,
+                    peer=context.peer(),
+                    sizes=(request.ByteSize(), reply.ByteSize() if reply is not None else None),
+                )
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None:
         overrides["workers"] = args.workers
     settings = load_settings(**overrides)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.library_log_level)
     if serves_in_one_process(settings):
         return serve_in_one_process(settings)
     return serve_with_gunicorn(settings)
