@@ -15,15 +15,14 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 from service.config import load_settings
-from service.errors import ModelNotFoundError, ServiceError
-from service.manifest import check_name, check_version
+from service.errors import ServiceError
 from service.processes import EXIT_STALLED
 from service.repository import ModelRepository
+from service.server.model_flags import add_model_flags
 from service.server.predicting.output_file import OutputFile, OutputFileError
 from service.server.predicting.progress import Progress
 from service.server.predicting.sources import (
@@ -36,18 +35,6 @@ from service.server.predicting.sources import (
 EXIT_ROWS_FAILED = 3
 EXIT_UNUSABLE_FILE = 2
 EXIT_INTERRUPTED = 130
-
-
-def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
-    """A flag's parser from one of ``service.manifest``'s checks (its message quotes it)."""
-
-    def parse(text: str) -> str:
-        try:
-            return check(text)
-        except ModelNotFoundError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
 
 
 def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,19 +53,7 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "answered, 3 when some failed, 2 when a file cannot be used, 1 when the model cannot "
         "be served, 70 when it hangs (stall_timeout_s), 130 when interrupted.",
     )
-    predict.add_argument("--model", required=True, type=_checked(check_name), help="model name")
-    predict.add_argument(
-        "--version",
-        default="latest",
-        type=_checked(check_version),
-        help="version (default: latest, the newest packaged one)",
-    )
-    predict.add_argument(
-        "--repository",
-        type=Path,
-        default=None,
-        help="model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)",
-    )
+    add_model_flags(predict, "version (default: latest, the newest packaged one)")
     predict.add_argument("--input", type=Path, required=True, help="the file of inputs")
     predict.add_argument(
         "--input-format",
