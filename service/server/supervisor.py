@@ -64,7 +64,7 @@ from service.processes import (
 )
 from service.server.child_processes import die_with_parent, sleep_until_woken, wake_on_signals
 from service.server.devices import count_cuda_devices, engine_devices
-from service.server.gunicorn_setup import graceful_timeout_s
+from service.server.gunicorn_setup import APP_FACTORY, graceful_timeout_s
 from service.server.launcher import prepare_multiprocess_dir, settings_environment
 from service.server.spare_engine import SpareEngine
 
@@ -83,9 +83,8 @@ LONGEST_BACKOFF_S = 30.0
 STANDBY_RETRY_S = 30.0
 
 
-def gunicorn_command() -> list[str]:
+def gunicorn_command(app_factory: str = APP_FACTORY) -> list[str]:
     """The front ends' command (with the settings in the environment)."""
-    app_factory = "service.server.frontend_process:create_app_from_environment()"
     return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, app_factory]
 
 

@@ -65,7 +65,7 @@ from service.server.launcher import (
     prepare_multiprocess_dir,
     settings_environment,
 )
-from service.server.supervisor import GUNICORN_CONFIG
+from service.server.supervisor import gunicorn_command
 from service.tensors import NamedArrays
 from service.types import Priority
 
@@ -185,10 +185,6 @@ def serve_in_one_process(settings: Settings) -> int:
     return 0
 
 
-def gunicorn_command() -> list[str]:
-    return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, APP_FACTORY]
-
-
 def serve_with_gunicorn(settings: Settings) -> int:
     """``settings.workers`` gunicorn front ends until SIGTERM/SIGINT, which go to gunicorn."""
     environ = dict(os.environ) | settings_environment(
@@ -196,7 +192,9 @@ def serve_with_gunicorn(settings: Settings) -> int:
     )
     metrics_dir, temporary = prepare_multiprocess_dir(environ)
     # This process has no threads (no torch), so preexec_fn is safe here, as in the supervisor.
-    gunicorn = subprocess.Popen(gunicorn_command(), env=environ, preexec_fn=die_with_parent)
+    gunicorn = subprocess.Popen(
+        gunicorn_command(APP_FACTORY), env=environ, preexec_fn=die_with_parent
+    )
 
     def forward(signum: int, frame: FrameType | None) -> None:
         gunicorn.send_signal(signum)
