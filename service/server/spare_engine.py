@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import orjson
 
 from service.processes import SPARE_READY, SPARE_TAKEN
-from service.server.child_processes import die_with_parent
+from service.server.child_processes import backoff_s, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +47,6 @@ STOP_TIMEOUT_S = 10.0
 
 def spare_command(ready_fd: int) -> list[str]:
     return [sys.executable, "-m", "service.engine.spare", "--ready-fd", str(ready_fd)]
-
-
-def spare_retry_s(deaths_before_ready: int) -> float:
-    """How long to wait before starting a spare again after ``deaths_before_ready`` spares in
-    a row died before they were ready: at once after the first (or after a spare that was
-    ready and was killed), then ``FIRST_RETRY_S`` doubling up to ``LONGEST_RETRY_S``."""
-    if deaths_before_ready <= 1:
-        return 0.0
-    return min(LONGEST_RETRY_S, FIRST_RETRY_S * 2.0 ** (deaths_before_ready - 2))
 
 
 def spare_wanted(enabled: bool, engines_loading: int) -> bool:
@@ -180,7 +171,7 @@ class SpareEngine:
             if code is None:
                 return
             self._deaths_before_ready = 0 if self.ready else self._deaths_before_ready + 1
-            wait_s = spare_retry_s(self._deaths_before_ready)
+            wait_s = backoff_s(self._deaths_before_ready, FIRST_RETRY_S, LONGEST_RETRY_S)
             self._start_at_s = now_s + wait_s
             logger.error(
                 "spare_engine_exited",

@@ -62,7 +62,12 @@ from service.processes import (
     READY_MARK,
     RUN_DIR_ENV,
 )
-from service.server.child_processes import die_with_parent, sleep_until_woken, wake_on_signals
+from service.server.child_processes import (
+    backoff_s,
+    die_with_parent,
+    sleep_until_woken,
+    wake_on_signals,
+)
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.gunicorn_setup import APP_FACTORY, graceful_timeout_s
 from service.server.launcher import prepare_multiprocess_dir, settings_environment
@@ -90,19 +95,6 @@ def gunicorn_command(app_factory: str = APP_FACTORY) -> list[str]:
 
 def engine_command() -> list[str]:
     return [sys.executable, "-m", "service.engine.process"]
-
-
-def restart_delay_s(young_deaths: int) -> float:
-    """How long to wait before restarting an engine that has died ``young_deaths`` times in a
-    row within ``STABLE_AFTER_S`` of its start (0 for one that had been serving longer).
-    The first death is restarted at once: a crash is an outage for every front end, and a
-    lone crash is the common case. From the second in a row the wait doubles from
-    ``FIRST_BACKOFF_S`` up to ``LONGEST_BACKOFF_S``, so a model that crashes every start does
-    not keep a core busy.
-    """
-    if young_deaths <= 1:
-        return 0.0
-    return min(LONGEST_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** (young_deaths - 2))
 
 
 @dataclass
@@ -348,7 +340,7 @@ class Supervisor:
             return
         lived_s = now_s - engine.started_s
         engine.young_deaths = 0 if lived_s > STABLE_AFTER_S else engine.young_deaths + 1
-        wait_s = restart_delay_s(engine.young_deaths)
+        wait_s = backoff_s(engine.young_deaths, FIRST_BACKOFF_S, LONGEST_BACKOFF_S)
         engine.restart_at_s = now_s + wait_s
         logger.error(
             "engine_exited",
