@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from service.config import CompileMode, Precision
+from service.cpus import usable_cpus
 from service.engine.batcher.spans import BatchTimings
 from service.engine.output_split import length_ties, split_rows
 from service.engine.outputs import (
@@ -81,20 +79,6 @@ def _in_eval_mode(model: torch.nn.Module) -> torch.nn.Module:
     except NotImplementedError:
         # Modules from torch.export refuse eval(); their mode was fixed when they were exported.
         return model
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
-    container's limit), which ``os.cpu_count()`` ignores by counting the whole node."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
 
 
 def configure_torch_threads(requested: int) -> int:

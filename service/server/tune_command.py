@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from service.cpus import usable_cpus
 from service.server.model_flags import add_model_flags
 
 DEFAULT_BUDGET_S = 300.0
@@ -94,10 +95,10 @@ def add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
 def run_tune(args: argparse.Namespace) -> int:
     """0 when a configuration met the target, 3 when none did (the lowest p99 is written),
     128 + the signal's number when SIGTERM or SIGINT stopped it."""
-    from service.server.tuning.budget import Progress, host_cores, plan_budget
+    from service.server.tuning.budget import Progress, plan_budget
 
     # The budget counts from here: importing torch is part of the run.
-    progress = Progress(args.budget_s, plan_budget(args.budget_s, host_cores()))
+    progress = Progress(args.budget_s, plan_budget(args.budget_s, usable_cpus()))
     try:
         from service.server.tuning.children import (
             STOP_AFTER_SIGNAL_S,
