@@ -1,13 +1,10 @@
 """The spare engine interpreter (``spare_engine``) as the supervisor keeps it.
 
-An engine's restart on a CPU host is mostly its imports (torch and the engine: seconds); the
-load of a small model takes a fraction of a second. So the supervisor keeps one spare process
-per host (``service/engine/spare.py``) that has done those imports and waits for one line on
-its stdin: the variables of the engine it is to become. The next engine the supervisor must
-start (a restart, a new standby) is the spare, given its variables; the supervisor then starts
-a new spare, once no engine is loading (its imports would slow that engine's load on a small
-host). A spare that dies is started again (after a growing wait if it keeps dying before it is
-ready); one that fails as an engine is an engine that failed, handled as such.
+The spare itself, and why it pays, is ``service/engine/spare.py``. The next engine the
+supervisor must start (a restart, a new standby) is the spare, given its variables; the
+supervisor then starts a new spare, once no engine is loading (its imports would slow that
+engine's load on a small host). A spare that dies is started again (after a growing wait if it
+keeps dying before it is ready); one that fails as an engine is an engine that failed.
 
 A ready spare must prove it is alive before it takes an engine's place: it answers its line
 (``taken``, once that engine's heartbeat beats) within ``answer_timeout_s``, or it is killed

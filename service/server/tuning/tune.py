@@ -96,8 +96,13 @@ class Tuning:
 
     async def serve(self, candidate: Candidate, progress: Progress, log: str) -> trials.Server:
         started_s = time.monotonic()
+        environ = dict(self.environ) | candidate.environment()
         server = await trials.start_ready(
-            self.children, candidate, self.environ, progress.ready_timeout_s(), self.logs / log
+            self.children,
+            trials.serve_command(),
+            environ,
+            progress.ready_timeout_s(),
+            self.logs / log,
         )
         progress.started_in(time.monotonic() - started_s)
         return server
