@@ -20,8 +20,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,8 +28,7 @@ import orjson
 
 from service.bridge.interface import InferenceResult, ModelInfo
 from service.config import Settings
-from service.engine.engine import Engine
-from service.errors import HandlerError, ModelLoadError, ServiceError
+from service.errors import HandlerError, ServiceError
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.state import FrontendState
@@ -38,7 +36,7 @@ from service.server.predicting.output_file import OutputFile, answer_line, error
 from service.server.predicting.progress import Progress
 from service.server.predicting.rows import RowPreparer, RowsRequest
 from service.server.predicting.sources import Chunk, InputFileError, Source
-from service.server.single import create_app
+from service.server.single import loaded
 
 T = TypeVar("T")
 
@@ -78,22 +76,6 @@ def chunk_sizes(settings: Settings, prepared_in_threads: bool) -> tuple[int, int
     return rows, max(1, min(window, settings.max_queue_size // rows))
 
 
-@asynccontextmanager
-async def served_model(
-    settings: Settings, on_stall: Callable[[], None]
-) -> AsyncIterator[tuple[FrontendState, ModelInfo]]:
-    """The front end state and the model of a one-process server for ``settings``, loaded
-    and warmed up; shut down on exit."""
-    app = create_app(settings, on_stall=on_stall)
-    async with app.router.lifespan_context(app):
-        await app.state.loading
-        engine: Engine = app.state.engine
-        if engine.state.load_error is not None:
-            raise ModelLoadError(engine.state.load_error)
-        frontend: FrontendState = app.state.frontend
-        yield frontend, frontend.serving_model(settings.model_name)
-
-
 async def predict_file(
     settings: Settings, source: Source, format: str, output: OutputFile, progress: Progress
 ) -> Summary:
@@ -106,7 +88,9 @@ async def predict_file(
         if main is not None:
             main.cancel()
 
-    async with served_model(settings, on_stall) as (frontend, model):
+    async with loaded(settings, on_stall) as app:
+        frontend: FrontendState = app.state.frontend
+        model = frontend.serving_model(settings.model_name)
         preparer = RowPreparer(frontend.handler_for(model), model.manifest)
         problem = preparer.unreadable(format)
         if problem is not None:
