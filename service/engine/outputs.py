@@ -139,16 +139,23 @@ def example_inputs(
     return {spec.name: spec.example_instances(rows, length, rng) for spec in manifest.inputs}
 
 
+def example_tensors(
+    manifest: Manifest, rows: int, length: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """``example_inputs`` (seeded) as tensors of the declared dtypes."""
+    arrays = example_inputs(manifest, rows, length, np.random.default_rng(seed))
+    return {
+        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
+        for spec in manifest.inputs
+    }
+
+
 def run_on_examples(
     module: torch.nn.Module, manifest: Manifest, rows: int, length: int, seed: int
 ) -> object:
     """What ``module`` returns for ``rows`` example rows ``length`` long (seeded), as packaging
     checks a version: the outputs, the lengths they follow, the longest input."""
-    arrays = example_inputs(manifest, rows, length, np.random.default_rng(seed))
-    tensors = {
-        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
-        for spec in manifest.inputs
-    }
+    tensors = example_tensors(manifest, rows, length, seed)
     with torch.inference_mode():
         return call_model(module, tensors, [spec.name for spec in manifest.inputs])
 
