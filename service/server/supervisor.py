@@ -1,29 +1,18 @@
 """The supervisor: ``batchserve serve`` with front ends and engine processes.
 
-It starts one engine process per device (and ``standby_engines`` warm standbys beside each,
-which the front ends switch to when the active one is lost: ``bridge/engines.py``), then
-gunicorn with ``workers`` front ends, and watches them all without importing torch:
+It starts one engine process per device (plus ``standby_engines`` standbys beside each), then
+gunicorn with ``workers`` front ends, and watches them all without importing torch (the rules:
+``docs/architecture.md``):
 
 - An engine that exits is started again at once (after a growing back-off if it keeps dying
-  young): its exit wakes the supervisor (SIGCHLD), which does not wait for its next poll.
-  The front ends reconnect on their own. One that stops touching its heartbeat file for
-  ``engine_heartbeat_timeout_s`` once it has loaded its models is killed and started again;
-  so is one that is still starting (imports, load, warm-up) and leaves it untouched for
-  ``engine_start_heartbeat_timeout_s``, counted from its start if it never touched it (it
-  beats from a thread from its first instant: ``engine/starting_heartbeat.py``). One that
-  cannot load its model (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the
-  same way. An engine started while another of its device is up starts as a standby: if it
-  cannot load, it stays up and failed (every front end reports it) and is started again
-  ``STANDBY_RETRY_S`` later, while the active engine serves on.
+  young); one whose heartbeat file stays untouched too long (loaded, or still starting) is
+  killed and started again; one that cannot load its model (``EXIT_LOAD_FAILED``) stops the
+  server, as a restart would fail the same way; a standby that cannot load stays up, failed,
+  and is started again ``STANDBY_RETRY_S`` later.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
-- SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
-  the engines (every queued request answered); the exit status is 0. SIGINT stops the front
-  ends without draining. SIGHUP, SIGTTIN and SIGTTOU go to gunicorn (reload, more or fewer
-  front ends).
+- SIGTERM: the front ends drain first, then the engines. SIGINT stops the front ends without
+  draining. SIGHUP, SIGTTIN and SIGTTOU go to gunicorn.
 
-With ``spare_engine``, the next engine it starts is a spare that has imported torch and the
-engine already, and only loads its models (``spare_engine.py``): a restart without imports.
-A ready spare that does not answer when it is taken is killed, and the engine started fresh.
 Every child gets SIGTERM if the supervisor dies, so none is left serving as an orphan.
 """
 
