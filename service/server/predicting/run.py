@@ -1,17 +1,13 @@
 """A file's rows through the engine in this process, answered in order.
 
-The model is loaded as ``batchserve serve`` loads it in one process (the lifespan of
-``server.single.create_app`` for the same settings: the ``Engine``, its batcher and device
-thread, and the front end's handler for the version). Chunks of ``max_batch_size`` rows are
-read in file order and prepared (``rows``) where ``/predict`` prepares a body: a small tensor
-chunk on the event loop, a handler's own preprocess in the handler threads; each is queued as
-one request through ``HeldRequest.infer`` (the one path of every entry point) and its answers
-postprocessed on the event loop. A window of chunks is in flight at once: enough to keep the
-device's batches full while the next chunks are read and prepared, few enough that the queue
-never refuses them and the memory held is a few chunks, whatever the file's size. Answers are
-written as each oldest chunk completes, so the output is in input order. Rows have no
-deadline: a run takes as long as the model needs, and a model that hangs is caught by
-``stall_timeout_s``.
+The model is loaded as ``batchserve serve`` loads it in one process (``single.loaded``).
+Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body
+and queued as one request each through ``HeldRequest.infer``, the one path of every entry
+point. A window of chunks is in flight at once: enough to keep the device's batches full while
+the next chunks are read and prepared, few enough that the queue never refuses them and the
+memory held is a few chunks, whatever the file's size. Answers are written as each oldest
+chunk completes, so the output is in input order. Rows have no deadline; a model that hangs
+is caught by ``stall_timeout_s``.
 """
 
 from __future__ import annotations
