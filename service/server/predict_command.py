@@ -1,11 +1,7 @@
 """``batchserve predict``'s flags and its run: a file of inputs answered by the engine in this
 process (``service.server.predicting``, imported only when ``predict`` runs: it imports torch).
-
-Exit status: 0 when every row was answered (or ``--allow-errors``), 3 when some rows failed
-(their error records are in the output), 2 when the input or output file cannot be used (and
-for wrong flags), 1 when the model cannot be loaded or served, 70 when it hangs
-(``stall_timeout_s``), 130 when interrupted; the output's complete lines are kept, and
-``--resume`` continues it.
+The exit statuses are in the command's description; after a failure the output's complete
+lines are kept, and ``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -79,7 +75,7 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    """Answer ``--input`` into ``--output``; the exit status (this module's docstring). The
+    """Answer ``--input`` into ``--output``; the exit status (the command's description). The
     model, the files and a resumed output are checked before torch is imported."""
     overrides: dict[str, object] = {"model_name": args.model, "models": ()}
     if args.repository is not None:
