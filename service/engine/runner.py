@@ -9,7 +9,6 @@ the event loop never runs model code. No asyncio here.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -129,6 +128,7 @@ class TorchRunner:
         self.max_batch_size = max_batch_size
         self._inputs = tuple(inputs)
         self._input_names = [spec.name for spec in self._inputs]
+        self._variable = any(spec.variable_axis is not None for spec in self._inputs)
         self._outputs = tuple(outputs)
         self._length_ties = length_ties(self._inputs, self._outputs)
         self._length_edges = tuple(length_edges)
@@ -154,12 +154,6 @@ class TorchRunner:
     @property
     def compiled(self) -> bool:
         return self.compile_mode != "off"
-
-    @functools.cached_property
-    def _variable(self) -> bool:
-        """Whether an input has a variable axis: asked once a batch, so not recomputed from
-        the specs each time (the inputs never change)."""
-        return any(spec.variable_axis is not None for spec in self._inputs)
 
     def _compile(self) -> None:
         # Each padded batch size is one static graph; allow them all without recompile warnings.
