@@ -236,16 +236,12 @@ class TorchRunner:
         """The model's named outputs for the collated payloads (padded rows included), and
         the real rows of each payload."""
         length = self._batch_length(payloads) if self._variable else 0
-        first = self._inputs[0].name
-        firsts = [payload.arrays[first] for payload in payloads]
-        # Each payload's rows: its arrays share them (len of the first, read in C).
-        rows_each = list(map(len, firsts))
+        rows_each = [len(payload) for payload in payloads]
         total_rows = sum(rows_each)
         padded_rows = self.padded_rows(total_rows)
         tensors = {}
         for spec in self._inputs:
-            # The first input's parts were just gathered (one input: the common case).
-            parts = firsts if spec.name == first else [p.arrays[spec.name] for p in payloads]
+            parts = [payload.arrays[spec.name] for payload in payloads]
             if spec.variable_axis is not None:
                 axis = spec.variable_axis + 1
                 parts = [pad_axis(part, axis, length, spec.pad_value) for part in parts]
