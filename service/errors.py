@@ -38,8 +38,8 @@ def forget_traceback(error: BaseException) -> None:
     """Drop the tracebacks of ``error`` and the exceptions it was raised during, once it is
     answered. A frame of its own traceback often holds it (``refused = ...; raise refused``, a
     future's exception): a reference cycle of the exception, its frames and all they hold,
-    which only the garbage collector frees. In a storm of refusals those collections paused
-    the event loop for 7-34 ms each (issue 23)."""
+    which only the garbage collector frees: in a storm of refusals, collections that pause
+    the event loop."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:

@@ -3,10 +3,9 @@
 Requests make and drop objects by the thousand a second, nearly all freed by reference
 counting within milliseconds. At Python's default (a young collection every 700 net new
 container objects) the collector ran every few requests, walking the requests in flight and
-moving them into the older generations, whose collections then walked them again: 2-3 µs a
-request of an engine's loop (``docs/bench/engines.md``), 10-20 % of a front
-end's own Python (measured in process, without HTTP). Garbage cycles wait for a collection
-a little longer; an answered error leaves none (``errors.forget_traceback``).
+moving them into the older generations, whose collections then walked them again. Garbage
+cycles wait for a collection a little longer; an answered error leaves none
+(``errors.forget_traceback``).
 """
 
 from __future__ import annotations

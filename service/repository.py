@@ -3,10 +3,8 @@
 A version id is the first 12 hex characters of the SHA-256 of everything that decides the
 answers (``Manifest.content_digest``: every file's hash, the tensors, architecture, handler and
 metadata), so packaging the same thing twice gives the same version and any change a new one.
-This module lists, reads and verifies versions; it never deserializes an artifact
-(``engine/model_store.py`` does, from the bytes it verified: ``service/verified_files.py``),
-so the front ends and the CLI can use it without torch. Writing versions is offline tooling
-(``service/packaging/``).
+This module lists, reads and verifies versions without torch; ``engine/model_store.py`` loads
+them and ``service/packaging/`` writes them.
 
 ``latest`` is the newest version by creation time that ``batchserve package`` wrote: a
 version ``batchserve export`` wrote (its metadata names ``exported_from``) is served only when
@@ -37,11 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 class ModelRepository:

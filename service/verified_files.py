@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import io
 import os
 import shutil
 import stat
@@ -27,7 +28,7 @@ from service.manifest import Manifest
 _BLOCK_BYTES = 1 << 20
 
 
-def open_inside(manifest: Manifest, folder: Path, file_name: str) -> BinaryIO:
+def open_inside(manifest: Manifest, folder: Path, file_name: str) -> io.BufferedReader:
     """``folder / file_name`` opened for reading, if it is a regular file whose real path is
     inside the real ``folder``; ``ModelIntegrityError`` otherwise (missing, a link leading
     out of the folder, a FIFO or device)."""
@@ -63,10 +64,17 @@ def check_digest(manifest: Manifest, file_name: str, actual: str) -> None:
 
 def hash_file(manifest: Manifest, folder: Path, file_name: str) -> str:
     """The SHA-256 of the file as read now, streamed (nothing is kept)."""
-    digest = hashlib.sha256()
     with open_inside(manifest, folder, file_name) as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def copy_hashing(file: BinaryIO, target: Path) -> str:
+    """Copy ``file`` into a new file ``target``; the SHA-256 of what was written."""
+    digest = hashlib.sha256()
+    with target.open("xb") as copy:
         for block in iter(lambda: file.read(_BLOCK_BYTES), b""):
             digest.update(block)
+            copy.write(block)
     return digest.hexdigest()
 
 
@@ -95,13 +103,10 @@ class PrivateCopy:
         """Copy ``source / file_name`` in, hashing what is written; a mismatch removes the
         copy and raises ``ModelIntegrityError``."""
         target = self.folder / file_name
-        digest = hashlib.sha256()
-        with open_inside(manifest, source, file_name) as file, target.open("xb") as copy:
-            for block in iter(lambda: file.read(_BLOCK_BYTES), b""):
-                digest.update(block)
-                copy.write(block)
+        with open_inside(manifest, source, file_name) as file:
+            digest = copy_hashing(file, target)
         try:
-            check_digest(manifest, file_name, digest.hexdigest())
+            check_digest(manifest, file_name, digest)
         except ModelIntegrityError:
             target.unlink()
             raise

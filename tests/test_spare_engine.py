@@ -36,13 +36,8 @@ from service.processes import (
     SPARE_TAKEN,
 )
 from service.server import spare_engine, supervisor
-from service.server.spare_engine import (
-    FIRST_RETRY_S,
-    LONGEST_RETRY_S,
-    SpareEngine,
-    spare_retry_s,
-    spare_wanted,
-)
+from service.server.child_processes import backoff_s
+from service.server.spare_engine import FIRST_RETRY_S, LONGEST_RETRY_S, SpareEngine, spare_wanted
 from service.server.supervisor import EngineProcess, Supervisor
 from tests.processes import (
     Running,
@@ -72,6 +67,9 @@ def test_no_spare_starts_while_an_engine_loads_or_when_turned_off() -> None:
 
 
 def test_a_spare_that_keeps_dying_before_it_is_ready_waits_longer_each_time() -> None:
+    def spare_retry_s(deaths_before_ready: int) -> float:
+        return backoff_s(deaths_before_ready, FIRST_RETRY_S, LONGEST_RETRY_S)
+
     assert spare_retry_s(0) == 0.0  # one that was ready, then killed
     assert spare_retry_s(1) == 0.0
     assert spare_retry_s(2) == FIRST_RETRY_S

@@ -22,14 +22,12 @@ from service.processes import (
     READY_MARK,
 )
 from service.server import supervisor
-from service.server.child_processes import sleep_until_woken, wake_on_signals
-from service.server.supervisor import (
-    FIRST_BACKOFF_S,
-    LONGEST_BACKOFF_S,
-    EngineProcess,
-    Supervisor,
-    restart_delay_s,
-)
+from service.server.child_processes import backoff_s, sleep_until_woken, wake_on_signals
+from service.server.supervisor import FIRST_BACKOFF_S, LONGEST_BACKOFF_S, EngineProcess, Supervisor
+
+
+def restart_delay_s(young_deaths: int) -> float:
+    return backoff_s(young_deaths, FIRST_BACKOFF_S, LONGEST_BACKOFF_S)
 
 
 def test_an_engine_that_had_been_serving_is_restarted_at_once() -> None:

@@ -4,10 +4,15 @@ target; the choice of a winner; the diagnosis when nothing meets the target; the
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 
+from service import cpus
 from service.config import Settings
+from service.engine import runner
+from service.server.tuning import tune
 from service.server.tuning.bounds import what_bounds
 from service.server.tuning.budget import (
     Plan,
@@ -237,6 +242,23 @@ def test_the_budget_plan_grows_with_the_budget() -> None:
     assert default.rounds == 3
     assert default.ceiling_workers == (1, 2)
     assert plan_budget(300, cores=1).ceiling_workers == (1,)
+
+
+def test_tune_counts_a_containers_cpu_quota_as_the_engines_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a container limited to one CPU on a larger node, tune plans and searches one core
+    (its engines size torch's threads by the same count), not the node's."""
+    quota = tmp_path / "cpu.max"
+    quota.write_text("100000 100000\n")
+    monkeypatch.setattr(cpus, "CPU_QUOTA_FILE", quota)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpus.usable_cpus() == 1
+    quota.write_text("250000 100000\n")
+    assert cpus.usable_cpus() == 3
+    quota.write_text("max 100000\n")
+    assert cpus.usable_cpus() == 4
+    assert tune.usable_cpus is runner.usable_cpus is cpus.usable_cpus
 
 
 def test_progress_stops_trials_that_would_leave_no_time_to_re_measure() -> None:

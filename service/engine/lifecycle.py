@@ -309,16 +309,13 @@ def freeze_long_lived_objects(*, retired: bool) -> None:
     """Keep everything alive now (torch, the app, the served model) out of later collections.
 
     A full garbage collection walks every tracked object, and with torch loaded that stops the
-    event loop for about 100 ms (measured: 86-142 ms, every second or so at 64 concurrent
-    clients, which was the p99 under load). Requests leave short-lived objects behind, so the
-    collector keeps running full passes over the long-lived heap. Frozen objects are still freed
-    by reference counting; unfreezing first lets the collection find cycles in what was just
-    retired. Called when the served version changes, so each pause happens then, not under load.
+    event loop long enough to be the p99 under load. Frozen objects are still freed by
+    reference counting. Called when the served version changes, so each pause happens then,
+    not under load.
 
-    ``retired``: a version was just let go of, so the whole heap is searched for its cycles.
-    Otherwise (a version starts serving) only what was made since the last freeze is: the
-    full walk of torch's objects took 0.1-0.2 s of an engine's restart, with nothing retired
-    to find.
+    ``retired``: a version was just let go of, so the whole heap is unfrozen and searched for
+    its cycles. Otherwise (a version starts serving) only what was made since the last freeze
+    is: a walk of torch's objects would slow a restart, with nothing retired to find.
     """
     if retired:
         gc.unfreeze()

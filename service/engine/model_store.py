@@ -1,12 +1,9 @@
 """Loading a verified version into an ``nn.Module``.
 
 ``ModelStore`` is the repository (``service/repository.py``) plus the one step that needs
-torch: building the module. Every file is read once and hashed, and the module is built from
-those bytes (or, for a loader that needs a path, from a private copy written while hashing:
-``service/verified_files.py``), so what is loaded is exactly what was verified; a mismatch
-raises ``ModelIntegrityError`` before anything is deserialized. Weights are read with
-safetensors or ``torch.load(weights_only=True)``: no arbitrary pickles. Packaging new versions
-is offline tooling: ``service/packaging/``.
+torch: building the module, from the bytes whose hashes were checked as they were read
+(``service/verified_files.py``). Weights are read with safetensors or
+``torch.load(weights_only=True)``: no arbitrary pickles.
 """
 
 from __future__ import annotations

@@ -37,22 +37,13 @@ def split_rows(
     ties: Sequence[LengthTie],
 ) -> list[NamedArrays]:
     """Each payload's rows of ``outputs`` (the batch's checked host arrays, real rows only),
-    ``rows_each[i]`` rows for payload ``i``, in order.
-
-    Views, not ``np.split`` (a tenth of its cost a batch); the same rows of checked arrays,
-    so no check again a payload (``of_rows``). One output (the common case) has no dict loop,
-    and when every payload is one row, no step a payload in Python at all."""
-    of_rows = NamedArrays.of_rows
+    ``rows_each[i]`` rows for payload ``i``, in order: slices of checked arrays, so not
+    checked again (``of_rows``)."""
     ends = list(itertools.accumulate(rows_each))
     starts = [0, *ends[:-1]]
-    if len(outputs) == 1 and not ties:
-        [(name, array)] = outputs.items()
-        if rows_each.count(1) == len(rows_each):  # counted in C; a payload of 0 rows is not 1
-            return _one_row_each(name, array)
-        return [of_rows({name: array[start:end]}) for start, end in zip(starts, ends, strict=True)]
     split = []
     for payload, start, end in zip(payloads, starts, ends, strict=True):
-        rows = of_rows({name: array[start:end] for name, array in outputs.items()})
+        rows = NamedArrays.of_rows({name: array[start:end] for name, array in outputs.items()})
         split.append(_at_own_length(rows, payload, ties) if ties else rows)
     return split
 
@@ -68,19 +59,3 @@ def _at_own_length(
         if arrays[output].shape[axis] > length:
             arrays[output] = arrays[output][(slice(None),) * axis + (slice(0, length),)]
     return NamedArrays(arrays)
-
-
-#: The slot's setter of ``NamedArrays.arrays``, called in C by ``map`` in ``_one_row_each``
-#: (the frozen dataclass guards only ``__setattr__``, as ``NamedArrays.of_rows`` relies on).
-_set_arrays = NamedArrays.arrays.__set__  # type: ignore[attr-defined,misc]
-
-
-def _one_row_each(name: str, array: Array) -> list[NamedArrays]:
-    """``NamedArrays.of_rows({name: array[i:i + 1]})`` for each row ``i`` of ``array``, made
-    by C calls only (``map``): the rows are views of one row each of one view with an axis of
-    one inserted after the first. The device thread made two Python calls a request here."""
-    rows = len(array)
-    split: list[NamedArrays] = list(map(object.__new__, itertools.repeat(NamedArrays, rows)))
-    by_row = map(dict.fromkeys, itertools.repeat((name,), rows), array[:, None])
-    list(map(_set_arrays, split, by_row))
-    return split

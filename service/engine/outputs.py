@@ -5,7 +5,8 @@ several inputs with keyword arguments named as the inputs (``model(input_ids=...
 attention_mask=...)``, as HuggingFace models take them). It may return a tensor (one output),
 a tuple or list (outputs in the manifest's order) or a dict (outputs by name; extra entries
 are ignored). ``check_forward`` runs a model once on example inputs and names every output
-whose name, dtype or shape differs from the manifest, at packaging and at warm-up.
+whose name, dtype or shape differs from the manifest, at packaging and at warm-up;
+``check_max_length`` runs it at its longest input, at packaging.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from service.buckets import DEFAULT_MAX_LENGTH
 from service.errors import ModelLoadError
 from service.manifest import Manifest, TensorSpec
 from service.tensors import NamedArrays
@@ -137,16 +139,23 @@ def example_inputs(
     return {spec.name: spec.example_instances(rows, length, rng) for spec in manifest.inputs}
 
 
+def example_tensors(
+    manifest: Manifest, rows: int, length: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """``example_inputs`` (seeded) as tensors of the declared dtypes."""
+    arrays = example_inputs(manifest, rows, length, np.random.default_rng(seed))
+    return {
+        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
+        for spec in manifest.inputs
+    }
+
+
 def run_on_examples(
     module: torch.nn.Module, manifest: Manifest, rows: int, length: int, seed: int
 ) -> object:
     """What ``module`` returns for ``rows`` example rows ``length`` long (seeded), as packaging
     checks a version: the outputs, the lengths they follow, the longest input."""
-    arrays = example_inputs(manifest, rows, length, np.random.default_rng(seed))
-    tensors = {
-        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
-        for spec in manifest.inputs
-    }
+    tensors = example_tensors(manifest, rows, length, seed)
     with torch.inference_mode():
         return call_model(module, tensors, [spec.name for spec in manifest.inputs])
 
@@ -170,3 +179,27 @@ def check_forward(module: torch.nn.Module, manifest: Manifest) -> None:
     problems = mismatches(outputs, manifest.outputs, 2, autocast=False)
     if problems:
         raise ModelLoadError(f"{manifest.label}: " + "; ".join(problems))
+
+
+def check_max_length(module: torch.nn.Module, manifest: Manifest) -> None:
+    """Run one example row as long as the variable input's ``max_length`` (the server's
+    default when it declares none): a length beyond what the model holds (its position
+    embeddings) is refused at packaging, naming the length, rather than failing the warm-up
+    as "index out of range in self"."""
+    variable = manifest.variable_input
+    if variable is None:
+        return
+    length = variable.max_length or DEFAULT_MAX_LENGTH
+    try:
+        run_on_examples(module, manifest, 1, length, 0)
+    except Exception as error:
+        declared = (
+            f"max_length {length}"
+            if variable.max_length is not None
+            else f"the default max_length {length} (none is declared)"
+        )
+        raise ModelLoadError(
+            f"{manifest.label}: {declared} of input {variable.name!r} is more than the model "
+            f"can hold: one row {length} long fails with {type(error).__name__}: {error}. "
+            "Declare a max_length the model holds (e.g. its position embeddings)"
+        ) from error

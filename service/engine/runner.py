@@ -9,20 +9,17 @@ the event loop never runs model code. No asyncio here.
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from service.config import CompileMode, Precision
+from service.cpus import usable_cpus
 from service.engine.batcher.spans import BatchTimings
 from service.engine.output_split import length_ties, split_rows
 from service.engine.outputs import (
@@ -83,20 +80,6 @@ def _in_eval_mode(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
-    container's limit), which ``os.cpu_count()`` ignores by counting the whole node."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
-
 def configure_torch_threads(requested: int) -> int:
     """Set torch's intra-op thread count (process-wide); 0 picks usable CPUs minus one, at
     least 1.
@@ -145,6 +128,7 @@ class TorchRunner:
         self.max_batch_size = max_batch_size
         self._inputs = tuple(inputs)
         self._input_names = [spec.name for spec in self._inputs]
+        self._variable = any(spec.variable_axis is not None for spec in self._inputs)
         self._outputs = tuple(outputs)
         self._length_ties = length_ties(self._inputs, self._outputs)
         self._length_edges = tuple(length_edges)
@@ -170,12 +154,6 @@ class TorchRunner:
     @property
     def compiled(self) -> bool:
         return self.compile_mode != "off"
-
-    @functools.cached_property
-    def _variable(self) -> bool:
-        """Whether an input has a variable axis: asked once a batch, so not recomputed from
-        the specs each time (the inputs never change)."""
-        return any(spec.variable_axis is not None for spec in self._inputs)
 
     def _compile(self) -> None:
         # Each padded batch size is one static graph; allow them all without recompile warnings.
@@ -258,16 +236,12 @@ class TorchRunner:
         """The model's named outputs for the collated payloads (padded rows included), and
         the real rows of each payload."""
         length = self._batch_length(payloads) if self._variable else 0
-        first = self._inputs[0].name
-        firsts = [payload.arrays[first] for payload in payloads]
-        # Each payload's rows: its arrays share them (len of the first, read in C).
-        rows_each = list(map(len, firsts))
+        rows_each = [len(payload) for payload in payloads]
         total_rows = sum(rows_each)
         padded_rows = self.padded_rows(total_rows)
         tensors = {}
         for spec in self._inputs:
-            # The first input's parts were just gathered (one input: the common case).
-            parts = firsts if spec.name == first else [p.arrays[spec.name] for p in payloads]
+            parts = [payload.arrays[spec.name] for payload in payloads]
             if spec.variable_axis is not None:
                 axis = spec.variable_axis + 1
                 parts = [pad_axis(part, axis, length, spec.pad_value) for part in parts]

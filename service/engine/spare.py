@@ -1,20 +1,13 @@
 """A spare engine interpreter: ``python -m service.engine.spare --ready-fd N``.
 
-The supervisor keeps one per host (``spare_engine``, ``server/spare_engine.py``), so that an
-engine it must start (a restart after a crash or a hang, a new standby) has its imports done:
-torch and the engine take seconds to import, far longer than loading a small model. The spare
-imports everything an engine needs to load and serve the served models, writes ``ready`` to
-file descriptor N, then blocks on one JSON line on stdin: the engine's own variables (socket,
-device, heartbeat file, generation, standby; ``service/processes.py``). It puts them into its
-environment and runs the engine's ``main``, becoming that engine in the same process (the
-supervisor's ``Popen`` watches it as any engine); once that engine's heartbeat beats, it
-writes ``taken`` to file descriptor N: the supervisor hands it the engine's place only when
-that answer comes (a stopped spare never answers). An end of input without a line: not
-needed any more, exit 0.
-
-Until then it touches no device (CUDA starts in the engine, once it knows its device, as in
-an engine started fresh), writes no heartbeat and no metric, and answers no front end. On a
-GPU the CUDA context, the weights and the warm-up are still paid when it becomes an engine.
+Torch and the engine take seconds to import, far longer than loading a small model, so the
+supervisor keeps one spare per host (``server/spare_engine.py``) for the next engine it must
+start. The spare imports what an engine needs, writes ``ready`` to file descriptor N, then
+reads one JSON line on stdin (the engine's variables: ``service/processes.py``) and becomes
+that engine in the same process, writing ``taken`` once its heartbeat beats: the supervisor
+hands it the engine's place only then (a stopped spare never answers). An end of input: exit
+0. Until then it touches no device (CUDA starts once it knows its device), writes no
+heartbeat or metric, and answers no front end.
 """
 
 from __future__ import annotations

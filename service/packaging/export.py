@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from service.engine.model_store import ModelStore, build_module
-from service.engine.outputs import TORCH_DTYPES, call_model, example_inputs, named_outputs
+from service.engine.outputs import call_model, example_tensors, named_outputs
 from service.manifest import ARTIFACT_SUFFIXES, Manifest, ModelFormat
 from service.packaging.package import Packager
 from service.repository import one_line, sha256_of
@@ -148,14 +147,6 @@ def _settings(manifest: Manifest, to: ModelFormat) -> dict[str, Any]:
     return settings
 
 
-def _examples(manifest: Manifest, rows: int, length: int) -> dict[str, torch.Tensor]:
-    arrays = example_inputs(manifest, rows, length, np.random.default_rng(rows * 1000 + length))
-    return {
-        spec.name: torch.from_numpy(arrays[spec.name]).to(TORCH_DTYPES[spec.dtype])
-        for spec in manifest.inputs
-    }
-
-
 def _dynamic_shapes(manifest: Manifest) -> dict[str, dict[int, Any]]:
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     variable = manifest.variable_input
@@ -176,7 +167,8 @@ def _dynamic_shapes(manifest: Manifest) -> dict[str, dict[int, Any]]:
 def _write(module: torch.nn.Module, manifest: Manifest, to: ModelFormat, path: Path) -> None:
     names = [spec.name for spec in manifest.inputs]
     variable = manifest.variable_input
-    example = _examples(manifest, 2, min(8, variable.max_length or 8) if variable else 1)
+    length = min(8, variable.max_length or 8) if variable else 1
+    example = example_tensors(manifest, 2, length, 2 * 1000 + length)
     args: tuple[torch.Tensor, ...] = (example[names[0]],) if len(names) == 1 else ()
     kwargs = {} if len(names) == 1 else example
     shapes = _dynamic_shapes(manifest)
@@ -245,7 +237,7 @@ def measure_parity(
     within = True
     for rows in PARITY_BATCH_SIZES:
         for length in lengths:
-            inputs = _examples(manifest, rows, length)
+            inputs = example_tensors(manifest, rows, length, rows * 1000 + length)
             with torch.inference_mode():
                 expected = named_outputs(call_model(source, inputs, names), manifest.outputs)
                 got = named_outputs(call_model(exported, inputs, names), manifest.outputs)

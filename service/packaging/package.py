@@ -14,10 +14,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict, Unpack
 
-from service.engine.length_check import check_max_length
 from service.engine.length_ties import tie_lengths
 from service.engine.model_store import build_module
-from service.engine.outputs import check_forward
+from service.engine.outputs import check_forward, check_max_length
 from service.manifest import (
     ARTIFACT_SUFFIXES,
     Architecture,

@@ -12,7 +12,6 @@ the version stays broken.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -24,11 +23,9 @@ from types import TracebackType
 from service.errors import ModelIntegrityError
 from service.manifest import FILE_NAME_PATTERN, MANIFEST_FILE, Manifest
 from service.repository import ModelRepository, one_line
-from service.verified_files import hash_file
+from service.verified_files import copy_hashing, hash_file
 
 logger = logging.getLogger(__name__)
-
-_BLOCK_BYTES = 1 << 20
 
 
 class Staging:
@@ -47,7 +44,8 @@ class Staging:
             for file_name, source in sources.items():
                 if not FILE_NAME_PATTERN.fullmatch(file_name) or file_name == MANIFEST_FILE:
                     raise ValueError(f"a packaged file needs a plain name, got {file_name!r}")
-                self.files[file_name] = _copy_hashing(source, self.folder / file_name)
+                with source.open("rb") as file:
+                    self.files[file_name] = copy_hashing(file, self.folder / file_name)
         except BaseException:
             self.remove()
             raise
@@ -117,15 +115,6 @@ class Staging:
         if replaced:
             logger.info("model_repaired", extra={"model": manifest.label, "files": replaced})
         return kept, tuple(replaced)
-
-
-def _copy_hashing(source: Path, target: Path) -> str:
-    digest = hashlib.sha256()
-    with source.open("rb") as file, target.open("xb") as copy:
-        for block in iter(lambda: file.read(_BLOCK_BYTES), b""):
-            digest.update(block)
-            copy.write(block)
-    return digest.hexdigest()
 
 
 def _readable_manifest(repository: ModelRepository, manifest: Manifest) -> Manifest | None:

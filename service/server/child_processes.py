@@ -21,6 +21,16 @@ def die_with_parent() -> None:
         pass  # not Linux: the children notice a new parent within a second instead
 
 
+def backoff_s(deaths_in_a_row: int, first_s: float, longest_s: float) -> float:
+    """How long to wait before starting a child again after ``deaths_in_a_row`` early deaths:
+    at once after the first (a lone crash is the common case, and waiting only lengthens the
+    outage), then ``first_s`` doubling up to ``longest_s``, so that a child that fails every
+    start does not keep a core busy."""
+    if deaths_in_a_row <= 1:
+        return 0.0
+    return min(longest_s, first_s * 2.0 ** (deaths_in_a_row - 2))
+
+
 def wake_on_signals() -> int:
     """The read end of a pipe that every signal the supervisor handles writes to, SIGCHLD
     included: an engine's exit ends the supervisor's sleep at once, not at its next poll."""

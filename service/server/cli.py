@@ -20,6 +20,7 @@ from service.repository import ModelRepository, one_line
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.env_file import apply_env_file
 from service.server.launcher import clear_configured_multiprocess_dir
+from service.server.model_flags import add_repository_flag
 from service.server.predict_command import add_predict_parser, run_predict
 from service.server.tune_command import add_tune_parser, run_tune
 
@@ -97,8 +98,6 @@ def _parse_json_object(text: str) -> dict[str, Any]:
 #: The metadata key ``models list`` shows as its accuracy column (docs/models.md).
 ACCURACY_KEY = "test_accuracy"
 
-_REPOSITORY_HELP = "model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)"
-
 
 def _repository(args: argparse.Namespace) -> Path:
     """``--repository``, else the configured repository, as ``batchserve serve`` would use."""
@@ -129,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every field of the version can be given as a flag, or in a JSON spec "
         "file (--spec) whose fields the flags override. The version id hashes all of it.",
     )
-    package.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
+    add_repository_flag(package)
     package.add_argument(
         "--spec",
         type=Path,
@@ -208,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "recording its source, settings and the parity measured against it; served when "
         "named by its id (never 'latest')",
     )
-    export.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
+    add_repository_flag(export)
     export.add_argument("--model", required=True, action=_Once, help="model name")
     export.add_argument(
         "--version",
@@ -231,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", "check every file of every version against its SHA-256"),
     ):
         sub = model_commands.add_parser(name, help=help_text)
-        sub.add_argument("--repository", type=Path, default=None, help=_REPOSITORY_HELP)
+        add_repository_flag(sub)
         sub.add_argument("name", nargs="?", help="only this model")
     return parser
 

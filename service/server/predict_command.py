@@ -1,11 +1,7 @@
 """``batchserve predict``'s flags and its run: a file of inputs answered by the engine in this
 process (``service.server.predicting``, imported only when ``predict`` runs: it imports torch).
-
-Exit status: 0 when every row was answered (or ``--allow-errors``), 3 when some rows failed
-(their error records are in the output), 2 when the input or output file cannot be used (and
-for wrong flags), 1 when the model cannot be loaded or served, 70 when it hangs
-(``stall_timeout_s``), 130 when interrupted; the output's complete lines are kept, and
-``--resume`` continues it.
+The exit statuses are in the command's description; after a failure the output's complete
+lines are kept, and ``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -15,15 +11,14 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 from service.config import load_settings
-from service.errors import ModelNotFoundError, ServiceError
-from service.manifest import check_name, check_version
+from service.errors import ServiceError
 from service.processes import EXIT_STALLED
 from service.repository import ModelRepository
+from service.server.model_flags import add_model_flags
 from service.server.predicting.output_file import OutputFile, OutputFileError
 from service.server.predicting.progress import Progress
 from service.server.predicting.sources import (
@@ -36,18 +31,6 @@ from service.server.predicting.sources import (
 EXIT_ROWS_FAILED = 3
 EXIT_UNUSABLE_FILE = 2
 EXIT_INTERRUPTED = 130
-
-
-def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
-    """A flag's parser from one of ``service.manifest``'s checks (its message quotes it)."""
-
-    def parse(text: str) -> str:
-        try:
-            return check(text)
-        except ModelNotFoundError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
 
 
 def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,19 +49,7 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "answered, 3 when some failed, 2 when a file cannot be used, 1 when the model cannot "
         "be served, 70 when it hangs (stall_timeout_s), 130 when interrupted.",
     )
-    predict.add_argument("--model", required=True, type=_checked(check_name), help="model name")
-    predict.add_argument(
-        "--version",
-        default="latest",
-        type=_checked(check_version),
-        help="version (default: latest, the newest packaged one)",
-    )
-    predict.add_argument(
-        "--repository",
-        type=Path,
-        default=None,
-        help="model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)",
-    )
+    add_model_flags(predict, "version (default: latest, the newest packaged one)")
     predict.add_argument("--input", type=Path, required=True, help="the file of inputs")
     predict.add_argument(
         "--input-format",
@@ -104,7 +75,7 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    """Answer ``--input`` into ``--output``; the exit status (this module's docstring). The
+    """Answer ``--input`` into ``--output``; the exit status (the command's description). The
     model, the files and a resumed output are checked before torch is imported."""
     overrides: dict[str, object] = {"model_name": args.model, "models": ()}
     if args.repository is not None:

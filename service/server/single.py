@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from service.config import Settings
 from service.engine.engine import Engine
+from service.errors import ModelLoadError
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
 from service.metrics import EngineMetrics, FrontendMetrics, ProcessMetrics
@@ -66,6 +67,22 @@ def create_app(
     app = create_frontend_app(frontend, lifespan)
     app.state.engine = engine
     return app
+
+
+@contextlib.asynccontextmanager
+async def loaded(
+    settings: Settings, on_stall: Callable[[], None] | None = None
+) -> AsyncIterator[FastAPI]:
+    """``create_app``'s app with its models loaded and warmed up, as it serves, for the
+    commands that use it without HTTP (``predict``, ``tune``); shut down on exit.
+    ``ModelLoadError`` when a model cannot be loaded."""
+    app = create_app(settings, on_stall=on_stall)
+    async with app.router.lifespan_context(app):
+        await app.state.loading
+        engine: Engine = app.state.engine
+        if engine.state.load_error is not None:
+            raise ModelLoadError(engine.state.load_error)
+        yield app
 
 
 def serve(settings: Settings) -> int:

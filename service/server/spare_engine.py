@@ -1,13 +1,10 @@
 """The spare engine interpreter (``spare_engine``) as the supervisor keeps it.
 
-An engine's restart on a CPU host is mostly its imports (torch and the engine: seconds); the
-load of a small model takes a fraction of a second. So the supervisor keeps one spare process
-per host (``service/engine/spare.py``) that has done those imports and waits for one line on
-its stdin: the variables of the engine it is to become. The next engine the supervisor must
-start (a restart, a new standby) is the spare, given its variables; the supervisor then starts
-a new spare, once no engine is loading (its imports would slow that engine's load on a small
-host). A spare that dies is started again (after a growing wait if it keeps dying before it is
-ready); one that fails as an engine is an engine that failed, handled as such.
+The spare itself, and why it pays, is ``service/engine/spare.py``. The next engine the
+supervisor must start (a restart, a new standby) is the spare, given its variables; the
+supervisor then starts a new spare, once no engine is loading (its imports would slow that
+engine's load on a small host). A spare that dies is started again (after a growing wait if it
+keeps dying before it is ready); one that fails as an engine is an engine that failed.
 
 A ready spare must prove it is alive before it takes an engine's place: it answers its line
 (``taken``, once that engine's heartbeat beats) within ``answer_timeout_s``, or it is killed
@@ -32,7 +29,7 @@ from collections.abc import Mapping
 import orjson
 
 from service.processes import SPARE_READY, SPARE_TAKEN
-from service.server.child_processes import die_with_parent
+from service.server.child_processes import backoff_s, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +44,6 @@ STOP_TIMEOUT_S = 10.0
 
 def spare_command(ready_fd: int) -> list[str]:
     return [sys.executable, "-m", "service.engine.spare", "--ready-fd", str(ready_fd)]
-
-
-def spare_retry_s(deaths_before_ready: int) -> float:
-    """How long to wait before starting a spare again after ``deaths_before_ready`` spares in
-    a row died before they were ready: at once after the first (or after a spare that was
-    ready and was killed), then ``FIRST_RETRY_S`` doubling up to ``LONGEST_RETRY_S``."""
-    if deaths_before_ready <= 1:
-        return 0.0
-    return min(LONGEST_RETRY_S, FIRST_RETRY_S * 2.0 ** (deaths_before_ready - 2))
 
 
 def spare_wanted(enabled: bool, engines_loading: int) -> bool:
@@ -180,7 +168,7 @@ class SpareEngine:
             if code is None:
                 return
             self._deaths_before_ready = 0 if self.ready else self._deaths_before_ready + 1
-            wait_s = spare_retry_s(self._deaths_before_ready)
+            wait_s = backoff_s(self._deaths_before_ready, FIRST_RETRY_S, LONGEST_RETRY_S)
             self._start_at_s = now_s + wait_s
             logger.error(
                 "spare_engine_exited",

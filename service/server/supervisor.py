@@ -1,29 +1,18 @@
 """The supervisor: ``batchserve serve`` with front ends and engine processes.
 
-It starts one engine process per device (and ``standby_engines`` warm standbys beside each,
-which the front ends switch to when the active one is lost: ``bridge/engines.py``), then
-gunicorn with ``workers`` front ends, and watches them all without importing torch:
+It starts one engine process per device (plus ``standby_engines`` standbys beside each), then
+gunicorn with ``workers`` front ends, and watches them all without importing torch (the rules:
+``docs/architecture.md``):
 
 - An engine that exits is started again at once (after a growing back-off if it keeps dying
-  young): its exit wakes the supervisor (SIGCHLD), which does not wait for its next poll.
-  The front ends reconnect on their own. One that stops touching its heartbeat file for
-  ``engine_heartbeat_timeout_s`` once it has loaded its models is killed and started again;
-  so is one that is still starting (imports, load, warm-up) and leaves it untouched for
-  ``engine_start_heartbeat_timeout_s``, counted from its start if it never touched it (it
-  beats from a thread from its first instant: ``engine/starting_heartbeat.py``). One that
-  cannot load its model (``EXIT_LOAD_FAILED``) stops the server: a restart would fail the
-  same way. An engine started while another of its device is up starts as a standby: if it
-  cannot load, it stays up and failed (every front end reports it) and is started again
-  ``STANDBY_RETRY_S`` later, while the active engine serves on.
+  young); one whose heartbeat file stays untouched too long (loaded, or still starting) is
+  killed and started again; one that cannot load its model (``EXIT_LOAD_FAILED``) stops the
+  server, as a restart would fail the same way; a standby that cannot load stays up, failed,
+  and is started again ``STANDBY_RETRY_S`` later.
 - gunicorn replaces front ends that die; if gunicorn itself exits, the server stops.
-- SIGTERM: the front ends drain first (readiness off, every accepted request answered), then
-  the engines (every queued request answered); the exit status is 0. SIGINT stops the front
-  ends without draining. SIGHUP, SIGTTIN and SIGTTOU go to gunicorn (reload, more or fewer
-  front ends).
+- SIGTERM: the front ends drain first, then the engines. SIGINT stops the front ends without
+  draining. SIGHUP, SIGTTIN and SIGTTOU go to gunicorn.
 
-With ``spare_engine``, the next engine it starts is a spare that has imported torch and the
-engine already, and only loads its models (``spare_engine.py``): a restart without imports.
-A ready spare that does not answer when it is taken is killed, and the engine started fresh.
 Every child gets SIGTERM if the supervisor dies, so none is left serving as an orphan.
 """
 
@@ -62,9 +51,14 @@ from service.processes import (
     READY_MARK,
     RUN_DIR_ENV,
 )
-from service.server.child_processes import die_with_parent, sleep_until_woken, wake_on_signals
+from service.server.child_processes import (
+    backoff_s,
+    die_with_parent,
+    sleep_until_woken,
+    wake_on_signals,
+)
 from service.server.devices import count_cuda_devices, engine_devices
-from service.server.gunicorn_setup import graceful_timeout_s
+from service.server.gunicorn_setup import APP_FACTORY, graceful_timeout_s
 from service.server.launcher import prepare_multiprocess_dir, settings_environment
 from service.server.spare_engine import SpareEngine
 
@@ -83,27 +77,13 @@ LONGEST_BACKOFF_S = 30.0
 STANDBY_RETRY_S = 30.0
 
 
-def gunicorn_command() -> list[str]:
+def gunicorn_command(app_factory: str = APP_FACTORY) -> list[str]:
     """The front ends' command (with the settings in the environment)."""
-    app_factory = "service.server.frontend_process:create_app_from_environment()"
     return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, app_factory]
 
 
 def engine_command() -> list[str]:
     return [sys.executable, "-m", "service.engine.process"]
-
-
-def restart_delay_s(young_deaths: int) -> float:
-    """How long to wait before restarting an engine that has died ``young_deaths`` times in a
-    row within ``STABLE_AFTER_S`` of its start (0 for one that had been serving longer).
-    The first death is restarted at once: a crash is an outage for every front end, and a
-    lone crash is the common case. From the second in a row the wait doubles from
-    ``FIRST_BACKOFF_S`` up to ``LONGEST_BACKOFF_S``, so a model that crashes every start does
-    not keep a core busy.
-    """
-    if young_deaths <= 1:
-        return 0.0
-    return min(LONGEST_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** (young_deaths - 2))
 
 
 @dataclass
@@ -349,7 +329,7 @@ class Supervisor:
             return
         lived_s = now_s - engine.started_s
         engine.young_deaths = 0 if lived_s > STABLE_AFTER_S else engine.young_deaths + 1
-        wait_s = restart_delay_s(engine.young_deaths)
+        wait_s = backoff_s(engine.young_deaths, FIRST_BACKOFF_S, LONGEST_BACKOFF_S)
         engine.restart_at_s = now_s + wait_s
         logger.error(
             "engine_exited",

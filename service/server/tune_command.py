@@ -11,8 +11,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from service.errors import ModelNotFoundError
-from service.manifest import check_name, check_version
+from service.cpus import usable_cpus
+from service.server.model_flags import add_model_flags
 
 DEFAULT_BUDGET_S = 300.0
 #: Requests in flight: one front end holds at most ``max_requests_per_frontend`` (1,024 by
@@ -46,18 +46,6 @@ def _in_range(
     return parse
 
 
-def _checked(check: Callable[[str], str]) -> Callable[[str], str]:
-    """A flag's parser from one of ``service.manifest``'s checks (its message quotes it)."""
-
-    def parse(text: str) -> str:
-        try:
-            return check(text)
-        except ModelNotFoundError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
-
-
 def add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tune = commands.add_parser(
         "tune",
@@ -67,16 +55,7 @@ def add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         "closed-loop load on 127.0.0.1 for a guided search, re-measures the pick against "
         "the defaults, and writes its BATCHSERVE_* settings (--out) and a report beside it.",
     )
-    tune.add_argument("--model", required=True, type=_checked(check_name), help="model name")
-    tune.add_argument(
-        "--version", default="latest", type=_checked(check_version), help="version (latest)"
-    )
-    tune.add_argument(
-        "--repository",
-        type=Path,
-        default=None,
-        help="model repository (default: BATCHSERVE_MODEL_REPOSITORY, else the bundled one)",
-    )
+    add_model_flags(tune, "version (latest)")
     tune.add_argument(
         "--concurrency",
         required=True,
@@ -116,10 +95,10 @@ def add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
 def run_tune(args: argparse.Namespace) -> int:
     """0 when a configuration met the target, 3 when none did (the lowest p99 is written),
     128 + the signal's number when SIGTERM or SIGINT stopped it."""
-    from service.server.tuning.budget import Progress, host_cores, plan_budget
+    from service.server.tuning.budget import Progress, plan_budget
 
     # The budget counts from here: importing torch is part of the run.
-    progress = Progress(args.budget_s, plan_budget(args.budget_s, host_cores()))
+    progress = Progress(args.budget_s, plan_budget(args.budget_s, usable_cpus()))
     try:
         from service.server.tuning.children import (
             STOP_AFTER_SIGNAL_S,

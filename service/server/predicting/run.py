@@ -1,17 +1,13 @@
 """A file's rows through the engine in this process, answered in order.
 
-The model is loaded as ``batchserve serve`` loads it in one process (the lifespan of
-``server.single.create_app`` for the same settings: the ``Engine``, its batcher and device
-thread, and the front end's handler for the version). Chunks of ``max_batch_size`` rows are
-read in file order and prepared (``rows``) where ``/predict`` prepares a body: a small tensor
-chunk on the event loop, a handler's own preprocess in the handler threads; each is queued as
-one request through ``HeldRequest.infer`` (the one path of every entry point) and its answers
-postprocessed on the event loop. A window of chunks is in flight at once: enough to keep the
-device's batches full while the next chunks are read and prepared, few enough that the queue
-never refuses them and the memory held is a few chunks, whatever the file's size. Answers are
-written as each oldest chunk completes, so the output is in input order. Rows have no
-deadline: a run takes as long as the model needs, and a model that hangs is caught by
-``stall_timeout_s``.
+The model is loaded as ``batchserve serve`` loads it in one process (``single.loaded``).
+Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body
+and queued as one request each through ``HeldRequest.infer``, the one path of every entry
+point. A window of chunks is in flight at once: enough to keep the device's batches full while
+the next chunks are read and prepared, few enough that the queue never refuses them and the
+memory held is a few chunks, whatever the file's size. Answers are written as each oldest
+chunk completes, so the output is in input order. Rows have no deadline; a model that hangs
+is caught by ``stall_timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,8 +24,7 @@ import orjson
 
 from service.bridge.interface import InferenceResult, ModelInfo
 from service.config import Settings
-from service.engine.engine import Engine
-from service.errors import HandlerError, ModelLoadError, ServiceError
+from service.errors import HandlerError, ServiceError
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.state import FrontendState
@@ -38,7 +32,7 @@ from service.server.predicting.output_file import OutputFile, answer_line, error
 from service.server.predicting.progress import Progress
 from service.server.predicting.rows import RowPreparer, RowsRequest
 from service.server.predicting.sources import Chunk, InputFileError, Source
-from service.server.single import create_app
+from service.server.single import loaded
 
 T = TypeVar("T")
 
@@ -78,22 +72,6 @@ def chunk_sizes(settings: Settings, prepared_in_threads: bool) -> tuple[int, int
     return rows, max(1, min(window, settings.max_queue_size // rows))
 
 
-@asynccontextmanager
-async def served_model(
-    settings: Settings, on_stall: Callable[[], None]
-) -> AsyncIterator[tuple[FrontendState, ModelInfo]]:
-    """The front end state and the model of a one-process server for ``settings``, loaded
-    and warmed up; shut down on exit."""
-    app = create_app(settings, on_stall=on_stall)
-    async with app.router.lifespan_context(app):
-        await app.state.loading
-        engine: Engine = app.state.engine
-        if engine.state.load_error is not None:
-            raise ModelLoadError(engine.state.load_error)
-        frontend: FrontendState = app.state.frontend
-        yield frontend, frontend.serving_model(settings.model_name)
-
-
 async def predict_file(
     settings: Settings, source: Source, format: str, output: OutputFile, progress: Progress
 ) -> Summary:
@@ -106,7 +84,9 @@ async def predict_file(
         if main is not None:
             main.cancel()
 
-    async with served_model(settings, on_stall) as (frontend, model):
+    async with loaded(settings, on_stall) as app:
+        frontend: FrontendState = app.state.frontend
+        model = frontend.serving_model(settings.model_name)
         preparer = RowPreparer(frontend.handler_for(model), model.manifest)
         problem = preparer.unreadable(format)
         if problem is not None:

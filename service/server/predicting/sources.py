@@ -3,20 +3,8 @@
 A file is never held whole: JSON Lines and text files are read line by line, ``.npy`` arrays
 and ``.npz`` members row block by row block from their streams (an ``.npz`` member inflated as
 it is read), Parquet files a record batch at a time. Each format's rows are what one
-``/predict`` instance would be:
-
-- ``jsonl``: each line one instance as ``/predict`` takes it in ``{"instances": [...]}``: the
-  bare value of a one-input model (a text, for a text handler), or an object keyed by input
-  name.
-- ``txt``: each line one text (UTF-8, its line ending left out), for handlers that read
-  ``text/plain``.
-- ``npy``: the rows along axis 0 of the model's one input.
-- ``npz``: one ``.npy`` member per input name, rows along axis 0 of each.
-- ``parquet`` (needs pyarrow: the ``batch`` extra): one column per input name (other columns
-  are not read), each row an instance object; or a file of one column, each value an
-  instance (a text column for a text handler).
-
-What makes every row unusable (a wrong dtype, shape or set of names) is an ``InputFileError``
+``/predict`` instance would be (the formats: ``docs/getting-started.md``). What makes every
+row unusable (a wrong dtype, shape or set of names) is an ``InputFileError``
 before anything runs; what makes one row unusable is that row's error, as ``/predict`` would
 answer it.
 """

@@ -1,16 +1,8 @@
 """The request bodies ``tune`` sends, and the rows they make in the model.
 
-Generated for what the version's handler reads, one instance a request:
-
-- tensors (no handler, or one that parses tensors as the base handler does): each input's
-  values within its declared range, variable lengths log-uniform from 8 to the longest;
-- texts (a handler reading ``text/plain``): ``{"instances": [text]}`` of common English
-  words, their number log-uniform from 8 to the model's longest input, so short and long
-  texts come alike (a handler that refuses a long text gets a shorter one);
-- images (a handler reading PNG or JPEG): small pictures (shapes and lines in colour on a
-  light ground, from 32 to 256 pixels a side), PNG and JPEG in turn where both are read.
-
-Or the user's own samples (``--body FILE``, each file a body, its ``Content-Type`` from its
+Generated for what the version's handler reads (tensors, texts or images), one instance a
+request, lengths and sizes spread log-uniformly so that short and long requests come alike;
+or the user's own samples (``--body FILE``, each file a body, its ``Content-Type`` from its
 suffix). Every body is first run through the version's handler, as a front end runs it: one
 it refuses stops ``tune`` with the handler's own message, and the rows it makes give the
 padded length of each row, at which the model limit is measured.

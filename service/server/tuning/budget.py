@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -66,13 +65,6 @@ def rounds_for(plan: Plan, budget_s: float) -> Plan:
     round_s = 2 * (plan.warmup_s + plan.measure_s)
     held = int(REMEASURE_SHARE * budget_s / round_s)
     return replace(plan, rounds=max(2, min(plan.rounds, held)))
-
-
-def host_cores() -> int:
-    """Cores this process may run on (its CPU affinity), as the servers it starts will."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class Progress:

@@ -1,20 +1,12 @@
 """The HTTP ceiling: batchserve's own front end answering ``/predict`` without running a model.
 
-The front end is the real one (``create_frontend_app``: same middleware, request ids, metrics,
-body reading, parsing and validation against the model's input spec, JSON or ``.npy``
-encoding, uvicorn options), given ``ZeroEngine`` as its ``EngineClient``: every request is
-answered at once with zero rows, nothing is queued, batched or computed, and torch is never
-imported. No server can answer faster than this on the same machine, whatever its batching.
-
-It runs the way ``batchserve serve`` would with the same ``BATCHSERVE_*`` settings:
-
-- one process (``workers`` 1, ``engine_mode`` auto or in_process): uvicorn with
-  ``DrainingServer``, as ``service.server.single.serve`` runs it;
-- otherwise ``workers`` gunicorn front ends: gunicorn with the server's own configuration
-  (``python:service.server.gunicorn_conf``: worker class, ``SO_REUSEPORT``, keep-alive,
-  logging) and this module's ``create_app_from_environment()`` as the app. gunicorn takes an
-  app named on its command line over the config's ``wsgi_app`` (the bridge front end), so
-  this factory is the one used; a front end that tried to reach an engine would never start.
+The front end is the real one (``create_frontend_app``), given ``ZeroEngine`` as its
+``EngineClient``: every request is answered at once with zero rows, nothing is queued, batched
+or computed, and torch is never imported. No server can answer faster than this on the same
+machine, whatever its batching. It runs as ``batchserve serve`` would with the same
+``BATCHSERVE_*`` settings: one uvicorn process, or gunicorn front ends with the server's own
+configuration and this module's ``create_app_from_environment()`` as the app (gunicorn takes
+an app named on its command line over the config's ``wsgi_app``).
 
     BATCHSERVE_MODEL_NAME=digits python -m service.server.tuning.ceiling --port 8098
     BATCHSERVE_WORKERS=2 python -m service.server.tuning.ceiling --port 8098
@@ -65,7 +57,7 @@ from service.server.launcher import (
     prepare_multiprocess_dir,
     settings_environment,
 )
-from service.server.supervisor import GUNICORN_CONFIG
+from service.server.supervisor import gunicorn_command
 from service.tensors import NamedArrays
 from service.types import Priority
 
@@ -185,10 +177,6 @@ def serve_in_one_process(settings: Settings) -> int:
     return 0
 
 
-def gunicorn_command() -> list[str]:
-    return [sys.executable, "-m", "gunicorn", "--config", GUNICORN_CONFIG, APP_FACTORY]
-
-
 def serve_with_gunicorn(settings: Settings) -> int:
     """``settings.workers`` gunicorn front ends until SIGTERM/SIGINT, which go to gunicorn."""
     environ = dict(os.environ) | settings_environment(
@@ -196,7 +184,9 @@ def serve_with_gunicorn(settings: Settings) -> int:
     )
     metrics_dir, temporary = prepare_multiprocess_dir(environ)
     # This process has no threads (no torch), so preexec_fn is safe here, as in the supervisor.
-    gunicorn = subprocess.Popen(gunicorn_command(), env=environ, preexec_fn=die_with_parent)
+    gunicorn = subprocess.Popen(
+        gunicorn_command(APP_FACTORY), env=environ, preexec_fn=die_with_parent
+    )
 
     def forward(signum: int, frame: FrameType | None) -> None:
         gunicorn.send_signal(signum)

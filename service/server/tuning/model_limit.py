@@ -23,7 +23,7 @@ from service.engine.engine import Engine
 from service.engine.outputs import example_inputs
 from service.engine.state import ServedModel
 from service.manifest import Manifest
-from service.server.single import create_app
+from service.server.single import loaded
 from service.server.tuning.search import ModelLimit
 from service.tensors import NamedArrays
 
@@ -67,14 +67,10 @@ def time_batch(
 async def served_in_process(settings: Settings) -> AsyncIterator[ServedModel]:
     """The model ``settings`` serve, loaded and warmed up in this process as a server would
     (for timing its forward without HTTP); released on exit."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        await app.state.loading
+    async with loaded(settings) as app:
         engine: Engine = app.state.engine
-        served = engine.served
-        if served is None:
-            raise RuntimeError(f"the model did not load: {engine.state.load_error}")
-        yield served
+        assert engine.served is not None  # loaded, or ModelLoadError
+        yield engine.served
 
 
 def powers_of_two_up_to(largest: int) -> list[int]:

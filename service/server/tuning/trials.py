@@ -15,7 +15,7 @@ import contextlib
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
@@ -44,6 +44,7 @@ def reserve_port() -> socket.socket:
 
 
 def serve_command() -> list[str]:
+    """``batchserve serve``; the candidate's settings go in its environment."""
     return [sys.executable, "-m", "service.server.cli", "serve"]
 
 
@@ -107,22 +108,6 @@ async def stop(children: Children, server: Server) -> None:
         server.reservation.close()
 
 
-@contextlib.asynccontextmanager
-async def serving(
-    children: Children,
-    command: Sequence[str],
-    environ: Mapping[str, str],
-    log: Path,
-    ready_timeout_s: float,
-) -> AsyncIterator[Server]:
-    server = start(children, command, environ, log)
-    try:
-        await wait_ready(server, ready_timeout_s)
-        yield server
-    finally:
-        await stop(children, server)
-
-
 def tree_rss_bytes(root: int, proc: Path = Path("/proc")) -> int:
     """Resident memory of ``root`` and its descendants (Linux ``/proc``; 0 elsewhere)."""
     parents: dict[int, int] = {}
@@ -154,36 +139,31 @@ class Measurement:
     ready_timeout_s: float
 
 
-def result_of(candidate: Candidate, load: LoadResult, memory_bytes: int) -> Result:
+async def measure_server(
+    server: Server, bodies: Sequence[Body], measurement: Measurement
+) -> LoadResult:
+    return await closed_loop(
+        server.url,
+        bodies,
+        concurrency=measurement.concurrency,
+        duration_s=measurement.duration_s,
+        warmup_s=measurement.warmup_s,
+    )
+
+
+async def measure_candidate(
+    candidate: Candidate, server: Server, bodies: Sequence[Body], measurement: Measurement
+) -> Result:
+    load = await measure_server(server, bodies, measurement)
     return Result(
         candidate=candidate,
         throughput_rps=load.throughput_rps,
         p50_ms=load.percentile_ms(0.5),
         p99_ms=load.percentile_ms(0.99),
         errors=load.errors,
-        memory_bytes=memory_bytes,
+        memory_bytes=tree_rss_bytes(server.process.pid),
         answered=len(load.latencies_ms),
     )
-
-
-async def measure_server(
-    server: Server, bodies: Sequence[Body], measurement: Measurement, warm: bool = True
-) -> tuple[LoadResult, int]:
-    load = await closed_loop(
-        server.url,
-        bodies,
-        concurrency=measurement.concurrency,
-        duration_s=measurement.duration_s,
-        warmup_s=measurement.warmup_s if warm else 0.0,
-    )
-    return load, tree_rss_bytes(server.process.pid)
-
-
-async def measure_candidate(
-    candidate: Candidate, server: Server, bodies: Sequence[Body], measurement: Measurement
-) -> Result:
-    load, memory_bytes = await measure_server(server, bodies, measurement)
-    return result_of(candidate, load, memory_bytes)
 
 
 async def ceiling_load(
@@ -199,23 +179,24 @@ async def ceiling_load(
     ``workers`` front ends. ``meanwhile`` (another server starting) is awaited before the load
     starts, so that its start overlaps this one's but never its measurement."""
     env = dict(environ) | {"BATCHSERVE_WORKERS": str(workers)}
-    command = ceiling_command()
-    async with serving(children, command, env, log, measurement.ready_timeout_s) as server:
+    server = await start_ready(children, ceiling_command(), env, measurement.ready_timeout_s, log)
+    try:
         if meanwhile is not None:
             await meanwhile
-        load, _ = await measure_server(server, bodies, measurement)
-    return load
+        return await measure_server(server, bodies, measurement)
+    finally:
+        await stop(children, server)
 
 
 async def start_ready(
     children: Children,
-    candidate: Candidate,
+    command: Sequence[str],
     environ: Mapping[str, str],
     ready_timeout_s: float,
     log: Path,
 ) -> Server:
-    """Serve ``candidate``; the caller stops it (``stop``), also when it never gets ready."""
-    server = start(children, serve_command(), dict(environ) | candidate.environment(), log)
+    """A server ready to answer (the caller stops it), or stopped when it never gets ready."""
+    server = start(children, command, environ, log)
     try:
         await wait_ready(server, ready_timeout_s)
     except BaseException:
@@ -235,6 +216,5 @@ async def interleaved(
     results: list[list[Result]] = [[] for _ in served]
     for _ in range(rounds):
         for index, (candidate, server) in enumerate(served):
-            load, memory_bytes = await measure_server(server, bodies, measurement)
-            results[index].append(result_of(candidate, load, memory_bytes))
+            results[index].append(await measure_candidate(candidate, server, bodies, measurement))
     return results

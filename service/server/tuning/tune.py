@@ -19,11 +19,12 @@ from pathlib import Path
 
 from service.buckets import manifest_length_edges
 from service.config import ENV_PREFIX, Settings, load_settings
+from service.cpus import usable_cpus
 from service.repository import ModelRepository
 from service.server.tuning import search, trials
 from service.server.tuning.bodies import Workload, workload
 from service.server.tuning.bounds import what_bounds, what_bounds_throughput
-from service.server.tuning.budget import Progress, host_cores, rounds_for, window_for
+from service.server.tuning.budget import Progress, rounds_for, window_for
 from service.server.tuning.children import Children
 from service.server.tuning.comparison import compare
 from service.server.tuning.model_limit import measure_limit
@@ -95,8 +96,13 @@ class Tuning:
 
     async def serve(self, candidate: Candidate, progress: Progress, log: str) -> trials.Server:
         started_s = time.monotonic()
+        environ = dict(self.environ) | candidate.environment()
         server = await trials.start_ready(
-            self.children, candidate, self.environ, progress.ready_timeout_s(), self.logs / log
+            self.children,
+            trials.serve_command(),
+            environ,
+            progress.ready_timeout_s(),
+            self.logs / log,
         )
         progress.started_in(time.monotonic() - started_s)
         return server
@@ -237,7 +243,7 @@ async def tune(
         warmup_batch_sizes=(1,),
     )
     environ = base_environment(os.environ, settings)
-    cores = host_cores()
+    cores = usable_cpus()
     edges = manifest_length_edges(manifest, ())
     weights = search.length_weights(load.lengths, edges)
     progress.say(f"requests: {load.description}")
