@@ -1,6 +1,7 @@
 """Many texts a request beside many one-text requests, on a sentence-transformers embedding
 model: batches within the token budget, every caller answered its own rows in order (each
-equal to ``SentenceTransformer.encode`` on the text alone), and the padding counted."""
+equal to ``SentenceTransformer.encode`` on the text alone), and the padding counted and kept
+low (the request's rows sorted by length into its buckets, not padded to its longest)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Path) -> None:
     """Each batch holds at most ``max_batch_tokens`` padded positions; the 256 texts come back
     in order and each one-text request gets its own text's embedding; every row equals
-    ``encode`` on that text alone (1e-5). The padding is counted per batch."""
+    ``encode`` on that text alone (1e-5). The padding is counted per batch, and is at most a
+    third of the positions (46 % when the 256 texts were padded to their longest)."""
     from sentence_transformers import SentenceTransformer
 
     many = texts(BIG_REQUEST, seed=1)
@@ -102,3 +104,4 @@ async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Pa
     assert padding == sum(padded - real for real, padded in batches)
     assert ratios == len(batches)
     print(f"{len(batches)} batches, padding {padding / (real + padding):.1%} of positions")
+    assert padding / (real + padding) < 1 / 3

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from service.config import BatchPolicy
 from service.engine.batcher.adaptive import AdaptivePolicy
-from service.engine.batcher.admission import Admitted, Submission
+from service.engine.batcher.admission import Admitted, Part, Submission
 from service.engine.batcher.collector import DynamicBatcher
 from service.engine.batcher.policy import DispatchPolicy, FixedPolicy
 from service.engine.batcher.queue import QUEUE_DEPTH_REFRESH_S, Sink, Ticket
@@ -44,6 +44,7 @@ __all__ = [
     "BatchFunction",
     "DispatchPolicy",
     "DynamicBatcher",
+    "Part",
     "Sink",
     "Submission",
     "Ticket",
