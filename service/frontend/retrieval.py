@@ -93,18 +93,16 @@ class Arrived:
         (429): 404 when it is not served or its handler is not a ``kind`` (``what``: what
         such a model is called)."""
         frontend = self.frontend
+        status = frontend.engine.status()
+        if not status.ready or status.model is None:
+            raise status.refusal()
+        kinds = [m.manifest.name for m in status.models if _is(frontend, m, kind)]
         if name is None:
-            status = frontend.engine.status()
-            if not status.ready or status.model is None:
-                raise status.refusal()
-            found = next((m for m in status.models if _is(frontend, m, kind)), None)
-            if found is None:
+            if not kinds:
                 raise ModelNotFoundError(f"this server serves no {what}")
-            name = found.manifest.name
+            name = kinds[0]
         model = frontend.admitting_model(name, None, self.priority, self.deadline.at_s)
         if not _is(frontend, model, kind):
-            served = [m.manifest.name for m in frontend.engine.status().models]
-            kinds = [m for m in served if _is(frontend, frontend.serving_model(m), kind)]
             raise ModelNotFoundError(
                 f"{name!r} is not {what}; the {what}s served: {kinds or 'none'}"
             )
