@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,6 +43,7 @@ BIG_REQUEST = 256
 SMALL_REQUESTS = 64
 SHAPES = {"tiny": (2, 16), "bert6": (6, 384)}
 SERVED_NAME = "emb"
+MAX_SEQ_LENGTH = 256
 
 
 def texts(count: int, seed: int, shortest: int = 5, longest: int = 200) -> list[str]:
@@ -92,7 +94,7 @@ def save_folder(root: Path, model: str) -> Path:
         mask_token="[MASK]",
         model_max_length=512,
     ).save_pretrained(bert)
-    encoder = Transformer(str(bert), max_seq_length=256)
+    encoder = Transformer(str(bert), max_seq_length=MAX_SEQ_LENGTH)
     pooled = Pooling(encoder.get_embedding_dimension(), pooling_mode="mean")
     folder = root / "st"
     SentenceTransformer(modules=[encoder, pooled, Normalize()], device="cpu").save(str(folder))
@@ -260,13 +262,42 @@ def batchserve(repository: Path, scratch: Path) -> Iterator[str]:
         yield url + "/v1/embeddings"
 
 
+def legacy_copy(folder: Path, target: Path) -> Path:
+    """``folder`` as sentence-transformers 3 saved such folders (the version infinity-emb
+    installs with): the module classes and settings under their older names, the same
+    weights and tokenizer."""
+    import orjson
+
+    shutil.copytree(folder, target)
+    width = orjson.loads((folder / "1_Pooling" / "config.json").read_bytes())
+    modules = orjson.loads((folder / "modules.json").read_bytes())
+    for module in modules:
+        module["type"] = "sentence_transformers.models." + module["type"].rsplit(".", 1)[1]
+    (target / "modules.json").write_bytes(orjson.dumps(modules))
+    (target / "sentence_bert_config.json").write_bytes(
+        orjson.dumps({"max_seq_length": MAX_SEQ_LENGTH, "do_lower_case": False})
+    )
+    pooling = {
+        "word_embedding_dimension": width["embedding_dimension"],
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    (target / "1_Pooling" / "config.json").write_bytes(orjson.dumps(pooling))
+    return target
+
+
 @contextlib.contextmanager
 def infinity(venv: Path, folder: Path, scratch: Path) -> Iterator[str]:
-    """``infinity_emb v2`` serving ``folder`` on CPU with its torch engine."""
+    """``infinity_emb v2`` serving ``folder`` on CPU with its torch engine, at most 64 texts a
+    batch (batchserve's ``max_batch_size``)."""
+    folder = legacy_copy(folder, scratch / "st-legacy")
     command = [
         str(venv / "bin" / "infinity_emb"), "v2", "--model-id", str(folder),
         "--served-model-name", SERVED_NAME, "--engine", "torch", "--device", "cpu",
-        "--port", "{port}", "--url-prefix", "", "--no-model-warmup",
+        "--port", "{port}", "--url-prefix", "", "--no-model-warmup", "--batch-size", "64",
+        "--no-bettertransformer", "--log-level", "warning",
     ]  # fmt: skip
     server = servers.start(command, servers.server_env({}), scratch / "infinity.log")
     assert server.process is not None

@@ -285,4 +285,26 @@ async def test_the_routes_are_documented_and_counted(client: httpx.AsyncClient) 
     assert refused.status_code == 415
     await asyncio.gather(*(client.post("/embed", json={"inputs": "a"}) for _ in range(2)))
     metrics = (await client.get("/metrics")).text
-    assert 'route="/embed",status="200"' in metrics or 'route="/embed"' in metrics
+    counted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("batchserve_requests_total{")
+        and 'route="/embed"' in line
+        and 'status="200"' in line
+    ]
+    assert counted, "the /embed route's requests are counted under its own label"
+    assert float(counted[0].rsplit(" ", 1)[1]) >= 2
+
+
+async def test_the_limits_of_every_inference_route_apply(client: httpx.AsyncClient) -> None:
+    """A priority the server does not know and a body over ``max_body_bytes`` are refused
+    before anything is computed, in each API's shape."""
+    bad = {"x-priority": "urgent"}
+    tei = await client.post("/embed", json={"inputs": "a"}, headers=bad)
+    assert (tei.status_code, tei.json()["error_type"]) == (422, "validation")
+    oai = await client.post("/v1/embeddings", json={"model": "unit", "input": "a"}, headers=bad)
+    assert (oai.status_code, oai.json()["error"]["code"]) == (422, "invalid_input")
+    huge = b'{"inputs": "' + b"a" * (8 * 1024 * 1024) + b'"}'
+    too_large = await client.post("/embed", content=huge)
+    assert too_large.status_code == 413
+    assert "bytes" in too_large.json()["error"]
