@@ -25,6 +25,7 @@ statuses otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ from service.frontend.inference_routes import (
     of_protocol,
 )
 from service.frontend.responses import JSON, json_answer, json_response
-from service.frontend.retrieval import Arrived, validation_problems
+from service.frontend.retrieval import Arrived, BodyT, validation_problems
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import Array
@@ -100,11 +101,13 @@ def tei_error_response(error: ServiceError, request_id: str) -> Response:
     return json_response(content, status_code=error.status_code, headers=headers)
 
 
-def _answered(request: Request, respond: Any, name: str | None) -> Serve:
+Respond = Callable[[Arrived, str | None], Awaitable[Response]]
+
+
+def _answered(request: Request, respond: Respond, name: str | None) -> Serve:
     async def serve(frontend: FrontendState, request_id: str) -> Response:
         arrived = Arrived.of(frontend, request.scope, request.receive, request_id)
-        answer: Response = await respond(arrived, name)
-        return answer
+        return await respond(arrived, name)
 
     return serve
 
@@ -119,14 +122,12 @@ async def rerank(request: Request, name: str | None = None) -> Response:
     return await answer_inference(request, _answered(request, _rerank, name), tei_error_response)
 
 
-def _body(model: type[BaseModel]) -> Any:
-    async def read(arrived: Arrived) -> Any:
-        try:
-            return await arrived.body(model)
-        except pydantic.ValidationError as error:
-            raise InvalidInputError(validation_problems(error)[0]) from None
-
-    return read
+async def _read(arrived: Arrived, model: type[BodyT]) -> BodyT:
+    """The body as ``model``; 422 naming what does not fit it."""
+    try:
+        return await arrived.body(model)
+    except pydantic.ValidationError as error:
+        raise InvalidInputError(validation_problems(error)[0]) from None
 
 
 def _check_direction(direction: str) -> None:
@@ -139,7 +140,7 @@ def _check_direction(direction: str) -> None:
 
 async def _embed(arrived: Arrived, name: str | None) -> Response:
     model = arrived.model(EmbeddingHandler, "an embedding model", name)
-    body: EmbedRequest = await _body(EmbedRequest)(arrived)
+    body = await _read(arrived, EmbedRequest)
     _check_direction(body.truncation_direction)
     given = body.inputs
     if isinstance(given, list) and not given:
@@ -161,7 +162,7 @@ async def _embed(arrived: Arrived, name: str | None) -> Response:
 
 async def _rerank(arrived: Arrived, name: str | None) -> Response:
     model = arrived.model(RerankHandler, "a reranker", name)
-    body: RerankRequest = await _body(RerankRequest)(arrived)
+    body = await _read(arrived, RerankRequest)
     _check_direction(body.truncation_direction)
     if not body.texts:
         raise InvalidInputError("texts is empty; send at least one text")
