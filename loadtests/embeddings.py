@@ -228,7 +228,7 @@ async def closed_loop(
     errors = 0
     embedded = 0
     limits = httpx.Limits(max_connections=load.clients, max_keepalive_connections=load.clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
         end_s = time.perf_counter() + duration_s
 
         async def one_client(offset: int) -> None:
@@ -239,8 +239,12 @@ async def closed_loop(
                 batch = (pool * 2)[start : start + load.texts_per_request]
                 turn += load.clients
                 sent_s = time.perf_counter()
-                response = await client.post("", json={"model": model, "input": batch})
+                response = await client.post(url, json={"model": model, "input": batch})
                 if response.status_code != 200:
+                    if not errors:
+                        print(
+                            f"{url}: {response.status_code} {response.text[:300]}", file=sys.stderr
+                        )
                     errors += 1
                     continue
                 latencies.append(time.perf_counter() - sent_s)
@@ -267,14 +271,14 @@ def batchserve(repository: Path, scratch: Path) -> Iterator[str]:
         }
     )
     command = servers.batchserve_command()
-    with servers.serving(command, env, scratch / "batchserve.log", ready_timeout_s=300) as url:
-        yield url + "/v1/embeddings"
+    with servers.serving(command, env, scratch / "batchserve.log", ready_timeout_s=300) as server:
+        yield server.url + "/v1/embeddings"
 
 
 def legacy_copy(folder: Path, target: Path) -> Path:
-    """``folder`` as sentence-transformers 3 saved such folders (the version infinity-emb
-    installs with): the module classes and settings under their older names, the same
-    weights and tokenizer."""
+    """``folder`` as sentence-transformers 3 and transformers 4 saved such folders (the
+    versions infinity-emb installs with): the module classes, settings and tokenizer class
+    under their older names, the same weights and tokenizer."""
     import orjson
 
     shutil.copytree(folder, target)
@@ -294,6 +298,9 @@ def legacy_copy(folder: Path, target: Path) -> Path:
         "pooling_mode_mean_sqrt_len_tokens": False,
     }
     (target / "1_Pooling" / "config.json").write_bytes(orjson.dumps(pooling))
+    tokenizer = orjson.loads((folder / "tokenizer_config.json").read_bytes())
+    tokenizer["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 4's name
+    (target / "tokenizer_config.json").write_bytes(orjson.dumps(tokenizer))
     return target
 
 
