@@ -51,8 +51,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Path) -> None:
-    """Each batch holds at most ``max_batch_tokens`` padded positions; the 256 texts come back
-    in order and each one-text request gets its own text's embedding; every row equals
+    """Each batch holds at most ``max_batch_tokens`` padded positions; the 256 texts (sent to
+    ``/v1/embeddings``) come back in order and each one-text request (``/embed`` or
+    ``/predict``) gets its own text's embedding; every row equals
     ``encode`` on that text alone (1e-5). The padding is counted per batch, and is at most a
     third of the positions (46 % when the 256 texts were padded to their longest)."""
     from sentence_transformers import SentenceTransformer
@@ -86,8 +87,14 @@ async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Pa
         runner.count_positions = record
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            big = client.post("/predict", json={"instances": many}, timeout=120)
-            small = [client.post("/predict", json={"instances": [text]}) for text in singles]
+            # The large request over OpenAI's route, the small ones over TEI's and /predict.
+            big = client.post("/v1/embeddings", json={"model": "st", "input": many}, timeout=120)
+            small = [
+                client.post("/embed", json={"inputs": text})
+                if index % 2
+                else client.post("/predict", json={"instances": [text]})
+                for index, text in enumerate(singles)
+            ]
             responses = await asyncio.gather(big, *small)
         registry = registry_of(app)
         real = sample_total(registry, "batchserve_batch_tokens_total", {"kind": "real"})
@@ -95,8 +102,11 @@ async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Pa
         ratios = sample_total(registry, "batchserve_batch_padding_ratio_count")
     assert all(response.status_code == 200 for response in responses), responses[0].text
     want = model.encode(many + singles)
-    got = [*responses[0].json()["predictions"]]
-    got += [response.json()["predictions"][0] for response in responses[1:]]
+    got = [item["embedding"] for item in responses[0].json()["data"]]
+    got += [
+        response.json()[0] if index % 2 else response.json()["predictions"][0]
+        for index, response in enumerate(responses[1:])
+    ]
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert all(padded <= MAX_BATCH_TOKENS for _, padded in batches), batches
     tokens = sum(len(encoding) for encoding in model.tokenizer(many + singles)["input_ids"])
