@@ -3,7 +3,9 @@
 Instances are grouped by the smallest bucket edge that holds their length, so a batch is only
 padded up to its bucket, never to the longest sequence in the whole queue. Attention costs grow
 with the square of the padded length, so mixing an 8-token and a 512-token request in one batch
-would make the short one pay for the long one.
+would make the short one pay for the long one. For the same reason a request of many rows of
+different lengths is sorted by length and cut where the bucket changes (``sorted_runs``):
+each run joins the batches of its own bucket, trimmed to its longest row.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from service.manifest import Manifest, TensorSpec
 from service.tensors import NamedArrays
@@ -87,3 +90,28 @@ def group_and_cost(
     bucketed = list(shape)
     bucketed[variable_axis] = bucket_of(shape[variable_axis], edges)
     return tuple(bucketed), math.prod(bucketed)
+
+
+class Run(NamedTuple):
+    """Rows ``start:stop`` of a request sorted by length (``sorted_runs``), all in one bucket."""
+
+    start: int
+    stop: int
+    longest: int
+    """The longest row's length: the run is trimmed to it."""
+
+
+def sorted_runs(lengths: Sequence[int], edges: Sequence[int]) -> tuple[list[int], list[Run]]:
+    """The rows of a request in order of length (``order``: the request's row at each place;
+    equal lengths keep their order), cut into runs where the bucket changes. A row of length
+    0 counts as 1 (a batch holds at least one position)."""
+    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
+    own = [max(1, lengths[row]) for row in order]
+    buckets = [bucket_of(length, edges) for length in own]
+    runs: list[Run] = []
+    start = 0
+    for place in range(1, len(order) + 1):
+        if place == len(order) or buckets[place] != buckets[start]:
+            runs.append(Run(start, place, own[place - 1]))
+            start = place
+    return order, runs

@@ -171,7 +171,12 @@ class Settings(BaseSettings):
     within a bucket. Empty means powers of two from 8 up to the model's maximum length."""
 
     max_batch_tokens: int = Field(default=16_384, ge=1, le=10_000_000)
-    """Most padded positions (rows x bucket length) in one batch of a variable-length model."""
+    """Most padded positions (rows x bucket length) in one batch of a variable-length model
+    (TEI's setting of the same name). Batches are formed across requests under it: a request
+    of many texts to a model answering one row each (an embedding model, a reranker) is
+    sorted by length into a part per length bucket, each trimmed to its longest text, so its
+    short texts share batches with other short texts rather than pad to its longest; each
+    caller gets its rows back in its own order."""
 
     max_batch_ms: float = Field(default=100.0, ge=0.0, le=600_000.0)
     """The time quantum: a batch is cut (and a request of many rows split) so its forward,

@@ -64,8 +64,16 @@ class NamedArrays:
         return tuple(self.arrays)
 
     @staticmethod
-    def concatenate(parts: Sequence[NamedArrays]) -> NamedArrays:
-        """The rows of ``parts`` one after the other (one part is returned as it is)."""
+    def concatenate(
+        parts: Sequence[NamedArrays], order: Sequence[int] | None = None
+    ) -> NamedArrays:
+        """The rows of ``parts`` one after the other (one part is returned as it is), then
+        taken at the places ``order`` gives when given (a request's rows, sorted by length to
+        be computed, back in its own order)."""
+        if order is not None:
+            joined = NamedArrays.concatenate(parts)
+            places = np.asarray(order, dtype=np.intp)
+            return NamedArrays({name: array[places] for name, array in joined.arrays.items()})
         if len(parts) == 1:
             return parts[0]
         return NamedArrays(

@@ -231,13 +231,13 @@ def waits(seconds: float) -> Callable[[Priority], float]:
 
 
 def test_refusals_say_why_and_unmeasured_requests_are_never_refused() -> None:
-    assert refusal([2], "g", 1.0, PerRow(None), waits(0.0), "normal") is None
-    alone = refusal([2], "g", 1.5, PerRow(1.0), waits(0.0), "normal")
+    assert refusal([("g", 2)], 1.0, PerRow(None), waits(0.0), "normal") is None
+    alone = refusal([("g", 2)], 1.5, PerRow(1.0), waits(0.0), "normal")
     assert isinstance(alone, DeadlineUnreachableError)
-    behind = refusal([1], "g", 1.5, PerRow(1.0), waits(1.0), "normal")
+    behind = refusal([("g", 1)], 1.5, PerRow(1.0), waits(1.0), "normal")
     assert isinstance(behind, OverloadedError)
     assert behind.headers["Retry-After"] == "1"
-    assert refusal([1], "g", 2.0, PerRow(1.0), waits(1.0), "normal") is None
+    assert refusal([("g", 1)], 2.0, PerRow(1.0), waits(1.0), "normal") is None
 
 
 @pytest.mark.parametrize("fastest_s", [None, 0.25])
@@ -248,13 +248,13 @@ def test_a_request_of_one_chunk_is_refused_as_the_same_rows_in_two_chunks(
     """One chunk and two whose estimates add up to the same: the same verdict, message and
     ``Retry-After``."""
     times = PerRow(1.0, fastest_s)
-    one = refusal([2], "g", left_s, times, waits(ahead_s), "normal")
-    two = refusal([1, 1], "g", left_s, times, waits(ahead_s), "normal")
+    one = refusal([("g", 2)], left_s, times, waits(ahead_s), "normal")
+    two = refusal([("g", 1), ("g", 1)], left_s, times, waits(ahead_s), "normal")
     assert type(one) is type(two)
     if one is not None and two is not None:
         assert one.message == two.message
         assert one.headers == two.headers
-    assert refusal([2], "g", left_s, PerRow(None), waits(ahead_s), "normal") is None
+    assert refusal([("g", 2)], left_s, PerRow(None), waits(ahead_s), "normal") is None
 
 
 def test_before_its_rows_are_known_a_request_is_refused_only_when_the_work_ahead_is_too_long() -> (
@@ -269,7 +269,7 @@ def test_before_its_rows_are_known_a_request_is_refused_only_when_the_work_ahead
     assert isinstance(ahead, OverloadedError)
     assert ahead.headers["Retry-After"] == "2"
     assert "1200 ms of work, more than the 300 ms left" in ahead.message
-    assert isinstance(refusal([1], "g", 0.3, PerRow(0.01), waits(1.2), "normal"), OverloadedError)
+    assert isinstance(refusal([("g", 1)], 0.3, PerRow(0.01), waits(1.2), "normal"), OverloadedError)
 
 
 def test_a_shape_slowed_by_load_is_refused_429_with_retry_after_not_422() -> None:
@@ -284,13 +284,13 @@ def test_a_shape_slowed_by_load_is_refused_429_with_retry_after_not_422() -> Non
     times.record("g", 1, 0.06)  # alone
     for _ in range(3):
         times.record("g", 1, 0.4)  # overloaded
-    refused = refusal([1], "g", 0.3, times, waits(0.0), "normal")
+    refused = refusal([("g", 1)], 0.3, times, waits(0.0), "normal")
     assert isinstance(refused, OverloadedError)
     assert refused.headers["Retry-After"] == "1"
     clock.advance(estimates.FRESH_FOR_S + 0.1)  # the load ended a few seconds ago
-    assert refusal([1], "g", 0.3, times, waits(0.0), "normal") is None
+    assert refusal([("g", 1)], 0.3, times, waits(0.0), "normal") is None
     assert isinstance(
-        refusal([2], "g", 0.3, PerRow(0.2, fastest_s=0.2), waits(0.0), "normal"),
+        refusal([("g", 2)], 0.3, PerRow(0.2, fastest_s=0.2), waits(0.0), "normal"),
         DeadlineUnreachableError,  # the forward itself is too long
     )
 

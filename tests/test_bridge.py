@@ -543,3 +543,34 @@ async def test_one_frame_of_mixed_requests_answers_each_as_it_would_alone(
             np.testing.assert_array_equal(outcome.outputs["y"], 2 * rows + 1)
         registry = engine.state.metrics.registry
         assert sample_total(registry, "batchserve_batch_failures_total") == 0
+
+
+async def test_a_request_sorted_by_length_crosses_back_in_its_own_order(
+    socket_path: Path, tmp_path: Path
+) -> None:
+    """Rows of three length buckets in one request: the engine queues a part per bucket
+    (three batches) and the front end gets every row back in its place, each as the model
+    answers it alone."""
+    package_pair_classifier(tmp_path)
+    lengths = [3, 30, 5, 20, 2, 12]
+    ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = np.arange(1, length + 1) + row
+    mask = (ids != 0).astype(np.int64)
+    async with (
+        engine_behind_a_socket(socket_path, tmp_path, model_name="pairs") as (engine, _),
+        client_of(socket_path) as client,
+    ):
+        sent = dataclasses.replace(
+            request(client, value_rows(0.0)),
+            instances=NamedArrays({"input_ids": ids, "attention_mask": mask}),
+        )
+        async with asyncio.timeout(PROMPTLY_S):
+            result = await client.infer(sent)
+        batches = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_count")
+    model = PairClassifier()
+    for row, length in enumerate(lengths):
+        with torch.no_grad():
+            alone = model(torch.from_numpy(ids[row : row + 1, :length]), torch.ones(1, length))
+        np.testing.assert_allclose(result.outputs["logits"][row], alone["logits"][0], atol=1e-6)
+    assert batches == 3  # buckets 8, 16 and 32

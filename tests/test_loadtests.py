@@ -22,7 +22,7 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import handlers, models, protocols, restart_timeline, servers, sweep
+from loadtests import embeddings, handlers, models, protocols, restart_timeline, servers, sweep
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -604,3 +604,13 @@ def test_the_restart_timeline_reads_each_step_after_the_kill_from_the_logs(
         "answered": 3,
         "longest_gap_s": 1.995,
     }
+
+
+def test_the_embedding_benchmark_sends_texts_of_5_to_200_tokens() -> None:
+    from tests.hf_folders import tokenizer
+
+    texts = embeddings.texts(200, seed=3)
+    lengths = [len(encoding.ids) for encoding in tokenizer().encode_batch(texts)]
+    assert min(lengths) >= 5
+    assert max(lengths) <= 200
+    assert max(lengths) - min(lengths) > 100  # lengths of every bucket

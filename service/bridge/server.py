@@ -43,6 +43,8 @@ class QueuedRequest(Protocol):
 
     tag: Any
     """The bridge's: the request's call id and the version computing it."""
+    order: Sequence[int] | None
+    """Where each of its rows is among its chunks' rows joined (None: in order)."""
 
     def outputs(self) -> list[NamedArrays]:
         """Its outputs, one per chunk; raises its error, or ``CancelledError`` if withdrawn."""
@@ -321,7 +323,7 @@ class _Connection(asyncio.Protocol):
             logger.exception("bridge_request_failed", extra={"call_id": call_id})
             failure = ServiceError("internal error in the engine")
             return contract.Answer(call_id, error=contract.WireError.of(failure))
-        return chunks[0] if len(chunks) == 1 else NamedArrays.concatenate(chunks)
+        return NamedArrays.concatenate(chunks, ticket.order)
 
     def _send_answers(
         self, answers: list[contract.Answer], data: Sequence[bytes | memoryview]

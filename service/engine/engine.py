@@ -144,7 +144,7 @@ class Engine:
         ticket, version = self.enqueue(request)
         chunks = await ticket.wait()
         return InferenceResult(
-            outputs=NamedArrays.concatenate(chunks),
+            outputs=NamedArrays.concatenate(chunks, ticket.order),
             version=version,
             batches=ticket.traced_batches(),
         )
@@ -175,11 +175,13 @@ class Engine:
         manifest = served.manifest
         source = None if sink is None else id(sink)
         self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
-        group, cost_per_row = served.group_of(request.instances)
+        queued = served.queued(request.instances)
         ticket = served.batcher.enqueue(
-            request.instances,
-            group=group,
-            cost_per_row=cost_per_row,
+            queued.payload,
+            group=queued.group,
+            cost_per_row=queued.cost_per_row,
+            more=queued.more,
+            order=queued.order,
             priority=request.priority,
             request_id=request.request_id,
             deadline_s=request.deadline_s,
@@ -210,7 +212,7 @@ class Engine:
                 results[index] = served
                 continue
             try:
-                group, cost_per_row = served.group_of(instances)
+                queued = served.queued(instances)
             except ServiceError as error:
                 results[index] = error.with_traceback(None)  # no cycle through ``results``
                 continue
@@ -220,13 +222,15 @@ class Engine:
             frame[1].append(index)
             frame[2].append(
                 Submission(
-                    instances,
-                    group,
-                    cost_per_row,
+                    queued.payload,
+                    queued.group,
+                    queued.cost_per_row,
                     request.priority,
                     request.deadline_s,
                     request.request_id,
                     request.trace,
+                    more=queued.more,
+                    order=queued.order,
                 )
             )
         for served, indexes, submissions in frames.values():

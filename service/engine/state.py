@@ -5,21 +5,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from service.bridge.interface import ModelInfo
-from service.buckets import batch_group
+from service.buckets import batch_group, sorted_runs
 from service.config import Settings
-from service.engine.batcher import DynamicBatcher
+from service.engine.batcher import DynamicBatcher, Part
 from service.engine.device_turns import DeviceTurns
 from service.engine.model_store import ModelStore
 from service.errors import InvalidInputError
 from service.manifest import Manifest, TensorSpec
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
+from service.types import Array
 
 if TYPE_CHECKING:
     from service.engine.runner import TorchRunner
@@ -27,6 +30,17 @@ if TYPE_CHECKING:
 #: A front end's reported load counts this long: it reports with every request, so one that
 #: has been quiet longer has nothing arriving.
 LOAD_FRESH_S = 0.05
+
+
+class Queued(NamedTuple):
+    """A request's rows as the batcher queues them: a first part (payload, group, token cost
+    per row), the parts after it, and where each row of the request went (``Submission``)."""
+
+    payload: NamedArrays
+    group: Hashable
+    cost_per_row: int
+    more: tuple[Part, ...] = ()
+    order: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,69 @@ class ServedModel:
             raise InvalidInputError(
                 f"the instances do not fit {self.manifest.label}'s inputs: {error}"
             ) from error
+
+    def queued(self, instances: NamedArrays) -> Queued:
+        """``instances`` as they are queued: one part of their group (``group_of``), or, for a
+        request of rows of several length buckets of a model whose outputs have fixed shapes
+        (an embedding, a score), its rows sorted by length into a part per bucket, each
+        trimmed to its longest row (``buckets.sorted_runs``): short rows then share batches
+        with short rows of any request, and are never padded to the request's longest."""
+        group, cost_per_row = self.group_of(instances)
+        if len(instances) < 2 or not self._sorted_by_length:
+            return Queued(instances, group, cost_per_row)
+        order, runs = sorted_runs(self._row_lengths(instances), self.length_edges)
+        if len(runs) == 1:
+            return Queued(instances, group, cost_per_row)
+        parts = []
+        for run in runs:
+            rows = np.asarray(order[run.start : run.stop], dtype=np.intp)
+            part = NamedArrays(
+                {name: self._trimmed(name, array[rows], run.longest) for name, array in
+                 instances.arrays.items()}
+            )  # fmt: skip
+            parts.append(Part(part, *self.group_of(part)))
+        places = [0] * len(order)
+        for place, row in enumerate(order):
+            places[row] = place
+        first = parts[0]
+        return Queued(first.payload, first.group, first.cost_per_row, tuple(parts[1:]), places)
+
+    @functools.cached_property
+    def _sorted_by_length(self) -> bool:
+        """Whether a request's rows may be queued sorted by length: the model has a variable
+        input and buckets, and no output whose shape follows it (a per-token output is cut to
+        its request's length, which a part of it does not have)."""
+        return (
+            self.manifest.variable_input is not None
+            and bool(self.length_edges)
+            and all(spec.variable_axis is None for spec in self.manifest.outputs)
+        )
+
+    def _row_lengths(self, instances: NamedArrays) -> list[int]:
+        """Each row's own length: past its last position holding anything but padding in any
+        variable-length input (the rest is padding the front end added)."""
+        lengths = np.zeros(len(instances), dtype=np.int64)
+        for spec in self.manifest.inputs:
+            if spec.variable_axis is None:
+                continue
+            array = np.moveaxis(instances.arrays[spec.name], spec.variable_axis + 1, 1)
+            real = (array != spec.pad_value).reshape(len(array), array.shape[1], -1).any(axis=2)
+            last = array.shape[1] - np.argmax(real[:, ::-1], axis=1)
+            lengths = np.maximum(lengths, np.where(real.any(axis=1), last, 0))
+        return [int(length) for length in lengths]
+
+    def _trimmed(self, name: str, array: Array, length: int) -> Array:
+        """``array`` (rows of input ``name``) cut to ``length`` on its variable axis."""
+        spec = self._specs[name]
+        if spec.variable_axis is None:
+            return array
+        axis = spec.variable_axis + 1
+        index = (slice(None),) * axis + (slice(0, length),)
+        return np.ascontiguousarray(array[index])
+
+    @functools.cached_property
+    def _specs(self) -> dict[str, TensorSpec]:
+        return {spec.name: spec for spec in self.manifest.inputs}
 
     @functools.cached_property
     def _fixed_shape_input(self) -> str | None:

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from service import tracing
 from service.bridge.interface import ModelInfo
 from service.errors import HandlerError, ServiceError
-from service.frontend import admin, docs, routes
+from service.frontend import admin, docs, embeddings_api, routes, tei
 from service.frontend.about import __version__
 from service.frontend.head_requests import HeadAsGet
 from service.frontend.inference import DirectRoute
@@ -60,6 +60,8 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
     # The inference routes on the app's own router, first (ServingApp answers them directly).
     routes.add_predict_routes(app.router)
     oip_routes.add_infer_routes(app.router)
+    embeddings_api.add_embeddings_routes(app.router)
+    tei.add_tei_routes(app.router)
     app.inference_routes = [route for route in app.router.routes if isinstance(route, DirectRoute)]
     app.include_router(routes.router)
     app.include_router(admin.router)

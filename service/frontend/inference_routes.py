@@ -9,15 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Protocol = Literal["predict", "v2"]
-"""What answers a route: ``/predict``'s code (``predict.py``) or the V2 protocol's
-(``oip/rest.py``)."""
+Protocol = Literal["predict", "v2", "openai", "tei"]
+"""What answers a route: ``/predict``'s code (``predict.py``), the V2 protocol's
+(``oip/rest.py``), OpenAI's embeddings (``embeddings_api.py``) or TEI's (``tei.py``)."""
 
 PREDICT_PATH = "/predict"
 MODEL_PREDICT_PATH = "/models/{name}/predict"
 MODEL_VERSION_PREDICT_PATH = "/models/{name}/versions/{version}/predict"
 V2_INFER_PATH = "/v2/models/{name}/infer"
 V2_VERSION_INFER_PATH = "/v2/models/{name}/versions/{version}/infer"
+OPENAI_EMBEDDINGS_PATH = "/v1/embeddings"
+TEI_EMBED_PATH = "/embed"
+TEI_RERANK_PATH = "/rerank"
+MODEL_EMBED_PATH = "/models/{name}/embed"
+MODEL_RERANK_PATH = "/models/{name}/rerank"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,13 @@ INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
     InferenceRoute(MODEL_PREDICT_PATH, "predict", MODEL_PREDICT_PATH, "Predict with a model"),
     InferenceRoute(V2_VERSION_INFER_PATH, "v2", V2_INFER_PATH, "Inference on a version"),
     InferenceRoute(V2_INFER_PATH, "v2", V2_INFER_PATH, "Inference"),
+    InferenceRoute(
+        OPENAI_EMBEDDINGS_PATH, "openai", OPENAI_EMBEDDINGS_PATH, "Embeddings (OpenAI's API)"
+    ),
+    InferenceRoute(TEI_EMBED_PATH, "tei", TEI_EMBED_PATH, "Embed (TEI's API)"),
+    InferenceRoute(TEI_RERANK_PATH, "tei", TEI_RERANK_PATH, "Rerank (TEI's API)"),
+    InferenceRoute(MODEL_EMBED_PATH, "tei", MODEL_EMBED_PATH, "Embed with a model (TEI's API)"),
+    InferenceRoute(MODEL_RERANK_PATH, "tei", MODEL_RERANK_PATH, "Rerank with a model (TEI's API)"),
 )
 #: The label of each inference route, by its path.
 INFERENCE_LABELS = {route.path: route.label for route in INFERENCE_ROUTES}

@@ -261,12 +261,12 @@ async def _serve_body(
         )
         with request_spans.child("parse"):
             if handler_request is None:
-                instances = _handled(handler.context.layout.parse, body, media_type)
+                instances = handled(handler.context.layout.parse, body, media_type)
             else:
                 instances = await off_the_loop(
                     frontend.handler_pool,
                     deadline.at_s,
-                    _handled,
+                    handled,
                     handler.preprocess,
                     handler_request,
                 )
@@ -289,7 +289,7 @@ async def _serve_body(
     else:  # softmax and top-k of a few rows cost less than a thread hop
         if handler_request is None:
             handler_request = _handler_request(body, media_type, headers, query, deadline.at_s)
-        predictions = _handled(handler.postprocess, outputs, handler_request)
+        predictions = handled(handler.postprocess, outputs, handler_request)
     return json_answer(
         {"model": name, "version": version, "predictions": predictions},
         (b"x-model-version", response_headers["X-Model-Version"].encode("latin-1")),
@@ -337,7 +337,7 @@ def _handler_request(
     )
 
 
-def _handled(step: Callable[..., T], *args: object) -> T:
+def handled(step: Callable[..., T], *args: object) -> T:
     """The handler's result; what it raises other than a ``ServiceError`` (a client's
     mistake) is logged and answered 500, for this request alone."""
     try:

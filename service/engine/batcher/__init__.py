@@ -5,9 +5,10 @@ Its pieces, each a module with one concern, tested alone:
 
 - ``queue``: what waits for the device (entries by group and priority lane, with running
   totals), the ``Ticket`` each caller holds, and where finished tickets go (``Outbox``).
-- ``admission``: what a request is split into (chunks within a batch), and what is refused at
-  once: the queue full (429), the work queued ahead too long for the request's deadline (429
-  with ``Retry-After``), the request too long even alone (422).
+- ``admission``: what a request is split into (chunks within a batch, a part at a time when
+  it comes sorted by length into a part per length bucket), and what is refused at once: the
+  queue full (429), the work queued ahead too long for the request's deadline (429 with
+  ``Retry-After``), the request too long even alone (422).
 - ``policy`` and ``adaptive``: the ``DispatchPolicy`` protocol, and one class per policy
   (``FixedPolicy``, ``AdaptivePolicy``), each owning its own target, refill wait and split.
 - ``selection``: which requests the next batch holds (round robin, priority without
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 from service.config import BatchPolicy
 from service.engine.batcher.adaptive import AdaptivePolicy
-from service.engine.batcher.admission import Admitted, Submission
+from service.engine.batcher.admission import Admitted, Part, Submission
 from service.engine.batcher.collector import DynamicBatcher
 from service.engine.batcher.policy import DispatchPolicy, FixedPolicy
 from service.engine.batcher.queue import QUEUE_DEPTH_REFRESH_S, Sink, Ticket
@@ -44,6 +45,7 @@ __all__ = [
     "BatchFunction",
     "DispatchPolicy",
     "DynamicBatcher",
+    "Part",
     "Sink",
     "Submission",
     "Ticket",

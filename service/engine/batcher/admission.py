@@ -1,12 +1,15 @@
 """Admission: what a request is split into, and what is refused at once.
 
 A request is split into chunks that each fit in one batch (by rows, the token budget and the
-time quantum), checked against the queue's bound, and refused before it is queued when it
-cannot be served in time, from recent forward durations (``estimates.BatchTimes``): 422 when
-it alone needs longer than its deadline even at its fastest, 429 with ``Retry-After`` when the
-work queued ahead of it, or a device slowed by load, would make it late. Groups not measured
-lately are never refused on an estimate. Under overload the device thus keeps computing
-answers someone gets.
+time quantum); a request given in parts (a variable-length request sorted by length, its
+rows of each length bucket a part of that bucket's group: ``buckets.sorted_runs``) is split
+part by part, its chunks joining the batches of their own groups, and its ticket keeps
+where each of its rows went (``Ticket.order``). It is checked against the queue's bound, and
+refused before it is queued when it cannot be served in time, from recent forward durations
+(``estimates.BatchTimes``): 422 when it alone needs longer than its deadline even at its
+fastest, 429 with ``Retry-After`` when the work queued ahead of it, or a device slowed by
+load, would make it late. Groups not measured lately are never refused on an estimate. Under
+overload the device thus keeps computing answers someone gets.
 
 The work queued ahead is estimated from the queue's running totals at each request, so a
 request withdrawn (its client left) stops counting at once.
@@ -15,7 +18,7 @@ request withdrawn (its client left) stops counting at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from service.engine.batcher.clock import Clock, Deadlines
@@ -36,6 +39,14 @@ from service.types import Priority
 RowsT = TypeVar("RowsT", bound=Rows)
 
 
+class Part(NamedTuple):
+    """Rows of a request that share a group: their payload, group and cost per row."""
+
+    payload: Any
+    group: Hashable
+    cost_per_row: int = 0
+
+
 class Submission(NamedTuple):
     """One request, as ``DynamicBatcher.enqueue`` takes it (the same meanings)."""
 
@@ -47,6 +58,15 @@ class Submission(NamedTuple):
     request_id: str = "-"
     trace: str | None = None
     tag: object = None
+    more: tuple[Part, ...] = ()
+    """Further parts of the request, each of its own group, after the first (``payload``,
+    ``group``, ``cost_per_row``)."""
+    order: Sequence[int] | None = None
+    """With ``more``: the place of each of the request's rows among the parts' rows joined
+    (None: in that order already)."""
+
+    def parts(self) -> list[Part]:
+        return [Part(self.payload, self.group, self.cost_per_row), *self.more]
 
 
 #: A queued request as its caller holds it (a ``Ticket``), or why it was refused.
@@ -134,14 +154,13 @@ def refusal_of_any(ahead_s: float, left_s: float) -> ServiceError | None:
 
 
 def refusal(
-    chunks: list[int],
-    group: Hashable,
+    chunks: Sequence[tuple[Hashable, int]],
     left_s: float,
     times: Durations,
     wait_s: Callable[[Priority], float],
     priority: Priority,
 ) -> ServiceError | None:
-    """Why a request of ``chunks`` rows each cannot be answered within ``left_s``, from its
+    """Why a request of ``chunks`` (group, rows) cannot be answered within ``left_s``, from its
     chunks' recent durations (``times.estimate``) and the ``wait_s`` of the work ahead of it
     at ``priority``; None when it can (or when a chunk has no recent estimate: admitted, it is
     measured).
@@ -151,7 +170,7 @@ def refusal(
     When only the recent durations make it late (a loaded device), or the queue ahead does,
     429 with ``Retry-After``."""
     own_s = quickest_s = 0.0
-    for rows in chunks:
+    for group, rows in chunks:
         seconds = times.estimate(group, rows)
         if seconds is None:
             return None
@@ -159,8 +178,9 @@ def refusal(
         quickest_s += times.fastest(group, rows) or 0.0
     needed_s = min(own_s, quickest_s)
     if needed_s > left_s:
+        instances = sum(rows for _, rows in chunks)
         return DeadlineUnreachableError(
-            f"these {sum(chunks)} instances need about {needed_s * 1000:.0f} ms of "
+            f"these {instances} instances need about {needed_s * 1000:.0f} ms of "
             f"compute, more than the {left_s * 1000:.0f} ms left before the request's "
             "deadline; send fewer instances per request"
         )
@@ -235,51 +255,60 @@ class Admission:
         self, submission: Submission, source: Hashable, sink: Sink | None
     ) -> tuple[Ticket[Any], list[Entry]]:
         """Queue one request: its ticket and entries (one per chunk); raises why not."""
-        payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag = submission
-        total_rows = len(payload)
-        if total_rows < 1:
+        parts = submission.parts()
+        if sum(len(part.payload) for part in parts) < 1:
             raise InvalidInputError("a request needs at least one instance")
-        if total_rows == 1:  # the common case: one chunk
-            chunks = [payload]
-        else:
-            max_rows = self._row_limit.max_batch_size
-            rows_per_chunk = self._quantum.rows(group, total_rows, max_rows, cost_per_row)
-            chunks = chunks_of(
-                payload, total_rows, rows_per_chunk, self._max_batch_cost, cost_per_row
-            )
+        chunks = [chunk for part in parts for chunk in self._chunks(part)]
         if self._queue.entries + len(chunks) > self._max_queue_size:
             raise self._queue_full()
-        rows = [len(chunk) for chunk in chunks]
+        rows = [len(chunk.payload) for chunk in chunks]
         arrival_s = self._clock.now()
+        deadline_s = submission.deadline_s
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
         refused = refusal(
-            rows, group, deadline_s - arrival_s, self._times, self.estimated_wait_s, priority
+            [(chunk.group, count) for chunk, count in zip(chunks, rows, strict=True)],
+            deadline_s - arrival_s,
+            self._times,
+            self.estimated_wait_s,
+            submission.priority,
         )
         if refused is not None:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise refused
-        ticket: Ticket[Any] = Ticket(self._queue, sink, tag)
+        ticket: Ticket[Any] = Ticket(self._queue, sink, submission.tag, submission.order)
         entries = [
             Entry(
                 ticket,
                 index,
-                chunk,
+                chunk.payload,
                 rows=rows[index],
-                cost=rows[index] * cost_per_row,
-                group=group,
-                priority=priority,
+                cost=rows[index] * chunk.cost_per_row,
+                group=chunk.group,
+                priority=submission.priority,
                 arrival_s=arrival_s,
                 deadline_s=deadline_s,
-                request_id=request_id,
+                request_id=submission.request_id,
                 source=source,
-                trace=trace,
+                trace=submission.trace,
             )
             for index, chunk in enumerate(chunks)
         ]
         ticket.attach(entries)
         self._queue.add_all(entries)
         return ticket, entries
+
+    def _chunks(self, part: Part) -> list[Part]:
+        """``part`` in chunks that each fit in a batch (itself when it does)."""
+        total_rows = len(part.payload)
+        if total_rows <= 1:  # the common case: one chunk
+            return [part]
+        max_rows = self._row_limit.max_batch_size
+        rows_per_chunk = self._quantum.rows(part.group, total_rows, max_rows, part.cost_per_row)
+        chunks = chunks_of(
+            part.payload, total_rows, rows_per_chunk, self._max_batch_cost, part.cost_per_row
+        )
+        return [Part(chunk, part.group, part.cost_per_row) for chunk in chunks]
 
     def refusal_of_any(self, priority: Priority, deadline_s: float | None) -> ServiceError | None:
         """What ``admit`` would raise now for any request at ``priority`` due at

@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from typing import Generic
 
-from service.engine.batcher.admission import Admission, Admitted, Submission
+from service.engine.batcher.admission import Admission, Admitted, Part, Submission
 from service.engine.batcher.clock import Clock, Deadlines, MonotonicClock, Timer
 from service.engine.batcher.estimates import BatchTimes
 from service.engine.batcher.policy import DispatchPolicy, Target
@@ -171,6 +171,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         trace: str | None = None,
         sink: Sink | None = None,
         tag: object = None,
+        more: tuple[Part, ...] = (),
+        order: Sequence[int] | None = None,
     ) -> Ticket[OutputT]:
         """Queue one request now; its ``Ticket`` gets its outputs, one per chunk.
 
@@ -180,7 +182,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         ``deadline_s`` (``time.monotonic()``) defaults to ``request_timeout_ms`` from now.
         ``source`` names the front end (batch sources are counted); ``trace``: its W3C
         ``traceparent``. Once answered the ticket goes to ``sink`` with the others of its
-        batch; ``tag`` is the caller's name for it.
+        batch; ``tag`` is the caller's name for it. ``more``: further parts of the request, each
+        of its own group (a request sorted by length, a part per length bucket), and ``order``
+        where each of its rows is among the parts' rows joined (``Ticket.order``).
 
         Raises at once ``QueueFullError``, ``OverloadedError`` (the work ahead would make it
         late), ``DeadlineUnreachableError`` (too long even alone), ``InvalidInputError`` (no
@@ -192,7 +196,18 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             raise self._admission.not_ready()
         was_empty = not self._queue
         ticket = self._admission.admit(
-            Submission(payload, group, cost_per_row, priority, deadline_s, request_id, trace, tag),
+            Submission(
+                payload,
+                group,
+                cost_per_row,
+                priority,
+                deadline_s,
+                request_id,
+                trace,
+                tag,
+                more,
+                order,
+            ),
             source,
             sink,
         )

@@ -134,13 +134,32 @@ class Entry:
 class Ticket(Generic[OutputT]):
     """A queued request as its caller holds it: the outputs of its chunks, in request order."""
 
-    __slots__ = ("_entries", "_error", "_outputs", "_pending", "_queue", "_waiter", "sink", "tag")
+    __slots__ = (
+        "_entries",
+        "_error",
+        "_outputs",
+        "_pending",
+        "_queue",
+        "_waiter",
+        "order",
+        "sink",
+        "tag",
+    )
 
-    def __init__(self, queue: BatchQueue, sink: Sink | None = None, tag: object = None) -> None:
+    def __init__(
+        self,
+        queue: BatchQueue,
+        sink: Sink | None = None,
+        tag: object = None,
+        order: Sequence[int] | None = None,
+    ) -> None:
         self._queue = queue
         self.sink = sink
         self.tag = tag
         """What the caller knows the request by (the bridge: its call id and version)."""
+        self.order = order
+        """Where each of the request's rows is among its chunks' output rows joined (None:
+        in order): a request sorted by length is answered in its own order."""
         self._entries: list[Entry] = []
         self._outputs: list[Any] = []
         self._pending = 0

@@ -17,8 +17,10 @@ Options: the text handler's (``tokenizer_file``, ``truncate``, ``max_chars``,
 
 The engine-side contract, for routes beside ``/predict`` (OpenAI's ``/v1/embeddings``, TEI's
 ``/embed``): ``text_inputs(texts, prompt_name)`` gives the model's inputs, one row per text;
+``id_inputs(rows)`` the same for texts already tokenized (OpenAI's token-id inputs);
 ``token_counts`` each text's tokens (prompt and special tokens included: what the model
-read); the engine answers an ``embedding`` row per text, in order.
+read); the engine answers an ``embedding`` row per text, in order; ``normalized`` says
+whether the version's last step is ``Normalize`` (its rows have unit length).
 
 Query parameters: ``prompt_name``.
 """
@@ -31,6 +33,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from service.errors import InvalidInputError
 from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.instances import check_texts
 from service.frontend.handlers.named_prompts import (
@@ -39,7 +42,7 @@ from service.frontend.handlers.named_prompts import (
     prompt_name_schema,
 )
 from service.frontend.handlers.text import TextHandler
-from service.frontend.per_token import PaddedInstances
+from service.frontend.per_token import PaddedInstances, padded_instances
 from service.tensors import NamedArrays
 
 PROMPT_LENGTH_INPUT = "prompt_length"
@@ -68,6 +71,12 @@ class EmbeddingHandler(TextHandler):
             (spec for spec in context.manifest.inputs if spec.name == PROMPT_LENGTH_INPUT), None
         )
         """The input taking each row's prompt tokens, when the pooling leaves them out."""
+        architecture = context.manifest.architecture
+        steps = architecture.kwargs.get("steps") if architecture is not None else None
+        self.normalized = (
+            isinstance(steps, list) and bool(steps) and steps[-1].get("kind") == ("normalize")
+        )
+        """Whether the version's last step is ``Normalize``: each row has unit length."""
 
     def preprocess(self, request: HandlerRequest) -> NamedArrays:
         return self.text_inputs(
@@ -89,6 +98,38 @@ class EmbeddingHandler(TextHandler):
             length = self.prompts.length(name)
             extra[PROMPT_LENGTH_INPUT] = np.full(len(texts), length, self.prompt_length.numpy_dtype)
         return self.encode(bounded, deadline_s, extra)
+
+    def id_inputs(self, rows: list[list[int]]) -> NamedArrays:
+        """The model's inputs for texts already tokenized: each row of token ids as given (no
+        prompt, no special tokens added), cut to the model's length when the version
+        truncates: 422 for an empty row or an id outside the vocabulary, 413 for too many."""
+        if self.max_texts is not None:
+            check_texts(len(rows), self.max_texts)
+        vocabulary = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        for index, row in enumerate(rows):
+            outside = next((token for token in row if not 0 <= token < vocabulary), None)
+            if outside is not None:
+                raise InvalidInputError(
+                    f"token id {outside} of input {index} is outside this model's vocabulary "
+                    f"(0 to {vocabulary - 1})"
+                )
+        if self.truncate and self.max_length is not None:
+            rows = [row[: self.max_length] for row in rows]
+        lengths = np.fromiter((len(row) for row in rows), np.int64, len(rows))
+        self._check_lengths(lengths)
+        longest = int(lengths.max())
+        arrays = {self.ids.name: self._padded(rows, self.ids, longest)}
+        real = np.arange(longest) < lengths[:, np.newaxis]
+        if self.type_ids is not None:
+            type_ids = np.where(real, 0, self.type_ids.pad_value)
+            arrays[self.type_ids.name] = type_ids.astype(self.type_ids.numpy_dtype)
+        if self.mask is not None:
+            mask = np.where(real, 1, self.mask.pad_value)
+            arrays[self.mask.name] = mask.astype(self.mask.numpy_dtype)
+        if self.prompt_length is not None:
+            arrays[PROMPT_LENGTH_INPUT] = np.zeros(len(rows), self.prompt_length.numpy_dtype)
+        checked = self.context.layout.check(arrays)
+        return padded_instances(checked, lengths, self.context.manifest.inputs)
 
     def token_counts(self, inputs: NamedArrays) -> list[int]:
         """Each text's tokens in ``inputs`` (``text_inputs``'), for usage counts."""
