@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from service.bridge import changes
@@ -26,6 +26,8 @@ from service.bridge.connection import EngineConnection
 from service.bridge.engines import ActiveEngines, change_targets, roles
 from service.bridge.interface import (
     EngineStatus,
+    GeneratedTokens,
+    GenerateRequest,
     InferenceRequest,
     InferenceResult,
     Phase,
@@ -149,6 +151,11 @@ class BridgeClient:
         except asyncio.CancelledError:
             connection.cancel(call_id)  # the engine drops it unless it is running already
             raise
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
+        """Not served yet (issue 38): refused before the first item."""
+        raise ServiceError("generation is not served yet")
+        yield  # an async generator, as the protocol's callers iterate it
 
     def _pick(self) -> EngineConnection:
         """The active engine with the fewest of this front end's requests outstanding."""

@@ -13,10 +13,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, SwitchResult
+from service.bridge.interface import (
+    EngineStatus,
+    GeneratedTokens,
+    GenerateRequest,
+    InferenceRequest,
+    InferenceResult,
+    SwitchResult,
+)
 from service.config import Settings
 from service.engine import lifecycle
 from service.engine.batcher import Sink, Submission, Ticket
@@ -255,6 +262,11 @@ class Engine:
                 "whose files (tokenizer, code), inputs, outputs or handler differ; retry"
             )
         return served
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
+        """Not served yet (issue 38): refused before the first item."""
+        raise ServiceError("generation is not served yet")
+        yield  # an async generator, as the protocol's callers iterate it
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         return await self._switcher.switch(name, version)
