@@ -24,11 +24,12 @@ from service.bridge.interface import (
     InferenceResult,
     SwitchResult,
 )
+from service.bridge.streams import TokenQueue
 from service.config import Settings
 from service.engine import lifecycle
 from service.engine.batcher import Sink, Submission, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
-from service.engine.generation_loop import GenerationLoop, TokenQueue
+from service.engine.generation_loop import GenerationLoop
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher

@@ -1,13 +1,13 @@
 """The generation loop of one generative version: its continuous batch stepped on the device
 thread, a device turn per step, and each request's tokens handed to its stream.
 
-The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never
-touches it: submissions and cancellations go into a queue that the device thread drains at
-the start of each step (cancellations and submissions in the order they came, so a slot freed
-by a cancel is free for the request after it). A step's events come back to the event loop
-once (the step's future), and each stream's token goes to its ``TokenSink``: an in-process
-caller's ``TokenQueue``, or a front end's bridge connection, which gathers the tokens of one
-step for all its streams into one frame.
+The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never touches
+it: submissions and cancellations go into a queue that the device thread drains at the start of
+each step (cancellations and submissions in the order they came, so a slot freed by a cancel is
+free for the request after it). A step's events come back to the event loop once (the step's
+future), and each stream's token goes to its ``TokenSink``: an in-process caller's
+``bridge.streams.TokenQueue``, or a front end's bridge connection, which gathers the tokens of
+one step for all its streams into one frame.
 
 What needs no device is answered at once on the event loop, before anything is queued: 422
 for sampling settings out of range, token ids outside the vocabulary or a prompt that never
@@ -60,36 +60,6 @@ class TokenSink(Protocol):
     def failed(self, error: ServiceError) -> None:
         """The stream ends with ``error`` (refused, past its deadline, or a failed step)."""
         ...
-
-
-class TokenQueue:
-    """A stream's tokens for a caller in this process: what came since it last asked, as one
-    item."""
-
-    def __init__(self) -> None:
-        self._items: list[GeneratedTokens] = []
-        self._error: ServiceError | None = None
-        self._ready = asyncio.Event()
-
-    def tokens(self, item: GeneratedTokens) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    def failed(self, error: ServiceError) -> None:
-        self._error = error
-        self._ready.set()
-
-    async def next(self) -> GeneratedTokens:
-        """The tokens that came since the last call (waiting for one); raises the stream's
-        error once they have been taken."""
-        while not self._items and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
-        if self._items:
-            items, self._items = self._items, []
-            return GeneratedTokens.joined(items)
-        assert self._error is not None
-        raise self._error
 
 
 @dataclass(frozen=True, slots=True)
