@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,7 @@ from service.bridge.interface import (
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine
+from service.engine.model_store import ModelStore
 from service.errors import InvalidInputError, QueueFullError, ServiceError
 from service.metrics import EngineMetrics
 from service.server.cli import main
@@ -242,3 +244,50 @@ async def test_a_tensor_model_refuses_generation_and_a_generative_one_serves_nex
         np.testing.assert_allclose(
             answer.outputs["next_token_logits"][0], want, rtol=1e-4, atol=1e-4
         )
+
+
+async def test_a_stream_started_before_a_switch_ends_on_its_version(
+    repository: Path, reference: Any, tmp_path: Path
+) -> None:
+    """A stream keeps the version it started on to its last token; the requests after the
+    switch get the new version, each equal to its own model's generation."""
+    switched = tmp_path / "repo"
+    shutil.copytree(repository, switched)
+    other = generative_models.gpt2(seed=1)
+    folder = save_folder(tmp_path / "lm2", other)
+    assert (
+        main(["package", "--repository", str(switched), "--name", "lm", "--hf", str(folder)]) == 0
+    )
+    old_version = ModelStore(repository).resolve("lm").version
+    new_version = ModelStore(switched).resolve("lm").version  # the latest
+    async with started(switched, models=(f"lm@{old_version}", "bert")) as engine:
+        first = request_for(engine, (5, 6, 7), max_tokens=300, ignore_eos=True)
+        assert first.version == old_version
+        stream = engine.generate(first)
+        items = [await anext(stream)]
+        await engine.switch("lm", new_version)
+        async with asyncio.timeout(PROMPTLY_S):
+            items += [item async for item in stream]
+        tokens = [token for item in items for token in item.token_ids]
+        want = greedy_past_eos(reference, (5, 6, 7), 300)
+        assert tokens == want
+        assert {item.version for item in items} == {old_version}
+        assert items[-1].finish_reason == "length"
+        after = await collect(engine, request_for(engine, (5, 6, 7), max_tokens=20))
+        assert {item.version for item in after} == {new_version}
+        assert [t for item in after for t in item.token_ids] == generated_alone(
+            other, (5, 6, 7), 20
+        )
+
+
+def greedy_past_eos(model: Any, prompt: tuple[int, ...], count: int) -> list[int]:
+    """The model's ``count`` most likely next tokens, one at a time, going on past its
+    end-of-sequence id (``ignore_eos``; ``generate``'s ``min_new_tokens`` would forbid it)."""
+    tokens: list[int] = []
+    with torch.inference_mode():
+        output = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        for _ in range(count):
+            token = output.logits[0, -1].argmax().view(1, 1)
+            tokens.append(int(token))
+            output = model(input_ids=token, cache=output.past_key_values, use_cache=True)
+    return tokens
