@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -21,6 +22,7 @@ import torch
 from service.bridge.client import BridgeClient
 from service.bridge.interface import (
     EngineClient,
+    GeneratedTokens,
     GenerateRequest,
     InferenceRequest,
 )
@@ -28,7 +30,12 @@ from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.model_store import ModelStore
-from service.errors import InvalidInputError, QueueFullError, ServiceError
+from service.errors import (
+    DeadlineExceededError,
+    InvalidInputError,
+    QueueFullError,
+    ServiceError,
+)
 from service.metrics import EngineMetrics
 from service.server.cli import main
 from service.tensors import NamedArrays
@@ -87,7 +94,7 @@ def one_torch_thread() -> Iterator[None]:
 def settings(repository: Path, **values: Any) -> Settings:
     defaults: dict[str, Any] = {
         "model_repository": repository,
-        "models": ("lm", "bert"),
+        "models": ("lm",),
         "device": "cpu",
         "warmup_batch_sizes": (1,),
         "length_buckets": (64,),
@@ -190,7 +197,7 @@ async def test_a_prompt_that_never_fits_is_422_before_any_token(
 async def test_a_tensor_model_answers_right_while_the_engine_generates(
     repository: Path, reference: Any
 ) -> None:
-    async with started(repository) as engine:
+    async with started(repository, models=("lm", "bert")) as engine:
         bert = engine.status().find("bert")
         assert bert is not None
         ids = np.array([[2, 7, 9, 3]], dtype=np.int64)
@@ -218,7 +225,7 @@ async def test_a_tensor_model_answers_right_while_the_engine_generates(
 async def test_a_tensor_model_refuses_generation_and_a_generative_one_serves_next_token_logits(
     repository: Path, reference: Any
 ) -> None:
-    async with started(repository) as engine:
+    async with started(repository, models=("lm", "bert")) as engine:
         bert = engine.status().find("bert")
         assert bert is not None
         with pytest.raises(ServiceError, match="does not generate text"):
@@ -260,7 +267,7 @@ async def test_a_stream_started_before_a_switch_ends_on_its_version(
     )
     old_version = ModelStore(repository).resolve("lm").version
     new_version = ModelStore(switched).resolve("lm").version  # the latest
-    async with started(switched, models=(f"lm@{old_version}", "bert")) as engine:
+    async with started(switched, models=(f"lm@{old_version}",)) as engine:
         first = request_for(engine, (5, 6, 7), max_tokens=300, ignore_eos=True)
         assert first.version == old_version
         stream = engine.generate(first)
@@ -291,3 +298,76 @@ def greedy_past_eos(model: Any, prompt: tuple[int, ...], count: int) -> list[int
             tokens.append(int(token))
             output = model(input_ids=token, cache=output.past_key_values, use_cache=True)
     return tokens
+
+
+@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
+async def test_no_first_token_by_the_deadline_is_504_and_frees_the_sequence(
+    repository: Path, bridged: bool
+) -> None:
+    """The device is held (the model's turn taken here), so no step runs before the
+    deadline."""
+    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
+        client: EngineClient = (
+            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
+        )
+        turns = engine.state.device_turns.for_model("lm")
+        await turns.acquire()
+        try:
+            late = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() + 0.3)
+            with pytest.raises(DeadlineExceededError) as expired:
+                await collect(client, late)
+            assert expired.value.status_code == 504
+        finally:
+            turns.release()
+        loop = engine.generation_of("lm", late.version)
+        await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
+        past = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() - 1)
+        with pytest.raises(DeadlineExceededError):
+            await collect(client, past)
+
+
+@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
+async def test_a_seeded_sampled_stream_is_the_same_alone_and_among_others_with_logprobs(
+    repository: Path, bridged: bool
+) -> None:
+    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
+        client: EngineClient = (
+            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
+        )
+        seeded = request_for(client, (5, 6, 7), max_tokens=12, ignore_eos=True)
+        seeded = dataclasses.replace(seeded, temperature=0.9, top_p=0.9, seed=7, logprobs=2)
+        alone = await collect(client, seeded)
+        others = [
+            collect(client, dataclasses.replace(seeded, seed=None, prompt_ids=prompt))
+            for prompt, _ in mixed_prompts(6, seed=9)
+        ]
+        together, *_ = await asyncio.gather(collect(client, seeded), *others)
+        joined = GeneratedTokens.joined(alone)
+        assert GeneratedTokens.joined(together).token_ids == joined.token_ids
+        assert len(joined.token_ids) == 12
+        assert joined.logprobs is not None
+        assert len(joined.logprobs) == 12
+        assert joined.top_logprobs is not None
+        assert [len(top) for top in joined.top_logprobs] == [2] * 12
+        assert all(value <= 0.0 for value in joined.logprobs)
+
+
+async def test_the_engine_counts_tokens_streams_and_slots(repository: Path) -> None:
+    async with started(repository, max_running_sequences=4) as engine:
+        prompts = mixed_prompts(6, seed=11)
+        streams = await asyncio.gather(
+            *(collect(engine, request_for(engine, p, max_tokens=m)) for p, m in prompts)
+        )
+        registry = engine.state.metrics.registry
+        tokens = sum(len(item.token_ids) for items in streams for item in items)
+
+        def sample(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, {"model": "lm", **labels})
+
+        assert sample("batchserve_generated_tokens_total") == tokens
+        assert sample("batchserve_time_to_first_token_seconds_count") == len(prompts)
+        assert sample("batchserve_inter_token_latency_seconds_count") == tokens - len(prompts)
+        assert sample("batchserve_kv_cache_slots", kind="total") == 4
+        assert sample("batchserve_kv_cache_slots", kind="used") == 0
+        assert sample("batchserve_running_sequences") == 0
+        assert sample("batchserve_waiting_sequences") == 0
