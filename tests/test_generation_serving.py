@@ -282,6 +282,14 @@ async def test_a_stream_started_before_a_switch_ends_on_its_version(
         assert items[-1].finish_reason == "length"
         after = await collect(engine, request_for(engine, (5, 6, 7), max_tokens=20))
         assert {item.version for item in after} == {new_version}
+        registry = engine.state.metrics.registry
+
+        def slots(version: str) -> float | None:
+            labels = {"model": "lm", "version": version, "kind": "total"}
+            return registry.get_sample_value("batchserve_kv_cache_slots", labels)
+
+        await wait_until(lambda: slots(old_version) is None, PROMPTLY_S)  # retired
+        assert slots(new_version) == engine.generation_of("lm", new_version).batch.slots
         assert [t for item in after for t in item.token_ids] == generated_alone(
             other, (5, 6, 7), 20
         )
@@ -361,13 +369,18 @@ async def test_the_engine_counts_tokens_streams_and_slots(repository: Path) -> N
         registry = engine.state.metrics.registry
         tokens = sum(len(item.token_ids) for items in streams for item in items)
 
+        version = request_for(engine, (1,)).version
+
         def sample(name: str, **labels: str) -> float | None:
             return registry.get_sample_value(name, {"model": "lm", **labels})
+
+        def gauge(name: str, **labels: str) -> float | None:
+            return sample(name, version=version, **labels)
 
         assert sample("batchserve_generated_tokens_total") == tokens
         assert sample("batchserve_time_to_first_token_seconds_count") == len(prompts)
         assert sample("batchserve_inter_token_latency_seconds_count") == tokens - len(prompts)
-        assert sample("batchserve_kv_cache_slots", kind="total") == 4
-        assert sample("batchserve_kv_cache_slots", kind="used") == 0
-        assert sample("batchserve_running_sequences") == 0
-        assert sample("batchserve_waiting_sequences") == 0
+        assert gauge("batchserve_kv_cache_slots", kind="total") == 4
+        assert gauge("batchserve_kv_cache_slots", kind="used") == 0
+        assert gauge("batchserve_running_sequences") == 0
+        assert gauge("batchserve_waiting_sequences") == 0

@@ -71,6 +71,8 @@ class _Cancel:
 class _Stream:
     sink: TokenSink
     arrived_s: float
+    prompt_tokens: int
+    tokens: int = 0
     last_token_s: float = 0.0
     first_token_timer: asyncio.TimerHandle | None = None
 
@@ -119,10 +121,15 @@ class GenerationLoop:
         self._ttft = metrics.time_to_first_token.labels(model)
         self._itl = metrics.inter_token_latency.labels(model)
         self._tokens = metrics.generated_tokens.labels(model)
-        self._running = metrics.running_sequences.labels(model)
-        self._waiting = metrics.waiting_sequences.labels(model)
-        self._slots_used = metrics.kv_cache_slots.labels(model, "used")
-        self._slots_total = metrics.kv_cache_slots.labels(model, "total")
+        self._gauges = (
+            (metrics.running_sequences, (model, version)),
+            (metrics.waiting_sequences, (model, version)),
+            (metrics.kv_cache_slots, (model, version, "used")),
+            (metrics.kv_cache_slots, (model, version, "total")),
+        )
+        self._running, self._waiting, self._slots_used, self._slots_total = (
+            gauge.labels(*labels) for gauge, labels in self._gauges
+        )
 
     @property
     def streams(self) -> int:
@@ -172,7 +179,7 @@ class GenerationLoop:
         now_s = time.monotonic()
         if request.deadline_s <= now_s:
             raise DeadlineExceededError("the request's deadline passed before it was queued")
-        stream = _Stream(sink, arrived_s=now_s)
+        stream = _Stream(sink, arrived_s=now_s, prompt_tokens=len(generation.prompt_ids))
         if request.deadline_s != float("inf"):
             stream.first_token_timer = asyncio.get_running_loop().call_later(
                 request.deadline_s - now_s, self._expire, key
@@ -201,10 +208,11 @@ class GenerationLoop:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._running.set(0)
-        self._waiting.set(0)
-        self._slots_used.set(0)
-        self._slots_total.set(0)
+        for gauge, labels in self._gauges:
+            # Zeroed before removed: with several processes the value lives on in this
+            # process's metrics file, which remove() does not touch.
+            gauge.labels(*labels).set(0)
+            gauge.remove(*labels)
 
     def _expire(self, key: int) -> None:
         stream = self._streams.get(key)
@@ -226,14 +234,15 @@ class GenerationLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            async with self._turns.turn():
-                try:
+            try:
+                async with self._turns.turn():
                     result = await loop.run_in_executor(self._executor, self._step)
-                except Exception:
-                    logger.exception("generation_step_failed", extra={"model": self.model})
-                    self._fail_all()
-                    continue
-            self._deliver(result)
+                self._deliver(result)
+            except Exception:
+                # Left running, the streams would wait forever; the batch keeps its sequences
+                # until the cancels queued here reach it.
+                logger.exception("generation_step_failed", extra={"model": self.model})
+                self._fail_all()
 
     def _step(self) -> _StepResult:
         """One iteration, on the device thread: the queued cancels and submissions, then a
@@ -275,8 +284,19 @@ class GenerationLoop:
                 stream.stop_timer()
                 self._ttft.observe(now_s - stream.arrived_s)
             stream.last_token_s = now_s
+            stream.tokens += event.token_id is not None
             if event.finish_reason is not None:
                 del streams[key]
+                logger.debug(
+                    "generation_finished",
+                    extra={
+                        "model": self.model,
+                        "version": self.version,
+                        "prompt_tokens": stream.prompt_tokens,
+                        "completion_tokens": stream.tokens,
+                        "finish_reason": event.finish_reason,
+                    },
+                )
             if event.finish_reason == "error":
                 logger.warning(
                     "generation_sequence_failed",
