@@ -384,3 +384,24 @@ async def test_the_engine_counts_tokens_streams_and_slots(repository: Path) -> N
         assert gauge("batchserve_kv_cache_slots", kind="used") == 0
         assert gauge("batchserve_running_sequences") == 0
         assert gauge("batchserve_waiting_sequences") == 0
+
+
+async def test_the_kv_cache_holds_what_kv_cache_mb_allows_and_a_full_one_is_429(
+    repository: Path,
+) -> None:
+    """The tiny GPT-2 caches 1 KiB a token (2 layers, 4 heads of 16, keys and values in
+    float32), so a slot of its 512-token context takes 512 KiB: 1 MiB holds two."""
+    async with started(repository, kv_cache_mb=1, max_waiting_sequences=0) as engine:
+        version = request_for(engine, (1,)).version
+        assert engine.generation_of("lm", version).batch.slots == 2
+        long = [
+            engine.generate(request_for(engine, (5, 6), max_tokens=400, ignore_eos=True))
+            for _ in range(2)
+        ]
+        async with asyncio.timeout(PROMPTLY_S):
+            for stream in long:
+                assert (await anext(stream)).token_ids
+        with pytest.raises(QueueFullError, match="holds 2 sequences"):
+            await collect(engine, request_for(engine, (7,), max_tokens=1))
+        for stream in long:
+            await stream.aclose()
