@@ -51,6 +51,7 @@ async def test_streams_through_an_engine_process_and_a_disconnect_frees_the_slot
         BATCHSERVE_WARMUP_BATCH_SIZES="1",
         BATCHSERVE_LENGTH_BUCKETS="64",
         BATCHSERVE_MAX_BATCH_TOKENS="1024",
+        BATCHSERVE_SPARE_ENGINE="false",  # its torch import would only compete for the CPU
     ) as server:
         wait_until_serving(server, workers=2)
         [pid] = engine_pids(server)
