@@ -29,6 +29,7 @@ from service.bridge.interface import (
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine
+from service.engine.lifecycle import kv_cache_budget
 from service.engine.model_store import ModelStore
 from service.errors import (
     DeadlineExceededError,
@@ -405,3 +406,12 @@ async def test_the_kv_cache_holds_what_kv_cache_mb_allows_and_a_full_one_is_429(
             await collect(engine, request_for(engine, (7,), max_tokens=1))
         for stream in long:
             await stream.aclose()
+
+
+def test_the_kv_cache_gets_no_more_than_the_device_memory_budget_leaves() -> None:
+    mib = 1024 * 1024
+    alone = Settings(kv_cache_mb=512)
+    assert kv_cache_budget(alone, taken_bytes=30 * mib, others_bytes=20 * mib) == 512 * mib
+    budgeted = Settings(kv_cache_mb=512, device_memory_budget_mb=100)
+    assert kv_cache_budget(budgeted, taken_bytes=30 * mib, others_bytes=20 * mib) == 50 * mib
+    assert kv_cache_budget(budgeted, taken_bytes=90 * mib, others_bytes=20 * mib) == 0
