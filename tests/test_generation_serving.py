@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from service.engine.model_store import ModelStore
 from service.errors import (
     DeadlineExceededError,
     InvalidInputError,
+    NotReadyError,
     QueueFullError,
     ServiceError,
 )
@@ -415,3 +417,28 @@ def test_the_kv_cache_gets_no_more_than_the_device_memory_budget_leaves() -> Non
     budgeted = Settings(kv_cache_mb=512, device_memory_budget_mb=100)
     assert kv_cache_budget(budgeted, taken_bytes=30 * mib, others_bytes=20 * mib) == 50 * mib
     assert kv_cache_budget(budgeted, taken_bytes=90 * mib, others_bytes=20 * mib) == 0
+
+
+async def test_a_step_that_outlives_the_stall_timeout_marks_the_engine_stalled(
+    repository: Path,
+) -> None:
+    """The device thread is held here, so the step waits behind it: the engine reports
+    stalled (its owner replaces the process) and refuses new streams with 503."""
+    release = threading.Event()
+    async with started(repository, stall_timeout_s=0.3) as engine:
+        assert engine.state.device_thread is not None
+        held = engine.state.device_thread.submit(release.wait, PROMPTLY_S)
+        try:
+            stream = engine.generate(request_for(engine, (5, 6), max_tokens=3))
+            first = asyncio.ensure_future(anext(stream))
+            await wait_until(lambda: engine.status().phase == "stalled", PROMPTLY_S)
+            with pytest.raises(NotReadyError, match="stalled"):
+                await collect(engine, request_for(engine, (7,), max_tokens=1))
+        finally:
+            release.set()
+            held.result(timeout=PROMPTLY_S)
+        async with asyncio.timeout(PROMPTLY_S):
+            assert (await first).token_ids
+        await stream.aclose()
+        loop = engine.generation_of("lm", request_for(engine, (1,)).version)
+        await loop.drain()  # a stalled engine's shutdown leaves its models as they are

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from service.bridge.interface import GeneratedTokens, GenerateRequest
+from service.engine.batcher.run import StallWatch
 from service.engine.device_turns import ModelTurns
 from service.engine.generation.sampling import SamplingParams
 from service.engine.generation.sequences import GenerationRequest, TokenEvent
@@ -102,12 +103,16 @@ class GenerationLoop:
         executor: Executor,
         turns: ModelTurns,
         metrics: EngineMetrics,
+        stall: StallWatch,
     ) -> None:
+        """``stall``: marks the loop stalled when a step outlives ``stall_timeout_s``, as a
+        batcher's batches do."""
         self.batch = batch
         self.model = model
         self.version = version
         self._executor = executor
         self._turns = turns
+        self._stall = stall
         self._inbox: deque[GenerationRequest | _Cancel] = deque()
         """Filled on the event loop, drained on the device thread (deque is thread-safe for
         append and popleft)."""
@@ -132,6 +137,11 @@ class GenerationLoop:
         )
 
     @property
+    def stalled(self) -> bool:
+        """A step has run longer than ``stall_timeout_s``: the model may be hung."""
+        return self._stall.stalled
+
+    @property
     def streams(self) -> int:
         """Streams not finished (cancelled ones leave at once)."""
         return len(self._streams)
@@ -145,10 +155,10 @@ class GenerationLoop:
     def submit(self, request: GenerateRequest, sink: TokenSink) -> int:
         """Queue ``request`` to join the batch at its next step; its key for ``cancel``.
         Raises the refusals that need no device (see the module's docstring)."""
-        if self._closing:
+        if self._closing or self._stall.stalled:
             raise NotReadyError(
-                f"{self.model}@{self.version} is no longer served here; retry when /readyz "
-                "answers 200"
+                f"{self.model}@{self.version} is not generating here now (stalled, or no "
+                "longer served); retry when /readyz answers 200"
             )
         sampling = SamplingParams(
             temperature=request.temperature,
@@ -205,6 +215,7 @@ class GenerationLoop:
         """Take no new request, let every stream finish, then stop."""
         self._closing = True
         await self._idle.wait()
+        self._stall.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -236,7 +247,11 @@ class GenerationLoop:
                 continue
             try:
                 async with self._turns.turn():
-                    result = await loop.run_in_executor(self._executor, self._step)
+                    step = self._stall.started(time.monotonic())
+                    try:
+                        result = await loop.run_in_executor(self._executor, self._step)
+                    finally:
+                        self._stall.finished(step)
                 self._deliver(result)
             except Exception:
                 # Left running, the streams would wait forever; the batch keeps its sequences

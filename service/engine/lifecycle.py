@@ -25,6 +25,8 @@ from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory
 from service.engine.batcher import DynamicBatcher, dispatch_policy
+from service.engine.batcher.clock import MonotonicClock
+from service.engine.batcher.run import StallWatch
 from service.engine.batcher.spans import batch_tracer
 from service.engine.device_turns import ModelTurns
 from service.engine.generation.admission import StepLimits
@@ -144,6 +146,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
             executor=runner.executor,
             turns=turns,
             metrics=state.metrics,
+            stall=StallWatch(MonotonicClock(), settings.stall_timeout_s, state.report_stall),
         )
         generation.start()
     return ServedModel(
