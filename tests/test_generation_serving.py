@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from service import tracing
 from service.bridge.client import BridgeClient
 from service.bridge.interface import (
     EngineClient,
@@ -442,3 +445,28 @@ async def test_a_step_that_outlives_the_stall_timeout_marks_the_engine_stalled(
         await stream.aclose()
         loop = engine.generation_of("lm", request_for(engine, (1,)).version)
         await loop.drain()  # a stalled engine's shutdown leaves its models as they are
+
+
+async def test_a_traced_stream_has_a_generate_span_with_its_token_counts(
+    repository: Path,
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracing.start([SimpleSpanProcessor(exporter)], role="engine")
+    try:
+        async with started(repository) as engine:
+            parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+            request = request_for(engine, (5, 6, 7), max_tokens=4, ignore_eos=True)
+            await collect(engine, dataclasses.replace(request, traceparent=parent))
+            unsampled = parent[:-2] + "00"
+            await collect(engine, dataclasses.replace(request, traceparent=unsampled))
+    finally:
+        tracing.stop()
+    [span] = [span for span in exporter.get_finished_spans() if span.name == "generate"]
+    assert span.parent is not None
+    assert span.parent.span_id == int("cd" * 8, 16)
+    assert span.context.trace_id == int("ab" * 16, 16)
+    assert span.attributes is not None
+    assert span.attributes["batchserve.generation.prompt_tokens"] == 3
+    assert span.attributes["batchserve.generation.completion_tokens"] == 4
+    assert span.attributes["batchserve.generation.finish_reason"] == "length"
+    assert [event.name for event in span.events] == ["first_token"]

@@ -36,6 +36,7 @@ from service.engine.batcher.run import StallWatch
 from service.engine.device_turns import ModelTurns
 from service.engine.generation.sampling import SamplingParams
 from service.engine.generation.sequences import GenerationRequest, TokenEvent
+from service.engine.generation_span import StreamSpan
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -76,11 +77,19 @@ class _Stream:
     tokens: int = 0
     last_token_s: float = 0.0
     first_token_timer: asyncio.TimerHandle | None = None
+    span: StreamSpan | None = None
 
     def stop_timer(self) -> None:
         if self.first_token_timer is not None:
             self.first_token_timer.cancel()
             self.first_token_timer = None
+
+    def ended(self, outcome: str) -> None:
+        """The stream is over: no timer left, its span (if traced) ended with ``outcome``."""
+        self.stop_timer()
+        if self.span is not None:
+            self.span.end(self.tokens, outcome)
+            self.span = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +199,9 @@ class GenerationLoop:
         if request.deadline_s <= now_s:
             raise DeadlineExceededError("the request's deadline passed before it was queued")
         stream = _Stream(sink, arrived_s=now_s, prompt_tokens=len(generation.prompt_ids))
+        stream.span = StreamSpan.start(
+            request.traceparent, self.model, self.version, stream.prompt_tokens
+        )
         if request.deadline_s != float("inf"):
             stream.first_token_timer = asyncio.get_running_loop().call_later(
                 request.deadline_s - now_s, self._expire, key
@@ -206,7 +218,7 @@ class GenerationLoop:
         stream = self._streams.pop(key, None)
         if stream is None:
             return
-        stream.stop_timer()
+        stream.ended("cancelled")
         self._inbox.append(_Cancel(key))
         self._wake.set()
         self._check_idle()
@@ -229,10 +241,10 @@ class GenerationLoop:
         stream = self._streams.get(key)
         if stream is None or stream.last_token_s:
             return
+        error = DeadlineExceededError("the first token did not come by the request's deadline")
+        stream.ended(error.code)  # before cancel() would end it as cancelled
         self.cancel(key)
-        stream.sink.failed(
-            DeadlineExceededError("the first token did not come by the request's deadline")
-        )
+        stream.sink.failed(error)
 
     def _check_idle(self) -> None:
         if not self._streams:
@@ -283,7 +295,7 @@ class GenerationLoop:
         for request_id, error in result.refused:
             stream = streams.pop(cast(int, request_id), None)
             if stream is not None:
-                stream.stop_timer()
+                stream.ended(error.code)
                 stream.sink.failed(error)
         now_s = time.monotonic()
         for event in result.events:
@@ -298,10 +310,13 @@ class GenerationLoop:
             else:
                 stream.stop_timer()
                 self._ttft.observe(now_s - stream.arrived_s)
+                if stream.span is not None:
+                    stream.span.first_token()
             stream.last_token_s = now_s
             stream.tokens += event.token_id is not None
             if event.finish_reason is not None:
                 del streams[key]
+                stream.ended(event.finish_reason)
                 logger.debug(
                     "generation_finished",
                     extra={
@@ -338,7 +353,8 @@ class GenerationLoop:
         """A step raised: every stream ends with 500 and its sequence is cancelled."""
         streams, self._streams = self._streams, {}
         for key, stream in streams.items():
-            stream.stop_timer()
+            error = InferenceError("the generation step failed in the engine")
+            stream.ended(error.code)
             self._inbox.append(_Cancel(key))
-            stream.sink.failed(InferenceError("the generation step failed in the engine"))
+            stream.sink.failed(error)
         self._check_idle()
