@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service import tracing
+from service.bridge import contract, wire
 from service.bridge.client import BridgeClient
 from service.bridge.interface import (
     EngineClient,
@@ -470,3 +471,28 @@ async def test_a_traced_stream_has_a_generate_span_with_its_token_counts(
     assert span.attributes["batchserve.generation.completion_tokens"] == 4
     assert span.attributes["batchserve.generation.finish_reason"] == "length"
     assert [event.name for event in span.events] == ["first_token"]
+
+
+async def test_one_tokens_frame_carries_a_steps_tokens_for_every_stream_of_a_front_end(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight streams of ten tokens join at one step and decode together: their 80 tokens
+    cross the bridge in about ten TOKENS frames (one per step), not 80."""
+    frames: list[int] = []
+    send_now = wire.FrameWriter.send_now
+
+    def counting(self: wire.FrameWriter, kind: wire.Kind, header: bytes, data: Any = ()) -> None:
+        if kind == wire.Kind.TOKENS:
+            frames.append(len(contract.decode_tokens(header).streams))
+        send_now(self, kind, header, data)
+
+    monkeypatch.setattr(wire.FrameWriter, "send_now", counting)
+    async with started(repository) as engine, over_the_bridge(engine) as client:
+        requests = [
+            request_for(client, (5, index + 1), max_tokens=10, ignore_eos=True)
+            for index in range(8)
+        ]
+        streams = await asyncio.gather(*(collect(client, request) for request in requests))
+    assert sum(len(item.token_ids) for items in streams for item in items) == 80
+    assert sum(frames) == 80  # each stream's token of each step, once
+    assert len(frames) <= 12  # ten steps, and a joining step or two for the slow
