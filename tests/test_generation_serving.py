@@ -496,3 +496,21 @@ async def test_one_tokens_frame_carries_a_steps_tokens_for_every_stream_of_a_fro
     assert sum(len(item.token_ids) for items in streams for item in items) == 80
     assert sum(frames) == 80  # each stream's token of each step, once
     assert len(frames) <= 12  # ten steps, and a joining step or two for the slow
+
+
+async def test_a_llama_shaped_model_generates_as_it_does_alone(tmp_path: Path) -> None:
+    """Grouped-query attention (4 heads, 2 of keys and values) and rotary positions, through
+    packaging, the engine's KV cache and its steps."""
+    model = generative_models.llama()
+    folder = save_folder(tmp_path / "llama", model)
+    repository = tmp_path / "repository"
+    assert (
+        main(["package", "--repository", str(repository), "--name", "lm", "--hf", str(folder)]) == 0
+    )
+    async with started(repository) as engine:
+        prompts = mixed_prompts(6, seed=13)
+        streams = await asyncio.gather(
+            *(collect(engine, request_for(engine, p, max_tokens=m)) for p, m in prompts)
+        )
+    for (prompt, most), items in zip(prompts, streams, strict=True):
+        assert [t for item in items for t in item.token_ids] == generated_alone(model, prompt, most)
