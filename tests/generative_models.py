@@ -3,6 +3,7 @@ tokenizers their text is checked with (trained here: nothing from a hub)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -141,3 +142,17 @@ def metaspace_bpe() -> Tokenizer:
     )
     trained.train_from_iterator(TEXTS * 5, trainer)
     return trained
+
+
+def save_folder(folder: Path, model: Any, tokenizer: Tokenizer | None = None) -> Path:
+    """``model`` and a tokenizer (GPT-2's kind unless given) as ``save_pretrained`` writes
+    them, into ``folder``: what ``batchserve package --hf`` takes."""
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer or byte_level_bpe(),
+        eos_token="<|endoftext|>",
+        model_max_length=CONTEXT,
+    ).save_pretrained(folder)
+    return folder

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from service.bridge import changes
@@ -26,6 +26,8 @@ from service.bridge.connection import EngineConnection
 from service.bridge.engines import ActiveEngines, change_targets, roles
 from service.bridge.interface import (
     EngineStatus,
+    GeneratedTokens,
+    GenerateRequest,
     InferenceRequest,
     InferenceResult,
     Phase,
@@ -149,6 +151,20 @@ class BridgeClient:
         except asyncio.CancelledError:
             connection.cancel(call_id)  # the engine drops it unless it is running already
             raise
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
+        """Start ``request`` on an engine and yield its tokens as its frames bring them;
+        closing early cancels the stream in the engine."""
+        connection = self._pick()
+        call_id, stream = connection.generate(request)
+        try:
+            while True:
+                item = await stream.next()
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            connection.cancel(call_id)  # nothing is sent once it finished
 
     def _pick(self) -> EngineConnection:
         """The active engine with the fewest of this front end's requests outstanding."""

@@ -9,6 +9,7 @@ crosses as JSON (``to_wire``/``from_wire``).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -174,6 +175,84 @@ class InferenceResult:
     ``traceparent`` and the rows of this request it held."""
 
 
+GENERATIVE_TASKS = frozenset({"text-generation"})
+"""``manifest.metadata["task"]`` of a version served by ``EngineClient.generate``."""
+
+FinishReason = Literal["stop", "length", "error"]
+"""``stop``: an end-of-sequence or stop token; ``length``: ``max_tokens`` or the room the
+context leaves; ``error``: the sequence failed (non-finite logits, or its version had to go)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One validated generation request: token ids in, token ids out (the front end
+    tokenizes and detokenizes)."""
+
+    model: str
+    version: str
+    """The version the front end tokenized for; 409/503 when it is no longer served, as for
+    ``infer``."""
+    prompt_ids: tuple[int, ...]
+    max_tokens: int | None = None
+    """New tokens at most; ``None``: as many as the context leaves."""
+    temperature: float = 1.0
+    """0: greedy."""
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    """Sampling with a seed gives the same tokens whatever the batch-mates."""
+    logprobs: int | None = None
+    """None: no log-probabilities; ``k >= 0``: the chosen token's, and the top ``k``."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end the sequence beside the model's end-of-sequence ids (included in the
+    output, as the end-of-sequence id is)."""
+    ignore_eos: bool = False
+    """Generate past the model's end-of-sequence ids (benchmarks)."""
+    priority: Priority = "normal"
+    deadline_s: float = float("inf")
+    """``time.monotonic()`` by which the first token must come, else 504."""
+    request_id: str = ""
+    traceparent: str | None = None
+    """The W3C trace context of the front end's span waiting for this request, when traced."""
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedTokens:
+    """One or more new tokens of one stream, in order (coalesced when several came between
+    two sends)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    """The log-probability of each token of ``token_ids`` (when the request asked)."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """For each token of ``token_ids``, the top ``logprobs`` (id, log-probability) pairs."""
+    finish_reason: FinishReason | None = None
+    """Set on the stream's last item."""
+    version: str = ""
+    """The version that generated the stream (one version from its first token to its
+    last)."""
+
+    @classmethod
+    def joined(cls, items: Sequence[GeneratedTokens]) -> GeneratedTokens:
+        """Consecutive items of one stream as one (their tokens in order, the last one's
+        ``finish_reason``)."""
+        if len(items) == 1:
+            return items[0]
+        logprobs = [item.logprobs for item in items]
+        top = [item.top_logprobs for item in items]
+        return cls(
+            token_ids=tuple(token for item in items for token in item.token_ids),
+            logprobs=None
+            if any(each is None for each in logprobs)
+            else tuple(value for each in logprobs for value in each or ()),
+            top_logprobs=None
+            if any(each is None for each in top)
+            else tuple(pairs for each in top for pairs in each or ()),
+            finish_reason=items[-1].finish_reason,
+            version=items[0].version,
+        )
+
+
 @dataclass(frozen=True)
 class SwitchResult:
     serving: Manifest
@@ -204,6 +283,15 @@ class EngineClient(Protocol):
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Queue ``request`` on an engine and wait for its rows; raises ``ServiceError``s."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
+        """The new tokens of ``request`` as they come. Refusals raise ``ServiceError`` before
+        the first item (404 unknown model, 409 version no longer served, 422 prompt +
+        max_tokens never fit the context, 429 with Retry-After when the KV cache and the
+        waiting room are full, 503 not ready). Closing the iterator early (``aclose()``, or
+        the task awaiting it cancelled) cancels the sequence: its slot is free within one
+        step."""
         ...
 
     async def switch(self, name: str, version: str) -> SwitchResult:

@@ -25,6 +25,7 @@ from service.tensors import NamedArrays
 from service.types import Array
 
 if TYPE_CHECKING:
+    from service.engine.generation_loop import GenerationLoop
     from service.engine.runner import TorchRunner
 
 #: A front end's reported load counts this long: it reports with every request, so one that
@@ -53,7 +54,10 @@ class ServedModel:
     runner: TorchRunner
     batcher: DynamicBatcher[NamedArrays, NamedArrays]
     memory_bytes: int
-    """What loading and warming it up took on the device (see ``memory.py``)."""
+    """What loading and warming it up took on the device (see ``memory.py``), its KV cache
+    included."""
+    generation: GenerationLoop | None = None
+    """A generative version's loop (``EngineClient.generate``); None for the others."""
 
     def group_of(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
         """The batch group and token cost per row of ``instances``, computed here from their
@@ -225,9 +229,12 @@ class EngineState:
 
     @property
     def stalled(self) -> bool:
-        """A batch has outlived ``stall_timeout_s``: a model looks hung, and with it the
-        device thread every model shares."""
-        return any(served.batcher.stalled for served in self.models.values())
+        """A batch or a generation step has outlived ``stall_timeout_s``: a model looks hung,
+        and with it the device thread every model shares."""
+        return any(
+            served.batcher.stalled or (served.generation is not None and served.generation.stalled)
+            for served in self.models.values()
+        )
 
     @property
     def phase(self) -> str:

@@ -35,6 +35,8 @@ from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import (
     EngineStatus,
+    GeneratedTokens,
+    GenerateRequest,
     InferenceRequest,
     InferenceResult,
     ModelInfo,
@@ -104,6 +106,11 @@ class ZeroEngine:
             length = request.instances[source.name].shape[1 + source.variable_axis]
             shape[spec.variable_axis] = length
         return shape
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
+        """The HTTP ceiling measures tensor requests only: refused before the first item."""
+        raise ConflictError("the HTTP ceiling serves tensor models, not generation")
+        yield  # an async generator, as the protocol's callers iterate it
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         raise ConflictError("the HTTP ceiling serves one version and never switches")
