@@ -16,12 +16,12 @@ in OpenAI's shape (``openai_errors``).
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import numpy as np
 import pydantic
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from service.frontend.handlers.embedding import EmbeddingHandler
 from service.frontend.inference import DirectRoute, answer_inference
@@ -34,7 +34,20 @@ from service.tensors import NamedArrays
 from service.types import Array
 
 EMBEDDING_MODEL = "an embedding model"
-Inputs = str | list[str] | list[int] | list[list[int]]
+
+
+def _at_least_one(items: dict[str, Any]) -> dict[str, Any]:
+    """The schema of a non-empty list of ``items``: an empty one is refused with its own message
+    (``embedding_inputs``), not by the model's validation."""
+    return {"type": "array", "items": items, "minItems": 1}
+
+
+Inputs = (
+    str
+    | Annotated[list[str], WithJsonSchema(_at_least_one({"type": "string"}))]
+    | Annotated[list[int], WithJsonSchema(_at_least_one({"type": "integer"}))]
+    | Annotated[list[list[int]], WithJsonSchema(_at_least_one(_at_least_one({"type": "integer"})))]
+)
 """Texts or token ids, as OpenAI's ``input`` and TEI's ``inputs`` hold them."""
 
 

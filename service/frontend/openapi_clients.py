@@ -5,12 +5,13 @@ FastAPI states a path parameter of a handler serving two routes (``/v2/models/{n
 segment cannot be null, and ``openapi-python-client`` drops such operations ("None | str is
 not allowed in path").
 
-A request body of several media types (JSON, a binary file and multipart images, say) is
-declared optional: ``openapi-python-client`` (0.29) makes such a body an optional argument
+A request body of several media types (JSON, a binary file and multipart images, say) stays
+required, as the server requires it; the routes that take one (the inference routes) also read
+the optional ``X-Priority`` header, which is declared on them here. That declaration is true
+and it matters to ``openapi-python-client`` (0.29): it makes such a body an optional argument
 (``body: JsonBody | File | Unset = UNSET``) whatever ``required`` says, but imports ``Unset``
-only for what the document declares optional, so the module it wrote for a route with a
-required body of several media types and no optional parameter did not import (NameError).
-The server still refuses a request without a body (415 or 422).
+only for what the document declares optional, so the module it wrote for a route with such a
+body and no optional parameter did not import (NameError).
 
 This rewrites the document's content only, whatever the routes are.
 """
@@ -22,11 +23,18 @@ from typing import Any
 
 Schema = dict[str, Any]
 _NULL: Schema = {"type": "null"}
+PRIORITY: Schema = {
+    "name": "X-Priority",
+    "in": "header",
+    "required": False,
+    "description": "`high` is served before normal traffic when both wait.",
+    "schema": {"type": "string", "enum": ["high", "normal"], "default": "normal"},
+}
 
 
 def for_clients(document: Schema) -> Schema:
     """A copy of ``document`` whose path parameters are required and never null, and whose
-    request bodies of several media types are optional."""
+    operations with a request body of several media types declare ``X-Priority``."""
     document = copy.deepcopy(document)
     for item in document.get("paths", {}).values():
         for operation in item.values():
@@ -38,7 +46,9 @@ def for_clients(document: Schema) -> Schema:
                     parameter["schema"] = not_null(parameter.get("schema", {}))
             body = operation.get("requestBody")
             if isinstance(body, dict) and len(body.get("content", {})) > 1:
-                body["required"] = False
+                parameters = operation.setdefault("parameters", [])
+                if not any(parameter.get("name") == PRIORITY["name"] for parameter in parameters):
+                    parameters.append(copy.deepcopy(PRIORITY))
     return document
 
 
