@@ -94,7 +94,8 @@ async def test_the_openapi_document_describes_exactly_the_table_s_inference_rout
     app = create_frontend_app(frontend_with(EngineAnsweringLate(), tmp_path), no_lifespan)
     paths = app.openapi()["paths"]
     posted = {path for path, operations in paths.items() if "post" in operations}
-    inference = {path for path in posted if path.endswith(("/predict", "/infer"))}
+    endings = ("/predict", "/infer", "/generate", "/generate_stream", "completions")
+    inference = {path for path in posted if path.endswith(endings)}
     assert inference == {route.path for route in INFERENCE_ROUTES}
     for route in INFERENCE_ROUTES:
         assert paths[route.path]["post"]["summary"] == route.summary

@@ -28,6 +28,7 @@ from service.frontend.head_requests import HeadAsGet
 from service.frontend.inference import DirectRoute
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
+from service.frontend.openai import routes as openai_routes
 from service.frontend.openapi import model_openapi, with_model_routes
 from service.frontend.openapi_clients import for_clients
 from service.frontend.responses import (
@@ -60,10 +61,13 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
     # The inference routes on the app's own router, first (ServingApp answers them directly).
     routes.add_predict_routes(app.router)
     oip_routes.add_infer_routes(app.router)
+    oip_routes.add_generate_routes(app.router)
+    openai_routes.add_openai_routes(app.router)
     app.inference_routes = [route for route in app.router.routes if isinstance(route, DirectRoute)]
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(oip_routes.router)
+    app.include_router(openai_routes.router)
     app.include_router(docs.router)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]

@@ -9,15 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Protocol = Literal["predict", "v2"]
-"""What answers a route: ``/predict``'s code (``predict.py``) or the V2 protocol's
-(``oip/rest.py``)."""
+Protocol = Literal["predict", "v2", "v2_generate", "openai"]
+"""What answers a route: ``/predict``'s code (``predict.py``), the V2 protocol's
+(``oip/rest.py``), its generate extension's (``oip/generate.py``), or OpenAI's
+(``openai/``)."""
 
 PREDICT_PATH = "/predict"
 MODEL_PREDICT_PATH = "/models/{name}/predict"
 MODEL_VERSION_PREDICT_PATH = "/models/{name}/versions/{version}/predict"
 V2_INFER_PATH = "/v2/models/{name}/infer"
 V2_VERSION_INFER_PATH = "/v2/models/{name}/versions/{version}/infer"
+V2_GENERATE_PATH = "/v2/models/{name}/generate"
+V2_VERSION_GENERATE_PATH = "/v2/models/{name}/versions/{version}/generate"
+V2_GENERATE_STREAM_PATH = "/v2/models/{name}/generate_stream"
+V2_VERSION_GENERATE_STREAM_PATH = "/v2/models/{name}/versions/{version}/generate_stream"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,21 @@ INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
     InferenceRoute(MODEL_PREDICT_PATH, "predict", MODEL_PREDICT_PATH, "Predict with a model"),
     InferenceRoute(V2_VERSION_INFER_PATH, "v2", V2_INFER_PATH, "Inference on a version"),
     InferenceRoute(V2_INFER_PATH, "v2", V2_INFER_PATH, "Inference"),
+    InferenceRoute(
+        V2_VERSION_GENERATE_PATH, "v2_generate", V2_GENERATE_PATH, "Generate with a version"
+    ),
+    InferenceRoute(V2_GENERATE_PATH, "v2_generate", V2_GENERATE_PATH, "Generate"),
+    InferenceRoute(
+        V2_VERSION_GENERATE_STREAM_PATH,
+        "v2_generate",
+        V2_GENERATE_STREAM_PATH,
+        "Generate with a version, streamed",
+    ),
+    InferenceRoute(
+        V2_GENERATE_STREAM_PATH, "v2_generate", V2_GENERATE_STREAM_PATH, "Generate, streamed"
+    ),
+    InferenceRoute(COMPLETIONS_PATH, "openai", COMPLETIONS_PATH, "Completions"),
+    InferenceRoute(CHAT_COMPLETIONS_PATH, "openai", CHAT_COMPLETIONS_PATH, "Chat completions"),
 )
 #: The label of each inference route, by its path.
 INFERENCE_LABELS = {route.path: route.label for route in INFERENCE_ROUTES}
