@@ -188,6 +188,23 @@ class Settings(BaseSettings):
     max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
     """Most requests waiting in the queue; one more is answered 429 at once."""
 
+    kv_cache_mb: int = Field(default=512, ge=1, le=16_777_216)
+    """Device memory for the KV cache of each generative model, in MiB, allocated when it
+    loads (and within what ``device_memory_budget_mb`` leaves, when set): it holds as many
+    sequences of the model's whole context as fit, at most ``max_running_sequences``."""
+
+    max_running_sequences: int = Field(default=32, ge=1, le=4096)
+    """Most sequences a generative model generates at once: each generation step runs one
+    forward over all of them."""
+
+    max_waiting_sequences: int = Field(default=64, ge=0, le=1_000_000)
+    """Most generation requests waiting for a KV-cache slot of their model when every slot is
+    taken; one more is answered 429 at once."""
+
+    prefill_chunk_tokens: int = Field(default=512, ge=1, le=1_000_000)
+    """Most prompt tokens a generation step prefills, over all the sequences joining: a long
+    prompt is cut over several steps, so the running streams keep their pace."""
+
     refusal_hold_ms: float = Field(default=2000.0, ge=0.0, le=60_000.0)
     """Longest a refusal for load (429) is held on a connection that sent its request before
     the ``Retry-After`` of its last 429 had passed: such a client is made to wait it out, so

@@ -284,6 +284,49 @@ class EngineMetrics:
             multiprocess_mode="livesum",
         )
 
+        self.time_to_first_token = Histogram(
+            "batchserve_time_to_first_token_seconds",
+            "Time from a generation request's arrival in the engine to its first token.",
+            buckets=LATENCY_BUCKETS_S,
+            labelnames=["model"],
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "batchserve_inter_token_latency_seconds",
+            "Time between two tokens of one generated stream.",
+            buckets=LATENCY_BUCKETS_S,
+            labelnames=["model"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "batchserve_generated_tokens",
+            "Tokens generated (its rate: tokens per second).",
+            labelnames=["model"],
+            registry=r,
+        )
+        self.running_sequences = Gauge(
+            "batchserve_running_sequences",
+            "Sequences a generative model generates now (decoding or prefilling).",
+            labelnames=["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.waiting_sequences = Gauge(
+            "batchserve_waiting_sequences",
+            "Generation requests waiting for a KV-cache slot.",
+            labelnames=["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.kv_cache_slots = Gauge(
+            "batchserve_kv_cache_slots",
+            "KV-cache slots (one per running sequence) of a generative model: kind=used or "
+            "kind=total.",
+            ["model", "kind"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+
     def for_model(self, model: str) -> ModelMetrics:
         """The series of one model's batcher."""
         return ModelMetrics(self, model)

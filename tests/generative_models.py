@@ -147,6 +147,20 @@ def metaspace_bpe() -> Tokenizer:
     return trained
 
 
+def save_folder(folder: Path, model: Any, tokenizer: Tokenizer | None = None) -> Path:
+    """``model`` and a tokenizer (GPT-2's kind unless given) as ``save_pretrained`` writes
+    them, into ``folder``: what ``batchserve package --hf`` takes."""
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer or byte_level_bpe(),
+        eos_token="<|endoftext|>",
+        model_max_length=CONTEXT,
+    ).save_pretrained(folder)
+    return folder
+
+
 #: A ChatML-shaped chat template, as Qwen's.
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

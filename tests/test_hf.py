@@ -374,17 +374,20 @@ async def test_folders_transformers_reads_are_served_as_the_pipeline_answers(
         await assert_answers_as_the_pipeline(client, "m", task, pipeline(task, model=str(folder)))
 
 
-def test_a_language_model_is_refused_naming_it_and_what_is_served(
+def test_an_encoder_decoder_is_refused_naming_it_and_what_is_served(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    folder = save_gpt2_model(tmp_path / "gpt2", head=True)
+    from tests.generative_models import bart, save_folder
+
+    folder = save_folder(tmp_path / "bart", bart())
     capsys.readouterr()
     assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
     error = capsys.readouterr().err
-    assert "architecture 'GPT2LMHeadModel' is not served by --hf" in error
+    assert "architecture 'BartForConditionalGeneration' is not served by --hf" in error
     assert "*ForSequenceClassification" in error
-    assert "the bare model (GPT2Model) as feature extraction" in error
-    assert "text generation" in error
+    assert "the bare model (BartModel) as feature extraction" in error
+    assert "causal language models (*ForCausalLM, *LMHeadModel) as text generation" in error
+    assert "sequence-to-sequence generation (encoder-decoder models) is not served yet" in error
 
 
 def test_a_folder_without_model_safetensors_is_refused_saying_how_to_save_it(

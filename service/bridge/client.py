@@ -153,9 +153,18 @@ class BridgeClient:
             raise
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
-        """Not served yet (issue 38): refused before the first item."""
-        raise ServiceError("generation is not served yet")
-        yield  # an async generator, as the protocol's callers iterate it
+        """Start ``request`` on an engine and yield its tokens as its frames bring them;
+        closing early cancels the stream in the engine."""
+        connection = self._pick()
+        call_id, stream = connection.generate(request)
+        try:
+            while True:
+                item = await stream.next()
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            connection.cancel(call_id)  # nothing is sent once it finished
 
     def _pick(self) -> EngineConnection:
         """The active engine with the fewest of this front end's requests outstanding."""

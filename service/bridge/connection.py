@@ -1,11 +1,12 @@
 """The front end's connection to one engine process, re-established whenever lost.
 
 A connection that is lost, or an engine that has gone quiet for longer than the heartbeat
-timeout, fails every request waiting on it at once with 503 and ``Retry-After`` (nothing
-waits out its deadline on a dead engine); the connection is then retried until the engine is
-back. Requests submitted in one event-loop turn go in one SUBMITS frame, cancels in one
-CANCELS frame; each ANSWERS frame answers several. Deadlines: one heap and one timer per
-connection, not a timer per request; a request past its deadline is answered 504 here and
+timeout, fails every request waiting on it at once with 503 and ``Retry-After`` (nothing waits
+out its deadline on a dead engine); the connection is then retried until the engine is back.
+Requests submitted in one event-loop turn go in one SUBMITS frame, generation requests in one
+GENERATES frame, cancels in one CANCELS frame; each ANSWERS frame answers several, each TOKENS
+frame carries a generation step's tokens for several streams. Deadlines: one heap and one timer
+per connection, not a timer per request; a request past its deadline is answered 504 here and
 withdrawn in the engine.
 """
 
@@ -22,7 +23,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from service.bridge import contract, wire
-from service.bridge.interface import EngineStatus, InferenceRequest, InferenceResult, Phase
+from service.bridge.interface import (
+    EngineStatus,
+    GenerateRequest,
+    InferenceRequest,
+    InferenceResult,
+    Phase,
+)
+from service.bridge.streams import TokenQueue
 from service.errors import DeadlineExceededError, EngineUnavailableError, error_from_wire
 
 logger = logging.getLogger("service.bridge.client")
@@ -63,6 +71,10 @@ class EngineConnection(asyncio.Protocol):
         self._packer = contract.DataPacker()
         self._load = 0
         self._cancels: list[int] = []
+        self._streams: dict[int, TokenQueue] = {}
+        """Each generation stream not finished, by call id."""
+        self._generates: list[contract.Generate] = []
+        """Generation requests of this event-loop turn, sent together at its end."""
         self._controls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader = wire.FrameReader()
         self._writer: wire.FrameWriter | None = None
@@ -76,7 +88,7 @@ class EngineConnection(asyncio.Protocol):
 
     @property
     def outstanding(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._streams)
 
     # ----------------------------------------------------------------- connecting
 
@@ -135,7 +147,9 @@ class EngineConnection(asyncio.Protocol):
         self._status_document = None
         requests, self._requests = self._requests, {}
         controls, self._controls = self._controls, {}
+        streams, self._streams = self._streams, {}
         self._submits, self._cancels, self._deadlines = [], [], []
+        self._generates = []
         self._packer = contract.DataPacker()
         for future in requests.values():
             if not future.done():
@@ -143,6 +157,8 @@ class EngineConnection(asyncio.Protocol):
         for reply in controls.values():
             if not reply.done():
                 reply.set_exception(EngineUnavailableError(f"{detail}; retry shortly"))
+        for stream in streams.values():
+            stream.failed(EngineUnavailableError(f"{detail}; retry shortly"))
         self._on_status()
 
     def close(self) -> None:
@@ -163,6 +179,13 @@ class EngineConnection(asyncio.Protocol):
             if frame.kind == wire.Kind.ANSWERS:
                 try:
                     self._answered(frame)
+                except wire.ProtocolError as error:
+                    logger.error("bridge_protocol_error", extra={"error": str(error)})
+                    self.close()
+                    return
+            elif frame.kind == wire.Kind.TOKENS:
+                try:
+                    self._tokens_received(frame)
                 except wire.ProtocolError as error:
                     logger.error("bridge_protocol_error", extra={"error": str(error)})
                     self.close()
@@ -201,7 +224,40 @@ class EngineConnection(asyncio.Protocol):
                     )
                 )
 
+    def _tokens_received(self, frame: wire.Frame) -> None:
+        """A generation step's tokens for our streams (or a stream's refusal or error)."""
+        streams = self._streams
+        for tokens in contract.decode_tokens(frame.typed_header).streams:
+            stream = streams.get(tokens.id)
+            if stream is None:
+                continue  # cancelled here meanwhile
+            if tokens.error is not None:
+                del streams[tokens.id]
+                stream.failed(tokens.error.rebuilt())
+                continue
+            if tokens.finish_reason is not None:
+                del streams[tokens.id]
+            stream.tokens(tokens.item())
+
     # ----------------------------------------------------------------- frames out
+
+    def generate(self, request: GenerateRequest) -> tuple[int, TokenQueue]:
+        """Queue ``request`` for this turn's GENERATES frame; its tokens come to the queue."""
+        if self._writer is None:
+            raise EngineUnavailableError("the engine is not connected; retry shortly")
+        call_id = next(self._ids)
+        stream = TokenQueue()
+        self._streams[call_id] = stream
+        if not self._generates:
+            asyncio.get_running_loop().call_soon(self._send_generates)
+        self._generates.append(contract.Generate.of(call_id, request))
+        return call_id, stream
+
+    def _send_generates(self) -> None:
+        generates, self._generates = self._generates, []
+        if generates:
+            header = contract.encode(contract.Generates(generates))
+            self._write_now(wire.encode_typed(wire.Kind.GENERATES, header))
 
     def submit(self, request: InferenceRequest) -> tuple[int, asyncio.Future[InferenceResult]]:
         """Queue ``request`` for this turn's SUBMITS frame; its future gets the answer."""
@@ -273,13 +329,18 @@ class EngineConnection(asyncio.Protocol):
             transport.writelines(frame)
 
     def cancel(self, call_id: int) -> None:
-        """Stop waiting for ``call_id``; the engine drops it if it has not run yet (one not
-        sent yet is never sent)."""
-        if self._requests.pop(call_id, None) is None or self._writer is None:
+        """Stop waiting for ``call_id``; the engine drops it if it has not run yet, or ends
+        its stream (one not sent yet is never sent)."""
+        request = self._requests.pop(call_id, None)
+        stream = self._streams.pop(call_id, None)
+        if (request is None and stream is None) or self._writer is None:
             return
         if any(submit.id == call_id for submit in self._submits):
             self._submits = [submit for submit in self._submits if submit.id != call_id]
             return  # its arrays still go in the frame, unreferenced: cheaper than repacking
+        if any(generate.id == call_id for generate in self._generates):
+            self._generates = [generate for generate in self._generates if generate.id != call_id]
+            return
         if not self._cancels:
             asyncio.get_running_loop().call_soon(self._send_cancels)
         self._cancels.append(call_id)

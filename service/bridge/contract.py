@@ -1,12 +1,13 @@
 """The request contract: what crosses the bridge for each request and answer, in one codec.
 
-One typed definition, used by both ends (``client.py`` and ``server.py``): a new request
-field is added here and where the front end sets it and the engine reads it, nowhere else.
-Frames are batched: everything a front end submits in one event-loop turn travels as one
-``Submits`` frame, and the answers an engine's batch produced for one front end as one
-``Answers`` frame. Headers are msgpack (``msgspec``, validated against these types as they
-are decoded); the arrays are raw bytes after the header, each at an offset aligned to 16
-bytes, rebuilt in place without a copy.
+One typed definition, used by both ends (``client.py`` and ``server.py``): a new request field
+is added here and where the front end sets it and the engine reads it, nowhere else. Frames are
+batched: everything a front end submits in one event-loop turn travels as one ``Submits``
+frame, and the answers an engine's batch produced for one front end as one ``Answers`` frame;
+likewise a turn's generation requests as one ``Generates`` frame, and the tokens one generation
+step gave a front end's streams as one ``TokenFrame``. Headers are msgpack (``msgspec``,
+validated against these types as they are decoded); the arrays are raw bytes after the header,
+each at an offset aligned to 16 bytes, rebuilt in place without a copy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
+from service.bridge.interface import FinishReason, GeneratedTokens, GenerateRequest
 from service.bridge.wire import ALIGNMENT, ProtocolError
 from service.errors import ServiceError, error_from_wire
 from service.tensors import NamedArrays
@@ -94,16 +96,129 @@ class Answers(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     answers: list[Answer]
 
 
+class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One generation request (``interface.GenerateRequest``) as a front end sends it."""
+
+    id: int
+    model: str
+    version: str
+    prompt_ids: list[int]
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    priority: Priority = "normal"
+    deadline_s: float = float("inf")
+    request_id: str = ""
+    trace: str | None = None
+
+    @classmethod
+    def of(cls, call_id: int, request: GenerateRequest) -> Generate:
+        return cls(
+            call_id,
+            request.model,
+            request.version,
+            list(request.prompt_ids),
+            request.max_tokens,
+            request.temperature,
+            request.top_p,
+            request.top_k,
+            request.seed,
+            request.logprobs,
+            list(request.stop_token_ids),
+            request.ignore_eos,
+            request.priority,
+            request.deadline_s,
+            request.request_id,
+            request.traceparent,
+        )
+
+    def request(self) -> GenerateRequest:
+        return GenerateRequest(
+            model=self.model,
+            version=self.version,
+            prompt_ids=tuple(self.prompt_ids),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            logprobs=self.logprobs,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            priority=self.priority,
+            deadline_s=self.deadline_s,
+            request_id=self.request_id,
+            traceparent=self.trace,
+        )
+
+
+class Generates(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    requests: list[Generate]
+
+
+class Tokens(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    """New tokens of one stream (``interface.GeneratedTokens``), or its error (its end)."""
+
+    id: int
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: FinishReason | None = None
+    version: str = ""
+    error: WireError | None = None
+
+    @classmethod
+    def of(cls, call_id: int, item: GeneratedTokens) -> Tokens:
+        return cls(
+            call_id,
+            list(item.token_ids),
+            None if item.logprobs is None else list(item.logprobs),
+            None if item.top_logprobs is None else [list(top) for top in item.top_logprobs],
+            item.finish_reason,
+            item.version,
+        )
+
+    def item(self) -> GeneratedTokens:
+        return GeneratedTokens(
+            token_ids=tuple(self.token_ids),
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            top_logprobs=None
+            if self.top_logprobs is None
+            else tuple(tuple(top) for top in self.top_logprobs),
+            finish_reason=self.finish_reason,
+            version=self.version,
+        )
+
+
+class TokenFrame(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    streams: list[Tokens]
+
+
 T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
 _submits = msgspec.msgpack.Decoder(Submits)
 _cancels = msgspec.msgpack.Decoder(Cancels)
 _answers = msgspec.msgpack.Decoder(Answers)
+_generates = msgspec.msgpack.Decoder(Generates)
+_tokens = msgspec.msgpack.Decoder(TokenFrame)
 
 
-def encode(message: Submits | Cancels | Answers) -> bytes:
+def encode(message: Submits | Cancels | Answers | Generates | TokenFrame) -> bytes:
     return _encoder.encode(message)
+
+
+def decode_generates(header: bytes) -> Generates:
+    return _decode(_generates, header)
+
+
+def decode_tokens(header: bytes) -> TokenFrame:
+    return _decode(_tokens, header)
 
 
 def decode_submits(header: bytes) -> Submits:

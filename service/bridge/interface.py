@@ -9,7 +9,7 @@ crosses as JSON (``to_wire``/``from_wire``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -231,6 +231,26 @@ class GeneratedTokens:
     version: str = ""
     """The version that generated the stream (one version from its first token to its
     last)."""
+
+    @classmethod
+    def joined(cls, items: Sequence[GeneratedTokens]) -> GeneratedTokens:
+        """Consecutive items of one stream as one (their tokens in order, the last one's
+        ``finish_reason``)."""
+        if len(items) == 1:
+            return items[0]
+        logprobs = [item.logprobs for item in items]
+        top = [item.top_logprobs for item in items]
+        return cls(
+            token_ids=tuple(token for item in items for token in item.token_ids),
+            logprobs=None
+            if any(each is None for each in logprobs)
+            else tuple(value for each in logprobs for value in each or ()),
+            top_logprobs=None
+            if any(each is None for each in top)
+            else tuple(pairs for each in top for pairs in each or ()),
+            finish_reason=items[-1].finish_reason,
+            version=items[0].version,
+        )
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,18 @@
 Each front end keeps one connection to each engine. The requests of a SUBMITS frame (all a
 front end submitted in one event-loop turn) are queued in the engine at once (no task, future
 or timer per request); each batch's answers for one front end go back in one ANSWERS frame
-(``contract.py`` types both), as do the refusals of one SUBMITS frame. A CANCELS frame
-withdraws requests, which drops them from the queue if they have not run yet. A CONTROL
+(``contract.py`` types both), as do the refusals of one SUBMITS frame. A GENERATES frame
+starts generation streams; the tokens one generation step gave this front end's streams go
+back in one TOKENS frame, as does each stream's refusal or error. A CANCELS frame withdraws
+requests, which drops them from the queue if they have not run yet, and ends streams (their
+slots are free at the next step). A CONTROL
 frame runs one step of a version switch (``prepare``, ``commit``, ``abort``), or unloads a
 model (``unload``), and is answered by a REPLY. The engine's status goes to every front end
 when it connects, whenever it changes, and once a ``heartbeat_interval_s``, so that a front
 end can tell a hung engine from a quiet one.
 
-When a front end's connection closes, its requests still queued are dropped (nobody is left
-to answer) and a switch it prepared but did not finish is aborted.
+When a front end's connection closes, its requests still queued are dropped and its streams
+cancelled (nobody is left to answer), and a switch it prepared but did not finish is aborted.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from service.bridge import contract, wire
-from service.bridge.interface import EngineStatus, SwitchResult
+from service.bridge.interface import EngineStatus, GeneratedTokens, GenerateRequest, SwitchResult
 from service.errors import ConflictError, InvalidInputError, ServiceError
 from service.manifest import Manifest, manifest_summary
 from service.tensors import NamedArrays
@@ -61,10 +64,33 @@ class FrontEnd(Protocol):
     def deliver(self, tickets: Sequence[Any]) -> None: ...
 
 
+class TokenSink(Protocol):
+    """Where one stream's tokens go (``engine.generation_loop.TokenSink``)."""
+
+    def tokens(self, item: GeneratedTokens) -> None: ...
+
+    def failed(self, error: ServiceError) -> None: ...
+
+
+class Generation(Protocol):
+    """A generative version's streams (``engine.generation_loop.GenerationLoop``)."""
+
+    def submit(self, request: GenerateRequest, sink: TokenSink) -> int:
+        """Start a stream; its key, or the ``ServiceError`` refusing it."""
+        ...
+
+    def cancel(self, key: int) -> None: ...
+
+
 class EngineBackend(Protocol):
     """What the bridge needs of an engine (``engine.Engine`` provides it)."""
 
     def status(self) -> EngineStatus: ...
+
+    def generation_of(self, model: str, version: str) -> Generation:
+        """The streams of ``model`` for requests prepared for ``version``, or the
+        ``ServiceError`` refusing them."""
+        ...
 
     def enqueue_frame(
         self, requests: Sequence[tuple[contract.Submit, NamedArrays]], frontend_load: int, sink: Any
@@ -203,6 +229,10 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._queued: dict[int, QueuedRequest] = {}
         self._calls: dict[int, asyncio.Task[None]] = {}
+        self._streams: dict[int, tuple[Generation, int]] = {}
+        """Each stream of this front end not finished: its generation and key there."""
+        self._tokens: list[contract.Tokens] = []
+        """Tokens of this event-loop turn (one generation step's), sent at its end."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -215,6 +245,9 @@ class _Connection(asyncio.Protocol):
         # Nobody is left to answer: drop this front end's requests from the queue.
         for queued in list(self._queued.values()):
             queued.cancel()
+        streams, self._streams = self._streams, {}
+        for generation, key in streams.values():
+            generation.cancel(key)
         for call in self._calls.values():
             call.cancel()
         self._server.connection_closed(self)
@@ -239,17 +272,56 @@ class _Connection(asyncio.Protocol):
     def _handle(self, frame: wire.Frame) -> None:
         if frame.kind == wire.Kind.SUBMITS:
             self._submitted(frame)
+        elif frame.kind == wire.Kind.GENERATES:
+            for generate in contract.decode_generates(frame.typed_header).requests:
+                self._generate(generate)
         elif frame.kind == wire.Kind.CANCELS:
             for call_id in contract.decode_cancels(frame.typed_header).ids:
                 queued = self._queued.get(call_id)
                 if queued is not None:
                     queued.cancel()
+                stream = self._streams.pop(call_id, None)
+                if stream is not None:
+                    stream[0].cancel(stream[1])
         elif frame.kind == wire.Kind.CONTROL:
             header = frame.header
             call_id = int(header["id"])
             self._start(call_id, self._control(call_id, header["op"], header.get("args") or {}))
         else:
             raise wire.ProtocolError(f"a front end does not send {frame.kind.name} frames")
+
+    def _generate(self, generate: contract.Generate) -> None:
+        """Start one stream; a refusal goes back as its TOKENS entry."""
+        request = generate.request()
+        try:
+            generation = self._server.backend.generation_of(request.model, request.version)
+            key = generation.submit(request, _StreamSink(self, generate.id))
+        except ServiceError as error:
+            self._send_tokens(contract.Tokens(generate.id, error=contract.WireError.of(error)))
+            return
+        self._streams[generate.id] = (generation, key)
+
+    def stream_tokens(self, call_id: int, item: GeneratedTokens) -> None:
+        if item.finish_reason is not None:
+            self._streams.pop(call_id, None)
+        self._send_tokens(contract.Tokens.of(call_id, item))
+
+    def stream_failed(self, call_id: int, error: ServiceError) -> None:
+        self._streams.pop(call_id, None)
+        self._send_tokens(contract.Tokens(call_id, error=contract.WireError.of(error)))
+
+    def _send_tokens(self, tokens: contract.Tokens) -> None:
+        """Gather the tokens of this turn (a generation step delivers all its streams' in
+        one turn) and send them in one frame at its end."""
+        if not self._tokens:
+            asyncio.get_running_loop().call_soon(self._flush_tokens)
+        self._tokens.append(tokens)
+
+    def _flush_tokens(self) -> None:
+        tokens, self._tokens = self._tokens, []
+        if tokens and self._writer is not None:
+            header = contract.encode(contract.TokenFrame(tokens))
+            self._writer.send_now(wire.Kind.TOKENS, header)
 
     def _start(self, call_id: int, work: Any) -> None:
         call = asyncio.get_running_loop().create_task(work)
@@ -342,6 +414,22 @@ class _Connection(asyncio.Protocol):
             self._writer.send(wire.Kind.REPLY, {"id": call_id, "error": failure.to_wire()})
         else:
             self._writer.send(wire.Kind.REPLY, {"id": call_id, "result": result})
+
+
+class _StreamSink:
+    """One stream's tokens, to the connection of the front end that asked for them."""
+
+    __slots__ = ("_call_id", "_connection")
+
+    def __init__(self, connection: _Connection, call_id: int) -> None:
+        self._connection = connection
+        self._call_id = call_id
+
+    def tokens(self, item: GeneratedTokens) -> None:
+        self._connection.stream_tokens(self._call_id, item)
+
+    def failed(self, error: ServiceError) -> None:
+        self._connection.stream_failed(self._call_id, error)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -35,16 +35,19 @@ MAX_DATA_BYTES = 4 << 30
 
 class Kind(IntEnum):
     """What a frame carries. Front end to engine: SUBMITS (the requests of one event-loop
-    turn), CANCELS, CONTROL. Engine to front end: ANSWERS (a batch's results and errors for
-    this front end), STATUS (on connect, on every change, and as a heartbeat), REPLY (to a
-    CONTROL)."""
+    turn), GENERATES (its generation requests), CANCELS (of either), CONTROL. Engine to front
+    end: ANSWERS (a batch's results and errors for this front end), TOKENS (a generation
+    step's tokens for this front end's streams), STATUS (on connect, on every change, and as
+    a heartbeat), REPLY (to a CONTROL)."""
 
     CONTROL = 3
     SUBMITS = 4
     CANCELS = 5
+    GENERATES = 6
     STATUS = 13
     REPLY = 14
     ANSWERS = 15
+    TOKENS = 16
 
     @property
     def typed(self) -> bool:
@@ -52,7 +55,7 @@ class Kind(IntEnum):
         return self in _TYPED
 
 
-_TYPED = frozenset((Kind.SUBMITS, Kind.CANCELS, Kind.ANSWERS))
+_TYPED = frozenset((Kind.SUBMITS, Kind.CANCELS, Kind.GENERATES, Kind.ANSWERS, Kind.TOKENS))
 
 
 class ProtocolError(Exception):

@@ -24,14 +24,16 @@ from service.bridge.interface import (
     InferenceResult,
     SwitchResult,
 )
+from service.bridge.streams import TokenQueue
 from service.config import Settings
 from service.engine import lifecycle
 from service.engine.batcher import Sink, Submission, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
+from service.engine.generation_loop import GenerationLoop
 from service.engine.model_store import ModelStore
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher
-from service.errors import NotReadyError, ServiceError, VersionSwitchedError
+from service.errors import InvalidInputError, NotReadyError, ServiceError, VersionSwitchedError
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
@@ -264,9 +266,31 @@ class Engine:
         return served
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
-        """Not served yet (issue 38): refused before the first item."""
-        raise ServiceError("generation is not served yet")
-        yield  # an async generator, as the protocol's callers iterate it
+        generation = self.generation_of(request.model, request.version)
+        stream = TokenQueue()
+        key = generation.submit(request, stream)
+        try:
+            while True:
+                item = await stream.next()
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            generation.cancel(key)  # nothing happens once it finished
+
+    def generation_of(self, model: str, version: str) -> GenerationLoop:
+        """The loop generating for requests prepared for ``model@version``: refused as
+        ``enqueue`` refuses, and 422 for a model that does not generate."""
+        served = self._serving(model, version)
+        if isinstance(served, ServiceError):
+            raise served
+        if served.generation is None:
+            task = served.manifest.metadata.get("task", "a tensor model")
+            raise InvalidInputError(
+                f"{model} does not generate text ({task}); generation is served for "
+                "text-generation versions (package a causal LM with --hf)"
+            )
+        return served.generation
 
     async def switch(self, name: str, version: str) -> SwitchResult:
         return await self._switcher.switch(name, version)

@@ -153,3 +153,46 @@ class TransformersImageModel(_Wrapped):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model(pixel_values=pixel_values, return_dict=True).logits
         return logits
+
+
+class TransformersCausalLM(_Wrapped):
+    """A causal language model. The engine generates from ``language_model`` (its continuous
+    batch, ``engine/generation``); as a tensor model it answers each prompt's next-token
+    logits: the model's output embeddings over its base model's hidden state at the prompt's
+    last real token, which a load checks equals the model's own logits (a model that scales
+    its logits beyond its head is refused rather than answered differently)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__("text-generation", config)
+
+    @property
+    def language_model(self) -> Any:
+        """The ``transformers`` model itself, which the continuous batch steps."""
+        return self.model
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        super().load_state_dict(state_dict, strict=strict, assign=assign)
+        probe = torch.tensor([[1, 2, 3]])
+        with torch.inference_mode():
+            whole = self.model(input_ids=probe).logits[:, -1].float()
+            ours = self(probe)
+        if not torch.allclose(whole, ours, rtol=1e-4, atol=1e-4):
+            raise ValueError(
+                f"{self.cls.__name__} computes its logits beyond its output embeddings "
+                "(a scale or a cap), which the next-token path does not; it is not served"
+            )
+        return None
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        last = (attention_mask.sum(dim=1) - 1).clamp(min=0)
+        model: Any = self.model
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, return_dict=True
+        ).last_hidden_state
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        logits: torch.Tensor = model.get_output_embeddings()(hidden[rows, last])
+        return logits.float()

@@ -15,22 +15,30 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.bridge import published
+from service.bridge.interface import GENERATIVE_TASKS
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory
 from service.engine.batcher import DynamicBatcher, dispatch_policy
 from service.engine.batcher.spans import batch_tracer
 from service.engine.device_turns import ModelTurns
+from service.engine.generation.admission import StepLimits
+from service.engine.generation_loop import GenerationLoop
 from service.engine.instances import device_threads
 from service.engine.outputs import example_inputs
 from service.engine.runner import TorchRunner, configure_torch_threads, resolve_device
 from service.engine.state import EngineState, ServedModel
+from service.errors import ConflictError, ModelRejectedError
 from service.manifest import Manifest
 from service.tensors import NamedArrays
+
+if TYPE_CHECKING:
+    from service.engine.generation.continuous_batch import ContinuousBatch
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +79,17 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         length_edges=edges,
         executor=state.device_thread,
     )
+    language_model = getattr(loaded.module, "language_model", None)
     del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
+    turns = state.device_turns.for_model(manifest.name)
+    continuous: ContinuousBatch | None = None
     try:
-        warmup_s = await _warm_up(runner, batches, state.device_turns.for_model(manifest.name))
+        warmup_s = await _warm_up(runner, batches, turns)
+        if manifest.metadata.get("task") in GENERATIVE_TASKS:
+            taken = memory.memory_in_use(device) - before_bytes
+            budget = kv_cache_budget(settings, taken, sum(size for _, size in others))
+            continuous = await _continuous_batch(state, runner, language_model, manifest, budget)
         memory.release_freed_memory(device)  # the loading's scratch copies are not kept
         memory_bytes = memory.taken_since(device, before_bytes, folder, manifest)
         state.measured_memory[manifest.label] = memory_bytes
@@ -118,13 +133,79 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         group, _ = batch_group(manifest, batch, edges)
         batcher.times.record(group, len(batch), seconds)
     batcher.start()
+    generation = None
+    if continuous is not None:
+        generation = GenerationLoop(
+            continuous,
+            model=manifest.name,
+            version=manifest.version,
+            executor=runner.executor,
+            turns=turns,
+            metrics=state.metrics,
+        )
+        generation.start()
     return ServedModel(
         manifest=manifest,
         length_edges=edges,
         runner=runner,
         batcher=batcher,
         memory_bytes=memory_bytes,
+        generation=generation,
     )
+
+
+def kv_cache_budget(settings: Settings, taken_bytes: int, others_bytes: int) -> int:
+    """Bytes for a generative version's KV cache: ``kv_cache_mb``, and no more than the
+    device memory budget leaves beside the other models and this one's weights."""
+    budget = settings.kv_cache_mb * memory.MIB
+    if settings.device_memory_budget_mb > 0:
+        left = settings.device_memory_budget_mb * memory.MIB - others_bytes - max(0, taken_bytes)
+        budget = min(budget, max(0, left))
+    return budget
+
+
+async def _continuous_batch(
+    state: EngineState,
+    runner: TorchRunner,
+    model: Any,
+    manifest: Manifest,
+    kv_budget_bytes: int,
+) -> ContinuousBatch:
+    """The version's continuous batch, built on the device thread (it probes the model's KV
+    layout with a forward) in a turn of its model's; 409 when its KV cache would not hold one
+    sequence."""
+    from service.engine.generation.continuous_batch import ContinuousBatch
+
+    settings = state.settings
+    limits = StepLimits(
+        max_running_sequences=settings.max_running_sequences,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+    )
+
+    def build() -> ContinuousBatch:
+        return ContinuousBatch(
+            model,
+            kv_budget_bytes=kv_budget_bytes,
+            limits=limits,
+            max_waiting_sequences=settings.max_waiting_sequences,
+            eos_token_ids=manifest.metadata.get("eos_token_ids") or (),
+            precision=settings.precision,
+        )
+
+    if model is None:
+        raise ModelRejectedError(
+            f"{manifest.label} is a {manifest.metadata.get('task')} version whose architecture "
+            "has no language model to generate with (package it with --hf)"
+        )
+    loop = asyncio.get_running_loop()
+    async with state.device_turns.for_model(manifest.name).turn():
+        try:
+            return await loop.run_in_executor(runner.executor, build)
+        except ValueError as error:
+            raise ConflictError(
+                f"{manifest.label} cannot generate: {error} (BATCHSERVE_KV_CACHE_MB, "
+                "BATCHSERVE_DEVICE_MEMORY_BUDGET_MB)"
+            ) from error
 
 
 async def _warm_up(
@@ -241,8 +322,12 @@ async def withdraw(state: EngineState, name: str) -> None:
 
 
 async def retire(served: ServedModel) -> None:
-    """Finish the requests already queued on a version, then free its device memory."""
-    await served.batcher.drain()
+    """Finish the requests already queued on a version, and its streams, then free its
+    device memory."""
+    if served.generation is not None:
+        await asyncio.gather(served.batcher.drain(), served.generation.drain())
+    else:
+        await served.batcher.drain()
     await asyncio.to_thread(served.runner.close)
     freeze_long_lived_objects(retired=True)
     memory.release_freed_memory(served.runner.device)

@@ -34,6 +34,7 @@ from service.bridge.interface import EngineStatus, SwitchResult
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine, FrameRequest, Queued
+from service.engine.generation_loop import GenerationLoop
 from service.engine.starting_heartbeat import StartingHeartbeat
 from service.garbage import collect_young_garbage_rarely
 from service.logs import configure_logging
@@ -75,6 +76,9 @@ class _StartedEngine:
         self, requests: Sequence[FrameRequest], frontend_load: int, sink: Any
     ) -> list[Queued]:
         return self._engine.enqueue_frame(requests, frontend_load, sink)
+
+    def generation_of(self, model: str, version: str) -> GenerationLoop:
+        return self._engine.generation_of(model, version)
 
     async def prepare(self, name: str, version: str) -> Manifest:
         return await self._engine.prepare(name, version)

@@ -22,6 +22,7 @@ from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
 if TYPE_CHECKING:
+    from service.engine.generation_loop import GenerationLoop
     from service.engine.runner import TorchRunner
 
 #: A front end's reported load counts this long: it reports with every request, so one that
@@ -39,7 +40,10 @@ class ServedModel:
     runner: TorchRunner
     batcher: DynamicBatcher[NamedArrays, NamedArrays]
     memory_bytes: int
-    """What loading and warming it up took on the device (see ``memory.py``)."""
+    """What loading and warming it up took on the device (see ``memory.py``), its KV cache
+    included."""
+    generation: GenerationLoop | None = None
+    """A generative version's loop (``EngineClient.generate``); None for the others."""
 
     def group_of(self, instances: NamedArrays) -> tuple[tuple[int, ...], int]:
         """The batch group and token cost per row of ``instances``, computed here from their

@@ -13,6 +13,13 @@ pooling, dense and normalize steps go into the architecture's settings, and its 
 weights into the artifact beside the transformer's; a bare ``*Model`` is one with a mean
 pooling. A ``*ForSequenceClassification`` with one label, or a folder ``CrossEncoder`` saved,
 is a reranker (``text-ranking``): a (query, text) pair in, a score out.
+
+A causal language model (``*ForCausalLM``, ``*LMHeadModel``) is ``text-generation``: the
+engine generates from it token by token (``EngineClient.generate``), and as a tensor model it
+answers each prompt's next-token logits. Its tokenizer files, chat template and
+``generation_config.json`` are hashed into the version, which the front ends read to tokenize;
+its end-of-sequence ids, context length and sampling defaults go into the manifest's
+metadata.
 """
 
 from __future__ import annotations
@@ -41,8 +48,20 @@ _TASK_SUFFIXES = (
     ("ForTokenClassification", "token-classification"),
     ("ForImageClassification", "image-classification"),
 )
-#: Language-model heads, for the refusal's words.
-_GENERATION_SUFFIXES = ("LMHeadModel", "ForCausalLM", "ForConditionalGeneration")
+#: Causal language-model heads: served as ``text-generation``.
+_CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+#: Encoder-decoder heads, for the refusal's words (not served yet).
+_SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration",)
+GENERATION_TASK = "text-generation"
+#: Keys of ``generation_config.json`` kept as the version's sampling defaults.
+_GENERATION_DEFAULTS = (
+    "max_new_tokens",
+    "max_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "do_sample",
+)
 #: Models whose positions start after the padding index (``padding_idx + 1``).
 _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
 #: PIL's resampling codes, as ``preprocessor_config.json`` writes them.
@@ -66,7 +85,8 @@ class HFVersion:
     architecture: Architecture
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    handler: HandlerSpec
+    handler: HandlerSpec | None
+    """None for ``text-generation``: its front ends tokenize with the version's files."""
     files: tuple[Path, ...]
     metadata: dict[str, Any]
     left_out: tuple[str, ...] = ()
@@ -100,6 +120,8 @@ def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HF
         _check_sentence_transformers_task(folder, config, task, sentence_transformers)
     modules = sentence_transformers.module_folders if sentence_transformers else ()
     contents = folder_files(folder, ARTIFACT, modules)
+    if task == GENERATION_TASK:
+        return _generative_version(folder, config, settings, contents.kept, contents.left_out)
     files = contents.kept
     labels = _labels(settings) if task in _LABELLED_TASKS else None
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
@@ -296,15 +318,100 @@ def _task(config: dict[str, Any], settings: Any) -> str:
     bare = _bare_model_names(settings)
     if name in bare:
         return "feature-extraction"
+    if name.endswith(_CAUSAL_LM_SUFFIXES):
+        return GENERATION_TASK
     supported = ", ".join(f"*{suffix}" for suffix, _ in _TASK_SUFFIXES)
     generation = (
-        "; text generation (a causal or sequence-to-sequence language model) is not served yet"
-        if name.endswith(_GENERATION_SUFFIXES)
+        "; sequence-to-sequence generation (encoder-decoder models) is not served yet"
+        if name.endswith(_SEQ2SEQ_SUFFIXES)
         else ""
     )
     raise ValueError(
-        f"architecture {name!r} is not served by --hf; it serves {supported}, and the bare "
-        f"model ({' or '.join(bare) or 'its *Model'}) as feature extraction{generation}"
+        f"architecture {name!r} is not served by --hf; it serves {supported}, the bare "
+        f"model ({' or '.join(bare) or 'its *Model'}) as feature extraction, and causal "
+        f"language models (*ForCausalLM, *LMHeadModel) as text generation{generation}"
+    )
+
+
+def _generative_version(
+    folder: Path,
+    config: dict[str, Any],
+    settings: Any,
+    files: tuple[Path, ...],
+    left_out: tuple[str, ...],
+) -> HFVersion:
+    """A causal LM: prompt ids in, the next token's logits out (the tensor path); generated
+    by the engine from the metadata's end-of-sequence ids and context length."""
+    from service.engine.generation.model_limits import context_tokens, eos_token_ids
+    from service.engine.hf_model import model_class
+
+    name = config["architectures"][0]
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{folder.name} has no tokenizer.json, which the front ends tokenize prompts "
+            "with; save the tokenizer with a fast tokenizer (tokenizer.save_pretrained on a "
+            "PreTrainedTokenizerFast)"
+        )
+    try:
+        model_class(config)
+        context = context_tokens(settings)
+    except ValueError as error:
+        raise ValueError(
+            f"architecture {name!r} cannot be served for generation: {error}"
+        ) from error
+    generation_config = (
+        _json(folder / "generation_config.json")
+        if (folder / "generation_config.json").is_file()
+        else {}
+    )
+    eos = eos_token_ids(generation_config, config)
+    vocabulary = _positive_int(settings, "vocab_size")
+    pad = settings.pad_token_id
+    pad_value = pad if isinstance(pad, int) and 0 <= pad < vocabulary else (eos or (0,))[0]
+    ids = TensorSpec(
+        name="input_ids",
+        dtype="int64",
+        shape=(-1, -1),
+        max_length=context,
+        min_value=0,
+        max_value=vocabulary - 1,
+        pad_value=pad_value,
+    )
+    mask = TensorSpec(
+        name="attention_mask",
+        dtype="int64",
+        shape=(-1, -1),
+        max_length=context,
+        min_value=0,
+        max_value=1,
+        pad_value=0,
+        default_value=1,
+    )
+    logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, vocabulary))
+    defaults = {
+        key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
+    }
+    metadata: dict[str, Any] = {
+        "task": GENERATION_TASK,
+        "source": "transformers save_pretrained",
+        "tokenizer_file": "tokenizer.json",
+        "eos_token_ids": list(eos),
+        "context_tokens": context,
+        "generation_defaults": defaults,
+    }
+    return HFVersion(
+        task=GENERATION_TASK,
+        artifact=folder / ARTIFACT,
+        architecture=Architecture(
+            import_path="service.engine.hf_model:TransformersCausalLM",
+            kwargs={"config": config},
+        ),
+        inputs=(ids, mask),
+        outputs=(logits,),
+        handler=None,
+        files=files,
+        metadata=metadata,
+        left_out=left_out,
     )
 
 

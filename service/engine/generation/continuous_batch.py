@@ -115,20 +115,26 @@ class ContinuousBatch:
     def free_slots(self) -> int:
         return self.slots - self.running
 
+    def check(self, request: GenerationRequest) -> int:
+        """The new tokens ``request`` may generate, or its refusal whatever else runs (422):
+        ids outside the vocabulary, or a prompt and ``max_tokens`` that never fit. Reads only
+        what never changes, so any thread may ask."""
+        bad = [token for token in request.prompt_ids if not 0 <= token < self._vocab_size]
+        if bad:
+            raise InvalidInputError(
+                f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}"
+            )
+        return new_tokens_allowed(
+            len(request.prompt_ids), request.max_tokens, self.context_tokens, self.tokens_per_slot
+        )
+
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request to join at a coming step. Refused at once: a request that can
         never fit (422), or one that would wait beyond ``max_waiting_sequences`` for a slot
         (429 with Retry-After)."""
         if request.request_id in self._known:
             raise ValueError(f"request {request.request_id!r} is already generating")
-        bad = [token for token in request.prompt_ids if not 0 <= token < self._vocab_size]
-        if bad:
-            raise InvalidInputError(
-                f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}"
-            )
-        max_new_tokens = new_tokens_allowed(
-            len(request.prompt_ids), request.max_tokens, self.context_tokens, self.tokens_per_slot
-        )
+        max_new_tokens = self.check(request)
         if len(self._waiting) >= self.free_slots + self.max_waiting_sequences:
             raise QueueFullError(
                 f"the KV cache's {self.slots} slots are taken ({self.running} sequences "
