@@ -2,10 +2,10 @@
 
 A generative version (``manifest.metadata["task"] == "text-generation"``, packaged by
 ``batchserve package --hf``) holds ``tokenizer.json``, ``tokenizer_config.json`` (its special
-tokens, and its chat template unless the template is in ``chat_template.jinja``) and
-``generation_config.json``. Each file is read once, from the bytes whose hash the manifest
-records, and the front end tokenizes and detokenizes with the ``tokenizers`` library: no
-``transformers`` and no torch here.
+tokens, and its chat template unless ``chat_template.jinja`` or ``chat_template.json`` holds
+it) and ``generation_config.json``. Each file is read once, from the bytes whose hash the
+manifest records, and the front end tokenizes and detokenizes with the ``tokenizers``
+library: no ``transformers`` and no torch here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from service.verified_files import read_verified
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_JSON_FILE = "chat_template.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: The special tokens a chat template may name (``transformers``' ``special_tokens_map``).
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
@@ -122,16 +124,19 @@ def load_text_model(manifest: Manifest, folder: Path) -> TextModel:
         )
     tokenizer = Tokenizer.from_str(read_verified(manifest, folder, TOKENIZER_FILE).decode())
     config = document(TOKENIZER_CONFIG_FILE)
-    template: str | None = None
+    # Where transformers has kept the template over its releases, newest first.
+    template: str | None
     if CHAT_TEMPLATE_FILE in manifest.files:
         template = read_verified(manifest, folder, CHAT_TEMPLATE_FILE).decode()
+    elif CHAT_TEMPLATE_JSON_FILE in manifest.files:
+        template = _default_template(document(CHAT_TEMPLATE_JSON_FILE).get("chat_template"))
     else:
         template = _default_template(config.get("chat_template"))
     return TextModel(
         manifest=manifest,
         tokenizer=tokenizer,
         chat_template=template,
-        special_tokens=_special_tokens(config),
+        special_tokens=_special_tokens(document(SPECIAL_TOKENS_FILE)) | _special_tokens(config),
         defaults=GenerationDefaults.from_document(document(GENERATION_CONFIG_FILE)),
     )
 
