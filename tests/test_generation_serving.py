@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -21,20 +21,28 @@ import torch
 from service.bridge.client import BridgeClient
 from service.bridge.interface import (
     EngineClient,
-    GeneratedTokens,
     GenerateRequest,
     InferenceRequest,
 )
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine
+from service.engine.model_store import ModelStore
 from service.errors import InvalidInputError, QueueFullError, ServiceError
 from service.metrics import EngineMetrics
 from service.server.cli import main
 from service.tensors import NamedArrays
 from tests import generative_models
 from tests.fixtures import wait_until
-from tests.generative_models import CONTEXT, EOS, VOCAB, save_folder
+from tests.generation_streams import (
+    PROMPTLY_S,
+    assert_greedy_parity,
+    collect,
+    generated_alone,
+    mixed_prompts,
+    request_for,
+)
+from tests.generative_models import CONTEXT, VOCAB, save_folder
 from tests.hf_folders import save_text_model
 
 pytest.importorskip("transformers")
@@ -44,10 +52,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
-
-PROMPTLY_S = 60.0
-PROMPT_LENGTHS = (1, 2, 7, 16, 33, 64, 100, 130)
-MAX_TOKENS = (1, 3, 8, 17, 32, 40)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +91,7 @@ def settings(repository: Path, **values: Any) -> Settings:
         "device": "cpu",
         "warmup_batch_sizes": (1,),
         "length_buckets": (64,),
+        "max_batch_tokens": 1024,
         "max_wait_ms": 1.0,
         "torch_threads": 1,
     }
@@ -121,63 +126,6 @@ async def over_the_bridge(engine: Engine) -> AsyncIterator[BridgeClient]:
         finally:
             await client.close()
             await server.close()
-
-
-def request_for(client: EngineClient, prompt: tuple[int, ...], **fields: Any) -> GenerateRequest:
-    model = client.status().find("lm")
-    assert model is not None
-    return GenerateRequest(
-        model="lm", version=model.manifest.version, prompt_ids=prompt, temperature=0.0, **fields
-    )
-
-
-async def collect(client: EngineClient, request: GenerateRequest) -> list[GeneratedTokens]:
-    items = []
-    async with asyncio.timeout(PROMPTLY_S):
-        async for item in client.generate(request):
-            items.append(item)
-    return items
-
-
-def generated_alone(model: Any, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        output = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=EOS,
-            pad_token_id=EOS,
-        )
-    tokens: list[int] = output[0, len(prompt) :].tolist()
-    return tokens
-
-
-def mixed_prompts(count: int, seed: int) -> list[tuple[tuple[int, ...], int]]:
-    chooser = random.Random(seed)
-    return [
-        (
-            tuple(
-                chooser.randrange(1, VOCAB) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])
-            ),
-            chooser.choice(MAX_TOKENS),
-        )
-        for i in range(count)
-    ]
-
-
-async def assert_greedy_parity(client: EngineClient, reference: Any) -> None:
-    prompts = mixed_prompts(16, seed=3)
-    streams = await asyncio.gather(
-        *(collect(client, request_for(client, prompt, max_tokens=most)) for prompt, most in prompts)
-    )
-    version = client.status().find("lm")
-    assert version is not None
-    for (prompt, most), items in zip(prompts, streams, strict=True):
-        tokens = [token for item in items for token in item.token_ids]
-        assert tokens == generated_alone(reference, prompt, most)
-        assert items[-1].finish_reason == ("stop" if tokens[-1] == EOS else "length")
-        assert all(item.finish_reason is None for item in items[:-1])
-        assert {item.version for item in items} == {version.manifest.version}
 
 
 async def test_greedy_streams_equal_generate_alone_in_process(
@@ -296,3 +244,50 @@ async def test_a_tensor_model_refuses_generation_and_a_generative_one_serves_nex
         np.testing.assert_allclose(
             answer.outputs["next_token_logits"][0], want, rtol=1e-4, atol=1e-4
         )
+
+
+async def test_a_stream_started_before_a_switch_ends_on_its_version(
+    repository: Path, reference: Any, tmp_path: Path
+) -> None:
+    """A stream keeps the version it started on to its last token; the requests after the
+    switch get the new version, each equal to its own model's generation."""
+    switched = tmp_path / "repo"
+    shutil.copytree(repository, switched)
+    other = generative_models.gpt2(seed=1)
+    folder = save_folder(tmp_path / "lm2", other)
+    assert (
+        main(["package", "--repository", str(switched), "--name", "lm", "--hf", str(folder)]) == 0
+    )
+    old_version = ModelStore(repository).resolve("lm").version
+    new_version = ModelStore(switched).resolve("lm").version  # the latest
+    async with started(switched, models=(f"lm@{old_version}", "bert")) as engine:
+        first = request_for(engine, (5, 6, 7), max_tokens=300, ignore_eos=True)
+        assert first.version == old_version
+        stream = engine.generate(first)
+        items = [await anext(stream)]
+        await engine.switch("lm", new_version)
+        async with asyncio.timeout(PROMPTLY_S):
+            items += [item async for item in stream]
+        tokens = [token for item in items for token in item.token_ids]
+        want = greedy_past_eos(reference, (5, 6, 7), 300)
+        assert tokens == want
+        assert {item.version for item in items} == {old_version}
+        assert items[-1].finish_reason == "length"
+        after = await collect(engine, request_for(engine, (5, 6, 7), max_tokens=20))
+        assert {item.version for item in after} == {new_version}
+        assert [t for item in after for t in item.token_ids] == generated_alone(
+            other, (5, 6, 7), 20
+        )
+
+
+def greedy_past_eos(model: Any, prompt: tuple[int, ...], count: int) -> list[int]:
+    """The model's ``count`` most likely next tokens, one at a time, going on past its
+    end-of-sequence id (``ignore_eos``; ``generate``'s ``min_new_tokens`` would forbid it)."""
+    tokens: list[int] = []
+    with torch.inference_mode():
+        output = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        for _ in range(count):
+            token = output.logits[0, -1].argmax().view(1, 1)
+            tokens.append(int(token))
+            output = model(input_ids=token, cache=output.past_key_values, use_cache=True)
+    return tokens

@@ -1,0 +1,75 @@
+"""Generation requests and their streams, for the tests that serve a tiny GPT-2 (``lm``) in an
+engine: each stream read whole, and checked against ``transformers``' greedy generation of
+its prompt alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import torch
+
+from service.bridge.interface import EngineClient, GeneratedTokens, GenerateRequest
+from tests.generative_models import EOS, VOCAB
+
+PROMPTLY_S = 60.0
+PROMPT_LENGTHS = (1, 2, 7, 16, 33, 64, 100, 130)
+MAX_TOKENS = (1, 3, 8, 17, 32, 40)
+
+
+def request_for(client: EngineClient, prompt: tuple[int, ...], **fields: Any) -> GenerateRequest:
+    model = client.status().find("lm")
+    assert model is not None
+    return GenerateRequest(
+        model="lm", version=model.manifest.version, prompt_ids=prompt, temperature=0.0, **fields
+    )
+
+
+async def collect(client: EngineClient, request: GenerateRequest) -> list[GeneratedTokens]:
+    items = []
+    async with asyncio.timeout(PROMPTLY_S):
+        async for item in client.generate(request):
+            items.append(item)
+    return items
+
+
+def generated_alone(model: Any, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
+    tokens: list[int] = output[0, len(prompt) :].tolist()
+    return tokens
+
+
+def mixed_prompts(count: int, seed: int) -> list[tuple[tuple[int, ...], int]]:
+    chooser = random.Random(seed)
+    return [
+        (
+            tuple(
+                chooser.randrange(1, VOCAB) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])
+            ),
+            chooser.choice(MAX_TOKENS),
+        )
+        for i in range(count)
+    ]
+
+
+async def assert_greedy_parity(client: EngineClient, reference: Any) -> None:
+    prompts = mixed_prompts(16, seed=3)
+    streams = await asyncio.gather(
+        *(collect(client, request_for(client, prompt, max_tokens=most)) for prompt, most in prompts)
+    )
+    version = client.status().find("lm")
+    assert version is not None
+    for (prompt, most), items in zip(prompts, streams, strict=True):
+        tokens = [token for item in items for token in item.token_ids]
+        assert tokens == generated_alone(reference, prompt, most)
+        assert items[-1].finish_reason == ("stop" if tokens[-1] == EOS else "length")
+        assert all(item.finish_reason is None for item in items[:-1])
+        assert {item.version for item in items} == {version.manifest.version}
