@@ -178,7 +178,6 @@ def test_each_choice_samples_with_its_own_seed(text_model: TextModel) -> None:
     requests = settings.engine_requests(
         text_model,
         (1, 2),
-        default_max_tokens=16,
         priority="normal",
         deadline_s=10.0,
         request_id="r",
@@ -188,10 +187,10 @@ def test_each_choice_samples_with_its_own_seed(text_model: TextModel) -> None:
     assert [request.request_id for request in requests] == ["r-0", "r-1", "r-2"]
     assert all(request.max_tokens == 5 for request in requests)
     unseeded = SamplingSettings(n=2).engine_requests(
-        text_model, (1,), default_max_tokens=16, priority="normal", deadline_s=1.0, request_id="r"
+        text_model, (1,), priority="normal", deadline_s=1.0, request_id="r"
     )
     assert [request.seed for request in unseeded] == [None, None]
-    assert (unseeded[0].max_tokens, unseeded[0].temperature) == (16, 1.0)
+    assert (unseeded[0].max_tokens, unseeded[0].temperature) == (None, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +211,7 @@ def test_a_setting_out_of_range_names_itself(
 ) -> None:
     with pytest.raises(InvalidParameterError) as refused:
         settings.engine_requests(
-            text_model, (1,), default_max_tokens=16, priority="normal", deadline_s=1.0,
+            text_model, (1,), priority="normal", deadline_s=1.0,
             request_id="r",
         )  # fmt: skip
     assert refused.value.param == param
@@ -228,13 +227,13 @@ def test_generation_config_sets_what_the_request_leaves_out(tmp_path: Path) -> N
         manifest, ModelRepository(tmp_path).version_folder("writer", manifest.version)
     )
     [request] = SamplingSettings().engine_requests(
-        loaded, (1,), default_max_tokens=16, priority="normal", deadline_s=1.0, request_id="r"
+        loaded, (1,), priority="normal", deadline_s=1.0, request_id="r"
     )
     assert (request.temperature, request.top_p, request.top_k, request.max_tokens) == (
         0.6, 0.9, 20, 40,
     )  # fmt: skip
     [chosen] = SamplingSettings(temperature=0.0, max_tokens=3).engine_requests(
-        loaded, (1,), default_max_tokens=16, priority="normal", deadline_s=1.0, request_id="r"
+        loaded, (1,), priority="normal", deadline_s=1.0, request_id="r"
     )
     assert (chosen.temperature, chosen.max_tokens) == (0.0, 3)
 

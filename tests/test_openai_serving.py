@@ -220,6 +220,7 @@ async def test_the_openai_sdk_gets_greedy_parity_and_every_feature_in_one_proces
             await client.completions.create(model="nothing", prompt="hi")
 
         await leave_mid_stream(url, caplog)
+        await run_the_page_s_examples(url)
 
 
 async def leave_mid_stream(url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -265,3 +266,24 @@ async def leave_mid_stream(url: str, caplog: pytest.LogCaptureFixture) -> None:
             raise AssertionError(f"the sequence still ran {FREED_WITHIN_S} s after its client left")
     [record] = finished()
     assert record.completion_tokens < (CONTEXT - record.prompt_tokens) // 2  # type: ignore[attr-defined]
+
+
+PAGE = Path(__file__).parent.parent / "docs" / "generation.md"
+MARKER = "<!-- run by tests/test_openai_serving.py -->"
+
+
+async def run_the_page_s_examples(url: str) -> None:
+    """docs/generation.md's marked Python blocks run as written, against this server (its
+    address for ``localhost:8000``, this model for ``mylm``), in a thread: they block."""
+    blocks = PAGE.read_text().split(MARKER)[1:]
+    assert len(blocks) == 2
+    for block in blocks:
+        code = block.split("```python\n", 1)[1].split("```", 1)[0]
+        code = code.replace("http://localhost:8000", url).replace('"mylm"', '"lm"')
+        printed: list[str] = []
+
+        def run(code: str = code, printed: list[str] = printed) -> None:
+            exec(code, {"print": lambda *words, **_: printed.append(" ".join(map(str, words)))})
+
+        await asyncio.to_thread(run)
+        assert printed, code

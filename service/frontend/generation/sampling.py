@@ -67,13 +67,12 @@ class SamplingSettings:
         text_model: TextModel,
         prompt_ids: tuple[int, ...],
         *,
-        default_max_tokens: int | None,
         priority: Priority,
         deadline_s: float,
         request_id: str,
     ) -> list[GenerateRequest]:
-        """One engine request per choice. ``default_max_tokens``: the route's own when
-        neither the request nor the version sets one (None: what the context leaves)."""
+        """One engine request per choice. Without ``max_tokens``, the version's
+        ``max_new_tokens``, else as many as the context leaves."""
         self.check()
         text_model.check_ids(self.stop_token_ids, "stop_token_ids")
         defaults = text_model.defaults
@@ -81,7 +80,7 @@ class SamplingSettings:
         top_p = _first(self.top_p, defaults.top_p, 1.0)
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = defaults.max_new_tokens or default_max_tokens
+            max_tokens = defaults.max_new_tokens
         manifest = text_model.manifest
         return [
             GenerateRequest(

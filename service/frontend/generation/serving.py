@@ -36,7 +36,7 @@ from service.frontend.generation.choices import (
 )
 from service.frontend.generation.sampling import SamplingSettings
 from service.frontend.generation.text_model import TextModel
-from service.frontend.predict import read_body
+from service.frontend.predict import PredictHeaders, read_body
 from service.frontend.requests import Deadline, DisconnectWatcher
 from service.frontend.state import FrontendState
 from service.types import Priority
@@ -60,6 +60,11 @@ async def read_request_body(
         if name == b"content-length":
             declared = value.decode("latin-1")
     return await read_body(receive, declared, frontend.settings.max_body_bytes, deadline.at_s)
+
+
+def request_priority(scope: Scope) -> Priority:
+    """``X-Priority: high`` is served before normal traffic, as on ``/predict``."""
+    return PredictHeaders.from_scope(scope).batch_priority()
 
 
 async def text_model_of(frontend: FrontendState, model: ModelInfo) -> TextModel:
@@ -87,7 +92,6 @@ class Generation:
         self,
         frontend: FrontendState,
         *,
-        default_max_tokens: int | None,
         deadline: Deadline,
         priority: Priority,
         receive: Receive,
@@ -98,7 +102,6 @@ class Generation:
             for request in self.settings.engine_requests(
                 self.text_model,
                 prompt_ids,
-                default_max_tokens=default_max_tokens,
                 priority=priority,
                 deadline_s=deadline.at_s,
                 request_id=self.request_id,
@@ -109,12 +112,13 @@ class Generation:
             return await start_choices(streams)
 
     def log_usage(self, completion_tokens: int, *, stream: bool) -> None:
-        """The request's token counts in the log and on its span (never its text)."""
+        """The request's token counts in the log, and on its span when it is answered whole
+        (a stream's span ends once its answer starts); never its text."""
         usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
         }
-        if tracing.current is not None:
+        if tracing.current is not None and not stream:
             span = trace.get_current_span()
             span.set_attribute("gen_ai.usage.input_tokens", self.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)

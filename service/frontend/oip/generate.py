@@ -38,6 +38,7 @@ from service.frontend.generation.serving import (
     collect,
     off_loop,
     read_request_body,
+    request_priority,
     text_model_of,
 )
 from service.frontend.inference import answer_inference
@@ -115,6 +116,7 @@ async def serve_generate(
     stream: bool,
 ) -> Response:
     deadline = Deadline.start(frontend.settings)
+    priority = request_priority(scope)
     model = frontend.admitting_model(name, version)
     body = await read_request_body(frontend, scope, receive, deadline)
     try:
@@ -146,7 +148,7 @@ async def serve_generate(
     )
     generation = Generation(model, text_model, [prompt], settings, request_id)
     choices = await generation.start(
-        frontend, default_max_tokens=None, deadline=deadline, priority="normal", receive=receive
+        frontend, deadline=deadline, priority=priority, receive=receive
     )
     served = choices[0].first.version or model.manifest.version
     head = {"model_name": model.manifest.name, "model_version": served}

@@ -28,6 +28,7 @@ from service.frontend.generation.serving import (
     collect,
     off_loop,
     read_request_body,
+    request_priority,
     text_model_of,
 )
 from service.frontend.generation.text_model import TextModel
@@ -47,6 +48,7 @@ async def serve_chat_completion(
     frontend: FrontendState, scope: Scope, receive: Receive, request_id: str
 ) -> Response:
     deadline = Deadline.start(frontend.settings)
+    priority = request_priority(scope)
     body = await read_request_body(frontend, scope, receive, deadline)
     try:
         request = ChatCompletionRequest.model_validate_json(body)
@@ -63,7 +65,7 @@ async def serve_chat_completion(
     settings = request.sampling(max_tokens, top if request.logprobs else None)
     generation = Generation(model, text_model, [prompt], settings, request_id)
     choices = await generation.start(
-        frontend, default_max_tokens=None, deadline=deadline, priority="normal", receive=receive
+        frontend, deadline=deadline, priority=priority, receive=receive
     )
     answer = ChatAnswer(generation, request, f"chatcmpl-{request_id}")
     headers = {"X-Model-Version": f"{model.manifest.name}@{choices[0].first.version}"}

@@ -28,6 +28,7 @@ from service.frontend.generation.serving import (
     collect,
     off_loop,
     read_request_body,
+    request_priority,
     text_model_of,
 )
 from service.frontend.generation.text_model import TextModel
@@ -50,6 +51,7 @@ async def serve_completion(
     frontend: FrontendState, scope: Scope, receive: Receive, request_id: str
 ) -> Response:
     deadline = Deadline.start(frontend.settings)
+    priority = request_priority(scope)
     body = await read_request_body(frontend, scope, receive, deadline)
     try:
         request = CompletionRequest.model_validate_json(body)
@@ -73,7 +75,7 @@ async def serve_completion(
         request_id,
     )
     choices = await generation.start(
-        frontend, default_max_tokens=16, deadline=deadline, priority="normal", receive=receive
+        frontend, deadline=deadline, priority=priority, receive=receive
     )
     answer = CompletionAnswer(generation, request, f"cmpl-{request_id}")
     headers = {"X-Model-Version": f"{model.manifest.name}@{choices[0].first.version}"}
