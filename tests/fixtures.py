@@ -505,8 +505,8 @@ class EchoingGenerator:
     of ``stop_token_ids`` (included). Each token's log-probability is -1.0 and its top
     ``logprobs`` are itself at -1.0. ``refusal``: raised by every request before its first
     item. ``gate``: when set, each sequence waits on it after its first event (a stream that
-    stays open). Keeps each request, and counts the sequences closed before they finished
-    (cancelled)."""
+    stays open). ``failing_after``: events after which a sequence fails (``error``). Keeps
+    each request, and counts the sequences closed before they finished (cancelled)."""
 
     def __init__(self, *models: Any, tokens_per_event: int = 1) -> None:
         from service.bridge.interface import EngineStatus
@@ -516,6 +516,7 @@ class EchoingGenerator:
         self.requests: list[Any] = []
         self.refusal: Exception | None = None
         self.gate: asyncio.Event | None = None
+        self.failing_after: int | None = None
         self.cancelled = 0
         self.finished = 0
 
@@ -540,9 +541,15 @@ class EchoingGenerator:
         limit = 16 if request.max_tokens is None else request.max_tokens
         prompt = request.prompt_ids
         produced = 0
+        events = 0
         done = False
         try:
             while not done:
+                if events == self.failing_after:
+                    done = True
+                    yield GeneratedTokens((), finish_reason="error", version=request.version)
+                    return
+                events += 1
                 ids: list[int] = []
                 reason = None
                 while len(ids) < self.tokens_per_event:

@@ -430,3 +430,25 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_sequence(
                 break  # one event came; leave with the stream open
     await wait_until(lambda: served.engine.cancelled == 2, timeout_s=10.0)
     assert served.engine.finished == 0
+
+
+async def test_a_sequence_that_fails_is_a_500_whole_and_an_error_event_streamed(
+    served: Served,
+) -> None:
+    served.engine.failing_after = 2
+    body = {"model": "writer", "prompt": PROMPT, "max_tokens": 8}
+    whole = await post(served, "/v1/completions", body)
+    assert whole.status_code == 500
+    assert error_of(whole)["code"] == "inference_failed"
+    async with served.client() as client:
+        streamed = await client.post(
+            "/v1/completions", content=orjson.dumps({**body, "stream": True})
+        )
+    assert streamed.status_code == 200  # sent before the failure
+    events = events_of(streamed.text)
+    assert [event["choices"][0]["text"] for event in events[:2]] == [
+        echoed(ids(PROMPT), 1),
+        echoed(ids(PROMPT), 2)[len(echoed(ids(PROMPT), 1)) :],
+    ]
+    assert events[2]["error"]["code"] == "inference_failed"
+    assert events[3] == "[DONE]"
