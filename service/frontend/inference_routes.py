@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Protocol = Literal["predict", "v2", "v2_generate", "openai"]
+Protocol = Literal["predict", "v2", "v2_generate", "openai_generation"]
 """What answers a route: ``/predict``'s code (``predict.py``), the V2 protocol's
-(``oip/rest.py``), its generate extension's (``oip/generate.py``), or OpenAI's
-(``openai/``)."""
+(``oip/rest.py``), its generate extension's (``oip/generate.py``), or OpenAI's completions
+and chat completions (``openai/``)."""
 
 PREDICT_PATH = "/predict"
 MODEL_PREDICT_PATH = "/models/{name}/predict"
@@ -68,8 +68,10 @@ INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
     InferenceRoute(
         V2_GENERATE_STREAM_PATH, "v2_generate", V2_GENERATE_STREAM_PATH, "Generate, streamed"
     ),
-    InferenceRoute(COMPLETIONS_PATH, "openai", COMPLETIONS_PATH, "Completions"),
-    InferenceRoute(CHAT_COMPLETIONS_PATH, "openai", CHAT_COMPLETIONS_PATH, "Chat completions"),
+    InferenceRoute(COMPLETIONS_PATH, "openai_generation", COMPLETIONS_PATH, "Completions"),
+    InferenceRoute(
+        CHAT_COMPLETIONS_PATH, "openai_generation", CHAT_COMPLETIONS_PATH, "Chat completions"
+    ),
 )
 #: The label of each inference route, by its path.
 INFERENCE_LABELS = {route.path: route.label for route in INFERENCE_ROUTES}

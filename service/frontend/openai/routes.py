@@ -66,7 +66,7 @@ async def chat_completions(request: Request) -> Response:
 def add_openai_routes(app_router: APIRouter) -> None:
     """Register the OpenAI inference routes (``inference_routes``) with ``app_router``: the
     app's own (``app.py``)."""
-    for route in of_protocol("openai"):
+    for route in of_protocol("openai_generation"):
         is_completion = route.path == COMPLETIONS_PATH
         schema = inlined_schema(CompletionRequest if is_completion else ChatCompletionRequest)
         app_router.add_api_route(
