@@ -310,3 +310,15 @@ def test_an_event_is_one_data_line_of_json_and_a_blank_line() -> None:
     assert framed == b'data: {"text":"two\\nlines"}\n\n'
     assert framed.count(b"\n") == 2
     assert DONE == b"data: [DONE]\n\n"
+
+
+def test_a_prompt_is_tokenized_whole_whatever_padding_or_truncation_was_saved(
+    tmp_path: Path,
+) -> None:
+    saved = byte_level_bpe()
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=64)
+    manifest = write_text_generation_version(tmp_path, tokenizer=saved)
+    folder = ModelRepository(tmp_path).version_folder("writer", manifest.version)
+    text = "the quick brown fox jumps over the lazy dog"
+    assert load_text_model(manifest, folder).encode(text) == byte_level_bpe().encode(text).ids

@@ -83,6 +83,8 @@ class Generation:
     settings: SamplingSettings
     request_id: str
     started_s: float = field(default_factory=time.monotonic)
+    version: str = ""
+    """The version generating the choices, once started (the engine's word for it)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -109,7 +111,9 @@ class Generation:
                 choice = ChoiceText(len(streams), self.text_model, prompt_ids, self.settings.stop)
                 streams.append(choice_updates(frontend.engine.generate(request), choice))
         with DisconnectWatcher(receive):
-            return await start_choices(streams)
+            started = await start_choices(streams)
+        self.version = started[0].first.version or self.model.manifest.version
+        return started
 
     def log_usage(self, completion_tokens: int, *, stream: bool) -> None:
         """The request's token counts in the log, and on its span when it is answered whole

@@ -123,6 +123,10 @@ def load_text_model(manifest: Manifest, folder: Path) -> TextModel:
             f"{manifest.label} has no {TOKENIZER_FILE}: package it with `batchserve package --hf`"
         )
     tokenizer = Tokenizer.from_str(read_verified(manifest, folder, TOKENIZER_FILE).decode())
+    # A saved tokenizer may carry the truncation and padding it was last used with: a prompt
+    # is tokenized whole and alone, as ``tokenizer(prompt)`` gives it to ``generate``.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     config = document(TOKENIZER_CONFIG_FILE)
     # Where transformers has kept the template over its releases, newest first.
     template: str | None

@@ -150,9 +150,8 @@ async def serve_generate(
     choices = await generation.start(
         frontend, deadline=deadline, priority=priority, receive=receive
     )
-    served = choices[0].first.version or model.manifest.version
-    head = {"model_name": model.manifest.name, "model_version": served}
-    headers = {"X-Model-Version": f"{model.manifest.name}@{served}"}
+    head = {"model_name": model.manifest.name, "model_version": generation.version}
+    headers = {"X-Model-Version": f"{model.manifest.name}@{generation.version}"}
     prefix = "" if parameters.exclude_input_in_output else request.text_input
     if stream:
         return event_stream(_events(generation, choices, head, prefix), headers)

@@ -68,7 +68,7 @@ async def serve_chat_completion(
         frontend, deadline=deadline, priority=priority, receive=receive
     )
     answer = ChatAnswer(generation, request, f"chatcmpl-{request_id}")
-    headers = {"X-Model-Version": f"{model.manifest.name}@{choices[0].first.version}"}
+    headers = {"X-Model-Version": f"{model.manifest.name}@{generation.version}"}
     if request.stream:
         return event_stream(answer.events(choices), headers)
     results = await collect(choices, receive)
@@ -114,7 +114,7 @@ class ChatAnswer:
             "object": kind,
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": f"{self.model}@{self.generation.model.manifest.version}",
+            "system_fingerprint": f"{self.model}@{self.generation.version}",
         }
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:

@@ -78,7 +78,7 @@ async def serve_completion(
         frontend, deadline=deadline, priority=priority, receive=receive
     )
     answer = CompletionAnswer(generation, request, f"cmpl-{request_id}")
-    headers = {"X-Model-Version": f"{model.manifest.name}@{choices[0].first.version}"}
+    headers = {"X-Model-Version": f"{model.manifest.name}@{generation.version}"}
     if request.stream:
         return event_stream(answer.events(choices), headers)
     results = await collect(choices, receive)
@@ -140,7 +140,7 @@ class CompletionAnswer:
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": f"{self.model}@{self.generation.model.manifest.version}",
+            "system_fingerprint": f"{self.model}@{self.generation.version}",
         }
 
     def _echoed(self, index: int) -> str:
