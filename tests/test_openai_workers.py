@@ -49,12 +49,10 @@ def completion(client: openai.OpenAI, prompt: str, max_tokens: int, stream: bool
 
 
 def test_two_front_ends_and_an_engine_answer_as_the_model_alone(tmp_path: Path) -> None:
-    reference = reference_model()
     folder = save_chat_model(tmp_path / "folder")
     repository = tmp_path / "repo"
     command = ["package", "--repository", str(repository), "--name", "lm", "--hf", str(folder)]
     assert main(command) == 0
-    expected = [greedy_text(reference, p, m) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
     with serve_with_engines(
         tmp_path,
         WORKERS,
@@ -63,6 +61,9 @@ def test_two_front_ends_and_an_engine_answer_as_the_model_alone(tmp_path: Path) 
         BATCHSERVE_KV_CACHE_MB="64",
         BATCHSERVE_SPARE_ENGINE="false",
     ) as server:
+        # Computed while the server starts.
+        reference = reference_model()
+        expected = [greedy_text(reference, p, m) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
         wait_until_serving(server, WORKERS)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         with client, ThreadPoolExecutor(len(PROMPTS)) as pool:
