@@ -256,8 +256,9 @@ class Settings(BaseSettings):
     socket closes (lets a load balancer stop sending first). Queued requests finish either way."""
 
     stall_timeout_s: float = Field(default=120.0, ge=0.0, le=3600.0)
-    """A batch running longer than this marks the model hung: ``/healthz`` and ``/readyz``
-    answer 503 so the process is replaced (0 turns the watchdog off)."""
+    """A batch (or a generation step) running longer than this marks the model hung:
+    ``/healthz`` and ``/readyz`` answer 503 so the process is replaced (0 turns the watchdog
+    off)."""
 
     admin_token: SecretStr | None = Field(default=None, min_length=16)
     """Bearer token for the ``/admin`` routes (load and roll back versions), at least 16

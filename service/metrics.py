@@ -306,23 +306,23 @@ class EngineMetrics:
         )
         self.running_sequences = Gauge(
             "batchserve_running_sequences",
-            "Sequences a generative model generates now (decoding or prefilling).",
-            labelnames=["model"],
+            "Sequences a generative version generates now (decoding or prefilling).",
+            labelnames=["model", "version"],
             registry=r,
             multiprocess_mode="livesum",
         )
         self.waiting_sequences = Gauge(
             "batchserve_waiting_sequences",
-            "Generation requests waiting for a KV-cache slot.",
-            labelnames=["model"],
+            "Generation requests waiting for a KV-cache slot of a generative version.",
+            labelnames=["model", "version"],
             registry=r,
             multiprocess_mode="livesum",
         )
         self.kv_cache_slots = Gauge(
             "batchserve_kv_cache_slots",
-            "KV-cache slots (one per running sequence) of a generative model: kind=used or "
-            "kind=total.",
-            ["model", "kind"],
+            "KV-cache slots (one per running sequence) of a generative version: kind=used or "
+            "kind=total (while a switch finishes the old version's streams, both count).",
+            ["model", "version", "kind"],
             registry=r,
             multiprocess_mode="livesum",
         )

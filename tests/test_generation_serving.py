@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,18 +19,29 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from service import tracing
 from service.bridge.client import BridgeClient
 from service.bridge.interface import (
     EngineClient,
+    GeneratedTokens,
     GenerateRequest,
     InferenceRequest,
 )
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine
+from service.engine.lifecycle import kv_cache_budget
 from service.engine.model_store import ModelStore
-from service.errors import InvalidInputError, QueueFullError, ServiceError
+from service.errors import (
+    DeadlineExceededError,
+    InvalidInputError,
+    NotReadyError,
+    QueueFullError,
+    ServiceError,
+)
 from service.metrics import EngineMetrics
 from service.server.cli import main
 from service.tensors import NamedArrays
@@ -87,7 +100,7 @@ def one_torch_thread() -> Iterator[None]:
 def settings(repository: Path, **values: Any) -> Settings:
     defaults: dict[str, Any] = {
         "model_repository": repository,
-        "models": ("lm", "bert"),
+        "models": ("lm",),
         "device": "cpu",
         "warmup_batch_sizes": (1,),
         "length_buckets": (64,),
@@ -190,7 +203,7 @@ async def test_a_prompt_that_never_fits_is_422_before_any_token(
 async def test_a_tensor_model_answers_right_while_the_engine_generates(
     repository: Path, reference: Any
 ) -> None:
-    async with started(repository) as engine:
+    async with started(repository, models=("lm", "bert")) as engine:
         bert = engine.status().find("bert")
         assert bert is not None
         ids = np.array([[2, 7, 9, 3]], dtype=np.int64)
@@ -218,7 +231,7 @@ async def test_a_tensor_model_answers_right_while_the_engine_generates(
 async def test_a_tensor_model_refuses_generation_and_a_generative_one_serves_next_token_logits(
     repository: Path, reference: Any
 ) -> None:
-    async with started(repository) as engine:
+    async with started(repository, models=("lm", "bert")) as engine:
         bert = engine.status().find("bert")
         assert bert is not None
         with pytest.raises(ServiceError, match="does not generate text"):
@@ -260,7 +273,7 @@ async def test_a_stream_started_before_a_switch_ends_on_its_version(
     )
     old_version = ModelStore(repository).resolve("lm").version
     new_version = ModelStore(switched).resolve("lm").version  # the latest
-    async with started(switched, models=(f"lm@{old_version}", "bert")) as engine:
+    async with started(switched, models=(f"lm@{old_version}",)) as engine:
         first = request_for(engine, (5, 6, 7), max_tokens=300, ignore_eos=True)
         assert first.version == old_version
         stream = engine.generate(first)
@@ -275,6 +288,14 @@ async def test_a_stream_started_before_a_switch_ends_on_its_version(
         assert items[-1].finish_reason == "length"
         after = await collect(engine, request_for(engine, (5, 6, 7), max_tokens=20))
         assert {item.version for item in after} == {new_version}
+        registry = engine.state.metrics.registry
+
+        def slots(version: str) -> float | None:
+            labels = {"model": "lm", "version": version, "kind": "total"}
+            return registry.get_sample_value("batchserve_kv_cache_slots", labels)
+
+        await wait_until(lambda: slots(old_version) is None, PROMPTLY_S)  # retired
+        assert slots(new_version) == engine.generation_of("lm", new_version).batch.slots
         assert [t for item in after for t in item.token_ids] == generated_alone(
             other, (5, 6, 7), 20
         )
@@ -291,3 +312,161 @@ def greedy_past_eos(model: Any, prompt: tuple[int, ...], count: int) -> list[int
             tokens.append(int(token))
             output = model(input_ids=token, cache=output.past_key_values, use_cache=True)
     return tokens
+
+
+@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
+async def test_no_first_token_by_the_deadline_is_504_and_frees_the_sequence(
+    repository: Path, bridged: bool
+) -> None:
+    """The device is held (the model's turn taken here), so no step runs before the
+    deadline."""
+    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
+        client: EngineClient = (
+            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
+        )
+        turns = engine.state.device_turns.for_model("lm")
+        await turns.acquire()
+        try:
+            late = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() + 0.3)
+            with pytest.raises(DeadlineExceededError) as expired:
+                await collect(client, late)
+            assert expired.value.status_code == 504
+        finally:
+            turns.release()
+        loop = engine.generation_of("lm", late.version)
+        await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
+        past = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() - 1)
+        with pytest.raises(DeadlineExceededError):
+            await collect(client, past)
+
+
+@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
+async def test_a_seeded_sampled_stream_is_the_same_alone_and_among_others_with_logprobs(
+    repository: Path, bridged: bool
+) -> None:
+    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
+        client: EngineClient = (
+            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
+        )
+        seeded = request_for(client, (5, 6, 7), max_tokens=12, ignore_eos=True)
+        seeded = dataclasses.replace(seeded, temperature=0.9, top_p=0.9, seed=7, logprobs=2)
+        alone = await collect(client, seeded)
+        others = [
+            collect(client, dataclasses.replace(seeded, seed=None, prompt_ids=prompt))
+            for prompt, _ in mixed_prompts(6, seed=9)
+        ]
+        together, *_ = await asyncio.gather(collect(client, seeded), *others)
+        joined = GeneratedTokens.joined(alone)
+        assert GeneratedTokens.joined(together).token_ids == joined.token_ids
+        assert len(joined.token_ids) == 12
+        assert joined.logprobs is not None
+        assert len(joined.logprobs) == 12
+        assert joined.top_logprobs is not None
+        assert [len(top) for top in joined.top_logprobs] == [2] * 12
+        assert all(value <= 0.0 for value in joined.logprobs)
+
+
+async def test_the_engine_counts_tokens_streams_and_slots(repository: Path) -> None:
+    async with started(repository, max_running_sequences=4) as engine:
+        prompts = mixed_prompts(6, seed=11)
+        streams = await asyncio.gather(
+            *(collect(engine, request_for(engine, p, max_tokens=m)) for p, m in prompts)
+        )
+        registry = engine.state.metrics.registry
+        tokens = sum(len(item.token_ids) for items in streams for item in items)
+
+        version = request_for(engine, (1,)).version
+
+        def sample(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, {"model": "lm", **labels})
+
+        def gauge(name: str, **labels: str) -> float | None:
+            return sample(name, version=version, **labels)
+
+        assert sample("batchserve_generated_tokens_total") == tokens
+        assert sample("batchserve_time_to_first_token_seconds_count") == len(prompts)
+        assert sample("batchserve_inter_token_latency_seconds_count") == tokens - len(prompts)
+        assert gauge("batchserve_kv_cache_slots", kind="total") == 4
+        assert gauge("batchserve_kv_cache_slots", kind="used") == 0
+        assert gauge("batchserve_running_sequences") == 0
+        assert gauge("batchserve_waiting_sequences") == 0
+
+
+async def test_the_kv_cache_holds_what_kv_cache_mb_allows_and_a_full_one_is_429(
+    repository: Path,
+) -> None:
+    """The tiny GPT-2 caches 1 KiB a token (2 layers, 4 heads of 16, keys and values in
+    float32), so a slot of its 512-token context takes 512 KiB: 1 MiB holds two."""
+    async with started(repository, kv_cache_mb=1, max_waiting_sequences=0) as engine:
+        version = request_for(engine, (1,)).version
+        assert engine.generation_of("lm", version).batch.slots == 2
+        long = [
+            engine.generate(request_for(engine, (5, 6), max_tokens=400, ignore_eos=True))
+            for _ in range(2)
+        ]
+        async with asyncio.timeout(PROMPTLY_S):
+            for stream in long:
+                assert (await anext(stream)).token_ids
+        with pytest.raises(QueueFullError, match="holds 2 sequences"):
+            await collect(engine, request_for(engine, (7,), max_tokens=1))
+        for stream in long:
+            await stream.aclose()
+
+
+def test_the_kv_cache_gets_no_more_than_the_device_memory_budget_leaves() -> None:
+    mib = 1024 * 1024
+    alone = Settings(kv_cache_mb=512)
+    assert kv_cache_budget(alone, taken_bytes=30 * mib, others_bytes=20 * mib) == 512 * mib
+    budgeted = Settings(kv_cache_mb=512, device_memory_budget_mb=100)
+    assert kv_cache_budget(budgeted, taken_bytes=30 * mib, others_bytes=20 * mib) == 50 * mib
+    assert kv_cache_budget(budgeted, taken_bytes=90 * mib, others_bytes=20 * mib) == 0
+
+
+async def test_a_step_that_outlives_the_stall_timeout_marks_the_engine_stalled(
+    repository: Path,
+) -> None:
+    """The device thread is held here, so the step waits behind it: the engine reports
+    stalled (its owner replaces the process) and refuses new streams with 503."""
+    release = threading.Event()
+    async with started(repository, stall_timeout_s=0.3) as engine:
+        assert engine.state.device_thread is not None
+        held = engine.state.device_thread.submit(release.wait, PROMPTLY_S)
+        try:
+            stream = engine.generate(request_for(engine, (5, 6), max_tokens=3))
+            first = asyncio.ensure_future(anext(stream))
+            await wait_until(lambda: engine.status().phase == "stalled", PROMPTLY_S)
+            with pytest.raises(NotReadyError, match="stalled"):
+                await collect(engine, request_for(engine, (7,), max_tokens=1))
+        finally:
+            release.set()
+            held.result(timeout=PROMPTLY_S)
+        async with asyncio.timeout(PROMPTLY_S):
+            assert (await first).token_ids
+        await stream.aclose()
+        loop = engine.generation_of("lm", request_for(engine, (1,)).version)
+        await loop.drain()  # a stalled engine's shutdown leaves its models as they are
+
+
+async def test_a_traced_stream_has_a_generate_span_with_its_token_counts(
+    repository: Path,
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracing.start([SimpleSpanProcessor(exporter)], role="engine")
+    try:
+        async with started(repository) as engine:
+            parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+            request = request_for(engine, (5, 6, 7), max_tokens=4, ignore_eos=True)
+            await collect(engine, dataclasses.replace(request, traceparent=parent))
+            unsampled = parent[:-2] + "00"
+            await collect(engine, dataclasses.replace(request, traceparent=unsampled))
+    finally:
+        tracing.stop()
+    [span] = [span for span in exporter.get_finished_spans() if span.name == "generate"]
+    assert span.parent is not None
+    assert span.parent.span_id == int("cd" * 8, 16)
+    assert span.context.trace_id == int("ab" * 16, 16)
+    assert span.attributes is not None
+    assert span.attributes["batchserve.generation.prompt_tokens"] == 3
+    assert span.attributes["batchserve.generation.completion_tokens"] == 4
+    assert span.attributes["batchserve.generation.finish_reason"] == "length"
+    assert [event.name for event in span.events] == ["first_token"]

@@ -51,6 +51,7 @@ async def test_streams_through_an_engine_process_and_a_disconnect_frees_the_slot
         BATCHSERVE_WARMUP_BATCH_SIZES="1",
         BATCHSERVE_LENGTH_BUCKETS="64",
         BATCHSERVE_MAX_BATCH_TOKENS="1024",
+        BATCHSERVE_SPARE_ENGINE="false",  # its torch import would only compete for the CPU
     ) as server:
         wait_until_serving(server, workers=2)
         [pid] = engine_pids(server)
@@ -77,6 +78,7 @@ async def test_streams_through_an_engine_process_and_a_disconnect_frees_the_slot
         async with asyncio.timeout(PROMPTLY_S):
             assert (await anext(stream)).token_ids
         assert scraped(server.url, "batchserve_running_sequences", {"model": "lm"}) == 1
+        assert scraped(server.url, "batchserve_kv_cache_slots", {"kind": "used"}) == 1
         before = scraped(server.url, "batchserve_generated_tokens_total", {"model": "lm"})
         await leaving.close()  # the front end is gone, its connection with it
         await asyncio.to_thread(

@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from service.bridge.interface import GeneratedTokens, GenerateRequest
+from service.engine.batcher.run import StallWatch
 from service.engine.device_turns import ModelTurns
 from service.engine.generation.sampling import SamplingParams
 from service.engine.generation.sequences import GenerationRequest, TokenEvent
+from service.engine.generation_span import StreamSpan
 from service.errors import (
     DeadlineExceededError,
     InferenceError,
@@ -71,13 +73,23 @@ class _Cancel:
 class _Stream:
     sink: TokenSink
     arrived_s: float
+    prompt_tokens: int
+    tokens: int = 0
     last_token_s: float = 0.0
     first_token_timer: asyncio.TimerHandle | None = None
+    span: StreamSpan | None = None
 
     def stop_timer(self) -> None:
         if self.first_token_timer is not None:
             self.first_token_timer.cancel()
             self.first_token_timer = None
+
+    def ended(self, outcome: str) -> None:
+        """The stream is over: no timer left, its span (if traced) ended with ``outcome``."""
+        self.stop_timer()
+        if self.span is not None:
+            self.span.end(self.tokens, outcome)
+            self.span = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +112,16 @@ class GenerationLoop:
         executor: Executor,
         turns: ModelTurns,
         metrics: EngineMetrics,
+        stall: StallWatch,
     ) -> None:
+        """``stall``: marks the loop stalled when a step outlives ``stall_timeout_s``, as a
+        batcher's batches do."""
         self.batch = batch
         self.model = model
         self.version = version
         self._executor = executor
         self._turns = turns
+        self._stall = stall
         self._inbox: deque[GenerationRequest | _Cancel] = deque()
         """Filled on the event loop, drained on the device thread (deque is thread-safe for
         append and popleft)."""
@@ -119,10 +135,20 @@ class GenerationLoop:
         self._ttft = metrics.time_to_first_token.labels(model)
         self._itl = metrics.inter_token_latency.labels(model)
         self._tokens = metrics.generated_tokens.labels(model)
-        self._running = metrics.running_sequences.labels(model)
-        self._waiting = metrics.waiting_sequences.labels(model)
-        self._slots_used = metrics.kv_cache_slots.labels(model, "used")
-        self._slots_total = metrics.kv_cache_slots.labels(model, "total")
+        self._gauges = (
+            (metrics.running_sequences, (model, version)),
+            (metrics.waiting_sequences, (model, version)),
+            (metrics.kv_cache_slots, (model, version, "used")),
+            (metrics.kv_cache_slots, (model, version, "total")),
+        )
+        self._running, self._waiting, self._slots_used, self._slots_total = (
+            gauge.labels(*labels) for gauge, labels in self._gauges
+        )
+
+    @property
+    def stalled(self) -> bool:
+        """A step has run longer than ``stall_timeout_s``: the model may be hung."""
+        return self._stall.stalled
 
     @property
     def streams(self) -> int:
@@ -138,10 +164,10 @@ class GenerationLoop:
     def submit(self, request: GenerateRequest, sink: TokenSink) -> int:
         """Queue ``request`` to join the batch at its next step; its key for ``cancel``.
         Raises the refusals that need no device (see the module's docstring)."""
-        if self._closing:
+        if self._closing or self._stall.stalled:
             raise NotReadyError(
-                f"{self.model}@{self.version} is no longer served here; retry when /readyz "
-                "answers 200"
+                f"{self.model}@{self.version} is not generating here now (stalled, or no "
+                "longer served); retry when /readyz answers 200"
             )
         sampling = SamplingParams(
             temperature=request.temperature,
@@ -172,7 +198,10 @@ class GenerationLoop:
         now_s = time.monotonic()
         if request.deadline_s <= now_s:
             raise DeadlineExceededError("the request's deadline passed before it was queued")
-        stream = _Stream(sink, arrived_s=now_s)
+        stream = _Stream(sink, arrived_s=now_s, prompt_tokens=len(generation.prompt_ids))
+        stream.span = StreamSpan.start(
+            request.traceparent, self.model, self.version, stream.prompt_tokens
+        )
         if request.deadline_s != float("inf"):
             stream.first_token_timer = asyncio.get_running_loop().call_later(
                 request.deadline_s - now_s, self._expire, key
@@ -189,7 +218,7 @@ class GenerationLoop:
         stream = self._streams.pop(key, None)
         if stream is None:
             return
-        stream.stop_timer()
+        stream.ended("cancelled")
         self._inbox.append(_Cancel(key))
         self._wake.set()
         self._check_idle()
@@ -198,22 +227,24 @@ class GenerationLoop:
         """Take no new request, let every stream finish, then stop."""
         self._closing = True
         await self._idle.wait()
+        self._stall.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._running.set(0)
-        self._waiting.set(0)
-        self._slots_used.set(0)
-        self._slots_total.set(0)
+        for gauge, labels in self._gauges:
+            # Zeroed before removed: with several processes the value lives on in this
+            # process's metrics file, which remove() does not touch.
+            gauge.labels(*labels).set(0)
+            gauge.remove(*labels)
 
     def _expire(self, key: int) -> None:
         stream = self._streams.get(key)
         if stream is None or stream.last_token_s:
             return
+        error = DeadlineExceededError("the first token did not come by the request's deadline")
+        stream.ended(error.code)  # before cancel() would end it as cancelled
         self.cancel(key)
-        stream.sink.failed(
-            DeadlineExceededError("the first token did not come by the request's deadline")
-        )
+        stream.sink.failed(error)
 
     def _check_idle(self) -> None:
         if not self._streams:
@@ -226,14 +257,19 @@ class GenerationLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            async with self._turns.turn():
-                try:
-                    result = await loop.run_in_executor(self._executor, self._step)
-                except Exception:
-                    logger.exception("generation_step_failed", extra={"model": self.model})
-                    self._fail_all()
-                    continue
-            self._deliver(result)
+            try:
+                async with self._turns.turn():
+                    step = self._stall.started(time.monotonic())
+                    try:
+                        result = await loop.run_in_executor(self._executor, self._step)
+                    finally:
+                        self._stall.finished(step)
+                self._deliver(result)
+            except Exception:
+                # Left running, the streams would wait forever; the batch keeps its sequences
+                # until the cancels queued here reach it.
+                logger.exception("generation_step_failed", extra={"model": self.model})
+                self._fail_all()
 
     def _step(self) -> _StepResult:
         """One iteration, on the device thread: the queued cancels and submissions, then a
@@ -259,7 +295,7 @@ class GenerationLoop:
         for request_id, error in result.refused:
             stream = streams.pop(cast(int, request_id), None)
             if stream is not None:
-                stream.stop_timer()
+                stream.ended(error.code)
                 stream.sink.failed(error)
         now_s = time.monotonic()
         for event in result.events:
@@ -274,9 +310,23 @@ class GenerationLoop:
             else:
                 stream.stop_timer()
                 self._ttft.observe(now_s - stream.arrived_s)
+                if stream.span is not None:
+                    stream.span.first_token()
             stream.last_token_s = now_s
+            stream.tokens += event.token_id is not None
             if event.finish_reason is not None:
                 del streams[key]
+                stream.ended(event.finish_reason)
+                logger.debug(
+                    "generation_finished",
+                    extra={
+                        "model": self.model,
+                        "version": self.version,
+                        "prompt_tokens": stream.prompt_tokens,
+                        "completion_tokens": stream.tokens,
+                        "finish_reason": event.finish_reason,
+                    },
+                )
             if event.finish_reason == "error":
                 logger.warning(
                     "generation_sequence_failed",
@@ -303,7 +353,8 @@ class GenerationLoop:
         """A step raised: every stream ends with 500 and its sequence is cancelled."""
         streams, self._streams = self._streams, {}
         for key, stream in streams.items():
-            stream.stop_timer()
+            error = InferenceError("the generation step failed in the engine")
+            stream.ended(error.code)
             self._inbox.append(_Cancel(key))
-            stream.sink.failed(InferenceError("the generation step failed in the engine"))
+            stream.sink.failed(error)
         self._check_idle()

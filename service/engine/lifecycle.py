@@ -25,6 +25,8 @@ from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory
 from service.engine.batcher import DynamicBatcher, dispatch_policy
+from service.engine.batcher.clock import MonotonicClock
+from service.engine.batcher.run import StallWatch
 from service.engine.batcher.spans import batch_tracer
 from service.engine.device_turns import ModelTurns
 from service.engine.generation.admission import StepLimits
@@ -89,7 +91,9 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
         if manifest.metadata.get("task") in GENERATIVE_TASKS:
             taken = memory.memory_in_use(device) - before_bytes
             budget = kv_cache_budget(settings, taken, sum(size for _, size in others))
-            continuous = await _continuous_batch(state, runner, language_model, manifest, budget)
+            continuous = await _continuous_batch(
+                state.settings, runner, turns, language_model, manifest, budget
+            )
         memory.release_freed_memory(device)  # the loading's scratch copies are not kept
         memory_bytes = memory.taken_since(device, before_bytes, folder, manifest)
         state.measured_memory[manifest.label] = memory_bytes
@@ -142,6 +146,7 @@ async def load_version(state: EngineState, name: str, version: str) -> ServedMod
             executor=runner.executor,
             turns=turns,
             metrics=state.metrics,
+            stall=StallWatch(MonotonicClock(), settings.stall_timeout_s, state.report_stall),
         )
         generation.start()
     return ServedModel(
@@ -165,8 +170,9 @@ def kv_cache_budget(settings: Settings, taken_bytes: int, others_bytes: int) -> 
 
 
 async def _continuous_batch(
-    state: EngineState,
+    settings: Settings,
     runner: TorchRunner,
+    turns: ModelTurns,
     model: Any,
     manifest: Manifest,
     kv_budget_bytes: int,
@@ -176,7 +182,11 @@ async def _continuous_batch(
     sequence."""
     from service.engine.generation.continuous_batch import ContinuousBatch
 
-    settings = state.settings
+    if model is None:
+        raise ModelRejectedError(
+            f"{manifest.label} is a {manifest.metadata.get('task')} version whose architecture "
+            "has no language model to generate with (package it with --hf)"
+        )
     limits = StepLimits(
         max_running_sequences=settings.max_running_sequences,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -192,15 +202,9 @@ async def _continuous_batch(
             precision=settings.precision,
         )
 
-    if model is None:
-        raise ModelRejectedError(
-            f"{manifest.label} is a {manifest.metadata.get('task')} version whose architecture "
-            "has no language model to generate with (package it with --hf)"
-        )
-    loop = asyncio.get_running_loop()
-    async with state.device_turns.for_model(manifest.name).turn():
+    async with turns.turn():
         try:
-            return await loop.run_in_executor(runner.executor, build)
+            return await asyncio.get_running_loop().run_in_executor(runner.executor, build)
         except ValueError as error:
             raise ConflictError(
                 f"{manifest.label} cannot generate: {error} (BATCHSERVE_KV_CACHE_MB, "

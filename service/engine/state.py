@@ -152,9 +152,12 @@ class EngineState:
 
     @property
     def stalled(self) -> bool:
-        """A batch has outlived ``stall_timeout_s``: a model looks hung, and with it the
-        device thread every model shares."""
-        return any(served.batcher.stalled for served in self.models.values())
+        """A batch or a generation step has outlived ``stall_timeout_s``: a model looks hung,
+        and with it the device thread every model shares."""
+        return any(
+            served.batcher.stalled or (served.generation is not None and served.generation.stalled)
+            for served in self.models.values()
+        )
 
     @property
     def phase(self) -> str:

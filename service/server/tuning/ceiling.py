@@ -116,8 +116,8 @@ class ZeroEngine:
         return shape
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
-        """Not served yet (issue 38): refused before the first item."""
-        raise ServiceError("generation is not served yet")
+        """The HTTP ceiling measures tensor requests only: refused before the first item."""
+        raise ConflictError("the HTTP ceiling serves tensor models, not generation")
         yield  # an async generator, as the protocol's callers iterate it
 
     async def switch(self, name: str, version: str) -> SwitchResult:
