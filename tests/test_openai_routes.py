@@ -16,8 +16,12 @@ import orjson
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 
+from service import tracing
 from service.bridge.interface import EngineStatus, ModelInfo
 from service.config import Settings
 from service.errors import NotReadyError, QueueFullError
@@ -452,3 +456,28 @@ async def test_a_sequence_that_fails_is_a_500_whole_and_an_error_event_streamed(
     ]
     assert events[2]["error"]["code"] == "inference_failed"
     assert events[3] == "[DONE]"
+
+
+async def test_a_traced_request_hands_its_span_to_the_engine_with_its_token_counts(
+    served: Served,
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracing.start([SimpleSpanProcessor(exporter)], role="frontend")
+    try:
+        answer = await post(
+            served, "/v1/completions", {"model": "writer", "prompt": PROMPT, "max_tokens": 3}
+        )
+    finally:
+        tracing.stop()
+    assert answer.status_code == 200
+    [span] = [span for span in exporter.get_finished_spans() if span.kind == SpanKind.SERVER]
+    assert span.name == "POST /v1/completions"
+    assert span.attributes is not None
+    assert span.attributes["gen_ai.usage.input_tokens"] == len(ids(PROMPT))
+    assert span.attributes["gen_ai.usage.output_tokens"] == 3
+    [request] = served.engine.requests
+    assert span.context is not None
+    assert request.traceparent is not None
+    assert request.traceparent.startswith(
+        f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-"
+    )

@@ -70,6 +70,7 @@ class SamplingSettings:
         priority: Priority,
         deadline_s: float,
         request_id: str,
+        traceparent: str | None = None,
     ) -> list[GenerateRequest]:
         """One engine request per choice. Without ``max_tokens``, the version's
         ``max_new_tokens``, else as many as the context leaves."""
@@ -98,6 +99,7 @@ class SamplingSettings:
                 priority=priority,
                 deadline_s=deadline_s,
                 request_id=request_id if self.n == 1 else f"{request_id}-{index}",
+                traceparent=traceparent,
             )
             for index in range(self.n)
         ]

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope
 
 from service import tracing
 from service.bridge.interface import ModelInfo
+from service.frontend import request_spans
 from service.frontend.generation.choices import (
     ChoiceText,
     ChoiceUpdate,
@@ -100,6 +101,7 @@ class Generation:
     ) -> list[StartedChoice]:
         """Every choice queued in the engine and its first update come."""
         streams: list[AsyncIterator[ChoiceUpdate]] = []
+        traceparent = request_spans.current_traceparent()  # the engine's spans: its children
         for prompt_ids in self.prompts:
             for request in self.settings.engine_requests(
                 self.text_model,
@@ -107,6 +109,7 @@ class Generation:
                 priority=priority,
                 deadline_s=deadline.at_s,
                 request_id=self.request_id,
+                traceparent=traceparent,
             ):
                 choice = ChoiceText(len(streams), self.text_model, prompt_ids, self.settings.stop)
                 streams.append(choice_updates(frontend.engine.generate(request), choice))
