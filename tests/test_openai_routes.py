@@ -432,8 +432,13 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_sequence(
         async for line in answer.aiter_lines():
             if line.startswith("data: "):
                 break  # one event came; leave with the stream open
+        # An open stream is a request in flight, as one waiting for its answer.
+        assert served.frontend.receiving == 1
+        assert served.frontend.request_tally.in_flight == 1
     await wait_until(lambda: served.engine.cancelled == 2, timeout_s=10.0)
     assert served.engine.finished == 0
+    await wait_until(lambda: served.frontend.receiving == 0, timeout_s=10.0)
+    assert served.frontend.request_tally.in_flight == 0
 
 
 async def test_a_sequence_that_fails_is_a_500_whole_and_an_error_event_streamed(

@@ -6,6 +6,7 @@ sequence sent to the engine at once, waiting for each one's first tokens, so tha
 is answered as an HTTP error), and either ``collect`` (the whole answer) or ``merged``
 updates streamed as they come (``choices.merged``). A client that leaves while it waits is
 noticed at once (``requests.DisconnectWatcher``): its sequences are cancelled in the engine.
+``counted_while_streaming`` keeps an open stream counted as a request in flight.
 ``log_usage`` logs each request's token counts, never its text.
 """
 
@@ -32,6 +33,7 @@ from service.frontend.generation.choices import (
     StartedChoice,
     TokenLogprob,
     choice_updates,
+    close,
     merged,
     start_choices,
 )
@@ -139,6 +141,23 @@ class Generation:
                 **usage,
             },
         )
+
+
+async def counted_while_streaming(
+    frontend: FrontendState, events: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """``events``, the stream counted in flight and against ``max_requests_per_frontend``
+    until it ends: its request was counted until its answer began, and an open stream holds
+    as much of a front end as a request waiting."""
+    frontend.request_tally.started()
+    frontend.receiving += 1
+    try:
+        async for event in events:
+            yield event
+    finally:
+        frontend.receiving -= 1
+        frontend.request_tally.stopped()
+        await close(events)
 
 
 @dataclass

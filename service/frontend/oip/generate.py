@@ -36,6 +36,7 @@ from service.frontend.generation.sampling import SamplingSettings
 from service.frontend.generation.serving import (
     Generation,
     collect,
+    counted_while_streaming,
     off_loop,
     read_request_body,
     request_priority,
@@ -154,7 +155,8 @@ async def serve_generate(
     headers = {"X-Model-Version": f"{model.manifest.name}@{generation.version}"}
     prefix = "" if parameters.exclude_input_in_output else request.text_input
     if stream:
-        return event_stream(_events(generation, choices, head, prefix), headers)
+        events = _events(generation, choices, head, prefix)
+        return event_stream(counted_while_streaming(frontend, events), headers)
     [result] = await collect(choices, receive)
     generation.log_usage(result.token_count, stream=False)
     answer = {**head, "text_output": prefix + result.text, "finish_reason": result.finish_reason}

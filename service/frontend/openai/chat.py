@@ -26,6 +26,7 @@ from service.frontend.generation.serving import (
     ChoiceResult,
     Generation,
     collect,
+    counted_while_streaming,
     off_loop,
     read_request_body,
     request_priority,
@@ -70,7 +71,7 @@ async def serve_chat_completion(
     answer = ChatAnswer(generation, request, f"chatcmpl-{request_id}")
     headers = {"X-Model-Version": f"{model.manifest.name}@{generation.version}"}
     if request.stream:
-        return event_stream(answer.events(choices), headers)
+        return event_stream(counted_while_streaming(frontend, answer.events(choices)), headers)
     results = await collect(choices, receive)
     generation.log_usage(sum(result.token_count for result in results), stream=False)
     return json_response(answer.whole(results), headers=headers)
