@@ -505,7 +505,8 @@ class EchoingGenerator:
     of ``stop_token_ids`` (included). Each token's log-probability is -1.0 and its top
     ``logprobs`` are itself at -1.0. ``refusal``: raised by every request before its first
     item. ``gate``: when set, each sequence waits on it after its first event (a stream that
-    stays open). ``failing_after``: events after which a sequence fails (``error``). Keeps
+    stays open); ``first_gate``: likewise before its first event (a sequence still queued).
+    ``failing_after``: events after which a sequence fails (``error``). Keeps
     each request, and counts the sequences closed before they finished (cancelled)."""
 
     def __init__(self, *models: Any, tokens_per_event: int = 1) -> None:
@@ -517,6 +518,7 @@ class EchoingGenerator:
         self.refusal: Exception | None = None
         self.gate: asyncio.Event | None = None
         self.failing_after: int | None = None
+        self.first_gate: asyncio.Event | None = None
         self.cancelled = 0
         self.finished = 0
 
@@ -544,6 +546,8 @@ class EchoingGenerator:
         events = 0
         done = False
         try:
+            if self.first_gate is not None:
+                await self.first_gate.wait()
             while not done:
                 if events == self.failing_after:
                     done = True

@@ -422,7 +422,7 @@ async def test_the_openai_sdk_completes_and_chats_whole_and_streamed(
 async def test_a_client_that_leaves_mid_stream_cancels_its_sequence(
     served: Served, server: str
 ) -> None:
-    served.engine.gate = asyncio.Event()  # each sequence waits after its first event
+    gate = served.engine.gate = asyncio.Event()  # each sequence waits after its first event
     body = {"model": "writer", "prompt": PROMPT, "max_tokens": 50, "stream": True, "n": 2}
     async with (
         httpx.AsyncClient() as client,
@@ -435,10 +435,13 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_sequence(
         # An open stream is a request in flight, as one waiting for its answer.
         assert served.frontend.receiving == 1
         assert served.frontend.request_tally.in_flight == 1
-    await wait_until(lambda: served.engine.cancelled == 2, timeout_s=10.0)
-    assert served.engine.finished == 0
-    await wait_until(lambda: served.frontend.receiving == 0, timeout_s=10.0)
-    assert served.frontend.request_tally.in_flight == 0
+    try:
+        await wait_until(lambda: served.engine.cancelled == 2, timeout_s=10.0)
+        assert served.engine.finished == 0
+        await wait_until(lambda: served.frontend.receiving == 0, timeout_s=10.0)
+        assert served.frontend.request_tally.in_flight == 0
+    finally:
+        gate.set()  # whatever failed, the server can stop
 
 
 async def test_a_sequence_that_fails_is_a_500_whole_and_an_error_event_streamed(
@@ -486,3 +489,18 @@ async def test_a_traced_request_hands_its_span_to_the_engine_with_its_token_coun
     assert request.traceparent.startswith(
         f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-"
     )
+
+
+async def test_a_client_that_leaves_before_the_first_token_cancels_its_sequences(
+    served: Served, server: str
+) -> None:
+    gate = served.engine.first_gate = asyncio.Event()  # the sequences wait, as when queued
+    body = {"model": "writer", "prompt": PROMPT, "n": 3, "stream": True}
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=0.5)) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(server + "/completions", json=body)
+        await wait_until(lambda: served.engine.cancelled == 3, timeout_s=10.0)
+        await wait_until(lambda: served.frontend.receiving == 0, timeout_s=10.0)
+    finally:
+        gate.set()  # whatever failed, the server can stop
