@@ -157,16 +157,29 @@ async def test_completion_logprobs_have_openai_s_legacy_shape(served: Served) ->
     answer = await post(
         served,
         "/v1/completions",
-        {"model": "writer", "prompt": PROMPT, "max_tokens": 4, "logprobs": 2, "echo": True},
+        {"model": "writer", "prompt": PROMPT, "max_tokens": 4, "logprobs": 2},
     )
     [choice] = answer.json()["choices"]
-    assert choice["text"] == PROMPT + echoed(ids(PROMPT), 4)
+    assert choice["text"] == echoed(ids(PROMPT), 4)
     logprobs = choice["logprobs"]
     assert logprobs["token_logprobs"] == [-1.0] * 4
     assert logprobs["tokens"] == [TOKENIZER.decode([token]) for token in ids(PROMPT)[:4]]
     assert all(len(top) == 1 for top in logprobs["top_logprobs"])  # the fake's k are one token
     assert logprobs["text_offset"][0] == 0
     assert served.engine.requests[0].logprobs == 2
+    echoing = await post(
+        served,
+        "/v1/completions",
+        {"model": "writer", "prompt": PROMPT, "max_tokens": 4, "echo": True},
+    )
+    assert echoing.json()["choices"][0]["text"] == PROMPT + echoed(ids(PROMPT), 4)
+    both = await post(
+        served,
+        "/v1/completions",
+        {"model": "writer", "prompt": PROMPT, "echo": True, "logprobs": 1},
+    )
+    assert both.status_code == 400
+    assert error_of(both)["param"] == "echo"
 
 
 async def test_a_chat_is_rendered_with_the_version_s_template(served: Served) -> None:

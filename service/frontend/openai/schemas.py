@@ -112,6 +112,10 @@ class CompletionRequest(_GenerationFields):
             raise InvalidParameterError("best_of", "best_of is not supported; leave it out")
         if self.suffix:
             raise InvalidParameterError("suffix", "suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise InvalidParameterError(
+                "echo", "echo with logprobs is not supported: the prompt's are not computed"
+            )
 
 
 class TextPart(BaseModel):
