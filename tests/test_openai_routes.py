@@ -517,3 +517,16 @@ async def test_a_client_that_leaves_before_the_first_token_cancels_its_sequences
         await wait_until(lambda: served.frontend.receiving == 0, timeout_s=10.0)
     finally:
         gate.set()  # whatever failed, the server can stop
+
+
+async def test_a_path_or_method_the_api_lacks_is_answered_in_openai_s_shape(
+    served: Served,
+) -> None:
+    async with served.client() as client:
+        wrong_method = await client.get("/v1/completions")
+        no_route = await client.post("/v1/responses", content=b"{}")
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert error_of(wrong_method)["code"] == "method_not_allowed"
+    assert no_route.status_code == 404
+    assert error_of(no_route)["type"] == "invalid_request_error"

@@ -29,6 +29,7 @@ from service.frontend.inference import DirectRoute
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
 from service.frontend.openai import routes as openai_routes
+from service.frontend.openai.errors import openai_error_response
 from service.frontend.openapi import model_openapi, with_model_routes
 from service.frontend.openapi_clients import for_clients
 from service.frontend.responses import (
@@ -41,6 +42,8 @@ from service.frontend.state import FrontendState
 logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+#: Where OpenAI's API is served: every error there is in its shape.
+OPENAI_PREFIX = "/v1/"
 
 
 def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
@@ -205,6 +208,10 @@ async def _service_error_response(request: Request, error: ServiceError) -> Resp
 
 async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    if request.url.path.startswith(OPENAI_PREFIX):  # OpenAI's clients read their own shape
+        failure = ServiceError(str(error.detail), headers=dict(error.headers or {}))
+        failure.status_code, failure.code = error.status_code, code
+        return openai_error_response(failure, _request_id(request))
     return error_response(
         error.status_code, code, str(error.detail), _request_id(request), error.headers
     )
