@@ -219,6 +219,20 @@ async def test_the_openai_sdk_gets_greedy_parity_and_every_feature_in_one_proces
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="nothing", prompt="hi")
 
+        # The generate extension, whole and streamed: the same greedy text.
+        async with httpx.AsyncClient() as http:
+            document = {"text_input": PROMPTS[9], "parameters": {"max_tokens": MAX_TOKENS[9],
+                        "temperature": 0}}  # fmt: skip
+            whole = await http.post(url + "/v2/models/lm/generate", json=document)
+            assert whole.json()["text_output"] == expected[9]
+            streamed = await http.post(url + "/v2/models/lm/generate_stream", json=document)
+            events = [
+                orjson.loads(line.removeprefix("data: "))
+                for line in streamed.text.split("\n\n")
+                if line
+            ]
+            assert "".join(event["text_output"] for event in events) == expected[9]
+
         await leave_mid_stream(url, caplog)
         await run_the_page_s_examples(url)
 
