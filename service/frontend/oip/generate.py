@@ -5,7 +5,7 @@ A request is ``{"text_input": "...", "parameters": {...}}``; the parameters are 
 settings every generation route takes (``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``), and ``exclude_input_in_output``
 (default true here: the answer holds the generated text only; false puts the prompt before
-it, as Triton's vLLM backend does by default). ``generate`` answers
+it: the parameter of Triton's vLLM backend). ``generate`` answers
 ``{"model_name", "model_version", "text_output", "finish_reason"}``; ``generate_stream``
 sends one server-sent event of that shape per piece of text, ``text_output`` holding the new
 text, the last with its ``finish_reason``. Errors are the protocol's ``{"error": "..."}``,
