@@ -530,3 +530,14 @@ async def test_a_path_or_method_the_api_lacks_is_answered_in_openai_s_shape(
     assert error_of(wrong_method)["code"] == "method_not_allowed"
     assert no_route.status_code == 404
     assert error_of(no_route)["type"] == "invalid_request_error"
+
+
+async def test_x_priority_reaches_the_engine_and_a_bad_one_is_a_400(served: Served) -> None:
+    body = orjson.dumps({"model": "writer", "prompt": PROMPT, "max_tokens": 1})
+    async with served.client() as client:
+        high = await client.post("/v1/completions", content=body, headers={"X-Priority": "high"})
+        bad = await client.post("/v1/completions", content=body, headers={"X-Priority": "now"})
+    assert high.status_code == 200
+    assert [request.priority for request in served.engine.requests] == ["high"]
+    assert bad.status_code == 400
+    assert "X-Priority" in error_of(bad)["message"]
