@@ -1,16 +1,26 @@
-"""Generation requests and their streams, for the tests that serve a tiny GPT-2 (``lm``) in an
-engine: each stream read whole, and checked against ``transformers``' greedy generation of
-its prompt alone."""
+"""An engine serving a tiny GPT-2 (``lm``) for the generation tests, in process or behind a
+bridge socket; requests and their streams, each read whole and checked against
+``transformers``' greedy generation of its prompt alone."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from service.bridge.client import BridgeClient
 from service.bridge.interface import EngineClient, GeneratedTokens, GenerateRequest
+from service.bridge.server import BridgeServer
+from service.config import Settings
+from service.engine.engine import Engine
+from service.metrics import EngineMetrics
+from service.server.cli import main
 from tests.generative_models import EOS, VOCAB
 
 PROMPTLY_S = 60.0
@@ -73,3 +83,53 @@ async def assert_greedy_parity(client: EngineClient, reference: Any) -> None:
         assert items[-1].finish_reason == ("stop" if tokens[-1] == EOS else "length")
         assert all(item.finish_reason is None for item in items[:-1])
         assert {item.version for item in items} == {version.manifest.version}
+
+
+def package(folder: Path, repository: Path, name: str = "lm") -> None:
+    """``batchserve package --hf folder`` as ``name`` into ``repository``."""
+    command = ["package", "--repository", str(repository), "--name", name, "--hf", str(folder)]
+    assert main(command) == 0
+
+
+def settings(repository: Path, **values: Any) -> Settings:
+    defaults: dict[str, Any] = {
+        "model_repository": repository,
+        "models": ("lm",),
+        "device": "cpu",
+        "warmup_batch_sizes": (1,),
+        "length_buckets": (64,),
+        "max_batch_tokens": 1024,
+        "max_wait_ms": 1.0,
+        "torch_threads": 1,
+    }
+    return Settings(**(defaults | values))
+
+
+@contextlib.asynccontextmanager
+async def started(repository: Path, **values: Any) -> AsyncIterator[Engine]:
+    engine = Engine(settings(repository, **values), EngineMetrics())
+    await engine.start()
+    assert engine.state.load_error is None, engine.state.load_error
+    try:
+        yield engine
+    finally:
+        await engine.shut_down()
+
+
+@contextlib.asynccontextmanager
+async def over_the_bridge(engine: Engine) -> AsyncIterator[BridgeClient]:
+    """``engine`` behind a bridge socket, and a front end's client of it."""
+    with tempfile.TemporaryDirectory(prefix="gen-") as folder:
+        socket = Path(folder) / "engine.sock"
+        server = BridgeServer(engine, socket, heartbeat_interval_s=0.2)
+        engine.add_listener(server.status_changed)
+        await server.start()
+        client = BridgeClient([(socket, "cpu")], heartbeat_timeout_s=10.0, request_timeout_ms=5_000)
+        await client.start()
+        try:
+            async with asyncio.timeout(PROMPTLY_S):
+                await client.wait_until_settled()
+            yield client
+        finally:
+            await client.close()
+            await server.close()

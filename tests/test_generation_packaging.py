@@ -88,6 +88,7 @@ def test_an_architecture_that_cannot_be_served_is_refused_by_name(
     error = capsys.readouterr().err
     assert "architecture 'MadeUpForCausalLM' cannot be served for generation" in error
     assert "must be a transformers model class" in error
+    assert "served are the causal LMs of transformers (*ForCausalLM, *LMHeadModel)" in error
 
 
 def test_a_causal_lm_without_a_fast_tokenizer_is_refused_saying_how_to_save_one(

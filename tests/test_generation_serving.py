@@ -1,7 +1,8 @@
 """Generation served by an engine (``EngineClient.generate``), in process and over the bridge:
 every greedy stream equals ``generate(do_sample=False)`` on its prompt alone, whatever runs
-beside it; cancelling frees the slot; a full KV cache is 429 at once, a prompt that never
-fits 422; a tensor model on the same engine answers right meanwhile."""
+beside it; a tensor model on the same engine answers right meanwhile; a switch never mixes
+versions in a stream; seeds, log-probabilities, metrics, spans and the bridge's frames.
+(Refusals and freed slots: ``test_generation_limits.py``.)"""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import asyncio
 import contextlib
 import dataclasses
 import shutil
-import tempfile
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,27 +22,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service import tracing
-from service.bridge.client import BridgeClient
+from service.bridge import contract, wire
 from service.bridge.interface import (
     EngineClient,
     GeneratedTokens,
     GenerateRequest,
     InferenceRequest,
 )
-from service.bridge.server import BridgeServer
-from service.config import Settings
-from service.engine.engine import Engine
-from service.engine.lifecycle import kv_cache_budget
 from service.engine.model_store import ModelStore
-from service.errors import (
-    DeadlineExceededError,
-    InvalidInputError,
-    NotReadyError,
-    QueueFullError,
-    ServiceError,
-)
-from service.metrics import EngineMetrics
-from service.server.cli import main
+from service.errors import ServiceError
 from service.tensors import NamedArrays
 from tests import generative_models
 from tests.fixtures import wait_until
@@ -53,9 +40,12 @@ from tests.generation_streams import (
     collect,
     generated_alone,
     mixed_prompts,
+    over_the_bridge,
+    package,
     request_for,
+    started,
 )
-from tests.generative_models import CONTEXT, VOCAB, save_folder
+from tests.generative_models import save_folder
 from tests.hf_folders import save_text_model
 
 pytest.importorskip("transformers")
@@ -71,15 +61,8 @@ pytestmark = [
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GPT-2 (``lm``) and a tiny BERT classifier (``bert``), packaged with --hf."""
     root = tmp_path_factory.mktemp("generation")
-    lm = save_folder(root / "lm", generative_models.gpt2())
-    bert = save_text_model(root / "bert", "text-classification")
-    for name, folder in (("lm", lm), ("bert", bert)):
-        assert (
-            main(
-                ["package", "--repository", str(root / "repo"), "--name", name, "--hf", str(folder)]
-            )
-            == 0
-        )
+    package(save_folder(root / "lm", generative_models.gpt2()), root / "repo", "lm")
+    package(save_text_model(root / "bert", "text-classification"), root / "repo", "bert")
     return root / "repo"
 
 
@@ -97,50 +80,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def settings(repository: Path, **values: Any) -> Settings:
-    defaults: dict[str, Any] = {
-        "model_repository": repository,
-        "models": ("lm",),
-        "device": "cpu",
-        "warmup_batch_sizes": (1,),
-        "length_buckets": (64,),
-        "max_batch_tokens": 1024,
-        "max_wait_ms": 1.0,
-        "torch_threads": 1,
-    }
-    return Settings(**(defaults | values))
-
-
-@contextlib.asynccontextmanager
-async def started(repository: Path, **values: Any) -> AsyncIterator[Engine]:
-    engine = Engine(settings(repository, **values), EngineMetrics())
-    await engine.start()
-    assert engine.state.load_error is None, engine.state.load_error
-    try:
-        yield engine
-    finally:
-        await engine.shut_down()
-
-
-@contextlib.asynccontextmanager
-async def over_the_bridge(engine: Engine) -> AsyncIterator[BridgeClient]:
-    """``engine`` behind a bridge socket, and a front end's client of it."""
-    with tempfile.TemporaryDirectory(prefix="gen-") as folder:
-        socket = Path(folder) / "engine.sock"
-        server = BridgeServer(engine, socket, heartbeat_interval_s=0.2)
-        engine.add_listener(server.status_changed)
-        await server.start()
-        client = BridgeClient([(socket, "cpu")], heartbeat_timeout_s=10.0, request_timeout_ms=5_000)
-        await client.start()
-        try:
-            async with asyncio.timeout(PROMPTLY_S):
-                await client.wait_until_settled()
-            yield client
-        finally:
-            await client.close()
-            await server.close()
-
-
 async def test_greedy_streams_equal_generate_alone_in_process(
     repository: Path, reference: Any
 ) -> None:
@@ -153,51 +92,6 @@ async def test_greedy_streams_equal_generate_alone_over_the_bridge(
 ) -> None:
     async with started(repository) as engine, over_the_bridge(engine) as client:
         await assert_greedy_parity(client, reference)
-
-
-@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
-async def test_closing_a_stream_frees_its_slot_for_the_next_request(
-    repository: Path, bridged: bool
-) -> None:
-    """One slot, no waiting room: a second request is 429 with Retry-After while the first
-    streams; once the first is closed, the next one gets the slot."""
-    async with (
-        started(repository, max_running_sequences=1, max_waiting_sequences=0) as engine,
-        contextlib.AsyncExitStack() as stack,
-    ):
-        client: EngineClient = (
-            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
-        )
-        first = client.generate(request_for(client, (5, 6, 7), max_tokens=400, ignore_eos=True))
-        async with asyncio.timeout(PROMPTLY_S):
-            assert (await anext(first)).token_ids
-        with pytest.raises(QueueFullError) as refused:
-            await collect(client, request_for(client, (8, 9), max_tokens=2))
-        assert refused.value.status_code == 429
-        assert "Retry-After" in refused.value.headers
-        await first.aclose()
-        loop = engine.generation_of("lm", request_for(client, (1,)).version)
-
-        await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
-        items = await collect(client, request_for(client, (8, 9), max_tokens=2))
-        assert [token for item in items for token in item.token_ids]
-
-
-@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
-async def test_a_prompt_that_never_fits_is_422_before_any_token(
-    repository: Path, bridged: bool
-) -> None:
-    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
-        client: EngineClient = (
-            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
-        )
-        prompt = (1,) * (CONTEXT - 10)
-        with pytest.raises(InvalidInputError) as refused:
-            await collect(client, request_for(client, prompt, max_tokens=20))
-        assert refused.value.status_code == 422
-        assert "shorten the prompt or lower max_tokens" in refused.value.message
-        with pytest.raises(InvalidInputError, match="prompt token ids must be in"):
-            await collect(client, request_for(client, (VOCAB + 5,), max_tokens=2))
 
 
 async def test_a_tensor_model_answers_right_while_the_engine_generates(
@@ -268,9 +162,7 @@ async def test_a_stream_started_before_a_switch_ends_on_its_version(
     shutil.copytree(repository, switched)
     other = generative_models.gpt2(seed=1)
     folder = save_folder(tmp_path / "lm2", other)
-    assert (
-        main(["package", "--repository", str(switched), "--name", "lm", "--hf", str(folder)]) == 0
-    )
+    package(folder, switched)
     old_version = ModelStore(repository).resolve("lm").version
     new_version = ModelStore(switched).resolve("lm").version  # the latest
     async with started(switched, models=(f"lm@{old_version}",)) as engine:
@@ -312,32 +204,6 @@ def greedy_past_eos(model: Any, prompt: tuple[int, ...], count: int) -> list[int
             tokens.append(int(token))
             output = model(input_ids=token, cache=output.past_key_values, use_cache=True)
     return tokens
-
-
-@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
-async def test_no_first_token_by_the_deadline_is_504_and_frees_the_sequence(
-    repository: Path, bridged: bool
-) -> None:
-    """The device is held (the model's turn taken here), so no step runs before the
-    deadline."""
-    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
-        client: EngineClient = (
-            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
-        )
-        turns = engine.state.device_turns.for_model("lm")
-        await turns.acquire()
-        try:
-            late = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() + 0.3)
-            with pytest.raises(DeadlineExceededError) as expired:
-                await collect(client, late)
-            assert expired.value.status_code == 504
-        finally:
-            turns.release()
-        loop = engine.generation_of("lm", late.version)
-        await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
-        past = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() - 1)
-        with pytest.raises(DeadlineExceededError):
-            await collect(client, past)
 
 
 @pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
@@ -392,61 +258,6 @@ async def test_the_engine_counts_tokens_streams_and_slots(repository: Path) -> N
         assert gauge("batchserve_waiting_sequences") == 0
 
 
-async def test_the_kv_cache_holds_what_kv_cache_mb_allows_and_a_full_one_is_429(
-    repository: Path,
-) -> None:
-    """The tiny GPT-2 caches 1 KiB a token (2 layers, 4 heads of 16, keys and values in
-    float32), so a slot of its 512-token context takes 512 KiB: 1 MiB holds two."""
-    async with started(repository, kv_cache_mb=1, max_waiting_sequences=0) as engine:
-        version = request_for(engine, (1,)).version
-        assert engine.generation_of("lm", version).batch.slots == 2
-        long = [
-            engine.generate(request_for(engine, (5, 6), max_tokens=400, ignore_eos=True))
-            for _ in range(2)
-        ]
-        async with asyncio.timeout(PROMPTLY_S):
-            for stream in long:
-                assert (await anext(stream)).token_ids
-        with pytest.raises(QueueFullError, match="holds 2 sequences"):
-            await collect(engine, request_for(engine, (7,), max_tokens=1))
-        for stream in long:
-            await stream.aclose()
-
-
-def test_the_kv_cache_gets_no_more_than_the_device_memory_budget_leaves() -> None:
-    mib = 1024 * 1024
-    alone = Settings(kv_cache_mb=512)
-    assert kv_cache_budget(alone, taken_bytes=30 * mib, others_bytes=20 * mib) == 512 * mib
-    budgeted = Settings(kv_cache_mb=512, device_memory_budget_mb=100)
-    assert kv_cache_budget(budgeted, taken_bytes=30 * mib, others_bytes=20 * mib) == 50 * mib
-    assert kv_cache_budget(budgeted, taken_bytes=90 * mib, others_bytes=20 * mib) == 0
-
-
-async def test_a_step_that_outlives_the_stall_timeout_marks_the_engine_stalled(
-    repository: Path,
-) -> None:
-    """The device thread is held here, so the step waits behind it: the engine reports
-    stalled (its owner replaces the process) and refuses new streams with 503."""
-    release = threading.Event()
-    async with started(repository, stall_timeout_s=0.3) as engine:
-        assert engine.state.device_thread is not None
-        held = engine.state.device_thread.submit(release.wait, PROMPTLY_S)
-        try:
-            stream = engine.generate(request_for(engine, (5, 6), max_tokens=3))
-            first = asyncio.ensure_future(anext(stream))
-            await wait_until(lambda: engine.status().phase == "stalled", PROMPTLY_S)
-            with pytest.raises(NotReadyError, match="stalled"):
-                await collect(engine, request_for(engine, (7,), max_tokens=1))
-        finally:
-            release.set()
-            held.result(timeout=PROMPTLY_S)
-        async with asyncio.timeout(PROMPTLY_S):
-            assert (await first).token_ids
-        await stream.aclose()
-        loop = engine.generation_of("lm", request_for(engine, (1,)).version)
-        await loop.drain()  # a stalled engine's shutdown leaves its models as they are
-
-
 async def test_a_traced_stream_has_a_generate_span_with_its_token_counts(
     repository: Path,
 ) -> None:
@@ -470,3 +281,44 @@ async def test_a_traced_stream_has_a_generate_span_with_its_token_counts(
     assert span.attributes["batchserve.generation.completion_tokens"] == 4
     assert span.attributes["batchserve.generation.finish_reason"] == "length"
     assert [event.name for event in span.events] == ["first_token"]
+
+
+async def test_one_tokens_frame_carries_a_steps_tokens_for_every_stream_of_a_front_end(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight streams of ten tokens join at one step and decode together: their 80 tokens
+    cross the bridge in about ten TOKENS frames (one per step), not 80."""
+    frames: list[int] = []
+    send_now = wire.FrameWriter.send_now
+
+    def counting(self: wire.FrameWriter, kind: wire.Kind, header: bytes, data: Any = ()) -> None:
+        if kind == wire.Kind.TOKENS:
+            frames.append(len(contract.decode_tokens(header).streams))
+        send_now(self, kind, header, data)
+
+    monkeypatch.setattr(wire.FrameWriter, "send_now", counting)
+    async with started(repository) as engine, over_the_bridge(engine) as client:
+        requests = [
+            request_for(client, (5, index + 1), max_tokens=10, ignore_eos=True)
+            for index in range(8)
+        ]
+        streams = await asyncio.gather(*(collect(client, request) for request in requests))
+    assert sum(len(item.token_ids) for items in streams for item in items) == 80
+    assert sum(frames) == 80  # each stream's token of each step, once
+    assert len(frames) <= 12  # ten steps, and a joining step or two for the slow
+
+
+async def test_a_llama_shaped_model_generates_as_it_does_alone(tmp_path: Path) -> None:
+    """Grouped-query attention (4 heads, 2 of keys and values) and rotary positions, through
+    packaging, the engine's KV cache and its steps."""
+    model = generative_models.llama()
+    folder = save_folder(tmp_path / "llama", model)
+    repository = tmp_path / "repository"
+    package(folder, repository)
+    async with started(repository) as engine:
+        prompts = mixed_prompts(6, seed=13)
+        streams = await asyncio.gather(
+            *(collect(engine, request_for(engine, p, max_tokens=m)) for p, m in prompts)
+        )
+    for (prompt, most), items in zip(prompts, streams, strict=True):
+        assert [t for item in items for t in item.token_ids] == generated_alone(model, prompt, most)

@@ -3,15 +3,14 @@
 Each front end keeps one connection to each engine. The requests of a SUBMITS frame (all a
 front end submitted in one event-loop turn) are queued in the engine at once (no task, future
 or timer per request); each batch's answers for one front end go back in one ANSWERS frame
-(``contract.py`` types both), as do the refusals of one SUBMITS frame. A GENERATES frame
-starts generation streams; the tokens one generation step gave this front end's streams go
-back in one TOKENS frame, as does each stream's refusal or error. A CANCELS frame withdraws
-requests, which drops them from the queue if they have not run yet, and ends streams (their
-slots are free at the next step). A CONTROL
-frame runs one step of a version switch (``prepare``, ``commit``, ``abort``), or unloads a
-model (``unload``), and is answered by a REPLY. The engine's status goes to every front end
-when it connects, whenever it changes, and once a ``heartbeat_interval_s``, so that a front
-end can tell a hung engine from a quiet one.
+(``contract.py`` types both), as do the refusals of one SUBMITS frame. A GENERATES frame starts
+generation streams; the tokens one generation step gave this front end's streams go back in one
+TOKENS frame, as does each stream's refusal or error. A CANCELS frame withdraws requests, which
+drops them from the queue if they have not run yet, and ends streams (their slots are free at
+the next step). A CONTROL frame runs one step of a version switch (``prepare``, ``commit``,
+``abort``), or unloads a model (``unload``), and is answered by a REPLY. The engine's status
+goes to every front end when it connects, whenever it changes, and once a
+``heartbeat_interval_s``, so that a front end can tell a hung engine from a quiet one.
 
 When a front end's connection closes, its requests still queued are dropped and its streams
 cancelled (nobody is left to answer), and a switch it prepared but did not finish is aborted.
@@ -76,7 +75,7 @@ class Generation(Protocol):
     """A generative version's streams (``engine.generation_loop.GenerationLoop``)."""
 
     def submit(self, request: GenerateRequest, sink: TokenSink) -> int:
-        """Start a stream; its key, or the ``ServiceError`` refusing it."""
+        """Start a stream; its key for ``cancel``. Raises the ``ServiceError`` refusing it."""
         ...
 
     def cancel(self, key: int) -> None: ...
@@ -88,7 +87,7 @@ class EngineBackend(Protocol):
     def status(self) -> EngineStatus: ...
 
     def generation_of(self, model: str, version: str) -> Generation:
-        """The streams of ``model`` for requests prepared for ``version``, or the
+        """The streams of ``model`` for requests prepared for ``version``; raises the
         ``ServiceError`` refusing them."""
         ...
 

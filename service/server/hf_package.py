@@ -357,7 +357,9 @@ def _generative_version(
         context = context_tokens(settings)
     except ValueError as error:
         raise ValueError(
-            f"architecture {name!r} cannot be served for generation: {error}"
+            f"architecture {name!r} cannot be served for generation: {error}; served are "
+            "the causal LMs of transformers (*ForCausalLM, *LMHeadModel) with full or "
+            "sliding-window attention"
         ) from error
     generation_config = (
         _json(folder / "generation_config.json")
