@@ -80,6 +80,15 @@ class InvalidInputError(ServiceError):
     code = "invalid_input"
 
 
+class InvalidParameterError(InvalidInputError):
+    """A generation request's parameter of the wrong type or out of its range (``max_tokens``,
+    ``temperature``, ``messages``...); ``param`` names it, as OpenAI's error shape reports."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class DeadlineUnreachableError(InvalidInputError):
     """The request's instances alone need more compute than its deadline leaves, by the
     timings measured: refused at once, never computed. Sent again unchanged it fails again,

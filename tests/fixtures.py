@@ -496,3 +496,98 @@ class AnswersValuesJsonCannotHold(Handler):
 
     def postprocess(self, outputs: NamedArrays, request: HandlerRequest) -> list[Any]:
         return [{index} for index in range(len(outputs))]
+
+
+class EchoingGenerator:
+    """An engine serving ``models`` whose generation repeats each prompt's ids, cycling,
+    ``tokens_per_event`` at a time: a request's answer is known from its prompt alone. A
+    sequence ends with ``length`` at ``max_tokens`` (16 when None), or with ``stop`` at an id
+    of ``stop_token_ids`` (included). Each token's log-probability is -1.0 and its top
+    ``logprobs`` are itself at -1.0. ``refusal``: raised by every request before its first
+    item. ``gate``: when set, each sequence waits on it after its first event (a stream that
+    stays open); ``first_gate``: likewise before its first event (a sequence still queued).
+    ``failing_after``: events after which a sequence fails (``error``). Keeps
+    each request, and counts the sequences closed before they finished (cancelled)."""
+
+    def __init__(self, *models: Any, tokens_per_event: int = 1) -> None:
+        from service.bridge.interface import EngineStatus
+
+        self._status = EngineStatus(phase="ready", models=tuple(models))
+        self.tokens_per_event = tokens_per_event
+        self.requests: list[Any] = []
+        self.refusal: Exception | None = None
+        self.gate: asyncio.Event | None = None
+        self.failing_after: int | None = None
+        self.first_gate: asyncio.Event | None = None
+        self.cancelled = 0
+        self.finished = 0
+
+    def status(self) -> Any:
+        return self._status
+
+    def engines(self) -> list[Any]:
+        return [self._status]
+
+    def refusal_before_body(self, model: str, priority: str, deadline_s: float | None) -> None:
+        return None
+
+    async def infer(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        from service.bridge.interface import GeneratedTokens
+
+        self.requests.append(request)
+        if self.refusal is not None:
+            raise self.refusal
+        limit = 16 if request.max_tokens is None else request.max_tokens
+        prompt = request.prompt_ids
+        produced = 0
+        events = 0
+        done = False
+        try:
+            if self.first_gate is not None:
+                await self.first_gate.wait()
+            while not done:
+                if events == self.failing_after:
+                    done = True
+                    yield GeneratedTokens((), finish_reason="error", version=request.version)
+                    return
+                events += 1
+                ids: list[int] = []
+                reason = None
+                while len(ids) < self.tokens_per_event:
+                    token = prompt[produced % len(prompt)]
+                    ids.append(token)
+                    produced += 1
+                    if token in request.stop_token_ids:
+                        reason = "stop"
+                    elif produced >= limit:
+                        reason = "length"
+                    if reason is not None:
+                        break
+                done = reason is not None
+                logprobs = None if request.logprobs is None else tuple(-1.0 for _ in ids)
+                top = (
+                    None
+                    if request.logprobs is None
+                    else tuple(((token, -1.0),) * request.logprobs for token in ids)
+                )
+                yield GeneratedTokens(tuple(ids), logprobs, top, reason, request.version)
+                if self.gate is not None:
+                    await self.gate.wait()
+                else:
+                    await asyncio.sleep(0)
+            self.finished += 1
+        finally:
+            if not done:
+                self.cancelled += 1
+
+    async def switch(self, name: str, version: str) -> Any:
+        raise NotImplementedError
+
+    async def rollback(self, name: str | None = None) -> Any:
+        raise NotImplementedError
+
+    async def unload(self, name: str) -> Any:
+        raise NotImplementedError

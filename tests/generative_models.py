@@ -4,10 +4,13 @@ tokenizers their text is checked with (trained here: nothing from a hub)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from service.manifest import Manifest
 
 VOCAB = 300
 EOS = 0
@@ -156,3 +159,58 @@ def save_folder(folder: Path, model: Any, tokenizer: Tokenizer | None = None) ->
         model_max_length=CONTEXT,
     ).save_pretrained(folder)
     return folder
+
+
+#: A ChatML-shaped chat template, as Qwen's.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_text_generation_version(
+    root: Path,
+    name: str = "writer",
+    *,
+    tokenizer: Tokenizer | None = None,
+    chat_template: str | None = CHATML_TEMPLATE,
+    generation_config: dict[str, Any] | None = None,
+) -> Manifest:
+    """A text-generation version in the repository at ``root`` holding what a front end reads
+    (its tokenizer, tokenizer_config.json with the chat template, generation_config.json) and
+    placeholder weights: for front-end tests with a fake engine."""
+    import hashlib
+    from datetime import UTC, datetime
+
+    import orjson
+
+    from service.manifest import MANIFEST_FILE, Architecture, Manifest, TensorSpec
+
+    trained = tokenizer or byte_level_bpe()
+    config: dict[str, Any] = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    contents = {
+        "model.safetensors": b"placeholder",
+        "tokenizer.json": trained.to_str().encode(),
+        "tokenizer_config.json": orjson.dumps(config),
+        "generation_config.json": orjson.dumps(generation_config or {"eos_token_id": EOS}),
+    }
+    manifest = Manifest.create(
+        name=name,
+        format="safetensors",
+        artifact="model.safetensors",
+        files={file: hashlib.sha256(data).hexdigest() for file, data in contents.items()},
+        architecture=Architecture(import_path="transformers:GPT2LMHeadModel"),
+        inputs=(TensorSpec(name="input_ids", dtype="int64", shape=(-1, -1)),),
+        outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, -1, VOCAB)),),
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        metadata={"task": "text-generation"},
+    )
+    folder = root / name / manifest.version
+    folder.mkdir(parents=True)
+    for file, data in contents.items():
+        (folder / file).write_bytes(data)
+    (folder / MANIFEST_FILE).write_text(manifest.model_dump_json())
+    return manifest

@@ -169,14 +169,14 @@ async def test_token_ids_are_embedded_as_given(
     [
         ({"model": "nope", "input": "a"}, 404, "model_not_found", None, "unknown model 'nope'"),
         ({"model": "reranker", "input": "a"}, 404, "model_not_found", None, "not an embedding"),
-        ({"model": "unit", "input": []}, 400, "invalid_value", "input", "input is empty"),
-        ({"model": "unit", "input": "a", "temperature": 1}, 400, "invalid_value",
-         "temperature", "Extra inputs"),
-        ({"model": "unit", "input": [1.5]}, 400, "invalid_value", "input", "input"),
-        ({"input": "a"}, 400, "invalid_value", "model", "Field required"),
-        ({"model": "unit", "input": "a", "encoding_format": "int8"}, 400, "invalid_value",
+        ({"model": "unit", "input": []}, 400, "invalid_input", "input", "input is empty"),
+        ({"model": "unit", "input": "a", "temperature": 1}, 400, "invalid_input",
+         "temperature", "unknown field 'temperature'"),
+        ({"model": "unit", "input": [1.5]}, 400, "invalid_input", "input", "none of the types"),
+        ({"input": "a"}, 400, "invalid_input", "model", "Field required"),
+        ({"model": "unit", "input": "a", "encoding_format": "int8"}, 400, "invalid_input",
          "encoding_format", "'float' or 'base64'"),
-        ({"model": "raw", "input": [[10**9]]}, 422, "invalid_input", None, "vocabulary"),
+        ({"model": "raw", "input": [[10**9]]}, 400, "invalid_input", None, "vocabulary"),
         ({"model": "unit", "input": ["a"] * (MAX_CLIENT_BATCH_SIZE + 1)}, 413,
          "payload_too_large", None, "max_client_batch_size"),
     ],
@@ -303,8 +303,15 @@ async def test_the_limits_of_every_inference_route_apply(client: httpx.AsyncClie
     tei = await client.post("/embed", json={"inputs": "a"}, headers=bad)
     assert (tei.status_code, tei.json()["error_type"]) == (422, "validation")
     oai = await client.post("/v1/embeddings", json={"model": "unit", "input": "a"}, headers=bad)
-    assert (oai.status_code, oai.json()["error"]["code"]) == (422, "invalid_input")
+    assert (oai.status_code, oai.json()["error"]["code"]) == (400, "invalid_input")
     huge = b'{"inputs": "' + b"a" * (8 * 1024 * 1024) + b'"}'
     too_large = await client.post("/embed", content=huge)
     assert too_large.status_code == 413
     assert "bytes" in too_large.json()["error"]
+
+
+async def test_openais_model_list_names_the_embedding_models(client: httpx.AsyncClient) -> None:
+    listed = await sdk(client).models.list()
+    names = {model.id for model in listed.data}
+    assert "unit" in names
+    assert "reranker" not in names  # OpenAI's routes do not rank

@@ -94,7 +94,16 @@ async def test_the_openapi_document_describes_exactly_the_table_s_inference_rout
     app = create_frontend_app(frontend_with(EngineAnsweringLate(), tmp_path), no_lifespan)
     paths = app.openapi()["paths"]
     posted = {path for path, operations in paths.items() if "post" in operations}
-    endings = ("/predict", "/infer", "/embeddings", "/embed", "/rerank")
+    endings = (
+        "/predict",
+        "/infer",
+        "/embeddings",
+        "/embed",
+        "/rerank",
+        "/generate",
+        "/generate_stream",
+        "completions",
+    )
     inference = {path for path in posted if path.endswith(endings)}
     assert inference == {route.path for route in INFERENCE_ROUTES}
     for route in INFERENCE_ROUTES:

@@ -22,12 +22,15 @@ from starlette.types import Receive, Scope, Send
 from service import tracing
 from service.bridge.interface import ModelInfo
 from service.errors import HandlerError, ServiceError
-from service.frontend import admin, docs, embeddings_api, routes, tei
+from service.frontend import admin, docs, routes, tei
 from service.frontend.about import __version__
 from service.frontend.head_requests import HeadAsGet
 from service.frontend.inference import DirectRoute
 from service.frontend.middleware import ServiceMiddleware
 from service.frontend.oip import routes as oip_routes
+from service.frontend.openai import embeddings
+from service.frontend.openai import routes as openai_routes
+from service.frontend.openai.errors import openai_error_response
 from service.frontend.openapi import model_openapi, with_model_routes
 from service.frontend.openapi_clients import for_clients
 from service.frontend.responses import (
@@ -40,6 +43,8 @@ from service.frontend.state import FrontendState
 logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+#: Where OpenAI's API is served: every error there is in its shape.
+OPENAI_PREFIX = "/v1/"
 
 
 def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
@@ -60,12 +65,15 @@ def create_frontend_app(frontend: FrontendState, lifespan: Lifespan) -> FastAPI:
     # The inference routes on the app's own router, first (ServingApp answers them directly).
     routes.add_predict_routes(app.router)
     oip_routes.add_infer_routes(app.router)
-    embeddings_api.add_embeddings_routes(app.router)
+    embeddings.add_embeddings_routes(app.router)
     tei.add_tei_routes(app.router)
+    oip_routes.add_generate_routes(app.router)
+    openai_routes.add_openai_routes(app.router)
     app.inference_routes = [route for route in app.router.routes if isinstance(route, DirectRoute)]
     app.include_router(routes.router)
     app.include_router(admin.router)
     app.include_router(oip_routes.router)
+    app.include_router(openai_routes.router)
     app.include_router(docs.router)
     app.add_exception_handler(ServiceError, _service_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_response)  # type: ignore[arg-type]
@@ -212,6 +220,10 @@ async def _service_error_response(request: Request, error: ServiceError) -> Resp
 
 async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    if request.url.path.startswith(OPENAI_PREFIX):  # OpenAI's clients read their own shape
+        failure = ServiceError(str(error.detail), headers=dict(error.headers or {}))
+        failure.status_code, failure.code = error.status_code, code
+        return openai_error_response(failure, _request_id(request))
     return error_response(
         error.status_code, code, str(error.detail), _request_id(request), error.headers
     )

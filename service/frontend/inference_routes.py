@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Protocol = Literal["predict", "v2", "openai", "tei"]
+Protocol = Literal["predict", "v2", "v2_generate", "openai", "openai_generation", "tei"]
 """What answers a route: ``/predict``'s code (``predict.py``), the V2 protocol's
-(``oip/rest.py``), OpenAI's embeddings (``embeddings_api.py``) or TEI's (``tei.py``)."""
+(``oip/rest.py``), its generate extension's (``oip/generate.py``), OpenAI's embeddings
+(``openai/embeddings.py``), OpenAI's completions and chat completions (``openai/``) or TEI's
+(``tei.py``)."""
 
 PREDICT_PATH = "/predict"
 MODEL_PREDICT_PATH = "/models/{name}/predict"
@@ -23,6 +25,12 @@ TEI_EMBED_PATH = "/embed"
 TEI_RERANK_PATH = "/rerank"
 MODEL_EMBED_PATH = "/models/{name}/embed"
 MODEL_RERANK_PATH = "/models/{name}/rerank"
+V2_GENERATE_PATH = "/v2/models/{name}/generate"
+V2_VERSION_GENERATE_PATH = "/v2/models/{name}/versions/{version}/generate"
+V2_GENERATE_STREAM_PATH = "/v2/models/{name}/generate_stream"
+V2_VERSION_GENERATE_STREAM_PATH = "/v2/models/{name}/versions/{version}/generate_stream"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,23 @@ INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
     InferenceRoute(TEI_RERANK_PATH, "tei", TEI_RERANK_PATH, "Rerank (TEI's API)"),
     InferenceRoute(MODEL_EMBED_PATH, "tei", MODEL_EMBED_PATH, "Embed with a model (TEI's API)"),
     InferenceRoute(MODEL_RERANK_PATH, "tei", MODEL_RERANK_PATH, "Rerank with a model (TEI's API)"),
+    InferenceRoute(
+        V2_VERSION_GENERATE_PATH, "v2_generate", V2_GENERATE_PATH, "Generate with a version"
+    ),
+    InferenceRoute(V2_GENERATE_PATH, "v2_generate", V2_GENERATE_PATH, "Generate"),
+    InferenceRoute(
+        V2_VERSION_GENERATE_STREAM_PATH,
+        "v2_generate",
+        V2_GENERATE_STREAM_PATH,
+        "Generate with a version, streamed",
+    ),
+    InferenceRoute(
+        V2_GENERATE_STREAM_PATH, "v2_generate", V2_GENERATE_STREAM_PATH, "Generate, streamed"
+    ),
+    InferenceRoute(COMPLETIONS_PATH, "openai_generation", COMPLETIONS_PATH, "Completions"),
+    InferenceRoute(
+        CHAT_COMPLETIONS_PATH, "openai_generation", CHAT_COMPLETIONS_PATH, "Chat completions"
+    ),
 )
 #: The label of each inference route, by its path.
 INFERENCE_LABELS = {route.path: route.label for route in INFERENCE_ROUTES}

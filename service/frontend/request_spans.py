@@ -108,6 +108,15 @@ def child(name: str) -> contextlib.AbstractContextManager[object]:
     return tracing.current.tracer.start_as_current_span(name)
 
 
+def current_traceparent() -> str | None:
+    """The current span's W3C trace context while it is recorded (an engine's spans for the
+    request become its children); None otherwise."""
+    if tracing.current is None:
+        return None
+    span = trace.get_current_span()
+    return tracing.traceparent_of(span) if span.is_recording() else None
+
+
 async def infer(frontend: FrontendState, request: InferenceRequest) -> InferenceResult:
     """``frontend.engine.infer(request)``; while tracing, inside a span (``engine`` in this
     process, ``bridge`` to an engine process) whose context travels with the request, and the

@@ -1,4 +1,4 @@
-"""The request path that OpenAI's ``/v1/embeddings`` (``embeddings_api.py``) and TEI's
+"""The request path that OpenAI's ``/v1/embeddings`` (``openai/embeddings.py``) and TEI's
 ``/embed`` and ``/rerank`` (``tei.py``) share: a JSON body read within the limits every
 inference route has (``max_body_bytes``, the request's deadline, ``X-Priority``), validated
 by a pydantic model, the model chosen by its handler's kind (an ``EmbeddingHandler`` or a

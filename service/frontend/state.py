@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from service.bridge.interface import EngineClient, ModelInfo
 from service.config import Settings
 from service.errors import HandlerError, ModelNotFoundError
+from service.frontend.generation.text_model import TextModel, load_text_model
 from service.frontend.handlers.base import Handler, HandlerContext, build_handler
 from service.frontend.inputs import InputLayout
 from service.frontend.preprocessing import handler_thread_count
@@ -55,6 +56,7 @@ class FrontendState:
     """When each HTTP client refused for load may retry."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
+    _text_models: dict[str, TextModel] = field(default_factory=dict)
     _handler_pool: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
@@ -144,6 +146,33 @@ class FrontendState:
                 del self._handlers[next(iter(self._handlers))]
             self._handlers[key] = handler
         return handler
+
+    def text_model_for(self, model: ModelInfo) -> TextModel:
+        """A generative version's tokenizer, chat template and defaults (read once a version,
+        from files checked against their hashes); 404 for a version that does not generate.
+        Reads files: call it off the event loop."""
+        key = model.manifest.version
+        text_model = self._text_models.get(key)
+        if text_model is None:
+            manifest = model.manifest
+            folder = self.repository.version_folder(manifest.name, manifest.version)
+            try:
+                self.repository.check_manifest(manifest)
+                text_model = load_text_model(manifest, folder)
+            except ModelNotFoundError:
+                raise
+            except Exception as error:  # unreadable or altered files: the version is unusable
+                logger.error(
+                    "tokenizer_unavailable", extra={"model": manifest.label, "error": str(error)}
+                )
+                raise HandlerError(
+                    f"the tokenizer of {manifest.label} cannot be loaded: "
+                    f"{str(error).replace(str(self.repository.root), '<repository>')}"
+                ) from error
+            if len(self._text_models) >= _LAYOUT_CACHE_SIZE:
+                del self._text_models[next(iter(self._text_models))]
+            self._text_models[key] = text_model
+        return text_model
 
     def _build_handler(self, model: ModelInfo) -> Handler:
         manifest = model.manifest

@@ -34,7 +34,6 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import InvalidInputError, ServiceError
-from service.frontend.embeddings_api import Inputs, embedding_inputs, shortened
 from service.frontend.handlers.embedding import EmbeddingHandler
 from service.frontend.handlers.reranking import RerankHandler
 from service.frontend.inference import DirectRoute, Serve, answer_inference
@@ -45,6 +44,7 @@ from service.frontend.inference_routes import (
     TEI_RERANK_PATH,
     of_protocol,
 )
+from service.frontend.openai.embeddings import Inputs, embedding_inputs, shortened
 from service.frontend.responses import JSON, json_answer, json_response
 from service.frontend.retrieval import Arrived, BodyT, validation_problems
 from service.frontend.state import FrontendState

@@ -15,6 +15,7 @@ from service.frontend.admin import require_admin_token
 from service.frontend.inference import DirectRoute, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.oip.datatypes import datatype_of
+from service.frontend.oip.generate import GenerateBody, generate, generate_stream
 from service.frontend.oip.rest import (
     BINARY,
     JSON,
@@ -256,4 +257,32 @@ def add_infer_routes(app_router: APIRouter) -> None:
             tags=list(router.tags),
             route_class_override=DirectRoute,
             **_INFER,  # type: ignore[arg-type]
+        )
+
+
+_GENERATE_ERRORS = error_responses(400, 404, 413, 429, 500, 503, 504)
+
+
+def add_generate_routes(app_router: APIRouter) -> None:
+    """Register the generate extension's routes (``inference_routes``) with ``app_router``:
+    the app's own (``app.py``), under this module's tag."""
+    for route in of_protocol("v2_generate"):
+        streamed = route.path.endswith("_stream")
+        app_router.add_api_route(
+            route.path,
+            generate_stream if streamed else generate,
+            methods=["POST"],
+            summary=route.summary,
+            tags=list(router.tags),
+            route_class_override=DirectRoute,
+            responses={
+                200: {"content": {"text/event-stream" if streamed else JSON: {}}},
+                **_GENERATE_ERRORS,
+            },
+            openapi_extra={
+                "requestBody": {
+                    "required": True,
+                    "content": {JSON: {"schema": inlined_schema(GenerateBody)}},
+                }
+            },
         )

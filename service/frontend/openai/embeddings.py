@@ -10,7 +10,7 @@ sentence-transformers' ``truncate_dim`` with ``normalize_embeddings`` for a mode
 in ``Normalize``; 400 above the model's own), ``user`` (accepted, unused). Texts go through
 the version's handler as on ``/predict`` (its default prompt, its truncation); token ids
 are taken as given. ``usage.prompt_tokens`` counts the tokens the model read. Errors come
-in OpenAI's shape (``openai_errors``).
+in OpenAI's shape (``openai/errors.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import pydantic
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from service.errors import InvalidParameterError
 from service.frontend.handlers.embedding import EmbeddingHandler
 from service.frontend.inference import DirectRoute, answer_inference
 from service.frontend.inference_routes import of_protocol
-from service.frontend.openai_errors import ParamError, openai_error_response
+from service.frontend.openai.errors import invalid_request, openai_error_response
 from service.frontend.responses import JSON, json_answer
-from service.frontend.retrieval import Arrived, validation_problems
+from service.frontend.retrieval import Arrived
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import Array
@@ -115,9 +116,8 @@ def shortened(rows: Array, dimensions: int | None, normalize: bool) -> Array:
 def check_dimensions(dimensions: int | None, own: int, param: str = "dimensions") -> None:
     """400 for more dimensions than the model's ``own``."""
     if dimensions is not None and dimensions > own:
-        raise ParamError(
-            f"dimensions is {dimensions}, more than this model's {own}; send at most {own}",
-            param,
+        raise InvalidParameterError(
+            param, f"dimensions is {dimensions}, more than this model's {own}; send at most {own}"
         )
 
 
@@ -154,10 +154,9 @@ async def _embeddings(arrived: Arrived) -> Response:
     try:
         body = await arrived.body(EmbeddingsRequest)
     except pydantic.ValidationError as error:
-        message, param = validation_problems(error)
-        raise ParamError(message, param) from None
+        raise invalid_request(error) from None
     if isinstance(body.input, list) and not body.input:
-        raise ParamError("input is empty; send at least one text", "input")
+        raise InvalidParameterError("input", "input is empty; send at least one text")
     model = arrived.model(EmbeddingHandler, EMBEDDING_MODEL, body.model)
     check_dimensions(body.dimensions, model.manifest.output.shape[-1])
 
