@@ -37,6 +37,10 @@ from service.types import Array
 EMBEDDING_MODEL = "an embedding model"
 
 
+_TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+"""A token id (an index into the model's vocabulary: checked against it when served)."""
+
+
 def _at_least_one(items: dict[str, Any]) -> dict[str, Any]:
     """The schema of a non-empty list of ``items``: an empty one is refused with its own message
     (``embedding_inputs``), not by the model's validation."""
@@ -46,8 +50,8 @@ def _at_least_one(items: dict[str, Any]) -> dict[str, Any]:
 Inputs = (
     str
     | Annotated[list[str], WithJsonSchema(_at_least_one({"type": "string"}))]
-    | Annotated[list[int], WithJsonSchema(_at_least_one({"type": "integer"}))]
-    | Annotated[list[list[int]], WithJsonSchema(_at_least_one(_at_least_one({"type": "integer"})))]
+    | Annotated[list[int], WithJsonSchema(_at_least_one(_TOKEN_ID))]
+    | Annotated[list[list[int]], WithJsonSchema(_at_least_one(_at_least_one(_TOKEN_ID)))]
 )
 """Texts or token ids, as OpenAI's ``input`` and TEI's ``inputs`` hold them."""
 
