@@ -232,6 +232,10 @@ class HeadLimitedProtocol(asyncio.Protocol):
         transport.resume_reading()
         self._linger = self._loop.call_later(LINGER_S, transport.close)
 
+    def flush_soon(self, transport: _GuardedTransport) -> None:
+        """``transport.flush()`` at the end of this loop turn."""
+        self._loop.call_soon(transport.flush)
+
     def reading_resumed(self) -> None:
         """uvicorn resumes reading, unless a refusal is due."""
         if not self._refused:
@@ -265,23 +269,53 @@ def _refusal_answer(status: int, limits: HeadLimitedProtocol, server: ServerStat
     return b"".join(head) + body
 
 
+#: A body up to this size is copied behind its held head to go out in one write; a larger
+#: one is written after it (the copy would cost more than the second system call).
+JOINED_BODY_BYTES = 256 * 1024
+
+
 class _GuardedTransport(asyncio.Transport):
     """The transport uvicorn's protocol is given: the connection's own, except that closing
-    it, resuming reading and handing it to another protocol go through the guard."""
+    it, resuming reading and handing it to another protocol go through the guard, and that
+    an answer's head is held until its body comes, to go out with it in one write.
+
+    uvicorn writes a response's head on ``http.response.start`` and its body on
+    ``http.response.body``: two system calls and, over TCP, two segments for the client to
+    wake up to. A head (a write starting ``HTTP/`` and ending in a blank line) waits for the
+    next write, or for the end of the loop turn if none comes in it (a streamed answer)."""
 
     def __init__(self, transport: asyncio.Transport, guard: HeadLimitedProtocol) -> None:
         super().__init__()
         self._transport = transport
         self._guard = guard
         self._closing = False
+        self._held: bytes | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if len(data) <= JOINED_BODY_BYTES:
+                self._transport.write(held + data)
+                return
+            self._transport.write(held)
+        elif bytes(data[-4:]) == b"\r\n\r\n" and data[:5] == b"HTTP/":
+            self._held = bytes(data)
+            self._guard.flush_soon(self)
+            return
         self._transport.write(data)
+
+    def flush(self) -> None:
+        """Write a head still held (no body followed it in its loop turn)."""
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
 
     def writelines(self, list_of_data: Any) -> None:
         self._transport.writelines(list_of_data)
 
     def close(self) -> None:
+        self.flush()
         if not self._closing:
             self._closing = True
             self._guard.closed()
