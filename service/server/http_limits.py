@@ -25,12 +25,14 @@ kept-alive connections itself (``timeout_keep_alive``); the request's deadline c
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, cast
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, cast
 
 import httptools
 import orjson
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
 from service.config import Settings
@@ -43,6 +45,33 @@ LINGER_S = 2.0
 LINGER_MAX_BYTES = 4 * 1024 * 1024
 #: The bytes each header adds to the head besides its name and value (": " and CRLF).
 _HEADER_OVERHEAD_BYTES = 4
+
+
+class UvicornHttp(Protocol):
+    """What the head limits call of uvicorn's HTTP protocol: asyncio's protocol callbacks, and
+    ``shutdown`` (what ``uvicorn.Server`` calls to close a connection once its request is
+    answered)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None: ...
+    def data_received(self, data: bytes) -> None: ...
+    def eof_received(self) -> bool | None: ...
+    def connection_lost(self, exc: Exception | None) -> None: ...
+    def pause_writing(self) -> None: ...
+    def resume_writing(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The app of the throwaway config that names uvicorn's protocol class: never called."""
+
+
+@functools.cache
+def httptools_protocol() -> Callable[..., UvicornHttp]:
+    """uvicorn's own httptools protocol class, as uvicorn's public ``Config`` resolves
+    ``http="httptools"`` (its module path is not part of uvicorn's API)."""
+    config = uvicorn.Config(_no_app, http="httptools", lifespan="off", log_config=None)
+    config.load()
+    return cast(Callable[..., UvicornHttp], config.http_protocol_class)
 
 
 class _HeadTooLargeError(Exception):
@@ -70,8 +99,10 @@ class HeadLimitedProtocol(asyncio.Protocol):
         **_loop: object,
     ) -> None:
         # uvicorn also passes the loop to run on (``_loop``), None when it serves: the running one.
-        self._http = HttpToolsProtocol(
-            config=config, server_state=server_state, app_state=app_state
+        self._http = httptools_protocol()(
+            config=config,
+            server_state=server_state,
+            app_state=app_state,
         )
         self._server_state = server_state
         self._loop = asyncio.get_running_loop()
