@@ -199,15 +199,16 @@ class HeadLimitedProtocol(asyncio.Protocol):
         self._in_head = True
         self._parsed_head_bytes = 0
 
+    # A head over the limit, though it arrived within one read, stops the parse. (Counted in
+    # each callback itself: they run for every header of every request.)
+
     def on_url(self, url: bytes) -> None:
-        self._count_head_bytes(len(url))
+        self._parsed_head_bytes += len(url)
+        if self._parsed_head_bytes > self.max_head_bytes:
+            raise _HeadTooLargeError
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head_bytes(len(name) + len(value) + _HEADER_OVERHEAD_BYTES)
-
-    def _count_head_bytes(self, size: int) -> None:
-        """A head over the limit, though it arrived within one read, stops the parse."""
-        self._parsed_head_bytes += size
+        self._parsed_head_bytes += len(name) + len(value) + _HEADER_OVERHEAD_BYTES
         if self._parsed_head_bytes > self.max_head_bytes:
             raise _HeadTooLargeError
 
