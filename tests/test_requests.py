@@ -43,6 +43,7 @@ from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.tensors import NamedArrays
 from service.types import Priority
+from tests.fixtures import ConnectionClosedOnDemand, wait_until
 
 SETTINGS = Settings(request_timeout_ms=2000)
 
@@ -336,3 +337,44 @@ async def test_a_watch_ends_with_the_wait_and_leaves_the_caller_uncancelled() ->
     task = asyncio.current_task()
     assert task is not None
     assert task.cancelling() == 0
+
+
+async def never_asked() -> Message:
+    raise AssertionError("receive() is not asked when the connection tells of its close")
+
+
+async def test_a_watched_connection_that_closes_cancels_the_wait_at_once() -> None:
+    """With a connection that tells when it closes (batchserve's own HTTP protocol), no task
+    asks ``receive()``: the close itself cancels the wait."""
+    connection = ConnectionClosedOnDemand()
+
+    async def waiting() -> None:
+        with DisconnectWatcher(never_asked, connection):
+            await asyncio.Event().wait()  # an answer that never comes
+
+    waiter = asyncio.create_task(waiting())
+    await wait_until(lambda: bool(connection.watchers))
+    connection.close()
+    with pytest.raises(ClientDisconnectedError):
+        await waiter
+    assert not connection.watchers
+
+
+async def test_a_connection_closed_before_the_wait_cancels_it_at_its_first_step() -> None:
+    with (
+        pytest.raises(ClientDisconnectedError),
+        DisconnectWatcher(never_asked, ConnectionClosedOnDemand(closed=True)),
+    ):
+        await asyncio.sleep(0)
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+
+
+async def test_a_connection_watch_ends_with_the_wait() -> None:
+    connection = ConnectionClosedOnDemand()
+    with DisconnectWatcher(never_asked, connection) as watcher:
+        assert connection.watchers == {watcher}
+    assert not connection.watchers
+    connection.close()  # after the wait: tells nobody
+    assert not watcher.disconnected
