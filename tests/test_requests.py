@@ -378,3 +378,54 @@ async def test_a_connection_watch_ends_with_the_wait() -> None:
     assert not connection.watchers
     connection.close()  # after the wait: tells nobody
     assert not watcher.disconnected
+
+
+async def outcome_of_a_wait(watch_by: str, *, client_leaves: bool) -> list[object]:
+    """What a waiting caller sees when its client leaves (or its answer comes), the client's
+    departure told by ``receive()`` (the general way) or by the connection (batchserve's own
+    HTTP protocol)."""
+    left = asyncio.Event()
+    connection = ConnectionClosedOnDemand()
+
+    async def receive() -> Message:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    def leave() -> None:
+        left.set()
+        connection.close()
+
+    answer = asyncio.Event()
+    seen: list[object] = []
+
+    async def waiting() -> None:
+        watcher = DisconnectWatcher(receive, connection if watch_by == "connection" else None)
+        try:
+            with watcher:
+                await answer.wait()
+            seen.append("answered")
+        except ClientDisconnectedError:
+            seen.append("client left")
+        task = asyncio.current_task()
+        assert task is not None
+        seen.extend([watcher.disconnected, task.cancelling()])
+
+    waiter = asyncio.create_task(waiting())
+    await asyncio.sleep(0)
+    if client_leaves:
+        leave()
+    else:
+        answer.set()
+    await waiter
+    leave()  # after the wait: changes nothing
+    await asyncio.sleep(0)
+    return seen
+
+
+@pytest.mark.parametrize("client_leaves", [True, False])
+async def test_a_connection_tells_a_wait_what_receive_tells_it(client_leaves: bool) -> None:
+    """The connection's way (no task a request) is held to the general way's outcome."""
+    general = await outcome_of_a_wait("receive", client_leaves=client_leaves)
+    by_connection = await outcome_of_a_wait("connection", client_leaves=client_leaves)
+    assert by_connection == general
+    assert general[0] == ("client left" if client_leaves else "answered")
