@@ -372,6 +372,7 @@ class _GuardedTransport(asyncio.Transport):
             self._transport.write(held)
 
     def writelines(self, list_of_data: Any) -> None:
+        self.flush()
         self._transport.writelines(list_of_data)
 
     def close(self) -> None:
@@ -406,6 +407,7 @@ class _GuardedTransport(asyncio.Transport):
         return self._transport.can_write_eof()
 
     def write_eof(self) -> None:
+        self.flush()
         self._transport.write_eof()
 
     def abort(self) -> None:
