@@ -8,14 +8,17 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
-from starlette.types import Receive, Scope, Send
+import uvicorn
+from starlette.types import Message, Receive, Scope, Send
 
 from service.config import Settings
+from service.frontend.requests import ClientDisconnectedError, DisconnectWatcher, connection_of
 from service.server.draining import uvicorn_config
-from tests.fixtures import uvicorn_port
+from tests.fixtures import uvicorn_port, wait_until
 from tests.processes import serve_with_engines, wait_until_serving
 
 HEAD_TIMEOUT_S = 0.5
@@ -227,3 +230,113 @@ async def test_gunicorn_front_ends_limit_heads_too(tmp_path: Path) -> None:
     assert status_and_body(big)[0] == 431
     assert status_and_body(half)[0] == 408
     assert half_s < 3.0
+
+
+class TransportRecordingWrites(asyncio.Transport):
+    """A connection's transport that keeps what each ``write`` call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def is_reading(self) -> bool:
+        return True
+
+
+async def answer_with(app: Any, request: bytes) -> list[bytes]:
+    """The writes of batchserve's HTTP protocol answering ``request`` with ``app``."""
+    config = uvicorn_config(app, Settings(port=1))
+    config.lifespan = "off"
+    config.load()
+    state = uvicorn.server.ServerState()
+    protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+    transport = TransportRecordingWrites()
+    protocol.connection_made(transport)
+    protocol.data_received(request)
+    await wait_until(lambda: not state.tasks)
+    await asyncio.sleep(0)
+    protocol.connection_lost(None)
+    return transport.writes
+
+
+async def test_an_answers_head_and_body_go_out_in_one_write() -> None:
+    """uvicorn writes the head on ``http.response.start`` and the body apart: two system
+    calls and two TCP segments per answer. Held until the body comes, the head goes with it."""
+    writes = await answer_with(slow_hello, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert len(writes) == 1
+    status, body = status_and_body(writes[0])
+    assert (status, body) == (200, b"hello")
+
+
+async def test_a_head_whose_body_comes_later_is_written_at_the_end_of_its_turn() -> None:
+    """A streamed answer: its head is not held back while the body is still being made (it
+    went out alone, before the body)."""
+    head_written = asyncio.Event()
+
+    async def streaming(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(0.05)
+        head_written.set()
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    task = asyncio.create_task(
+        answer_with(streaming, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"), name="answer"
+    )
+    await head_written.wait()
+    writes = await task
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert writes[0].endswith(b"\r\n\r\n")
+    assert b"late" in b"".join(writes[1:])
+
+
+async def test_a_request_waiting_on_a_connection_learns_at_once_that_it_closed() -> None:
+    """Each request's scope carries its connection (``requests.connection_of``): a request
+    waiting for its answer is cancelled when the client closes, with no task asking
+    ``receive()``."""
+    outcomes: list[str] = []
+
+    async def waiting(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        connection = connection_of(scope)
+        assert connection is not None
+
+        async def not_asked() -> Message:
+            raise AssertionError("receive() is not asked")
+
+        try:
+            with DisconnectWatcher(not_asked, connection):
+                outcomes.append("waiting")
+                await asyncio.Event().wait()  # an answer that never comes
+        except ClientDisconnectedError:
+            outcomes.append("client left")
+
+    config = uvicorn_config(waiting, Settings(host="127.0.0.1"))
+    config.port, config.lifespan = 0, "off"
+    async with uvicorn_port(config) as port:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /predict HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        await wait_until(lambda: outcomes == ["waiting"])
+        writer.close()
+        await wait_until(lambda: outcomes == ["waiting", "client left"])

@@ -8,8 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
+from starlette.routing import Match
+from starlette.types import Scope
 
-from service.frontend.app import create_frontend_app
+from service.frontend.app import ServingApp, create_frontend_app
 from service.frontend.inference_routes import INFERENCE_ROUTES
 from service.frontend.state import FrontendState
 from tests.fixtures import sample_total
@@ -108,3 +110,32 @@ async def test_the_openapi_document_describes_exactly_the_table_s_inference_rout
     assert inference == {route.path for route in INFERENCE_ROUTES}
     for route in INFERENCE_ROUTES:
         assert paths[route.path]["post"]["summary"] == route.summary
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/predict",
+        "/models/tokens/predict",
+        "/v2/models/tokens/infer",
+        "/v2/models/tokens/versions/a/infer",
+    ],
+)
+async def test_a_kept_match_is_the_routes_own(tmp_path: Path, path: str) -> None:
+    """The short way keeps the match of a path without parameters: what it gives again (the
+    route and the child scope) is what the route's own ``matches`` gives."""
+    app, _ = app_with_tokens(tmp_path)
+    assert isinstance(app, ServingApp)
+
+    def scope() -> Scope:
+        return {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": []}
+
+    first = app._inference_match(scope())
+    again = app._inference_match(scope())
+    assert first is not None
+    assert again is not None
+    route, child_scope = again
+    match, own = route.matches(scope())
+    assert match is Match.FULL
+    assert again == first
+    assert child_scope == own

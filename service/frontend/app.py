@@ -143,23 +143,50 @@ class ServingApp(FastAPI):
         self.state.frontend = frontend
         self.inference_routes: list[DirectRoute] = []
         """The router's inference routes, in its order (``create_frontend_app`` sets them)."""
-        self._outer = HeadAsGet(ServiceMiddleware(self._route, frontend))
+        self._static_matches: dict[tuple[str, str, str], tuple[DirectRoute, Scope]] = {}
+        """``_inference_match``'s kept matches, by method, path and root path."""
+        self._served = ServiceMiddleware(self._route, frontend)
+        self._head_as_get = HeadAsGet(self._served)
         # The served version and its document: built once a version, not once a request.
         self._model_openapi: tuple[str, dict[str, Any]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._outer(scope, receive, send)
+        # HeadAsGet's own test, made here: a request of another method skips its layer.
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            await self._head_as_get(scope, receive, send)
+        else:
+            await self._served(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            for route in self.inference_routes:
-                match, child_scope = route.matches(scope)
-                if match is Match.FULL:
-                    scope["app"] = self
-                    scope.update(child_scope)
-                    await route.serve(scope, receive, send)
-                    return
+            matched = self._inference_match(scope)
+            if matched is not None:
+                route, child_scope = matched
+                scope["app"] = self
+                scope.update(child_scope)
+                await route.serve(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
+
+    def _inference_match(self, scope: Scope) -> tuple[DirectRoute, Scope] | None:
+        """The inference route that fully matches ``scope``, and its child scope; None if
+        none does.
+
+        A route without path parameters matches one method and path only: its match is
+        kept, and an inference request to it skips the routes' matching (their regular
+        expressions) from then on."""
+        key = (scope["method"], scope["path"], scope.get("root_path", ""))
+        known = self._static_matches.get(key)
+        if known is not None and "path_params" not in scope:
+            route, child_scope = known
+            return route, {**child_scope, "path_params": {}}
+        for route in self.inference_routes:
+            match, child_scope = route.matches(scope)
+            if match is Match.FULL:
+                if not route.param_convertors and "path_params" not in scope:
+                    self._static_matches[key] = (route, child_scope)
+                return route, child_scope
+        return None
 
     def openapi(self) -> dict[str, Any]:
         """FastAPI's document with ``/predict`` stating the first model's inputs and outputs

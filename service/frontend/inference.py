@@ -62,7 +62,8 @@ class DirectRoute(APIRoute):
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a request this route fully matched (``scope`` updated with the match), as
         an ASGI app: the request, the endpoint's answer, sent."""
-        response = await self.respond(Request(scope, receive))
+        request = Request(scope, receive)
+        response: Response = await self.endpoint(request, **request.path_params)
         await response(scope, receive, send)
 
 
@@ -77,13 +78,15 @@ class NoAnswer(Response):
         return
 
 
-async def answer_inference(request: Request, serve: Serve, error_answer: ErrorAnswer) -> Response:
+def answer_inference(
+    request: Request, serve: Serve, error_answer: ErrorAnswer
+) -> Awaitable[Response]:
     """``serve``'s answer to ``request``, or ``error_answer``'s to what it raised."""
     if tracing.current is None:
-        return await _answered(request, serve, error_answer)
+        return _answered(request, serve, error_answer)
     route = INFERENCE_LABELS[request.scope["route"].path]
     answer = partial(_answered, request, serve, error_answer)
-    return await request_spans.answer_traced(request.scope, route, answer)
+    return request_spans.answer_traced(request.scope, route, answer)
 
 
 async def _answered(request: Request, serve: Serve, error_answer: ErrorAnswer) -> Response:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
 from service.errors import ModelNotFoundError
 from service.frontend.bodies import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
-from service.frontend.inference import DirectRoute, answer_inference
+from service.frontend.inference import DirectRoute, Serve, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.predict import PredictHeaders, serve_prediction
+from service.frontend.requests import connection_of
 from service.frontend.responses import JSON, json_response, service_error_response
 from service.frontend.schemas import (
     ErrorResponse,
@@ -74,22 +76,22 @@ async def predict(request: Request) -> Response:
     (``application/x-npz``); ask for the outputs as ``.npy`` (one output) or ``.npz`` with
     ``Accept``. The schemas below are those of the first model served, which answers.
     """
-    return await _predicted(request)
+    return await answer_inference(request, _serving(request), service_error_response)
 
 
 async def predict_with_model(request: Request, name: str, version: str | None = None) -> Response:
     """As ``/predict``, answered by the model ``name`` (404 when it is not served), at
     ``version`` when one is named (404 when that version is not the one served)."""
-    return await _predicted(request, name, version)
+    return await answer_inference(request, _serving(request, name, version), service_error_response)
 
 
-async def _predicted(
-    request: Request, name: str | None = None, version: str | None = None
-) -> Response:
+def _serving(request: Request, name: str | None = None, version: str | None = None) -> Serve:
+    """How ``answer_inference`` serves ``request`` (a plain function returning the
+    coroutine: one coroutine less per request)."""
     scope = request.scope
 
-    async def serve(frontend: FrontendState, request_id: str) -> Response:
-        return await serve_prediction(
+    def serve(frontend: FrontendState, request_id: str) -> Awaitable[Response]:
+        return serve_prediction(
             frontend,
             PredictHeaders.from_scope(scope),
             request.receive,
@@ -97,9 +99,10 @@ async def _predicted(
             scope.get("query_string", b""),
             name,
             version,
+            connection_of(scope),
         )
 
-    return await answer_inference(request, serve, service_error_response)
+    return serve
 
 
 def add_predict_routes(router: APIRouter) -> None:

@@ -20,20 +20,31 @@ dropped for a while before the connection is closed, since closing with unread b
 reset it and the client would lose the answer (nginx's lingering close). uvicorn closes idle
 kept-alive connections itself (``timeout_keep_alive``); the request's deadline cuts a slow body
 (``predict.read_body``).
+
+Two more things happen here, per connection, because only the connection knows them:
+
+- an answer's head is held until its body comes (or the loop turn ends), so that the two go
+  out in one write: uvicorn writes them apart, two system calls and two TCP segments;
+- each request's scope carries the connection (``scope["state"]``, ``requests.connection_of``),
+  which tells the requests waiting on it at once when it closes: a request watching for its
+  client's departure needs no task of its own asking ``receive()``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, cast
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, cast
 
 import httptools
 import orjson
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
 from service.config import Settings
+from service.frontend.requests import CONNECTION_STATE, DisconnectWatcher
 
 #: What a response's status line says, for the two statuses answered here.
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -43,6 +54,33 @@ LINGER_S = 2.0
 LINGER_MAX_BYTES = 4 * 1024 * 1024
 #: The bytes each header adds to the head besides its name and value (": " and CRLF).
 _HEADER_OVERHEAD_BYTES = 4
+
+
+class UvicornHttp(Protocol):
+    """What the head limits call of uvicorn's HTTP protocol: asyncio's protocol callbacks, and
+    ``shutdown`` (what ``uvicorn.Server`` calls to close a connection once its request is
+    answered)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None: ...
+    def data_received(self, data: bytes) -> None: ...
+    def eof_received(self) -> bool | None: ...
+    def connection_lost(self, exc: Exception | None) -> None: ...
+    def pause_writing(self) -> None: ...
+    def resume_writing(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The app of the throwaway config that names uvicorn's protocol class: never called."""
+
+
+@functools.cache
+def httptools_protocol() -> Callable[..., UvicornHttp]:
+    """uvicorn's own httptools protocol class, as uvicorn's public ``Config`` resolves
+    ``http="httptools"`` (its module path is not part of uvicorn's API)."""
+    config = uvicorn.Config(_no_app, http="httptools", lifespan="off", log_config=None)
+    config.load()
+    return cast(Callable[..., UvicornHttp], config.http_protocol_class)
 
 
 class _HeadTooLargeError(Exception):
@@ -70,9 +108,15 @@ class HeadLimitedProtocol(asyncio.Protocol):
         **_loop: object,
     ) -> None:
         # uvicorn also passes the loop to run on (``_loop``), None when it serves: the running one.
-        self._http = HttpToolsProtocol(
-            config=config, server_state=server_state, app_state=app_state
+        # Each request's scope["state"] is a copy of app_state: this connection is in it, for
+        # the requests waiting on it to learn at once that it closed (requests.connection_of).
+        self._http = httptools_protocol()(
+            config=config,
+            server_state=server_state,
+            app_state={**app_state, CONNECTION_STATE: self},
         )
+        self._watchers: set[DisconnectWatcher] = set()
+        self._lost = False
         self._server_state = server_state
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
@@ -127,6 +171,10 @@ class HeadLimitedProtocol(asyncio.Protocol):
         self._http.eof_received()  # then the transport closes, as under uvicorn
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        watchers, self._watchers = self._watchers, set()
+        for watcher in watchers:
+            watcher.client_left()
         type(self).open_connections.discard(self)
         self._stop_head_timer()
         if self._linger is not None:
@@ -139,6 +187,17 @@ class HeadLimitedProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._http.resume_writing()
+
+    # The requests waiting on this connection (requests.ClientConnection).
+
+    def watch(self, watcher: DisconnectWatcher) -> bool:
+        if self._lost:
+            return False
+        self._watchers.add(watcher)
+        return True
+
+    def unwatch(self, watcher: DisconnectWatcher) -> None:
+        self._watchers.discard(watcher)
 
     # The head watch.
 
@@ -168,15 +227,16 @@ class HeadLimitedProtocol(asyncio.Protocol):
         self._in_head = True
         self._parsed_head_bytes = 0
 
+    # A head over the limit, though it arrived within one read, stops the parse. (Counted in
+    # each callback itself: they run for every header of every request.)
+
     def on_url(self, url: bytes) -> None:
-        self._count_head_bytes(len(url))
+        self._parsed_head_bytes += len(url)
+        if self._parsed_head_bytes > self.max_head_bytes:
+            raise _HeadTooLargeError
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head_bytes(len(name) + len(value) + _HEADER_OVERHEAD_BYTES)
-
-    def _count_head_bytes(self, size: int) -> None:
-        """A head over the limit, though it arrived within one read, stops the parse."""
-        self._parsed_head_bytes += size
+        self._parsed_head_bytes += len(name) + len(value) + _HEADER_OVERHEAD_BYTES
         if self._parsed_head_bytes > self.max_head_bytes:
             raise _HeadTooLargeError
 
@@ -232,6 +292,10 @@ class HeadLimitedProtocol(asyncio.Protocol):
         transport.resume_reading()
         self._linger = self._loop.call_later(LINGER_S, transport.close)
 
+    def flush_soon(self, transport: _GuardedTransport) -> None:
+        """``transport.flush()`` at the end of this loop turn."""
+        self._loop.call_soon(transport.flush)
+
     def reading_resumed(self) -> None:
         """uvicorn resumes reading, unless a refusal is due."""
         if not self._refused:
@@ -265,23 +329,54 @@ def _refusal_answer(status: int, limits: HeadLimitedProtocol, server: ServerStat
     return b"".join(head) + body
 
 
+#: A body up to this size is copied behind its held head to go out in one write; a larger
+#: one is written after it (the copy would cost more than the second system call).
+JOINED_BODY_BYTES = 256 * 1024
+
+
 class _GuardedTransport(asyncio.Transport):
     """The transport uvicorn's protocol is given: the connection's own, except that closing
-    it, resuming reading and handing it to another protocol go through the guard."""
+    it, resuming reading and handing it to another protocol go through the guard, and that
+    an answer's head is held until its body comes, to go out with it in one write.
+
+    uvicorn writes a response's head on ``http.response.start`` and its body on
+    ``http.response.body``: two system calls and, over TCP, two segments for the client to
+    wake up to. A head (a write starting ``HTTP/`` and ending in a blank line) waits for the
+    next write, or for the end of the loop turn if none comes in it (a streamed answer)."""
 
     def __init__(self, transport: asyncio.Transport, guard: HeadLimitedProtocol) -> None:
         super().__init__()
         self._transport = transport
         self._guard = guard
         self._closing = False
+        self._held: bytes | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if len(data) <= JOINED_BODY_BYTES:
+                self._transport.write(held + data)
+                return
+            self._transport.write(held)
+        elif bytes(data[-4:]) == b"\r\n\r\n" and data[:5] == b"HTTP/":
+            self._held = bytes(data)
+            self._guard.flush_soon(self)
+            return
         self._transport.write(data)
 
+    def flush(self) -> None:
+        """Write a head still held (no body followed it in its loop turn)."""
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
     def writelines(self, list_of_data: Any) -> None:
+        self.flush()
         self._transport.writelines(list_of_data)
 
     def close(self) -> None:
+        self.flush()
         if not self._closing:
             self._closing = True
             self._guard.closed()
@@ -312,6 +407,7 @@ class _GuardedTransport(asyncio.Transport):
         return self._transport.can_write_eof()
 
     def write_eof(self) -> None:
+        self.flush()
         self._transport.write_eof()
 
     def abort(self) -> None:
