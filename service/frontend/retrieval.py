@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import pydantic
@@ -75,6 +75,11 @@ class Arrived:
     async def body(self, model: type[BodyT]) -> BodyT:
         """The body, read within ``max_body_bytes`` and the deadline, as ``model``: 400 for
         JSON that does not parse; ``pydantic.ValidationError`` for one that does not fit."""
+        return model.model_validate(await self.document(), strict=True)
+
+    async def document(self) -> Any:
+        """The body, read within ``max_body_bytes`` and the deadline, parsed: 400 for JSON
+        that does not parse."""
         body = await read_body(
             self.receive,
             self.headers.content_length,
@@ -82,10 +87,9 @@ class Arrived:
             self.deadline.at_s,
         )
         try:
-            document = orjson.loads(body)
+            return orjson.loads(body)
         except orjson.JSONDecodeError as error:
             raise BadRequestError(f"the body is not valid JSON: {error}") from None
-        return model.model_validate(document, strict=True)
 
     def model(self, kind: type[HandlerT], what: str, name: str | None) -> ModelInfo:
         """The model ``name`` (the first served whose handler is a ``kind`` when None),

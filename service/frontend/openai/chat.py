@@ -55,9 +55,10 @@ async def serve_chat_completion(
         request = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as error:
         raise invalid_request(error) from None
-    model = frontend.serving_model(request.model)  # an unknown model is 404 before all else
-    request.check_unsupported()
+    # A model that is not served, or does not generate, is 404 before all else.
+    model = frontend.serving_model(request.model)
     text_model = await text_model_of(frontend, model)
+    request.check_unsupported()
     prompt = await off_loop(frontend, lambda: chat_prompt(text_model, request.messages))
     top = request.top_logprobs or 0
     max_tokens = request.max_completion_tokens

@@ -58,9 +58,10 @@ async def serve_completion(
         request = CompletionRequest.model_validate_json(body)
     except ValidationError as error:
         raise invalid_request(error) from None
-    model = frontend.serving_model(request.model)  # an unknown model is 404 before all else
-    request.check_unsupported()
+    # A model that is not served, or does not generate, is 404 before all else.
+    model = frontend.serving_model(request.model)
     text_model = await text_model_of(frontend, model)
+    request.check_unsupported()
     prompts = await off_loop(frontend, lambda: tokenized(text_model, request.prompt))
     if len(prompts) * request.n > MAX_SEQUENCES:
         raise InvalidParameterError(

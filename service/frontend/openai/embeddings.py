@@ -155,13 +155,20 @@ async def embeddings(request: Request) -> Response:
 
 
 async def _embeddings(arrived: Arrived) -> Response:
+    document = await arrived.document()
+    named = document.get("model") if isinstance(document, dict) else None
+    # A model that is not served, or does not embed, is 404 before all else (as OpenAI).
+    model = (
+        arrived.model(EmbeddingHandler, EMBEDDING_MODEL, named) if isinstance(named, str) else None
+    )
     try:
-        body = await arrived.body(EmbeddingsRequest)
+        body = EmbeddingsRequest.model_validate(document, strict=True)
     except pydantic.ValidationError as error:
         raise invalid_request(error) from None
     if isinstance(body.input, list) and not body.input:
         raise InvalidParameterError("input", "input is empty; send at least one text")
-    model = arrived.model(EmbeddingHandler, EMBEDDING_MODEL, body.model)
+    if model is None:
+        model = arrived.model(EmbeddingHandler, EMBEDDING_MODEL, body.model)
     check_dimensions(body.dimensions, model.manifest.output.shape[-1])
 
     def prepare(handler: EmbeddingHandler) -> NamedArrays:
