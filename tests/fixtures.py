@@ -30,7 +30,6 @@ from service.engine.batcher import (
 )
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.frontend.handlers.base import Handler, HandlerRequest
-from service.frontend.requests import DisconnectWatcher
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
@@ -592,27 +591,3 @@ class EchoingGenerator:
 
     async def unload(self, name: str) -> Any:
         raise NotImplementedError
-
-
-class ConnectionClosedOnDemand:
-    """A request's connection (``requests.ClientConnection``) that closes when the test says,
-    telling the watchers it holds then."""
-
-    def __init__(self, *, closed: bool = False) -> None:
-        self.closed = closed
-        self.watchers: set[DisconnectWatcher] = set()
-
-    def watch(self, watcher: DisconnectWatcher) -> bool:
-        if self.closed:
-            return False
-        self.watchers.add(watcher)
-        return True
-
-    def unwatch(self, watcher: DisconnectWatcher) -> None:
-        self.watchers.discard(watcher)
-
-    def close(self) -> None:
-        self.closed = True
-        watchers, self.watchers = self.watchers, set()
-        for watcher in watchers:
-            watcher.client_left()

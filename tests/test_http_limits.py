@@ -13,10 +13,9 @@ from typing import Any
 import httpx
 import orjson
 import uvicorn
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from service.config import Settings
-from service.frontend.requests import ClientDisconnectedError, DisconnectWatcher, connection_of
 from service.server.draining import uvicorn_config
 from tests.fixtures import uvicorn_port, wait_until
 from tests.processes import serve_with_engines, wait_until_serving
@@ -308,35 +307,3 @@ async def test_a_head_whose_body_comes_later_is_written_at_the_end_of_its_turn()
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
     assert writes[0].endswith(b"\r\n\r\n")
     assert b"late" in b"".join(writes[1:])
-
-
-async def test_a_request_waiting_on_a_connection_learns_at_once_that_it_closed() -> None:
-    """Each request's scope carries its connection (``requests.connection_of``): a request
-    waiting for its answer is cancelled when the client closes, with no task asking
-    ``receive()``."""
-    outcomes: list[str] = []
-
-    async def waiting(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        connection = connection_of(scope)
-        assert connection is not None
-
-        async def not_asked() -> Message:
-            raise AssertionError("receive() is not asked")
-
-        try:
-            with DisconnectWatcher(not_asked, connection):
-                outcomes.append("waiting")
-                await asyncio.Event().wait()  # an answer that never comes
-        except ClientDisconnectedError:
-            outcomes.append("client left")
-
-    config = uvicorn_config(waiting, Settings(host="127.0.0.1"))
-    config.port, config.lifespan = 0, "off"
-    async with uvicorn_port(config) as port:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /predict HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
-        await wait_until(lambda: outcomes == ["waiting"])
-        writer.close()
-        await wait_until(lambda: outcomes == ["waiting", "client left"])

@@ -43,7 +43,6 @@ from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.tensors import NamedArrays
 from service.types import Priority
-from tests.fixtures import ConnectionClosedOnDemand, wait_until
 
 SETTINGS = Settings(request_timeout_ms=2000)
 
@@ -337,95 +336,3 @@ async def test_a_watch_ends_with_the_wait_and_leaves_the_caller_uncancelled() ->
     task = asyncio.current_task()
     assert task is not None
     assert task.cancelling() == 0
-
-
-async def never_asked() -> Message:
-    raise AssertionError("receive() is not asked when the connection tells of its close")
-
-
-async def test_a_watched_connection_that_closes_cancels_the_wait_at_once() -> None:
-    """With a connection that tells when it closes (batchserve's own HTTP protocol), no task
-    asks ``receive()``: the close itself cancels the wait."""
-    connection = ConnectionClosedOnDemand()
-
-    async def waiting() -> None:
-        with DisconnectWatcher(never_asked, connection):
-            await asyncio.Event().wait()  # an answer that never comes
-
-    waiter = asyncio.create_task(waiting())
-    await wait_until(lambda: bool(connection.watchers))
-    connection.close()
-    with pytest.raises(ClientDisconnectedError):
-        await waiter
-    assert not connection.watchers
-
-
-async def test_a_connection_closed_before_the_wait_cancels_it_at_its_first_step() -> None:
-    with (
-        pytest.raises(ClientDisconnectedError),
-        DisconnectWatcher(never_asked, ConnectionClosedOnDemand(closed=True)),
-    ):
-        await asyncio.sleep(0)
-    task = asyncio.current_task()
-    assert task is not None
-    assert task.cancelling() == 0
-
-
-async def test_a_connection_watch_ends_with_the_wait() -> None:
-    connection = ConnectionClosedOnDemand()
-    with DisconnectWatcher(never_asked, connection) as watcher:
-        assert connection.watchers == {watcher}
-    assert not connection.watchers
-    connection.close()  # after the wait: tells nobody
-    assert not watcher.disconnected
-
-
-async def outcome_of_a_wait(watch_by: str, *, client_leaves: bool) -> list[object]:
-    """What a waiting caller sees when its client leaves (or its answer comes), the client's
-    departure told by ``receive()`` (the general way) or by the connection (batchserve's own
-    HTTP protocol)."""
-    left = asyncio.Event()
-    connection = ConnectionClosedOnDemand()
-
-    async def receive() -> Message:
-        await left.wait()
-        return {"type": "http.disconnect"}
-
-    def leave() -> None:
-        left.set()
-        connection.close()
-
-    answer = asyncio.Event()
-    seen: list[object] = []
-
-    async def waiting() -> None:
-        watcher = DisconnectWatcher(receive, connection if watch_by == "connection" else None)
-        try:
-            with watcher:
-                await answer.wait()
-            seen.append("answered")
-        except ClientDisconnectedError:
-            seen.append("client left")
-        task = asyncio.current_task()
-        assert task is not None
-        seen.extend([watcher.disconnected, task.cancelling()])
-
-    waiter = asyncio.create_task(waiting())
-    await asyncio.sleep(0)
-    if client_leaves:
-        leave()
-    else:
-        answer.set()
-    await waiter
-    leave()  # after the wait: changes nothing
-    await asyncio.sleep(0)
-    return seen
-
-
-@pytest.mark.parametrize("client_leaves", [True, False])
-async def test_a_connection_tells_a_wait_what_receive_tells_it(client_leaves: bool) -> None:
-    """The connection's way (no task a request) is held to the general way's outcome."""
-    general = await outcome_of_a_wait("receive", client_leaves=client_leaves)
-    by_connection = await outcome_of_a_wait("connection", client_leaves=client_leaves)
-    assert by_connection == general
-    assert general[0] == ("client left" if client_leaves else "answered")

@@ -40,12 +40,7 @@ from service.frontend.bodies import (
 )
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
-from service.frontend.requests import (
-    ClientConnection,
-    ClientDisconnectedError,
-    Deadline,
-    HeldRequest,
-)
+from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_answer
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
@@ -192,12 +187,11 @@ async def serve_prediction(
     query_string: bytes = b"",
     model_name: str | None = None,
     model_version: str | None = None,
-    connection: ClientConnection | None = None,
 ) -> Response:
     """Validate the body, queue its instances for the next batch, answer one row each.
 
     ``model_name`` (the first model served when None) at ``model_version`` (the one served
-    when None) answers it. ``connection``: the request's (``requests.connection_of``).
+    when None) answers it.
 
     The request is validated against the version served once its body has arrived, so a
     version switched while a slow body was uploading costs nothing; the answer names the
@@ -227,7 +221,6 @@ async def serve_prediction(
         body,
         deadline,
         (first_model, media_type),
-        connection,
     )
     try:
         return await answer(model_name, model_version)
@@ -246,7 +239,6 @@ async def _serve_body(
     body: bytes,
     deadline: Deadline,
     checked: tuple[ModelInfo, str],
-    connection: ClientConnection | None,
     model_name: str | None,
     model_version: str | None,
 ) -> Response:
@@ -278,7 +270,7 @@ async def _serve_body(
                     handler.preprocess,
                     handler_request,
                 )
-        result = await held.infer(model, instances, headers.batch_priority(), receive, connection)
+        result = await held.infer(model, instances, headers.batch_priority(), receive)
     name, version = model.manifest.name, result.version
     response_headers = {"X-Model-Version": f"{name}@{version}"}
     if answer_type == NPY_MEDIA_TYPE:

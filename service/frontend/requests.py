@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
-from starlette.types import Message, Receive, Scope
+from starlette.types import Message, Receive
 
 from service import tracing
 from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
@@ -31,30 +31,8 @@ from service.types import Priority
 SERVER_TIMEOUT = "request_timeout_ms"
 
 
-#: Where an HTTP server that tells when a connection closes puts the request's connection,
-#: in the ASGI scope's ``state`` (batchserve's own protocol does: ``server/http_limits.py``).
-CONNECTION_STATE = "batchserve.connection"
-
-
 class ClientDisconnectedError(Exception):
     """The client went away before its answer; there is nobody to answer."""
-
-
-class ClientConnection(Protocol):
-    """A request's connection, which tells a ``DisconnectWatcher`` when it closes."""
-
-    def watch(self, watcher: DisconnectWatcher) -> bool:
-        """Call ``watcher.client_left()`` once the connection closes; False (and no call)
-        if it has closed already."""
-
-    def unwatch(self, watcher: DisconnectWatcher) -> None:
-        """Stop telling ``watcher``."""
-
-
-def connection_of(scope: Scope) -> ClientConnection | None:
-    """The request's connection, when its server put it in the scope's state."""
-    connection: ClientConnection | None = scope.get("state", {}).get(CONNECTION_STATE)
-    return connection
 
 
 class Deadline(NamedTuple):
@@ -131,11 +109,9 @@ class HeldRequest:
         instances: NamedArrays,
         priority: Priority,
         receive: Receive | None = None,
-        connection: ClientConnection | None = None,
     ) -> InferenceResult:
         """``instances``, validated against ``model``, computed by an engine. ``receive``: an
-        HTTP request's, to stop waiting (``ClientDisconnectedError``) if its client leaves;
-        ``connection``: its connection, when the server offers it (``connection_of``)."""
+        HTTP request's, to stop waiting (``ClientDisconnectedError``) if its client leaves."""
         manifest = model.manifest
         request = InferenceRequest(
             model=manifest.name,
@@ -149,7 +125,7 @@ class HeldRequest:
         try:
             if receive is None:
                 return await request_spans.infer(self.frontend, request)
-            with DisconnectWatcher(receive, connection):
+            with DisconnectWatcher(receive):
                 if tracing.current is None:  # the engine awaited directly: a coroutine fewer
                     return await self.frontend.engine.infer(request)
                 return await request_spans.infer(self.frontend, request)
@@ -169,47 +145,31 @@ class DisconnectWatcher:
     server would learn of the disconnect only when it wrote the answer. The watch starts with
     the wait: one started later let clients that send and leave at once hold the queue until
     it started, and the requests of the clients who stayed were refused 429.
-
-    A ``connection`` that tells when it closes (batchserve's own HTTP protocol) is watched;
-    without one, ``receive()`` is awaited in a task of the watch's own until it says
-    ``http.disconnect`` (a task per request, which costs the front end more).
     """
 
-    __slots__ = ("_caller", "_connection", "_receive", "_watch", "disconnected")
+    __slots__ = ("_caller", "_receive", "_watch", "disconnected")
 
-    def __init__(self, receive: Receive, connection: ClientConnection | None = None) -> None:
+    def __init__(self, receive: Receive) -> None:
         self._receive = receive
-        self._connection = connection
         self._watch: asyncio.Future[Message] | None = None
         self.disconnected = False
 
     def __enter__(self) -> DisconnectWatcher:
         self._caller = asyncio.current_task()
-        if self._connection is not None:
-            if not self._connection.watch(self):
-                self.client_left()
-            return self
         self._watch = asyncio.ensure_future(self._receive())
         self._watch.add_done_callback(self._on_message)
         return self
 
-    def client_left(self) -> None:
-        """The client's connection closed: the wait is cancelled."""
-        self.disconnected = True
-        if self._caller is not None:
-            self._caller.cancel()
-
     def _on_message(self, watch: asyncio.Future[Message]) -> None:
         if watch.cancelled() or watch.exception() is not None:
             return
-        if watch.result()["type"] == "http.disconnect":
-            self.client_left()
+        if watch.result()["type"] == "http.disconnect" and self._caller is not None:
+            self.disconnected = True
+            self._caller.cancel()
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> None:
-        if self._connection is not None:
-            self._connection.unwatch(self)
         if self._watch is not None:
             self._watch.remove_done_callback(self._on_message)
             self._watch.cancel()

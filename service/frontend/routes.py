@@ -13,7 +13,6 @@ from service.frontend.bodies import NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from service.frontend.inference import DirectRoute, Serve, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.predict import PredictHeaders, serve_prediction
-from service.frontend.requests import connection_of
 from service.frontend.responses import JSON, json_response, service_error_response
 from service.frontend.schemas import (
     ErrorResponse,
@@ -99,7 +98,6 @@ def _serving(request: Request, name: str | None = None, version: str | None = No
             scope.get("query_string", b""),
             name,
             version,
-            connection_of(scope),
         )
 
     return serve

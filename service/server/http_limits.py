@@ -20,14 +20,6 @@ dropped for a while before the connection is closed, since closing with unread b
 reset it and the client would lose the answer (nginx's lingering close). uvicorn closes idle
 kept-alive connections itself (``timeout_keep_alive``); the request's deadline cuts a slow body
 (``predict.read_body``).
-
-Two more things happen here, per connection, because only the connection knows them:
-
-- an answer's head is held until its body comes (or the loop turn ends), so that the two go
-  out in one write: uvicorn writes them apart, two system calls and two TCP segments;
-- each request's scope carries the connection (``scope["state"]``, ``requests.connection_of``),
-  which tells the requests waiting on it at once when it closes: a request watching for its
-  client's departure needs no task of its own asking ``receive()``.
 """
 
 from __future__ import annotations
@@ -44,7 +36,6 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
 from service.config import Settings
-from service.frontend.requests import CONNECTION_STATE, DisconnectWatcher
 
 #: What a response's status line says, for the two statuses answered here.
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -108,15 +99,11 @@ class HeadLimitedProtocol(asyncio.Protocol):
         **_loop: object,
     ) -> None:
         # uvicorn also passes the loop to run on (``_loop``), None when it serves: the running one.
-        # Each request's scope["state"] is a copy of app_state: this connection is in it, for
-        # the requests waiting on it to learn at once that it closed (requests.connection_of).
         self._http = httptools_protocol()(
             config=config,
             server_state=server_state,
-            app_state={**app_state, CONNECTION_STATE: self},
+            app_state=app_state,
         )
-        self._watchers: set[DisconnectWatcher] = set()
-        self._lost = False
         self._server_state = server_state
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
@@ -171,10 +158,6 @@ class HeadLimitedProtocol(asyncio.Protocol):
         self._http.eof_received()  # then the transport closes, as under uvicorn
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
-        watchers, self._watchers = self._watchers, set()
-        for watcher in watchers:
-            watcher.client_left()
         type(self).open_connections.discard(self)
         self._stop_head_timer()
         if self._linger is not None:
@@ -187,17 +170,6 @@ class HeadLimitedProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._http.resume_writing()
-
-    # The requests waiting on this connection (requests.ClientConnection).
-
-    def watch(self, watcher: DisconnectWatcher) -> bool:
-        if self._lost:
-            return False
-        self._watchers.add(watcher)
-        return True
-
-    def unwatch(self, watcher: DisconnectWatcher) -> None:
-        self._watchers.discard(watcher)
 
     # The head watch.
 

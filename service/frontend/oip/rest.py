@@ -42,7 +42,7 @@ from service.frontend.oip.tensors import (
     to_request,
 )
 from service.frontend.predict import read_body
-from service.frontend.requests import ClientConnection, Deadline, HeldRequest
+from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.types import Priority
@@ -65,10 +65,8 @@ async def serve_v2_inference(
     request_id: str,
     name: str,
     version: str | None,
-    connection: ClientConnection | None = None,
 ) -> Response:
-    """Validate, queue on the engine, and answer one V2 inference request (``connection``:
-    its own, ``requests.connection_of``)."""
+    """Validate, queue on the engine, and answer one V2 inference request."""
     deadline = Deadline.start(frontend.settings)
     frontend.admitting_model(name, version)
     body = await read_body(
@@ -88,7 +86,6 @@ async def serve_v2_inference(
         priority=batch_priority(options.parameters, headers.get("x-priority")),
         request_id=request_id,
         receive=receive,
-        connection=connection,
     )
     return encode_response(
         {
@@ -111,18 +108,17 @@ async def run_inference(
     priority: Priority,
     request_id: str,
     receive: Receive | None = None,
-    connection: ClientConnection | None = None,
 ) -> tuple[InferenceResult, list[OutputTensor]]:
     """Validate a V2 request's tensors against ``model``, queue them on the engine (REST and
-    gRPC alike), and the outputs to answer. ``receive`` and ``connection``: the HTTP
-    request's, to stop waiting when its client leaves."""
+    gRPC alike), and the outputs to answer. ``receive``: the HTTP request's, to stop waiting
+    when its client leaves."""
     check_requested_outputs(model.manifest, options.outputs)
     layout = frontend.layout_for(model)
     with HeldRequest(frontend, deadline, request_id) as held:
         with request_spans.child("to_tensors"):
             instances = to_request(model.manifest, layout, inputs)
         deadline.check("it was being parsed")  # 504, not a refusal for "-3 ms left"
-        result = await held.infer(model, instances, priority, receive, connection)
+        result = await held.infer(model, instances, priority, receive)
     return result, answer_outputs(model.manifest, result.outputs, options)
 
 

@@ -34,7 +34,6 @@ from service.frontend.oip.schemas import (
     error_responses,
     inlined_schema,
 )
-from service.frontend.requests import connection_of
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
 from service.manifest import Manifest, TensorSpec, check_name
@@ -236,13 +235,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
             for key, value in request.scope["headers"]
         }
         return await serve_v2_inference(
-            frontend,
-            headers,
-            request.receive,
-            request_id,
-            name,
-            version,
-            connection_of(request.scope),
+            frontend, headers, request.receive, request_id, name, version
         )
 
     return await answer_inference(request, serve, _error_answer)
