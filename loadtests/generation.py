@@ -371,7 +371,8 @@ def compare_report(
                     results.setdefault((server.name, load.name), []).append(result)
                     print(
                         f"round {round_index} {server.name} {load.name}: "
-                        f"{result.tokens_per_s:,.0f} tokens/s, TTFT p50 {result.ttft_p50_ms:.0f} ms",
+                        f"{result.tokens_per_s:,.0f} tokens/s, "
+                        f"TTFT p50 {result.ttft_p50_ms:.0f} ms",
                         file=sys.stderr,
                         flush=True,
                     )
