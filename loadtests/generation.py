@@ -165,7 +165,8 @@ def transformers_serve(
     venv: Path, folder: Path, scratch: Path
 ) -> contextlib.AbstractContextManager[Server]:
     command = [
-        str(venv / "bin" / "transformers"), "serve", "--host", "127.0.0.1", "--port", "{port}",
+        str(venv / "bin" / "transformers"), "serve", str(folder), "--host", "127.0.0.1",
+        "--port", "{port}",
         "--device", "cpu", "--dtype", "float32", "--continuous-batching",
     ]  # fmt: skip
     return peer("transformers serve", command, scratch, Server("", "", str(folder), {}))
@@ -232,8 +233,8 @@ async def stream(session: aiohttp.ClientSession, server: Server, prompt: str) ->
                 first_s = first_s or last_s
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    if not first_s:
-        raise RuntimeError(f"{server.name}: a stream without text")
+    if not first_s:  # its first token was the end of the sequence: no time to first text
+        first_s = last_s = time.perf_counter()
     return Stream(sent_s, first_s, last_s, tokens)
 
 
@@ -325,7 +326,7 @@ async def run_load(
         print(f"{server.name} {load.name}: {len(errors)} error(s): {errors[0]}", file=sys.stderr)
     measured = probes if load.probe else done
     tokens = sum(s.tokens for s in done)
-    ttft = percentiles([s.ttft_s for s in measured])
+    ttft = percentiles([s.ttft_s for s in measured if s.tokens])
     itl = percentiles([s.itl_s for s in measured if s.itl_s is not None])
     return LoadResult(
         tokens_per_s=tokens / elapsed_s,
