@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,8 +211,14 @@ class Stream:
         return (self.last_s - self.first_s) / (self.tokens - 1) if self.tokens > 1 else None
 
 
-async def stream(session: aiohttp.ClientSession, server: Server, prompt: str) -> Stream:
-    """One streamed completion of ``NEW_TOKENS`` tokens, read event by event."""
+async def stream(
+    session: aiohttp.ClientSession,
+    server: Server,
+    prompt: str,
+    on_first: Callable[[], None] = lambda: None,
+) -> Stream:
+    """One streamed completion of ``NEW_TOKENS`` tokens, read event by event; ``on_first``
+    is called when its first text comes."""
     body = {
         "model": server.model,
         "prompt": prompt,
@@ -236,7 +242,9 @@ async def stream(session: aiohttp.ClientSession, server: Server, prompt: str) ->
                 raise RuntimeError(f"{server.name}: {event['error']}")
             if any(choice.get("text") for choice in event.get("choices") or ()):
                 last_s = time.perf_counter()
-                first_s = first_s or last_s
+                if not first_s:
+                    first_s = last_s
+                    on_first()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if not first_s:  # its first token was the end of the sequence: no time to first text
@@ -289,11 +297,21 @@ async def run_load(
     server: Server, load: Load, pool: Sequence[str], duration_s: float
 ) -> LoadResult:
     """``load.streams`` closed-loop streams for ``duration_s`` (``MAX_REQUESTS`` at most); with
-    ``probe``, one request at a time beside them, sent once every stream has its first text."""
+    ``probe``, one request at a time beside them, sent once every stream has its first text,
+    at least one, the streams running until the last has ended."""
     done: list[Stream] = []
     probes: list[Stream] = []
     errors: list[str] = []
     started = asyncio.Event()
+    probed = asyncio.Event()
+    first_texts = 0
+
+    def on_first() -> None:
+        nonlocal first_texts
+        first_texts += 1
+        if first_texts >= load.streams:
+            started.set()
+
     connector = aiohttp.TCPConnector(limit=load.streams + 1)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -303,26 +321,28 @@ async def run_load(
         async def one_client(offset: int) -> None:
             nonlocal sent
             turn = offset
-            while time.perf_counter() < end_s and sent < MAX_REQUESTS:
+            while sent < MAX_REQUESTS and (
+                time.perf_counter() < end_s or (load.probe and not probed.is_set())
+            ):
                 sent += 1
+                prompt = pool[turn % len(pool)]
                 try:
-                    done.append(await stream(session, server, pool[turn % len(pool)]))
+                    done.append(await stream(session, server, prompt, on_first))
                 except (RuntimeError, aiohttp.ClientError, TimeoutError) as error:
                     errors.append(str(error))
-                if len(done) >= load.streams:
-                    started.set()
                 turn += load.streams
 
         async def one_probe() -> None:
             if load.streams:
                 await started.wait()
             turn = 0
-            while time.perf_counter() < end_s and len(probes) < MAX_REQUESTS:
+            while turn == 0 or (time.perf_counter() < end_s and turn < MAX_REQUESTS):
                 try:
                     probes.append(await stream(session, server, pool[-1 - turn % len(pool)]))
                 except (RuntimeError, aiohttp.ClientError, TimeoutError) as error:
                     errors.append(str(error))
                 turn += 1
+            probed.set()
 
         tasks = [one_client(offset) for offset in range(load.streams)]
         started_s = time.perf_counter()
