@@ -22,7 +22,16 @@ import torch
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from loadtests import embeddings, handlers, models, protocols, restart_timeline, servers, sweep
+from loadtests import (
+    embeddings,
+    generation,
+    handlers,
+    models,
+    protocols,
+    restart_timeline,
+    servers,
+    sweep,
+)
 from loadtests.configs import (
     CONFIGURATIONS,
     DIGITS,
@@ -614,3 +623,40 @@ def test_the_embedding_benchmark_sends_texts_of_5_to_200_tokens() -> None:
     assert min(lengths) >= 5
     assert max(lengths) <= 200
     assert max(lengths) - min(lengths) > 100  # lengths of every bucket
+
+
+def test_the_generation_benchmark_sends_prompts_of_16_to_32_tokens(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    folder = generation.save_folder(tmp_path, "tiny")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    lengths = [len(tokenizer.encode(text).ids) for text in generation.prompts(folder, 100, 3)]
+    assert min(lengths) >= 16
+    assert max(lengths) <= 32
+    assert max(lengths) - min(lengths) > 8
+
+
+@pytest.mark.slow
+def test_the_generation_benchmark_measures_streams_of_32_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The smallest case end to end: the tiny GPT-2 served by batchserve, one round."""
+    argv = ["--model", "tiny", "--rounds", "1", "--duration-s", "1", "--streams", "1"]
+    assert generation.main(argv) == 0
+    report = capsys.readouterr().out
+    rows = [
+        line.strip("| ").split(" | ") for line in report.splitlines() if "| batchserve |" in line
+    ]
+    assert [row[0] for row in rows] == [
+        "1 stream(s)",
+        "a new request alone",
+        f"a new request beside {generation.BACKGROUND_STREAMS} streams",
+    ]
+    for load, _, _rate, ttft50, ttft99, itl50, itl99, requests, tokens, errors in rows:
+        assert errors == "0", load
+        assert int(requests) >= 1, load
+        assert float(tokens) == generation.NEW_TOKENS, load  # ignore_eos: every token asked for
+        assert 0 < float(ttft50) <= float(ttft99) < 120_000, load
+        assert 0 < float(itl50) <= float(itl99) < 120_000, load
+    assert float(rows[0][2].replace(",", "")) > 0
+    assert float(rows[2][2].replace(",", "")) > 0
