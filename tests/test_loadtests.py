@@ -335,7 +335,7 @@ def test_a_server_pool_goes_on_after_a_failed_start_and_stops_everything_on_ctrl
 
 
 async def post_json(app: FastAPI, bodies: list[bytes]) -> list[httpx.Response]:
-    async with LifespanManager(app):
+    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -369,7 +369,7 @@ async def test_what_the_benchmarks_send_is_answered_by_the_server() -> None:
         (f"/models/{w.model}/predict", w.bodies[0], {"Content-Type": w.content_type})
         for w in handlers.workloads(image_size=32)
     ]
-    async with LifespanManager(app):
+    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
