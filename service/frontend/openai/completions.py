@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
@@ -28,15 +27,11 @@ from service.frontend.generation.serving import (
     collect,
     counted_while_streaming,
     off_loop,
-    read_request_body,
-    request_priority,
-    text_model_of,
 )
 from service.frontend.generation.text_model import TextModel
-from service.frontend.openai.errors import invalid_request
+from service.frontend.openai.received import received
 from service.frontend.openai.schemas import CompletionRequest, Prompt
 from service.frontend.openai.streaming import error_event, usage_of
-from service.frontend.requests import Deadline
 from service.frontend.responses import json_response
 from service.frontend.sse import DONE, event, event_stream
 from service.frontend.state import FrontendState
@@ -51,17 +46,9 @@ MAX_PROMPT_CHARS = 1_000_000
 async def serve_completion(
     frontend: FrontendState, scope: Scope, receive: Receive, request_id: str
 ) -> Response:
-    deadline = Deadline.start(frontend.settings)
-    priority = request_priority(scope)
-    body = await read_request_body(frontend, scope, receive, deadline)
-    try:
-        request = CompletionRequest.model_validate_json(body)
-    except ValidationError as error:
-        raise invalid_request(error) from None
-    # A model that is not served, or does not generate, is 404 before all else.
-    model = frontend.serving_model(request.model)
-    text_model = await text_model_of(frontend, model)
-    request.check_unsupported()
+    arrived = await received(frontend, scope, receive, CompletionRequest)
+    request, model, text_model = arrived.request, arrived.model, arrived.text_model
+    deadline, priority = arrived.deadline, arrived.priority
     prompts = await off_loop(frontend, lambda: tokenized(text_model, request.prompt))
     if len(prompts) * request.n > MAX_SEQUENCES:
         raise InvalidParameterError(

@@ -26,7 +26,7 @@ class StreamOptions(BaseModel):
     )
 
 
-class _GenerationFields(BaseModel):
+class GenerationFields(BaseModel):
     """What completions and chat completions share."""
 
     model_config = _STRICT
@@ -88,7 +88,7 @@ class _GenerationFields(BaseModel):
 Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
-class CompletionRequest(_GenerationFields):
+class CompletionRequest(GenerationFields):
     """``POST /v1/completions``."""
 
     prompt: Prompt = Field(
@@ -153,7 +153,7 @@ class ResponseFormat(BaseModel):
     type: Literal["text"] = Field(description="Only text; JSON modes are not supported.")
 
 
-class ChatCompletionRequest(_GenerationFields):
+class ChatCompletionRequest(GenerationFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
