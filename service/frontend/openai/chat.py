@@ -18,9 +18,9 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from service.errors import InvalidParameterError, ServiceError
+from service.errors import InvalidParameterError
 from service.frontend.generation.chat_template import render_chat
-from service.frontend.generation.choices import ChoiceUpdate, StartedChoice, TokenLogprob, merged
+from service.frontend.generation.choices import ChoiceUpdate, StartedChoice, TokenLogprob
 from service.frontend.generation.serving import (
     ChoiceResult,
     Generation,
@@ -31,9 +31,9 @@ from service.frontend.generation.serving import (
 from service.frontend.generation.text_model import TextModel
 from service.frontend.openai.received import received
 from service.frontend.openai.schemas import ChatCompletionRequest, ChatMessage
-from service.frontend.openai.streaming import error_event, usage_of
+from service.frontend.openai.streaming import stream_events, usage_of
 from service.frontend.responses import json_response
-from service.frontend.sse import DONE, event, event_stream
+from service.frontend.sse import event_stream
 from service.frontend.state import FrontendState
 
 #: The most characters of a chat's messages together.
@@ -155,22 +155,7 @@ class ChatAnswer:
             ],
         }
 
-    async def events(self, choices: Sequence[StartedChoice]) -> AsyncIterator[bytes]:
-        """The stream's events; the client's leaving cancels it (and the sequences)."""
-        completion_tokens = 0
-        begun: set[int] = set()
-        try:
-            try:
-                async for update in merged(choices):
-                    completion_tokens += update.token_count
-                    first = update.index not in begun
-                    begun.add(update.index)
-                    yield event(self._chunk(update, first))
-            except ServiceError as error:
-                yield error_event(error)
-            if self.request.include_usage:
-                usage = usage_of(self.generation.prompt_tokens, completion_tokens)
-                yield event({**self._head("chat.completion.chunk"), "choices": [], "usage": usage})
-            yield DONE
-        finally:
-            self.generation.log_usage(completion_tokens, stream=True)
+    def events(self, choices: Sequence[StartedChoice]) -> AsyncIterator[bytes]:
+        """The stream's events (``streaming.stream_events``)."""
+        usage_head = self._head("chat.completion.chunk") if self.request.include_usage else None
+        return stream_events(self.generation, choices, self._chunk, usage_head)

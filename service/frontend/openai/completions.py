@@ -18,8 +18,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from service.errors import InvalidParameterError, ServiceError
-from service.frontend.generation.choices import ChoiceUpdate, StartedChoice, TokenLogprob, merged
+from service.errors import InvalidParameterError
+from service.frontend.generation.choices import ChoiceUpdate, StartedChoice, TokenLogprob
 from service.frontend.generation.sampling import MAX_CHOICES
 from service.frontend.generation.serving import (
     ChoiceResult,
@@ -31,9 +31,9 @@ from service.frontend.generation.serving import (
 from service.frontend.generation.text_model import TextModel
 from service.frontend.openai.received import received
 from service.frontend.openai.schemas import CompletionRequest, Prompt
-from service.frontend.openai.streaming import error_event, usage_of
+from service.frontend.openai.streaming import stream_events, usage_of
 from service.frontend.responses import json_response
-from service.frontend.sse import DONE, event, event_stream
+from service.frontend.sse import event_stream
 from service.frontend.state import FrontendState
 
 #: The most sequences one request may ask for (prompts times ``n``).
@@ -169,7 +169,10 @@ class CompletionAnswer:
             "usage": usage_of(self.generation.prompt_tokens, completion_tokens),
         }
 
-    def _chunk(self, update: ChoiceUpdate, text: str) -> dict[str, Any]:
+    def _chunk(self, update: ChoiceUpdate, first: bool) -> dict[str, Any]:
+        text = update.text
+        if first and self.request.echo:
+            text = self._echoed(update.index) + text
         return {
             **self._head(),
             "choices": [
@@ -182,24 +185,7 @@ class CompletionAnswer:
             ],
         }
 
-    async def events(self, choices: Sequence[StartedChoice]) -> AsyncIterator[bytes]:
-        """The stream's events; the client's leaving cancels it (and the sequences)."""
-        completion_tokens = 0
-        echoed: set[int] = set()
-        try:
-            try:
-                async for update in merged(choices):
-                    completion_tokens += update.token_count
-                    text = update.text
-                    if self.request.echo and update.index not in echoed:
-                        echoed.add(update.index)
-                        text = self._echoed(update.index) + text
-                    yield event(self._chunk(update, text))
-            except ServiceError as error:
-                yield error_event(error)
-            if self.request.include_usage:
-                usage = usage_of(self.generation.prompt_tokens, completion_tokens)
-                yield event({**self._head(), "choices": [], "usage": usage})
-            yield DONE
-        finally:
-            self.generation.log_usage(completion_tokens, stream=True)
+    def events(self, choices: Sequence[StartedChoice]) -> AsyncIterator[bytes]:
+        """The stream's events (``streaming.stream_events``)."""
+        usage_head = self._head() if self.request.include_usage else None
+        return stream_events(self.generation, choices, self._chunk, usage_head)
