@@ -27,7 +27,7 @@ from service.errors import InvalidParameterError
 from service.frontend.handlers.embedding import EmbeddingHandler
 from service.frontend.inference import DirectRoute, answer_inference
 from service.frontend.inference_routes import of_protocol
-from service.frontend.openai.errors import invalid_request, openai_error_response
+from service.frontend.openai.errors import ERROR_SCHEMA, invalid_request, openai_error_response
 from service.frontend.responses import JSON, json_answer
 from service.frontend.retrieval import Arrived
 from service.frontend.state import FrontendState
@@ -197,22 +197,8 @@ async def _embeddings(arrived: Arrived) -> Response:
     )
 
 
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"description": "OpenAI's error shape", "content": {JSON: {"schema": _ERROR_SCHEMA}}}
+    status: {"description": "OpenAI's error shape", "content": {JSON: {"schema": ERROR_SCHEMA}}}
     for status in (400, 404, 408, 413, 415, 429, 500, 503, 504)
 }
 

@@ -10,11 +10,30 @@ status; ``param`` names the request field at fault, when one is. ``Retry-After``
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import ValidationError
 from starlette.responses import Response
 
 from service.errors import InvalidInputError, InvalidParameterError, ServiceError
 from service.frontend.responses import json_response
+
+#: The error answer, as the OpenAPI document states it for every OpenAI-compatible route.
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "string"},
+            },
+        }
+    },
+}
+
 
 _TYPES = {
     400: "invalid_request_error",

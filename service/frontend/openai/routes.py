@@ -15,7 +15,7 @@ from service.frontend.inference_routes import COMPLETIONS_PATH, of_protocol
 from service.frontend.oip.schemas import inlined_schema
 from service.frontend.openai.chat import serve_chat_completion
 from service.frontend.openai.completions import serve_completion
-from service.frontend.openai.errors import openai_error_response
+from service.frontend.openai.errors import ERROR_SCHEMA, openai_error_response
 from service.frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
 from service.frontend.responses import json_response
 from service.frontend.state import FrontendState
@@ -23,22 +23,8 @@ from service.frontend.state import FrontendState
 TAG = "OpenAI-compatible"
 router = APIRouter(prefix="/v1", tags=[TAG])
 
-_ERROR_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": "string"},
-            },
-        }
-    },
-}
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    status: {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
     for status in (400, 404, 413, 429, 500, 503, 504)
 }
 
