@@ -293,6 +293,37 @@ def _json(path: Path) -> dict[str, Any]:
     return document
 
 
+def _json_if_present(path: Path) -> dict[str, Any]:
+    """An optional file of the folder: ``{}`` when it is not there."""
+    return _json(path) if path.is_file() else {}
+
+
+def _token_inputs(
+    max_length: int, vocabulary: int, pad_value: int
+) -> tuple[TensorSpec, TensorSpec]:
+    """Token ids (padded with ``pad_value``) and their attention mask, up to ``max_length``."""
+    ids = TensorSpec(
+        name="input_ids",
+        dtype="int64",
+        shape=(-1, -1),
+        max_length=max_length,
+        min_value=0,
+        max_value=vocabulary - 1,
+        pad_value=pad_value,
+    )
+    mask = TensorSpec(
+        name="attention_mask",
+        dtype="int64",
+        shape=(-1, -1),
+        max_length=max_length,
+        min_value=0,
+        max_value=1,
+        pad_value=0,
+        default_value=1,
+    )
+    return ids, mask
+
+
 def _transformers_config(config: dict[str, Any]) -> Any:
     """``config.json`` as ``transformers`` reads it (``AutoConfig``): default labels
     (``LABEL_0``...) where it names none, and each model's own key names mapped to the common
@@ -361,34 +392,12 @@ def _generative_version(
             "the causal LMs of transformers (*ForCausalLM, *LMHeadModel) with full or "
             "sliding-window attention"
         ) from error
-    generation_config = (
-        _json(folder / "generation_config.json")
-        if (folder / "generation_config.json").is_file()
-        else {}
-    )
+    generation_config = _json_if_present(folder / "generation_config.json")
     eos = eos_token_ids(generation_config, config)
     vocabulary = _positive_int(settings, "vocab_size")
     pad = settings.pad_token_id
     pad_value = pad if isinstance(pad, int) and 0 <= pad < vocabulary else (eos or (0,))[0]
-    ids = TensorSpec(
-        name="input_ids",
-        dtype="int64",
-        shape=(-1, -1),
-        max_length=context,
-        min_value=0,
-        max_value=vocabulary - 1,
-        pad_value=pad_value,
-    )
-    mask = TensorSpec(
-        name="attention_mask",
-        dtype="int64",
-        shape=(-1, -1),
-        max_length=context,
-        min_value=0,
-        max_value=1,
-        pad_value=0,
-        default_value=1,
-    )
+    ids, mask = _token_inputs(context, vocabulary, pad_value)
     logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, vocabulary))
     defaults = {
         key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
@@ -473,11 +482,7 @@ def _text_inputs(
             "(tokenizer.save_pretrained on a PreTrainedTokenizerFast)"
         )
     positions = model_positions(settings)
-    tokenizer_config = (
-        _json(folder / "tokenizer_config.json")
-        if (folder / "tokenizer_config.json").is_file()
-        else {}
-    )
+    tokenizer_config = _json_if_present(folder / "tokenizer_config.json")
     declared = sequence_length or tokenizer_config.get("model_max_length")
     if max_length is None:
         max_length = min(positions, declared) if isinstance(declared, int) else positions
@@ -488,28 +493,7 @@ def _text_inputs(
             f"{positions}"
         )
     vocabulary = _positive_int(settings, "vocab_size")
-    pad = int(settings.pad_token_id or 0)
-    inputs = [
-        TensorSpec(
-            name="input_ids",
-            dtype="int64",
-            shape=(-1, -1),
-            max_length=max_length,
-            min_value=0,
-            max_value=vocabulary - 1,
-            pad_value=pad,
-        ),
-        TensorSpec(
-            name="attention_mask",
-            dtype="int64",
-            shape=(-1, -1),
-            max_length=max_length,
-            min_value=0,
-            max_value=1,
-            pad_value=0,
-            default_value=1,
-        ),
-    ]
+    inputs = list(_token_inputs(max_length, vocabulary, int(settings.pad_token_id or 0)))
     type_vocabulary = getattr(settings, "type_vocab_size", None)
     if (
         isinstance(type_vocabulary, int)
