@@ -127,37 +127,27 @@ def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HF
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
     if sentence_transformers is not None:
         metadata["source"] = f"sentence-transformers {sentence_transformers.model_type}"
+    artifact = folder / ARTIFACT
+    outputs: tuple[TensorSpec, ...]
     if task == "image-classification":
-        pixel_values, options = _image_input(folder, settings)
-        assert labels is not None
-        outputs: tuple[TensorSpec, ...] = (
-            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
-        )
-        return HFVersion(
-            task=task,
-            artifact=folder / ARTIFACT,
-            architecture=Architecture(
-                import_path="service.engine.hf_model:TransformersImageModel",
-                kwargs={"task": task, "config": config},
-            ),
-            inputs=(pixel_values,),
-            outputs=outputs,
-            handler=HandlerSpec(
-                import_path="service.frontend.handlers.image:ImageHandler",
-                options={**options, "top_k": min(_IMAGE_TOP_K, len(labels))},
-            ),
-            files=files,
-            metadata=metadata,
-            left_out=contents.left_out,
-        )
-    sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
-    inputs, handler_options = _text_inputs(folder, settings, max_length, sequence_length)
+        inputs, handler_options = _image_input(folder, settings)
+        model_class = "TransformersImageModel"
+    else:
+        sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
+        inputs, handler_options = _text_inputs(folder, settings, max_length, sequence_length)
+        model_class = "TransformersTextModel"
     architecture = Architecture(
-        import_path="service.engine.hf_model:TransformersTextModel",
+        import_path=f"service.engine.hf_model:{model_class}",
         kwargs={"task": task, "config": config},
     )
-    artifact = folder / ARTIFACT
-    if task == "feature-extraction":
+    if task == "image-classification":
+        assert labels is not None
+        outputs = (
+            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
+        )
+        handler_options["top_k"] = min(_IMAGE_TOP_K, len(labels))
+        import_path = "service.frontend.handlers.image:ImageHandler"
+    elif task == "feature-extraction":
         hidden = _positive_int(settings, "hidden_size")
         outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, hidden)),)
         import_path = "service.frontend.handlers.embedding:EmbeddingHandler"
@@ -530,7 +520,7 @@ def _tokenizer_outputs(folder: Path) -> list[str]:
     return list(tokenizer.model_input_names)
 
 
-def _image_input(folder: Path, settings: Any) -> tuple[TensorSpec, dict[str, Any]]:
+def _image_input(folder: Path, settings: Any) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
     """The pixel values input and ``ImageHandler`` options equal to the image processor."""
     processor = _json(folder / "preprocessor_config.json")
     kind = processor.get("image_processor_type")
@@ -575,4 +565,4 @@ def _image_input(folder: Path, settings: Any) -> tuple[TensorSpec, dict[str, Any
         dtype="float32",
         shape=(-1, channels, int(size["height"]), int(size["width"])),
     )
-    return spec, options
+    return (spec,), options
