@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.repository import one_line
-from service.server.hf_files import folder_files
+from service.server.hf_files import folder_files, read_json_object
 from service.server.hf_sentence_transformers import (
     SentenceTransformersFolder,
     cross_encoder_activation,
@@ -269,23 +267,8 @@ def _prompt_options(found: SentenceTransformersFolder) -> dict[str, Any]:
     return options
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        document = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{path.parent.name} has no {path.name}: is it a save_pretrained folder?"
-        ) from None
-    except orjson.JSONDecodeError as error:
-        raise ValueError(f"{path.name} is not valid JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise ValueError(f"{path.name} must hold a JSON object")
-    return document
-
-
-def _json_if_present(path: Path) -> dict[str, Any]:
-    """An optional file of the folder: ``{}`` when it is not there."""
-    return _json(path) if path.is_file() else {}
+def _json(path: Path, *, optional: bool = False) -> dict[str, Any]:
+    return read_json_object(path, ": is it a save_pretrained folder?", optional=optional)
 
 
 def _token_inputs(
@@ -382,7 +365,7 @@ def _generative_version(
             "the causal LMs of transformers (*ForCausalLM, *LMHeadModel) with full or "
             "sliding-window attention"
         ) from error
-    generation_config = _json_if_present(folder / "generation_config.json")
+    generation_config = _json(folder / "generation_config.json", optional=True)
     eos = eos_token_ids(generation_config, config)
     vocabulary = _positive_int(settings, "vocab_size")
     pad = settings.pad_token_id
@@ -472,7 +455,7 @@ def _text_inputs(
             "(tokenizer.save_pretrained on a PreTrainedTokenizerFast)"
         )
     positions = model_positions(settings)
-    tokenizer_config = _json_if_present(folder / "tokenizer_config.json")
+    tokenizer_config = _json(folder / "tokenizer_config.json", optional=True)
     declared = sequence_length or tokenizer_config.get("model_max_length")
     if max_length is None:
         max_length = min(positions, declared) if isinstance(declared, int) else positions
