@@ -107,20 +107,14 @@ def _describe_model(
         row = _row_schema(manifest.outputs)
         answers = {JSON: {"schema": _prediction_answer(row, max_instances)}}
         if len(manifest.outputs) == 1:
-            answers[NPY_MEDIA_TYPE] = {
-                "schema": {
-                    **_BINARY,
-                    "description": "The output as one .npy array, one row per instance "
-                    f"(send Accept: {NPY_MEDIA_TYPE}).",
-                }
-            }
-        answers[NPZ_MEDIA_TYPE] = {
-            "schema": {
-                **_BINARY,
-                "description": "A .npz archive with one array per output, one row per "
-                f"instance (send Accept: {NPZ_MEDIA_TYPE}).",
-            }
-        }
+            answers[NPY_MEDIA_TYPE] = _binary(
+                "The output as one .npy array, one row per instance (send Accept: "
+                f"{NPY_MEDIA_TYPE})."
+            )
+        answers[NPZ_MEDIA_TYPE] = _binary(
+            "A .npz archive with one array per output, one row per instance (send Accept: "
+            f"{NPZ_MEDIA_TYPE})."
+        )
     else:
         request_content, row = _handler_contract(manifest, handler_description or {})
         answers = {JSON: {"schema": _prediction_answer(row, max_instances)}}
@@ -218,21 +212,20 @@ def _tensor_request(
     if example is not None and (not isinstance(example, dict) or None not in example.values()):
         content[JSON]["example"] = {"instances": [example]}
     if len(inputs) == 1:
-        content[NPY_MEDIA_TYPE] = {
-            "schema": {
-                **_BINARY,
-                "description": f"One instance or a batch of {names} as a NumPy .npy array of "
-                f"dtype {inputs[0].dtype} exactly; also accepted as application/octet-stream.",
-            }
-        }
-    content[NPZ_MEDIA_TYPE] = {
-        "schema": {
-            **_BINARY,
-            "description": f"A NumPy .npz archive with one array per input ({names}), each one "
-            "instance or a batch, of the input's exact dtype.",
-        }
-    }
+        content[NPY_MEDIA_TYPE] = _binary(
+            f"One instance or a batch of {names} as a NumPy .npy array of dtype "
+            f"{inputs[0].dtype} exactly; also accepted as application/octet-stream."
+        )
+    content[NPZ_MEDIA_TYPE] = _binary(
+        f"A NumPy .npz archive with one array per input ({names}), each one instance or a "
+        "batch, of the input's exact dtype."
+    )
     return content
+
+
+def _binary(description: str) -> Schema:
+    """A media type's entry for a binary body or answer."""
+    return {"schema": {**_BINARY, "description": description}}
 
 
 def _handler_contract(manifest: Manifest, described: dict[str, Any]) -> tuple[Schema, Schema]:

@@ -1,4 +1,5 @@
-"""Which files of a ``save_pretrained`` folder a ``--hf`` version holds.
+"""Which files of a ``save_pretrained`` folder a ``--hf`` version holds, and how its JSON files
+are read.
 
 A version holds what describes and serves the model: its config, its weights
 (``model.safetensors``), the tokenizer's files, the image processor's, generation settings, a
@@ -13,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import orjson
 
 #: Files a version keeps, besides its artifact.
 SERVED_FILES = frozenset(
@@ -81,3 +85,25 @@ def _why_left_out(path: Path, artifact: str) -> str:
     if suffix == ".py":
         return "code, never run"
     return "not read when serving"
+
+
+def read_json(path: Path, missing: str) -> Any:
+    """The document in ``path``; ``ValueError`` naming the file when it is not there (followed
+    by ``missing``: why it should be) or not JSON."""
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ValueError(f"{path.parent.name} has no {path.name}{missing}") from None
+    except orjson.JSONDecodeError as error:
+        raise ValueError(f"{path.name} is not valid JSON: {error}") from None
+
+
+def read_json_object(path: Path, missing: str = "", *, optional: bool = False) -> dict[str, Any]:
+    """``read_json`` of a file that must hold an object; ``{}`` for an ``optional`` one that
+    is not there."""
+    if optional and not path.is_file():
+        return {}
+    document = read_json(path, missing)
+    if not isinstance(document, dict):
+        raise ValueError(f"{path.name} must hold a JSON object")
+    return document

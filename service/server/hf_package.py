@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.repository import one_line
-from service.server.hf_files import folder_files
+from service.server.hf_files import folder_files, read_json_object
 from service.server.hf_sentence_transformers import (
     SentenceTransformersFolder,
     cross_encoder_activation,
@@ -127,37 +125,27 @@ def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HF
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
     if sentence_transformers is not None:
         metadata["source"] = f"sentence-transformers {sentence_transformers.model_type}"
+    artifact = folder / ARTIFACT
+    outputs: tuple[TensorSpec, ...]
     if task == "image-classification":
-        pixel_values, options = _image_input(folder, settings)
-        assert labels is not None
-        outputs: tuple[TensorSpec, ...] = (
-            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
-        )
-        return HFVersion(
-            task=task,
-            artifact=folder / ARTIFACT,
-            architecture=Architecture(
-                import_path="service.engine.hf_model:TransformersImageModel",
-                kwargs={"task": task, "config": config},
-            ),
-            inputs=(pixel_values,),
-            outputs=outputs,
-            handler=HandlerSpec(
-                import_path="service.frontend.handlers.image:ImageHandler",
-                options={**options, "top_k": min(_IMAGE_TOP_K, len(labels))},
-            ),
-            files=files,
-            metadata=metadata,
-            left_out=contents.left_out,
-        )
-    sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
-    inputs, handler_options = _text_inputs(folder, settings, max_length, sequence_length)
+        inputs, handler_options = _image_input(folder, settings)
+        model_class = "TransformersImageModel"
+    else:
+        sequence_length = sentence_transformers.max_seq_length if sentence_transformers else None
+        inputs, handler_options = _text_inputs(folder, settings, max_length, sequence_length)
+        model_class = "TransformersTextModel"
     architecture = Architecture(
-        import_path="service.engine.hf_model:TransformersTextModel",
+        import_path=f"service.engine.hf_model:{model_class}",
         kwargs={"task": task, "config": config},
     )
-    artifact = folder / ARTIFACT
-    if task == "feature-extraction":
+    if task == "image-classification":
+        assert labels is not None
+        outputs = (
+            TensorSpec(name="logits", dtype="float32", shape=(-1, len(labels)), labels=labels),
+        )
+        handler_options["top_k"] = min(_IMAGE_TOP_K, len(labels))
+        import_path = "service.frontend.handlers.image:ImageHandler"
+    elif task == "feature-extraction":
         hidden = _positive_int(settings, "hidden_size")
         outputs = (TensorSpec(name="embedding", dtype="float32", shape=(-1, hidden)),)
         import_path = "service.frontend.handlers.embedding:EmbeddingHandler"
@@ -279,18 +267,34 @@ def _prompt_options(found: SentenceTransformersFolder) -> dict[str, Any]:
     return options
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        document = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{path.parent.name} has no {path.name}: is it a save_pretrained folder?"
-        ) from None
-    except orjson.JSONDecodeError as error:
-        raise ValueError(f"{path.name} is not valid JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise ValueError(f"{path.name} must hold a JSON object")
-    return document
+def _json(path: Path, *, optional: bool = False) -> dict[str, Any]:
+    return read_json_object(path, ": is it a save_pretrained folder?", optional=optional)
+
+
+def _token_inputs(
+    max_length: int, vocabulary: int, pad_value: int
+) -> tuple[TensorSpec, TensorSpec]:
+    """Token ids (padded with ``pad_value``) and their attention mask, up to ``max_length``."""
+    ids = TensorSpec(
+        name="input_ids",
+        dtype="int64",
+        shape=(-1, -1),
+        max_length=max_length,
+        min_value=0,
+        max_value=vocabulary - 1,
+        pad_value=pad_value,
+    )
+    mask = TensorSpec(
+        name="attention_mask",
+        dtype="int64",
+        shape=(-1, -1),
+        max_length=max_length,
+        min_value=0,
+        max_value=1,
+        pad_value=0,
+        default_value=1,
+    )
+    return ids, mask
 
 
 def _transformers_config(config: dict[str, Any]) -> Any:
@@ -361,34 +365,12 @@ def _generative_version(
             "the causal LMs of transformers (*ForCausalLM, *LMHeadModel) with full or "
             "sliding-window attention"
         ) from error
-    generation_config = (
-        _json(folder / "generation_config.json")
-        if (folder / "generation_config.json").is_file()
-        else {}
-    )
+    generation_config = _json(folder / "generation_config.json", optional=True)
     eos = eos_token_ids(generation_config, config)
     vocabulary = _positive_int(settings, "vocab_size")
     pad = settings.pad_token_id
     pad_value = pad if isinstance(pad, int) and 0 <= pad < vocabulary else (eos or (0,))[0]
-    ids = TensorSpec(
-        name="input_ids",
-        dtype="int64",
-        shape=(-1, -1),
-        max_length=context,
-        min_value=0,
-        max_value=vocabulary - 1,
-        pad_value=pad_value,
-    )
-    mask = TensorSpec(
-        name="attention_mask",
-        dtype="int64",
-        shape=(-1, -1),
-        max_length=context,
-        min_value=0,
-        max_value=1,
-        pad_value=0,
-        default_value=1,
-    )
+    ids, mask = _token_inputs(context, vocabulary, pad_value)
     logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, vocabulary))
     defaults = {
         key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
@@ -473,11 +455,7 @@ def _text_inputs(
             "(tokenizer.save_pretrained on a PreTrainedTokenizerFast)"
         )
     positions = model_positions(settings)
-    tokenizer_config = (
-        _json(folder / "tokenizer_config.json")
-        if (folder / "tokenizer_config.json").is_file()
-        else {}
-    )
+    tokenizer_config = _json(folder / "tokenizer_config.json", optional=True)
     declared = sequence_length or tokenizer_config.get("model_max_length")
     if max_length is None:
         max_length = min(positions, declared) if isinstance(declared, int) else positions
@@ -488,28 +466,7 @@ def _text_inputs(
             f"{positions}"
         )
     vocabulary = _positive_int(settings, "vocab_size")
-    pad = int(settings.pad_token_id or 0)
-    inputs = [
-        TensorSpec(
-            name="input_ids",
-            dtype="int64",
-            shape=(-1, -1),
-            max_length=max_length,
-            min_value=0,
-            max_value=vocabulary - 1,
-            pad_value=pad,
-        ),
-        TensorSpec(
-            name="attention_mask",
-            dtype="int64",
-            shape=(-1, -1),
-            max_length=max_length,
-            min_value=0,
-            max_value=1,
-            pad_value=0,
-            default_value=1,
-        ),
-    ]
+    inputs = list(_token_inputs(max_length, vocabulary, int(settings.pad_token_id or 0)))
     type_vocabulary = getattr(settings, "type_vocab_size", None)
     if (
         isinstance(type_vocabulary, int)
@@ -546,7 +503,7 @@ def _tokenizer_outputs(folder: Path) -> list[str]:
     return list(tokenizer.model_input_names)
 
 
-def _image_input(folder: Path, settings: Any) -> tuple[TensorSpec, dict[str, Any]]:
+def _image_input(folder: Path, settings: Any) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
     """The pixel values input and ``ImageHandler`` options equal to the image processor."""
     processor = _json(folder / "preprocessor_config.json")
     kind = processor.get("image_processor_type")
@@ -591,4 +548,4 @@ def _image_input(folder: Path, settings: Any) -> tuple[TensorSpec, dict[str, Any
         dtype="float32",
         shape=(-1, channels, int(size["height"]), int(size["width"])),
     )
-    return spec, options
+    return (spec,), options

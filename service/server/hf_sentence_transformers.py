@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
+from service.server.hf_files import read_json, read_json_object
 
 MODULES_FILE = "modules.json"
 SETTINGS_FILE = "config_sentence_transformers.json"
 MODULE_WEIGHTS = "model.safetensors"
+_NAMED_BY_MODULES = f", which {MODULES_FILE} names"
 ModelType = Literal["SentenceTransformer", "CrossEncoder"]
 #: What the Transformer module of each model type hands on (``sentence_bert_config.json``).
 _TRANSFORMER_OUTPUTS: dict[str, dict[str, Any]] = {
@@ -125,7 +126,7 @@ def sentence_transformers_folder(folder: Path) -> SentenceTransformersFolder | N
     ``ValueError`` names each module or setting --hf would not apply."""
     if not (folder / MODULES_FILE).is_file():
         return None
-    modules = _json(folder / MODULES_FILE)
+    modules = read_json(folder / MODULES_FILE, _NAMED_BY_MODULES)
     if not (isinstance(modules, list) and all(isinstance(m, dict) for m in modules)):
         raise ValueError(f"{MODULES_FILE} must hold a list of modules, got {modules!r}")
     problems: list[str] = []
@@ -242,8 +243,7 @@ class _ModulesReader:
                 self.dimensions = truncate_dim
 
     def _transformer(self, where: str) -> None:
-        path = self.folder / "sentence_bert_config.json"
-        settings = _json_object(path) if path.is_file() else {}
+        settings = _json_object(self.folder / "sentence_bert_config.json", optional=True)
         served = {**_PLAIN_TRANSFORMER_SETTINGS, **_TRANSFORMER_OUTPUTS[self.model_type]}
         for key, value in settings.items():
             if key in _NEUTRAL_TRANSFORMER_SETTINGS or (key == "processing_kwargs" and not value):
@@ -323,7 +323,7 @@ class _ModulesReader:
         self.dimensions = sizes[1]
 
     def _normalize(self, where: str, path: Path) -> None:
-        config = _json_object(path / "config.json") if (path / "config.json").is_file() else {}
+        config = _json_object(path / "config.json", optional=True)
         if self._on_the_vector(where, config):
             self.steps.append({"kind": "normalize"})
 
@@ -352,10 +352,7 @@ def _pooling_modes(config: dict[str, Any]) -> list[str]:
 
 def _settings(folder: Path, problems: list[str]) -> dict[str, Any]:
     """``config_sentence_transformers.json``, checked: the keys read, each of the right kind."""
-    path = folder / SETTINGS_FILE
-    if not path.is_file():
-        return {}
-    config = _json_object(path)
+    config = _json_object(folder / SETTINGS_FILE, optional=True)
     unknown = sorted(set(config) - _SETTINGS_READ - _SETTINGS_NEUTRAL)
     if unknown:
         problems.append(f"{SETTINGS_FILE}: settings {unknown}")
@@ -390,19 +387,5 @@ def _activation_refusal(what: str, path: object, allowed: frozenset[str]) -> str
     )
 
 
-def _json(path: Path) -> Any:
-    try:
-        return orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{path.parent.name} has no {path.name}, which {MODULES_FILE} names"
-        ) from None
-    except orjson.JSONDecodeError as error:
-        raise ValueError(f"{path.name} is not valid JSON: {error}") from None
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    document = _json(path)
-    if not isinstance(document, dict):
-        raise ValueError(f"{path.name} must hold a JSON object")
-    return document
+def _json_object(path: Path, *, optional: bool = False) -> dict[str, Any]:
+    return read_json_object(path, _NAMED_BY_MODULES, optional=optional)
