@@ -51,6 +51,9 @@ SHAPES = {"tiny": (2, 16, 2), "bert6": (6, 384, 12)}
 SERVED_NAME = "emb"
 FORWARD_SECONDS = "batchserve_inference_duration_seconds_sum"
 MAX_SEQ_LENGTH = 256
+#: How long a client waits for an answer (both servers), and batchserve's request timeout:
+#: a 256-text request to the 6-layer model takes minutes on a busy 2-core host.
+REQUEST_TIMEOUT_S = 600
 
 
 def texts(count: int, seed: int, shortest: int = 5, longest: int = 200) -> list[str]:
@@ -234,7 +237,7 @@ async def closed_loop(
     errors = 0
     embedded = 0
     limits = httpx.Limits(max_connections=load.clients, max_keepalive_connections=load.clients)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
         end_s = time.perf_counter() + duration_s
 
         async def one_client(offset: int) -> None:
@@ -245,7 +248,12 @@ async def closed_loop(
                 batch = (pool * 2)[start : start + load.texts_per_request]
                 turn += load.clients
                 sent_s = time.perf_counter()
-                response = await client.post(url, json={"model": model, "input": batch})
+                try:
+                    response = await client.post(url, json={"model": model, "input": batch})
+                except httpx.TimeoutException:
+                    print(f"{url}: no answer in {REQUEST_TIMEOUT_S} s", file=sys.stderr)
+                    errors += 1
+                    continue
                 if response.status_code != 200:
                     if not errors:
                         print(
@@ -273,7 +281,7 @@ def batchserve(repository: Path, scratch: Path) -> Iterator[str]:
             "BATCHSERVE_LOG_LEVEL": "warning",
             "BATCHSERVE_MODEL_REPOSITORY": str(repository),
             "BATCHSERVE_MODEL_NAME": SERVED_NAME,
-            "BATCHSERVE_REQUEST_TIMEOUT_MS": "120000",
+            "BATCHSERVE_REQUEST_TIMEOUT_MS": str(REQUEST_TIMEOUT_S * 1000),
         }
     )
     command = servers.batchserve_command()
