@@ -329,7 +329,9 @@ def infinity(venv: Path, folder: Path, scratch: Path) -> Iterator[str]:
         "--port", "{port}", "--url-prefix", "", "--no-model-warmup", "--batch-size", "64",
         "--no-bettertransformer", "--log-level", "warning",
     ]  # fmt: skip
-    server = servers.start(command, servers.server_env({}), scratch / "infinity.log")
+    # No telemetry: its client retries in the background, and nothing outside is reachable.
+    env = servers.server_env({"DO_NOT_TRACK": "1"})
+    server = servers.start(command, env, scratch / "infinity.log")
     assert server.process is not None
     try:
         servers.wait_ready(
