@@ -3,7 +3,8 @@ Markdown report). Needs the dev extra (transformers, sentence-transformers).
 
 The folder: a sentence-transformers folder (a BERT with random weights, mean pooling,
 ``Normalize``) over a WordPiece tokenizer built here (``tests/hf_folders.py``): ``--model
-tiny`` (2 layers, 16 wide) or ``bert6`` (6 layers, 384 wide). Texts of 5 to 200 tokens.
+tiny`` (2 layers, 16 wide) or ``bert6`` (6 layers, 384 wide, 12 heads, 1,536 intermediate:
+all-MiniLM-L6-v2's shape). Texts of 5 to 200 tokens.
 
 Two measures:
 
@@ -17,7 +18,10 @@ Two measures:
    round, each load, each server, ``--duration-s`` of closed-loop clients on OpenAI's
    ``/v1/embeddings`` (infinity's ``/embeddings``): 1, 16 and 64 clients sending one text a
    request, and ``--big-clients`` clients sending 256 texts a request. Reports embeddings per
-   second and request latency p50/p99, medians over rounds.
+   second and request latency p50/p99, medians over rounds, and batchserve's over infinity's
+   in each round (the two measured one after the other), medians over rounds: on a shared
+   host the ratios say more than either server's own figures. The load average before and
+   after is printed with them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shutil
 import statistics
 import sys
@@ -41,10 +46,14 @@ from loadtests import servers
 
 BIG_REQUEST = 256
 SMALL_REQUESTS = 64
-SHAPES = {"tiny": (2, 16), "bert6": (6, 384)}
+#: Layers, width, attention heads.
+SHAPES = {"tiny": (2, 16, 2), "bert6": (6, 384, 12)}
 SERVED_NAME = "emb"
 FORWARD_SECONDS = "batchserve_inference_duration_seconds_sum"
 MAX_SEQ_LENGTH = 256
+#: How long a client waits for an answer (both servers), and batchserve's request timeout:
+#: a 256-text request to the 6-layer model takes minutes on a busy 2-core host.
+REQUEST_TIMEOUT_S = 600
 
 
 def texts(count: int, seed: int, shortest: int = 5, longest: int = 200) -> list[str]:
@@ -73,13 +82,13 @@ def save_folder(root: Path, model: str) -> Path:
 
     from tests.hf_folders import tokenizer
 
-    layers, width = SHAPES[model]
+    layers, width, heads = SHAPES[model]
     trained = tokenizer()
     config = BertConfig(
         vocab_size=trained.get_vocab_size(),
         hidden_size=width,
         num_hidden_layers=layers,
-        num_attention_heads=max(2, width // 64),
+        num_attention_heads=heads,
         intermediate_size=4 * width,
         max_position_embeddings=512,
     )
@@ -228,7 +237,7 @@ async def closed_loop(
     errors = 0
     embedded = 0
     limits = httpx.Limits(max_connections=load.clients, max_keepalive_connections=load.clients)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
         end_s = time.perf_counter() + duration_s
 
         async def one_client(offset: int) -> None:
@@ -239,7 +248,12 @@ async def closed_loop(
                 batch = (pool * 2)[start : start + load.texts_per_request]
                 turn += load.clients
                 sent_s = time.perf_counter()
-                response = await client.post(url, json={"model": model, "input": batch})
+                try:
+                    response = await client.post(url, json={"model": model, "input": batch})
+                except httpx.TimeoutException:
+                    print(f"{url}: no answer in {REQUEST_TIMEOUT_S} s", file=sys.stderr)
+                    errors += 1
+                    continue
                 if response.status_code != 200:
                     if not errors:
                         print(
@@ -267,7 +281,7 @@ def batchserve(repository: Path, scratch: Path) -> Iterator[str]:
             "BATCHSERVE_LOG_LEVEL": "warning",
             "BATCHSERVE_MODEL_REPOSITORY": str(repository),
             "BATCHSERVE_MODEL_NAME": SERVED_NAME,
-            "BATCHSERVE_REQUEST_TIMEOUT_MS": "120000",
+            "BATCHSERVE_REQUEST_TIMEOUT_MS": str(REQUEST_TIMEOUT_S * 1000),
         }
     )
     command = servers.batchserve_command()
@@ -315,7 +329,9 @@ def infinity(venv: Path, folder: Path, scratch: Path) -> Iterator[str]:
         "--port", "{port}", "--url-prefix", "", "--no-model-warmup", "--batch-size", "64",
         "--no-bettertransformer", "--log-level", "warning",
     ]  # fmt: skip
-    server = servers.start(command, servers.server_env({}), scratch / "infinity.log")
+    # No telemetry: its client retries in the background, and nothing outside is reachable.
+    env = servers.server_env({"DO_NOT_TRACK": "1"})
+    server = servers.start(command, env, scratch / "infinity.log")
     assert server.process is not None
     try:
         servers.wait_ready(
@@ -338,6 +354,7 @@ def compare_report(
     loads = [Load(1, 1), Load(16, 1), Load(64, 1), Load(big_clients, BIG_REQUEST)]
     pool = texts(4096, seed=7)
     results: dict[tuple[str, str], list[LoadResult]] = {}
+    load_before = os.getloadavg()
     with contextlib.ExitStack() as stack:
         urls = {"batchserve": stack.enter_context(batchserve(repository, scratch))}
         if venv is not None:
@@ -352,15 +369,18 @@ def compare_report(
                     results.setdefault((name, load.name), []).append(result)
                     print(
                         f"round {round_index} {name} {load.name}: "
-                        f"{result.embeddings_per_s:,.0f}/s p99 {result.p99_ms:.0f} ms",
+                        f"{result.embeddings_per_s:,.0f}/s p50 {result.p50_ms:.0f} ms "
+                        f"p99 {result.p99_ms:.0f} ms",
                         file=sys.stderr,
                         flush=True,
                     )
+    load_after = os.getloadavg()
     lines = [
         "## batchserve and infinity, one interleaved run",
         "",
         f"{rounds} round(s) of {duration_s:.0f} s per load and server, medians over rounds; "
-        "closed-loop clients on 127.0.0.1 (one Python process), texts of 5 to 200 tokens.",
+        "closed-loop clients on 127.0.0.1 (one Python process), texts of 5 to 200 tokens. "
+        f"Load average (1, 5, 15 min) before: {_load(load_before)}; after: {_load(load_after)}.",
         "",
         "| load | server | embeddings/s | p50 ms | p99 ms | errors |",
         "|---|---|---:|---:|---:|---:|",
@@ -372,12 +392,47 @@ def compare_report(
                 continue
             lines.append(
                 f"| {load.name} | {name} | "
-                f"{statistics.median(r.embeddings_per_s for r in runs):,.0f} | "
+                f"{statistics.median(r.embeddings_per_s for r in runs):,.1f} | "
                 f"{statistics.median(r.p50_ms for r in runs):.0f} | "
                 f"{statistics.median(r.p99_ms for r in runs):.0f} | "
                 f"{sum(r.errors for r in runs)} |"
             )
+    if venv is None:
+        return lines
+    lines += [
+        "",
+        "batchserve over infinity, each round's pair (measured one after the other), median "
+        "and range over rounds: above 1 batchserve embeds more; below 1 it answers sooner.",
+        "",
+        "| load | embeddings/s | p50 | p99 |",
+        "|---|---:|---:|---:|",
+    ]
+    for load in loads:
+        ours, theirs = results[("batchserve", load.name)], results[("infinity", load.name)]
+        pairs = list(zip(ours, theirs, strict=True))
+        cells = [
+            _ratios([_ratio(a.embeddings_per_s, b.embeddings_per_s) for a, b in pairs]),
+            _ratios([_ratio(a.p50_ms, b.p50_ms) for a, b in pairs]),
+            _ratios([_ratio(a.p99_ms, b.p99_ms) for a, b in pairs]),
+        ]
+        lines.append(f"| {load.name} | {' | '.join(cells)} |")
     return lines
+
+
+def _load(averages: tuple[float, float, float]) -> str:
+    return ", ".join(f"{average:.1f}" for average in averages)
+
+
+def _ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs > 0 else float("nan")
+
+
+def _ratios(ratios: list[float]) -> str:
+    """The median of ``ratios``, and their range when there are several."""
+    median = f"{statistics.median(ratios):.2f}"
+    if len(ratios) < 2:
+        return median
+    return f"{median} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

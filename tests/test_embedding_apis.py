@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ TEXTS = [
     "the quick brown fox jumps over the lazy dog and Ada Lovelace wrote the first program",
     "a",
 ]
+FITTING = [TEXTS[0], TEXTS[1], TEXTS[3]]
+"""The texts within the 12 tokens ``unit`` reads (``TEXTS[2]`` holds 18)."""
 QUERY = "where is Paris"
 PROMPTS = {"query": "query: ", "passage": "a dull story: "}
 MAX_CLIENT_BATCH_SIZE = 8
@@ -48,13 +51,21 @@ MAX_CLIENT_BATCH_SIZE = 8
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``unit``: mean pooling then Normalize, with prompts; ``raw``: CLS pooling, no
-    Normalize, no prompt; ``reranker``: a cross-encoder. Packaged into ``repository``."""
+    """``unit``: mean pooling then Normalize, with prompts; ``prompted``: the same with a
+    default prompt, and the model's whole length; ``raw``: CLS pooling, no Normalize, no
+    prompt; ``reranker``: a cross-encoder. Packaged into ``repository``."""
     root = tmp_path_factory.mktemp("apis")
     bert = save_text_model(root / "bert", "feature-extraction", initializer_range=0.3)
     folders = {
         "unit": save_sentence_transformer(
             root / "unit", bert, then=("normalize",), max_seq_length=12, prompts=PROMPTS
+        ),
+        "prompted": save_sentence_transformer(
+            root / "prompted",
+            bert,
+            then=("normalize",),
+            prompts=PROMPTS,
+            default_prompt_name="query",
         ),
         "raw": save_sentence_transformer(root / "raw", bert, pooling="cls"),
         "reranker": save_cross_encoder(root / "reranker", bert, max_length=12),
@@ -71,7 +82,7 @@ async def client(folders: dict[str, Path]) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(
         Settings(
             model_repository=folders["repository"],
-            models=("reranker", "unit", "raw"),  # a reranker first: /embed finds "unit"
+            models=("reranker", "unit", "raw", "prompted"),  # /embed finds "unit", not the first
             device="cpu",
             max_wait_ms=20.0,
             warmup_batch_sizes=(1,),
@@ -94,6 +105,7 @@ def encoders(folders: dict[str, Path]) -> dict[str, Any]:
     return {
         "unit": SentenceTransformer(str(folders["unit"]), device="cpu"),
         "raw": SentenceTransformer(str(folders["raw"]), device="cpu"),
+        "prompted": SentenceTransformer(str(folders["prompted"]), device="cpu"),
         "reranker": CrossEncoder(str(folders["reranker"]), device="cpu"),
     }
 
@@ -111,15 +123,15 @@ async def test_the_openai_sdk_gets_what_encode_gives(
 ) -> None:
     """Floats; base64 asked for (little-endian float32, decoded here as OpenAI documents);
     and the SDK's default (it asks for base64 and decodes it itself). Usage counts the
-    tokens the model read (each text cut at its 12)."""
+    tokens the model read."""
     openai_client = sdk(client)
     options = {} if encoding_format is None else {"encoding_format": encoding_format}
-    answer = await openai_client.embeddings.create(model="unit", input=TEXTS, **options)
+    answer = await openai_client.embeddings.create(model="unit", input=FITTING, **options)
     got = np.array([decoded(item.embedding) for item in answer.data])
-    np.testing.assert_allclose(got, encoders["unit"].encode(TEXTS), atol=PARITY)
-    assert [item.index for item in answer.data] == list(range(len(TEXTS)))
+    np.testing.assert_allclose(got, encoders["unit"].encode(FITTING), atol=PARITY)
+    assert [item.index for item in answer.data] == list(range(len(FITTING)))
     assert answer.model == "unit"
-    tokens = sum(min(len(ids), 12) for ids in encoders["unit"].tokenizer(TEXTS)["input_ids"])
+    tokens = sum(len(ids) for ids in encoders["unit"].tokenizer(FITTING)["input_ids"])
     assert answer.usage.prompt_tokens == answer.usage.total_tokens == tokens
     one = await openai_client.embeddings.create(model="raw", input=TEXTS[0], **options)
     np.testing.assert_allclose(
@@ -141,8 +153,8 @@ async def test_dimensions_truncate_and_renormalize_as_truncate_dim(
     ``truncate_dim``); more dimensions than the model's are refused, 400."""
     openai_client = sdk(client)
     for name, normalize in (("unit", True), ("raw", False)):
-        answer = await openai_client.embeddings.create(model=name, input=TEXTS, dimensions=5)
-        want = encoders[name].encode(TEXTS, truncate_dim=5, normalize_embeddings=normalize)
+        answer = await openai_client.embeddings.create(model=name, input=FITTING, dimensions=5)
+        want = encoders[name].encode(FITTING, truncate_dim=5, normalize_embeddings=normalize)
         np.testing.assert_allclose([d.embedding for d in answer.data], want, atol=PARITY)
     with pytest.raises(openai.BadRequestError) as refused:
         await openai_client.embeddings.create(model="unit", input=TEXTS, dimensions=17)
@@ -176,7 +188,11 @@ async def test_token_ids_are_embedded_as_given(
         ({"input": "a"}, 400, "invalid_input", "model", "Field required"),
         ({"model": "unit", "input": "a", "encoding_format": "int8"}, 400, "invalid_input",
          "encoding_format", "'float' or 'base64'"),
-        ({"model": "raw", "input": [[10**9]]}, 400, "invalid_input", None, "vocabulary"),
+        ({"model": "raw", "input": [[10**9]]}, 400, "invalid_input", "input", "vocabulary"),
+        ({"model": "unit", "input": TEXTS}, 400, "invalid_input", "input",
+         "input 2 is 18 tokens long, more than the 12 this model reads"),
+        ({"model": "unit", "input": [list(range(1, 14))]}, 400, "invalid_input", "input",
+         "input 0 is 13 tokens long"),
         ({"model": "unit", "input": ["a"] * (MAX_CLIENT_BATCH_SIZE + 1)}, 413,
          "payload_too_large", None, "max_client_batch_size"),
     ],
@@ -247,21 +263,97 @@ async def test_tei_rerank_ranks_as_cross_encoder_predict(
     assert all("text" not in rank for rank in raw.json())
 
 
+async def test_tei_truncate_cuts_from_the_side_asked(
+    client: httpx.AsyncClient, encoders: dict[str, Any]
+) -> None:
+    """``truncate: true`` cuts a long input at the model's length from the ``Right`` (as
+    ``encode``, and as when ``truncate`` is absent: the version truncates) or the ``Left``
+    (as ``encode`` with the tokenizer's ``truncation_side`` left); the texts that fit are
+    the same either way. ``/rerank`` cuts its pairs the same way."""
+    unit = encoders["unit"]
+    right = unit.encode(TEXTS)
+    for body in ({"truncate": True}, {"truncate": True, "truncation_direction": "right"}, {}):
+        answer = await client.post("/embed", json={"inputs": TEXTS, **body})
+        np.testing.assert_allclose(answer.json(), right, atol=PARITY)
+    reranker = encoders["reranker"]
+    pairs = [(QUERY, text) for text in TEXTS]
+    with left_side(unit), left_side(reranker):
+        left = unit.encode(TEXTS)
+        left_scores = reranker.predict(pairs)
+    assert not np.allclose(left[2], right[2], atol=1e-3), "the long text is cut elsewhere"
+    for direction in ("Left", "left"):
+        body = {"inputs": TEXTS, "truncate": True, "truncation_direction": direction}
+        answer = await client.post("/embed", json=body)
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_allclose(answer.json(), left, atol=PARITY)
+    body = {"query": QUERY, "texts": TEXTS, "truncate": True, "truncation_direction": "Left"}
+    ranks = (await client.post("/rerank", json=body)).json()
+    by_index = {rank["index"]: rank["score"] for rank in ranks}
+    np.testing.assert_allclose([by_index[i] for i in range(len(TEXTS))], left_scores, atol=1e-5)
+
+
+@contextlib.contextmanager
+def left_side(model: Any) -> Iterator[None]:
+    """``model``'s tokenizer cutting long texts from the left while in the block."""
+    model.tokenizer.truncation_side = "left"
+    try:
+        yield
+    finally:
+        model.tokenizer.truncation_side = "right"
+
+
+async def test_tei_embed_applies_no_default_prompt(
+    client: httpx.AsyncClient, encoders: dict[str, Any]
+) -> None:
+    """TEI reads a folder's prompts but not its ``default_prompt_name``: ``/embed`` puts a
+    prompt before the texts only when ``prompt_name`` names one. ``/v1/embeddings`` and
+    ``/predict`` apply the default, as ``encode`` does."""
+    prompted = encoders["prompted"]
+    with_default = prompted.encode(FITTING)
+    prompted.default_prompt_name = None
+    try:
+        without = prompted.encode(FITTING)
+    finally:
+        prompted.default_prompt_name = "query"
+    assert not np.allclose(with_default, without, atol=1e-3), "the prompt changes the rows"
+    tei = await client.post("/models/prompted/embed", json={"inputs": FITTING})
+    assert tei.status_code == 200, tei.text
+    np.testing.assert_allclose(tei.json(), without, atol=PARITY)
+    for name in ("query", "passage"):
+        body = {"inputs": FITTING, "prompt_name": name}
+        named = await client.post("/models/prompted/embed", json=body)
+        np.testing.assert_allclose(
+            named.json(), prompted.encode(FITTING, prompt_name=name), atol=PARITY
+        )
+    oai = await sdk(client).embeddings.create(model="prompted", input=FITTING)
+    np.testing.assert_allclose([d.embedding for d in oai.data], with_default, atol=PARITY)
+    predicted = await client.post("/models/prompted/predict", json={"instances": FITTING})
+    np.testing.assert_allclose(predicted.json()["predictions"], with_default, atol=PARITY)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "error_type", "said"),
     [
-        ("/embed", {"inputs": ["a"] * (MAX_CLIENT_BATCH_SIZE + 1)}, 413, "validation",
+        ("/embed", {"inputs": ["a"] * (MAX_CLIENT_BATCH_SIZE + 1)}, 413, "Validation",
          "max_client_batch_size"),
-        ("/embed", {"inputs": []}, 422, "validation", "inputs is empty"),
-        ("/embed", {"inputs": "a", "truncation_direction": "left"}, 422, "validation",
-         "not supported"),
-        ("/embed", {"inputs": "a", "prompt_name": "nope"}, 422, "validation", "prompt_name"),
-        ("/embed", {"inputs": "a", "dimensions": 17}, 422, "validation", "dimensions"),
-        ("/embed", {"text": "a"}, 422, "validation", "inputs"),
-        ("/rerank", {"query": QUERY, "texts": []}, 422, "validation", "texts is empty"),
-        ("/models/unit/rerank", {"query": QUERY, "texts": ["a"]}, 404, "validation",
+        ("/embed", {"inputs": []}, 422, "Validation", "inputs is empty"),
+        ("/embed", {"inputs": "a", "truncation_direction": "Up"}, 422, "Validation",
+         "truncation_direction"),
+        ("/embed", {"inputs": "a", "prompt_name": "nope"}, 422, "Validation", "prompt_name"),
+        ("/embed", {"inputs": [1, 2], "prompt_name": "query"}, 422, "Validation",
+         "not token ids"),
+        ("/embed", {"inputs": "a", "dimensions": 17}, 422, "Validation", "dimensions"),
+        ("/embed", {"text": "a"}, 422, "Validation", "inputs"),
+        ("/embed", {"inputs": TEXTS, "truncate": False}, 422, "Validation",
+         "input 2 is 18 tokens long, more than the 12 this model reads"),
+        ("/embed", {"inputs": [list(range(1, 14))], "truncate": False}, 422, "Validation",
+         "input 0 is 13 tokens long"),
+        ("/rerank", {"query": QUERY, "texts": TEXTS, "truncate": False}, 422, "Validation",
+         "tokens long, more than the 12 this model reads"),
+        ("/rerank", {"query": QUERY, "texts": []}, 422, "Validation", "texts is empty"),
+        ("/models/unit/rerank", {"query": QUERY, "texts": ["a"]}, 404, "Validation",
          "not a reranker"),
-        ("/models/nope/embed", {"inputs": "a"}, 404, "validation", "unknown model"),
+        ("/models/nope/embed", {"inputs": "a"}, 404, "Validation", "unknown model"),
     ],
 )  # fmt: skip
 async def test_tei_refusals_come_in_teis_shape(
@@ -301,7 +393,7 @@ async def test_the_limits_of_every_inference_route_apply(client: httpx.AsyncClie
     before anything is computed, in each API's shape."""
     bad = {"x-priority": "urgent"}
     tei = await client.post("/embed", json={"inputs": "a"}, headers=bad)
-    assert (tei.status_code, tei.json()["error_type"]) == (422, "validation")
+    assert (tei.status_code, tei.json()["error_type"]) == (422, "Validation")
     oai = await client.post("/v1/embeddings", json={"model": "unit", "input": "a"}, headers=bad)
     assert (oai.status_code, oai.json()["error"]["code"]) == (400, "invalid_input")
     huge = b'{"inputs": "' + b"a" * (8 * 1024 * 1024) + b'"}'

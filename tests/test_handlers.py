@@ -204,6 +204,27 @@ def test_a_long_text_is_refused_when_the_version_does_not_truncate(tmp_path: Pat
     )
 
 
+@pytest.mark.parametrize("truncate", [True, False])
+def test_a_route_may_cut_a_long_text_either_way_or_refuse_it(
+    tmp_path: Path, truncate: bool
+) -> None:
+    """Whatever the version's option, a ``Cut`` passed per call decides: ``right`` keeps a
+    text's first tokens, ``left`` its last (special tokens added after the cut), ``none``
+    refuses it; a text that fits is the same every way."""
+    handler, _ = text_handler(tmp_path, truncate=truncate)
+    texts = ["i loved this film " + "a " * 10 + "hated it", "i loved it"]
+
+    def ids(cut: Any) -> list[list[int]]:
+        inputs = handler.encode(handler.bounded(texts, cut=cut), cut=cut)
+        return [row[row != 0].tolist() for row in inputs["input_ids"]]
+
+    assert ids("right") == [[2, 4, 5, 6, 7, 10, 10, 3], [2, 4, 5, 9, 3]]
+    assert ids("left") == [[2, 10, 10, 10, 10, 8, 9, 3], [2, 4, 5, 9, 3]]
+    message = refusal(lambda: ids("none"), InvalidInputError)
+    assert message.startswith(f"input 0 is 18 tokens long, more than the {MAX_LENGTH}")
+    assert handler.tokenizer_cutting(None) is handler.tokenizer
+
+
 def test_empty_text_gives_what_the_tokenizer_gives(tmp_path: Path) -> None:
     handler, _ = text_handler(tmp_path)
     inputs = handler.preprocess(json_request({"instances": [""]}))

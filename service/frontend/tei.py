@@ -9,24 +9,29 @@ and ``/models/{name}/rerank`` name one (404 when it is not served or not of that
 ``/embed``: ``inputs`` (a text, a list of texts, token ids or a list of them; at most
 ``max_client_batch_size``), ``normalize`` (true: each vector made unit length, as TEI does;
 false: the model's own rows, as ``SentenceTransformer.encode`` gives them), ``prompt_name``
-(a prompt of the version; without one its default prompt applies, as in ``encode``),
-``dimensions`` (the first that many, before normalizing), ``truncate`` and
-``truncation_direction`` (texts are cut at the model's length from the right, as
-sentence-transformers cuts them; ``left`` is refused). The answer: one vector per input.
+(a prompt of the version put before each text; without one, none: TEI never applies the
+folder's ``default_prompt_name``), ``dimensions`` (the first that many, before normalizing).
+The answer: one vector per input.
 
 ``/rerank``: ``query``, ``texts``, ``raw_scores`` (the logits rather than the folder's
-activation), ``return_text``, ``truncate``, ``truncation_direction``; the answer: one
+activation), ``return_text``; no prompt (TEI puts none before a pair). The answer: one
 ``{index, score}`` (and ``text``) per text, highest score first.
 
-Errors come as TEI sends them, ``{"error": message, "error_type": kind}``: 413 for too many
-inputs, 422 for an invalid body, 429 overloaded, 503 unhealthy, and the service's own
-statuses otherwise.
+Both take ``truncate`` and ``truncation_direction`` as TEI does: an input longer than the
+model's length is cut when ``truncate`` is true (from the ``Right``, its first tokens kept,
+or the ``Left``), refused with 422 when it is false, and cut as the version says (option
+``truncate``, true unless packaged otherwise: TEI's ``--auto-truncate``) when it is absent.
+
+Errors come as TEI sends them, ``{"error": message, "error_type": kind}`` with TEI's names
+(``Validation``, ``Overloaded``, ``Unhealthy``, ``Backend``): 413 for too many inputs, 422
+for an invalid body or an input too long not to cut, 429 overloaded, 503 unhealthy, and the
+service's own statuses otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pydantic
@@ -36,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.errors import InvalidInputError, ServiceError
 from service.frontend.handlers.embedding import EmbeddingHandler
 from service.frontend.handlers.reranking import RerankHandler
+from service.frontend.handlers.text import Cut, TextHandler
 from service.frontend.inference import DirectRoute, Serve, answer_inference
 from service.frontend.inference_routes import (
     MODEL_EMBED_PATH,
@@ -51,8 +57,9 @@ from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import Array
 
-Direction = str
-"""``right`` (or ``Right``, as TEI spells it); ``left`` is refused (``_check_direction``)."""
+Direction = Literal["Right", "Left", "right", "left"]
+"""The end a long input is cut from: ``Right`` keeps its first tokens, ``Left`` its last (TEI
+takes either spelling)."""
 
 
 class EmbedRequest(BaseModel):
@@ -63,7 +70,7 @@ class EmbedRequest(BaseModel):
     inputs: Inputs
     normalize: bool = True
     truncate: bool | None = None
-    truncation_direction: Direction = "right"
+    truncation_direction: Direction = "Right"
     prompt_name: str | None = None
     dimensions: int | None = Field(default=None, ge=1)
 
@@ -78,18 +85,19 @@ class RerankRequest(BaseModel):
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool | None = None
-    truncation_direction: Direction = "right"
+    truncation_direction: Direction = "Right"
 
 
 def error_type(status_code: int) -> str:
-    """TEI's ``error_type`` for an error of ``status_code``."""
+    """TEI's ``error_type`` for an error of ``status_code``, as TEI writes it (its enum's
+    variant names)."""
     if status_code == 429:
-        return "overloaded"
+        return "Overloaded"
     if status_code == 503:
-        return "unhealthy"
+        return "Unhealthy"
     if status_code >= 500:
-        return "backend"
-    return "validation"
+        return "Backend"
+    return "Validation"
 
 
 def tei_error_response(error: ServiceError, request_id: str) -> Response:
@@ -130,21 +138,24 @@ async def _read(arrived: Arrived, model: type[BodyT]) -> BodyT:
         raise InvalidInputError(validation_problems(error)[0]) from None
 
 
-def _check_direction(direction: str) -> None:
-    if direction.lower() != "right":
-        raise InvalidInputError(
-            f"truncation_direction {direction[:16]!r} is not supported: texts are cut at the "
-            "model's length from the right, as sentence-transformers cuts them"
-        )
+def cut(handler: TextHandler, truncate: bool | None, direction: Direction) -> Cut | None:
+    """How TEI's ``truncate`` and ``truncation_direction`` cut a long input of ``handler``'s
+    version: None where that is the version's own way."""
+    if truncate is False:
+        return "none"
+    if truncate is None and (not handler.truncate or direction.lower() == "right"):
+        return None
+    return "left" if direction.lower() == "left" else "right"
 
 
 async def _embed(arrived: Arrived, name: str | None) -> Response:
     model = arrived.model(EmbeddingHandler, "an embedding model", name)
     body = await _read(arrived, EmbedRequest)
-    _check_direction(body.truncation_direction)
     given = body.inputs
     if isinstance(given, list) and not given:
         raise InvalidInputError("inputs is empty; send at least one text")
+    if body.prompt_name is not None and not _texts(given):
+        raise InvalidInputError("prompt_name goes before texts: send texts, not token ids")
     own = model.manifest.output.shape[-1]
     if body.dimensions is not None and body.dimensions > own:
         raise InvalidInputError(
@@ -152,7 +163,10 @@ async def _embed(arrived: Arrived, name: str | None) -> Response:
         )
 
     def prepare(handler: EmbeddingHandler) -> NamedArrays:
-        return embedding_inputs(handler, given, body.prompt_name, arrived.deadline.at_s)
+        how = cut(handler, body.truncate, body.truncation_direction)
+        return embedding_inputs(
+            handler, given, body.prompt_name, arrived.deadline.at_s, how, default_prompt=False
+        )
 
     handler, _, result = await arrived.computed(model, EmbeddingHandler, prepare)
     rows: Array = np.asarray(result.outputs[handler.output], dtype=np.float32)
@@ -163,12 +177,15 @@ async def _embed(arrived: Arrived, name: str | None) -> Response:
 async def _rerank(arrived: Arrived, name: str | None) -> Response:
     model = arrived.model(RerankHandler, "a reranker", name)
     body = await _read(arrived, RerankRequest)
-    _check_direction(body.truncation_direction)
     if not body.texts:
         raise InvalidInputError("texts is empty; send at least one text")
 
     def prepare(handler: RerankHandler) -> NamedArrays:
-        return handler.pair_inputs(body.query, body.texts, None, arrived.deadline.at_s)
+        how = cut(handler, body.truncate, body.truncation_direction)
+        deadline_s = arrived.deadline.at_s
+        return handler.pair_inputs(
+            body.query, body.texts, None, deadline_s, cut=how, default_prompt=False
+        )
 
     handler, _, result = await arrived.computed(model, RerankHandler, prepare)
     scores = handler.pair_scores(result.outputs[handler.output], body.raw_scores)
@@ -178,6 +195,11 @@ async def _rerank(arrived: Arrived, name: str | None) -> Response:
         for rank in ranks:
             rank["text"] = body.texts[rank["index"]]
     return json_answer(ranks, _version_header(model.manifest.name, result.version))
+
+
+def _texts(given: Inputs) -> bool:
+    """Whether ``inputs`` holds texts rather than token ids."""
+    return isinstance(given, str) or all(isinstance(item, str) for item in given)
 
 
 def _version_header(name: str, version: str) -> tuple[bytes, bytes]:

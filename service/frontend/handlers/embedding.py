@@ -41,7 +41,7 @@ from service.frontend.handlers.named_prompts import (
     NamedPrompts,
     prompt_name_schema,
 )
-from service.frontend.handlers.text import TextHandler
+from service.frontend.handlers.text import Cut, TextHandler
 from service.frontend.per_token import PaddedInstances, padded_instances
 from service.tensors import NamedArrays
 
@@ -84,25 +84,39 @@ class EmbeddingHandler(TextHandler):
         )
 
     def text_inputs(
-        self, texts: list[str], prompt_name: str | None = None, deadline_s: float = math.inf
+        self,
+        texts: list[str],
+        prompt_name: str | None = None,
+        deadline_s: float = math.inf,
+        *,
+        cut: Cut | None = None,
+        default_prompt: bool = True,
     ) -> NamedArrays:
         """The model's inputs for ``texts``, each after the prompt ``prompt_name`` (or the
-        default): 422 for a prompt the version lacks, 413 for too many texts or characters."""
+        default, when ``default_prompt``), cut as ``cut`` says (None: the version's own): 422
+        for a prompt the version lacks or a text too long not to cut, 413 for too many texts
+        or characters."""
         if self.max_texts is not None:
             check_texts(len(texts), self.max_texts)
-        name = self.prompts.chosen(prompt_name)
+        name = self.prompts.chosen(prompt_name, default_prompt)
         prompt = self.prompts.text(name)
-        bounded = self.bounded([prompt + text for text in texts], deadline_s)
         extra = {}
         if self.prompt_length is not None:
+            if prompt and cut == "left":
+                raise InvalidInputError(
+                    f"truncation_direction left would cut the prompt {name!r} off a long text, "
+                    "and this model's pooling leaves the prompt's tokens out: cut from the right"
+                )
             length = self.prompts.length(name)
             extra[PROMPT_LENGTH_INPUT] = np.full(len(texts), length, self.prompt_length.numpy_dtype)
-        return self.encode(bounded, deadline_s, extra)
+        bounded = self.bounded([prompt + text for text in texts], deadline_s, cut)
+        return self.encode(bounded, deadline_s, extra, cut)
 
-    def id_inputs(self, rows: list[list[int]]) -> NamedArrays:
+    def id_inputs(self, rows: list[list[int]], cut: Cut | None = None) -> NamedArrays:
         """The model's inputs for texts already tokenized: each row of token ids as given (no
-        prompt, no special tokens added), cut to the model's length when the version
-        truncates: 422 for an empty row or an id outside the vocabulary, 413 for too many."""
+        prompt, no special tokens added), cut to the model's length as ``cut`` says (None: as
+        the version truncates): 422 for an empty row, an id outside the vocabulary or a row
+        too long not to cut, 413 for too many."""
         if self.max_texts is not None:
             check_texts(len(rows), self.max_texts)
         vocabulary = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -113,10 +127,13 @@ class EmbeddingHandler(TextHandler):
                     f"token id {outside} of input {index} is outside this model's vocabulary "
                     f"(0 to {vocabulary - 1})"
                 )
-        if self.truncate and self.max_length is not None:
-            rows = [row[: self.max_length] for row in rows]
+        limit = self.max_length
+        if limit is not None and (cut or self.cut) == "right":
+            rows = [row[:limit] for row in rows]
+        elif limit is not None and cut == "left":
+            rows = [row[-limit:] for row in rows]
         lengths = np.fromiter((len(row) for row in rows), np.int64, len(rows))
-        self._check_lengths(lengths)
+        self._check_lengths(lengths, cut)
         longest = int(lengths.max())
         arrays = {self.ids.name: self._padded(rows, self.ids, longest)}
         real = np.arange(longest) < lengths[:, np.newaxis]

@@ -26,7 +26,7 @@ from tokenizers import Encoding
 from service.errors import InvalidInputError
 from service.frontend.handlers.base import HandlerContext, HandlerRequest
 from service.frontend.handlers.instances import json_instances, json_type
-from service.frontend.handlers.text import TEXT_MEDIA_TYPE, TEXTS_PER_CALL, TextHandler
+from service.frontend.handlers.text import TEXT_MEDIA_TYPE, TEXTS_PER_CALL, Cut, TextHandler
 from service.frontend.preprocessing import check_deadline
 from service.tensors import NamedArrays
 from service.types import Array
@@ -56,22 +56,25 @@ class HFTextHandler(TextHandler):
         return self.encode(instances, request.deadline_s)
 
     def bounded_instances(
-        self, instances: list[TextInstance], deadline_s: float = math.inf
+        self, instances: list[TextInstance], deadline_s: float = math.inf, cut: Cut | None = None
     ) -> list[TextInstance]:
-        """Texts cut as the text handler's ``bounded`` cuts them. A pair's texts are never
-        cut (which of the two truncation shortens depends on both whole lengths), so each is
-        at most ``max_chars`` (413 above). All of them ``max_request_chars`` together."""
+        """Texts cut as the text handler's ``bounded`` cuts them (``cut``: how, None for
+        ``self.cut``). A pair's texts are never cut (which of the two truncation shortens
+        depends on both whole lengths), so each is at most ``max_chars`` (413 above). All of
+        them ``max_request_chars`` together."""
+        prefixes = self.cuts_prefixes(cut)
         for index, item in enumerate(instances):
             if isinstance(item, tuple):
                 for key, part in zip(("text", "text_pair"), item, strict=True):
                     self.check_length(part, f"instance {index}'s {key} (a pair is not cut)")
-            elif self.cutter is None:
+            elif not prefixes:
                 self.check_length(item, f"instance {index}")
         bounded = list(instances)
-        if self.cutter is not None:
+        if prefixes:
+            assert self.cutter is not None
             texts = {index: item for index, item in enumerate(instances) if isinstance(item, str)}
-            cut = self.cutter.prefixes(list(texts.values()), deadline_s)
-            for (index, text), prefix in zip(texts.items(), cut, strict=True):
+            cut_texts = self.cutter.prefixes(list(texts.values()), deadline_s)
+            for (index, text), prefix in zip(texts.items(), cut_texts, strict=True):
                 if prefix is None:
                     raise self.too_few_tokens(index, text)
                 bounded[index] = prefix
@@ -92,21 +95,21 @@ class HFTextHandler(TextHandler):
         texts: Sequence[TextInstance],
         deadline_s: float = math.inf,
         extra: Mapping[str, Array] | None = None,
+        cut: Cut | None = None,
     ) -> NamedArrays:
         """The text handler's inputs, for texts and pairs (``tokenize`` takes both)."""
-        return super().encode(texts, deadline_s, extra)  # type: ignore[arg-type]
+        return super().encode(texts, deadline_s, extra, cut)  # type: ignore[arg-type]
 
     def tokenize(
-        self, texts: Sequence[TextInstance], deadline_s: float = math.inf
+        self, texts: Sequence[TextInstance], deadline_s: float = math.inf, cut: Cut | None = None
     ) -> list[Encoding]:
         """A ``tokenizers`` call for each group of ``TEXTS_PER_CALL``; pairs as sequence
-        pairs; 504 once ``deadline_s`` has passed between two calls."""
+        pairs, cut longest first; 504 once ``deadline_s`` has passed between two calls."""
+        tokenizer = self.tokenizer_cutting(cut)
         encodings: list[Encoding] = []
         for start in range(0, len(texts), TEXTS_PER_CALL):
             check_deadline(deadline_s, f"{start} of its {len(texts)} texts were tokenized")
-            encodings.extend(
-                self.tokenizer.encode_batch(list(texts[start : start + TEXTS_PER_CALL]))
-            )
+            encodings.extend(tokenizer.encode_batch(list(texts[start : start + TEXTS_PER_CALL])))
         return encodings
 
     def classify(self, scores: np.ndarray[Any, Any], top_k: int) -> list[Any]:

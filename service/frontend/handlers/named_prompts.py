@@ -3,8 +3,11 @@
 A sentence-transformers folder names its prompts in ``config_sentence_transformers.json``
 (``{"query": "query: ", "passage": "passage: "}``) and may name a default one. A request names
 the prompt it wants (``?prompt_name=query`` on ``/predict``; the ``prompt_name`` of TEI's
-``/embed``); without one, the default applies, or none. The prompt goes before the text (a
-pair's first text), and is tokenized with it: truncation keeps the prompt and cuts the text.
+``/embed``); without one, the default applies, or none. TEI's ``/embed`` and ``/rerank``
+never apply the folder's default: TEI reads only the folder's ``prompts``, and applies a
+default prompt only when its own ``--default-prompt-name`` is given. The prompt goes before
+the text (a pair's first text), and is tokenized with it: truncation keeps the prompt and
+cuts the text.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ class NamedPrompts:
         """Each prompt's tokens at the start of a tokenized text (the leading special token
         counted, the closing one not): what a pooling that leaves the prompt out skips."""
 
-    def chosen(self, name: str | None) -> str | None:
-        """The prompt named (422 for a name the version lacks), else the default, else none."""
+    def chosen(self, name: str | None, default: bool = True) -> str | None:
+        """The prompt named (422 for a name the version lacks), else the default (when
+        ``default``: TEI's routes never apply the folder's), else none."""
         if name is None:
-            return self.default_name
+            return self.default_name if default else None
         if name not in self.prompts:
             named = sorted(self.prompts)
             raise InvalidInputError(

@@ -41,6 +41,7 @@ from service.frontend.handlers.named_prompts import (
     NamedPrompts,
     prompt_name_schema,
 )
+from service.frontend.handlers.text import Cut
 from service.tensors import NamedArrays
 
 RAW_SCORES_PARAMETER = "raw_scores"
@@ -92,23 +93,32 @@ class RerankHandler(HFTextHandler):
         texts: Sequence[str],
         prompt_name: str | None = None,
         deadline_s: float = math.inf,
+        *,
+        cut: Cut | None = None,
+        default_prompt: bool = True,
     ) -> NamedArrays:
-        """The model's inputs scoring each of ``texts`` against ``query``."""
-        return self.scored_inputs([(query, text) for text in texts], prompt_name, deadline_s)
+        """The model's inputs scoring each of ``texts`` against ``query`` (``scored_inputs``)."""
+        pairs = [(query, text) for text in texts]
+        return self.scored_inputs(pairs, prompt_name, deadline_s, cut, default_prompt)
 
     def scored_inputs(
         self,
         pairs: list[tuple[str, str]],
         prompt_name: str | None = None,
         deadline_s: float = math.inf,
+        cut: Cut | None = None,
+        default_prompt: bool = True,
     ) -> NamedArrays:
-        """The model's inputs for ``pairs``, the prompt before each first text: 422 for a
-        prompt the version lacks, 413 for too many pairs or characters."""
+        """The model's inputs for ``pairs``, the prompt (``prompt_name``, else the default
+        when ``default_prompt``) before each first text, cut as ``cut`` says (None: the
+        version's own): 422 for a prompt the version lacks or a pair too long not to cut,
+        413 for too many pairs or characters."""
         if self.max_texts is not None:
             check_texts(len(pairs), self.max_texts)
-        prompt = self.prompts.text(self.prompts.chosen(prompt_name))
+        prompt = self.prompts.text(self.prompts.chosen(prompt_name, default_prompt))
         instances: list[TextInstance] = [(prompt + first, second) for first, second in pairs]
-        return self.encode(self.bounded_instances(instances, deadline_s), deadline_s)
+        bounded = self.bounded_instances(instances, deadline_s, cut)
+        return self.encode(bounded, deadline_s, cut=cut)
 
     def postprocess(self, outputs: NamedArrays, request: HandlerRequest) -> list[Any]:
         return self.pair_scores(outputs[self.output], self.raw_scores(request))

@@ -22,14 +22,19 @@ Options, besides the classification handler's (``output``, ``top_k``, ``apply_so
   before sending. A long text is tokenized only as far as those tokens reach
   (``prefixes.PrefixCutter``: a prefix of 32 characters per token, doubled while it holds
   too few), up to ``max_chars`` characters: a text whose first ``max_chars`` characters do not
-  hold them (megabytes of spaces, one endless word) is refused with 413.
+  hold them (megabytes of spaces, one endless word) is refused with 413. Routes that let a
+  request choose (TEI's ``truncate`` and ``truncation_direction``; OpenAI's, which never
+  cuts) pass a ``Cut`` of their own: ``right`` (as above), ``left`` (a text's last tokens
+  kept, special tokens added after the cut, as ``tokenizers`` truncates from the left) or
+  ``none`` (422 above ``max_length``).
 - ``max_chars`` (default 100,000): the most characters of a text tokenized; without
   truncation a longer text is refused with 413 before any tokenizing.
 - ``max_request_chars`` (default 1,000,000): the most characters a request's texts may hold
   together after the cut, and the most tokenized to find the cuts (413 above); about 3 s of
   tokenizing on a loaded 2-core machine.
 
-Texts are tokenized in groups of 64, the request's deadline checked before each.
+Texts are tokenized in groups of 64, the request's deadline checked before each. A text cut
+from the left, or refused when too long, is tokenized whole (up to ``max_chars``).
 
 An empty text gives what the tokenizer gives: ``[CLS] [SEP]`` with a BERT-style
 post-processor; a text with no tokens at all is refused (422).
@@ -40,8 +45,9 @@ Query parameters: ``top_k`` (classification answers only).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -73,6 +79,10 @@ DEFAULT_MAX_REQUEST_CHARS = 1_000_000
 #: Texts tokenized in one call; the deadline is checked between calls.
 TEXTS_PER_CALL = 64
 _UTF8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
+
+Cut = Literal["right", "left", "none"]
+"""Where a text over the model's length loses tokens: its end (``right``: its first tokens
+kept), its start (``left``: its last kept), or nowhere (``none``: refused, 422)."""
 
 
 class TextHandler(ClassificationHandler):
@@ -136,6 +146,8 @@ class TextHandler(ClassificationHandler):
         self.tokenizer = Tokenizer.from_file(str(context.folder / tokenizer_file))
         self.max_length = self.ids.max_length
         self.truncate = truncate
+        self.cut: Cut = "right" if truncate else "none"
+        """How this version cuts a text when a request does not say (option ``truncate``)."""
         for name, value in (("max_chars", max_chars), ("max_request_chars", max_request_chars)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"option {name} must be a positive integer, got {value!r}")
@@ -145,13 +157,13 @@ class TextHandler(ClassificationHandler):
         """Most texts a request holds (413 above), where a subclass sets it."""
         # The handler pads with the manifest's pad values, and cuts to its max_length only.
         self.tokenizer.no_padding()
-        if truncate and self.max_length is not None:
-            self.tokenizer.enable_truncation(self.max_length)
-        else:
-            self.tokenizer.no_truncation()
+        _set_cut(self.tokenizer, self.cut, self.max_length)
+        self._tokenizers: dict[Cut, Tokenizer] = {self.cut: self.tokenizer}
+        """A copy of the tokenizer for each other ``Cut`` a request asked for."""
+        self._copying = threading.Lock()
         self.cutter: PrefixCutter | None = None
-        """Cuts long texts to what truncation keeps, when truncating."""
-        if truncate and self.max_length is not None:
+        """Cuts long texts to what truncation from the right keeps."""
+        if self.max_length is not None:
             self.cutter = PrefixCutter(
                 self.tokenizer, self.max_length, max_chars, max_request_chars
             )
@@ -167,17 +179,24 @@ class TextHandler(ClassificationHandler):
         texts = self.bounded(self.texts(request), request.deadline_s)
         return self.encode(texts, request.deadline_s)
 
-    def bounded(self, texts: list[str], deadline_s: float = math.inf) -> list[str]:
-        """``texts`` cut to what truncation keeps (``cut``), or refused above ``max_chars``
-        each; then ``max_request_chars`` together (413 above)."""
-        if self.cutter is not None:
-            texts = self.cut(texts, deadline_s)
+    def bounded(
+        self, texts: list[str], deadline_s: float = math.inf, cut: Cut | None = None
+    ) -> list[str]:
+        """``texts`` cut to what truncation from the right keeps (``prefixes``), or refused
+        above ``max_chars`` each; then ``max_request_chars`` together (413 above). ``cut``:
+        how long texts will be cut (None: ``self.cut``)."""
+        if self.cuts_prefixes(cut):
+            texts = self.prefixes(texts, deadline_s)
         else:
             self.check_chars(texts)
         self.check_request_chars(texts)
         return texts
 
-    def cut(self, texts: list[str], deadline_s: float = math.inf) -> list[str]:
+    def cuts_prefixes(self, cut: Cut | None) -> bool:
+        """Whether texts cut as ``cut`` says may be shortened to prefixes first."""
+        return self.cutter is not None and (cut or self.cut) == "right"
+
+    def prefixes(self, texts: list[str], deadline_s: float = math.inf) -> list[str]:
         """Each long text cut to the prefix whose tokens, truncated, are the whole text's
         (``PrefixCutter``); 413 for one whose first ``max_chars`` characters do not hold them."""
         assert self.cutter is not None
@@ -240,31 +259,51 @@ class TextHandler(ClassificationHandler):
                 )
         return instances
 
-    def tokenize(self, texts: Sequence[str], deadline_s: float = math.inf) -> list[Encoding]:
+    def tokenize(
+        self, texts: Sequence[str], deadline_s: float = math.inf, cut: Cut | None = None
+    ) -> list[Encoding]:
         """``texts`` through the version's tokenizer (a Rust call for each group of
-        ``TEXTS_PER_CALL``), unpadded; 504 once ``deadline_s`` has passed between two calls."""
+        ``TEXTS_PER_CALL``), unpadded, cut as ``cut`` says (None: ``self.cut``); 504 once
+        ``deadline_s`` has passed between two calls."""
+        tokenizer = self.tokenizer_cutting(cut)
         encodings: list[Encoding] = []
         for start in range(0, len(texts), TEXTS_PER_CALL):
             check_deadline(deadline_s, f"{start} of its {len(texts)} texts were tokenized")
             group = list(texts[start : start + TEXTS_PER_CALL])
             if len(group) == 1:
-                encodings.append(self.tokenizer.encode(group[0]))
+                encodings.append(tokenizer.encode(group[0]))
             else:
-                encodings.extend(self.tokenizer.encode_batch(group))
+                encodings.extend(tokenizer.encode_batch(group))
         return encodings
+
+    def tokenizer_cutting(self, cut: Cut | None) -> Tokenizer:
+        """The version's tokenizer, cutting texts as ``cut`` says (None: ``self.cut``): a
+        copy made the first time a request asks for another cut than the version's."""
+        cut = cut or self.cut
+        tokenizer = self._tokenizers.get(cut)
+        if tokenizer is None:
+            with self._copying:  # handler threads share the handler
+                tokenizer = self._tokenizers.get(cut)
+                if tokenizer is None:
+                    tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+                    _set_cut(tokenizer, cut, self.max_length)
+                    self._tokenizers[cut] = tokenizer
+        return tokenizer
 
     def encode(
         self,
         texts: Sequence[str],
         deadline_s: float = math.inf,
         extra: Mapping[str, Array] | None = None,
+        cut: Cut | None = None,
     ) -> NamedArrays:
         """Tokenize ``texts`` into the model's inputs, padded to the longest, with each
         instance's own length (per-token outputs answer each at its length); ``extra``: the
-        ``filled_inputs``, a row per text."""
-        encodings = self.tokenize(texts, deadline_s)
+        ``filled_inputs``, a row per text; ``cut``: how a long text is cut (None:
+        ``self.cut``)."""
+        encodings = self.tokenize(texts, deadline_s, cut)
         lengths = np.fromiter((len(encoding) for encoding in encodings), np.int64, len(texts))
-        self._check_lengths(lengths)
+        self._check_lengths(lengths, cut)
         longest = int(lengths.max())
         arrays = {self.ids.name: self._padded([e.ids for e in encodings], self.ids, longest)}
         if self.type_ids is not None:
@@ -278,19 +317,29 @@ class TextHandler(ClassificationHandler):
         checked = self.context.layout.check(arrays)
         return padded_instances(checked, lengths, self.context.manifest.inputs)
 
-    def _check_lengths(self, lengths: npt.NDArray[np.int64]) -> None:
+    def _check_lengths(self, lengths: npt.NDArray[np.int64], cut: Cut | None = None) -> None:
+        """422 for a text of no tokens, and for one over ``max_length`` when ``cut`` (None:
+        ``self.cut``) is ``none``."""
         empty = np.flatnonzero(lengths == 0)
         if len(empty):
             raise InvalidInputError(
                 f"instance {empty[0]} gives no tokens (empty text); send some text"
             )
-        if self.max_length is not None and not self.truncate:
-            long = np.flatnonzero(lengths > self.max_length)
-            if len(long):
-                raise InvalidInputError(
-                    f"instance {long[0]} is {lengths[long[0]]} tokens long; at most "
-                    f"{self.max_length} are accepted (this version does not truncate)"
-                )
+        if self.max_length is None or (cut or self.cut) != "none":
+            return
+        long = np.flatnonzero(lengths > self.max_length)
+        if not len(long):
+            return
+        index, length = int(long[0]), int(lengths[long[0]])
+        if cut is None:
+            raise InvalidInputError(
+                f"instance {index} is {length} tokens long; at most {self.max_length} are "
+                "accepted (this version does not truncate)"
+            )
+        raise InvalidInputError(
+            f"input {index} is {length} tokens long, more than the {self.max_length} this "
+            "model reads, and the request does not let it be truncated"
+        )
 
     @staticmethod
     def _padded(rows: list[list[int]], spec: TensorSpec, longest: int) -> Array:
@@ -317,6 +366,14 @@ class TextHandler(ClassificationHandler):
                 TEXT_MEDIA_TYPE: {"type": "string", "description": "One text, UTF-8."},
             },
         }
+
+
+def _set_cut(tokenizer: Tokenizer, cut: Cut, max_length: int | None) -> None:
+    """``tokenizer`` set to cut texts to ``max_length`` tokens as ``cut`` says."""
+    if cut == "none" or max_length is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(max_length, direction=cut)
 
 
 def _instances_schema(item: dict[str, Any], max_instances: int) -> dict[str, Any]:

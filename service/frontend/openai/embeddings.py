@@ -8,9 +8,11 @@ little-endian float32 bytes, what the SDK asks for by default and decodes), ``di
 (the first that many of each vector, made unit length again when the model's are: as
 sentence-transformers' ``truncate_dim`` with ``normalize_embeddings`` for a model that ends
 in ``Normalize``; 400 above the model's own), ``user`` (accepted, unused). Texts go through
-the version's handler as on ``/predict`` (its default prompt, its truncation); token ids
-are taken as given. ``usage.prompt_tokens`` counts the tokens the model read. Errors come
-in OpenAI's shape (``openai/errors.py``).
+the version's handler as on ``/predict`` (its default prompt); token ids are taken as given.
+An input longer than the model reads is refused (400, ``param`` ``input``), as OpenAI
+documents ("the input must not exceed the max input tokens for the model"), never cut.
+``usage.prompt_tokens`` counts the tokens the model read. Errors come in OpenAI's shape
+(``openai/errors.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import pydantic
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from service.errors import InvalidParameterError
+from service.errors import InvalidInputError, InvalidParameterError
 from service.frontend.handlers.embedding import EmbeddingHandler
+from service.frontend.handlers.text import Cut
 from service.frontend.inference import DirectRoute, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.openai.errors import ERROR_SCHEMA, invalid_request, openai_error_response
@@ -133,16 +136,26 @@ def encoded(row: Array, encoding_format: str) -> list[float] | str:
 
 
 def embedding_inputs(
-    handler: EmbeddingHandler, given: Inputs, prompt_name: str | None, deadline_s: float
+    handler: EmbeddingHandler,
+    given: Inputs,
+    prompt_name: str | None,
+    deadline_s: float,
+    cut: Cut | None,
+    *,
+    default_prompt: bool = True,
 ) -> NamedArrays:
-    """The model's inputs for a text, texts, a row of token ids or rows of them (not empty)."""
+    """The model's inputs for a text, texts, a row of token ids or rows of them (not empty),
+    cut as ``cut`` says (None: as the version truncates)."""
     if isinstance(given, str):
-        return handler.text_inputs([given], prompt_name, deadline_s)
+        given = [given]
     if all(isinstance(item, str) for item in given):
-        return handler.text_inputs(cast(list[str], given), prompt_name, deadline_s)
+        texts = cast(list[str], given)
+        return handler.text_inputs(
+            texts, prompt_name, deadline_s, cut=cut, default_prompt=default_prompt
+        )
     if all(isinstance(item, int) for item in given):
-        return handler.id_inputs([cast(list[int], given)])
-    return handler.id_inputs(cast(list[list[int]], given))
+        return handler.id_inputs([cast(list[int], given)], cut)
+    return handler.id_inputs(cast(list[list[int]], given), cut)
 
 
 async def embeddings(request: Request) -> Response:
@@ -172,7 +185,11 @@ async def _embeddings(arrived: Arrived) -> Response:
     check_dimensions(body.dimensions, model.manifest.output.shape[-1])
 
     def prepare(handler: EmbeddingHandler) -> NamedArrays:
-        return embedding_inputs(handler, body.input, None, arrived.deadline.at_s)
+        # OpenAI refuses an input longer than the model reads (400), it never cuts one.
+        try:
+            return embedding_inputs(handler, body.input, None, arrived.deadline.at_s, "none")
+        except InvalidInputError as error:
+            raise InvalidParameterError("input", error.message) from None
 
     handler, inputs, result = await arrived.computed(model, EmbeddingHandler, prepare)
     rows: Array = np.asarray(result.outputs[handler.output], dtype=np.float32)
