@@ -1,13 +1,15 @@
 """A file's rows through the engine in this process, answered in order.
 
 The model is loaded as ``batchserve serve`` loads it in one process (``single.loaded``).
-Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body
-and queued as one request each through ``HeldRequest.infer``, the one path of every entry
-point. A window of chunks is in flight at once: enough to keep the device's batches full while
-the next chunks are read and prepared, few enough that the queue never refuses them and the
-memory held is a few chunks, whatever the file's size. Answers are written as each oldest
-chunk completes, so the output is in input order. Rows have no deadline; a model that hangs
-is caught by ``stall_timeout_s``.
+Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body:
+by the feeder thread (``feeder``), or in the handler threads for a handler of the model's own.
+On the event loop, each is queued as one request through ``HeldRequest.infer``, the one path
+of every entry point (``ChunkAnswers``). A window of chunks is in flight at once: enough to
+keep the device's batches full while the next chunks are read and prepared, few enough that
+the queue never refuses them and the memory held is a few chunks, whatever the file's size.
+The feeder writes the answers as each oldest chunk completes, so the output is in input
+order. Rows have no deadline; a model that hangs is caught by ``stall_timeout_s``, which
+stops the feeder.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from service.server.single import loaded
 
 T = TypeVar("T")
 
-#: Chunks in flight per device instance: one running, and the next queued to start as it ends
-#: (more served fewer rows/s, measured: see docs/bench/batching.md).
-CHUNKS_PER_INSTANCE = 2
+#: Chunks in flight per device instance: one running, and the next ones queued, so that a batch
+#: is ready when one ends even while the feeder waits for a core to submit the next chunk
+#: (four served more rows/s than two or three: see docs/bench/batching.md).
+CHUNKS_PER_INSTANCE = 4
 #: A row's deadline: none (``HeldRequest`` names this source should one ever be reported).
 NO_DEADLINE = Deadline(math.inf, math.inf, "batchserve predict")
 
