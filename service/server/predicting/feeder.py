@@ -4,10 +4,11 @@ so that the event loop runs only the engine.
 Everything a row costs outside the forward (reading it, parsing and checking it, turning its
 answer into a line and writing that line) holds the GIL for a while. On the event loop, that
 work delayed the start of each next batch until the loop's current step ended, and the device
-waited. In this thread, the loop is idle when a batch ends and starts the next one at once;
-the feeder takes the GIL only between the engine's short steps. The rows still go through the
-engine's batcher one chunk a request (``run.ChunkAnswers``), so its policy, the handlers and
-the version recorded per row stay the path of ``/predict``.
+waited. Done in this thread, it no longer holds up the loop's steps: the loop, idle when a
+batch ends, starts the next one as soon as it gets the GIL, and the chunks queued keep a batch
+ready meanwhile. The rows still go through the engine's batcher one chunk a request
+(``run.ChunkAnswers``), so its policy, the handlers and the version recorded per row stay the
+path of ``/predict``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Feeder:
         self.name = preparer.manifest.name
         self._lock = threading.Lock()
         self._stopped = False
-        self._waiting: set[Future[Any]] = set()
+        self._submitted: set[Future[Any]] = set()
 
     def run(self, source: Source, output: OutputFile, progress: Progress) -> None:
         """Answer the rows of ``source`` not in ``output`` yet (in this thread)."""
@@ -121,7 +122,7 @@ class Feeder:
         submits nothing more."""
         with self._lock:
             self._stopped = True
-            for future in list(self._waiting):
+            for future in list(self._submitted):
                 future.cancel()
 
     def _prepared(self, chunk: Chunk) -> RowsRequest | ServiceError | None:
@@ -187,8 +188,8 @@ class Feeder:
                 work.close()
                 raise FeederStoppedError
             future = asyncio.run_coroutine_threadsafe(work, self.loop)
-            self._waiting.add(future)
-        future.add_done_callback(self._waiting.discard)
+            self._submitted.add(future)
+        future.add_done_callback(self._submitted.discard)
         return future
 
     def _wait(self, future: Future[T]) -> T:
