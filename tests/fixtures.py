@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
@@ -31,6 +31,7 @@ from service.engine.batcher import (
 from service.errors import DeviceOutOfMemoryError, InferenceError
 from service.frontend.handlers.base import Handler, HandlerRequest
 from service.metrics import EngineMetrics
+from service.server.predicting.sources import Chunk
 from service.tensors import NamedArrays
 
 Payload = list[int]
@@ -591,3 +592,30 @@ class EchoingGenerator:
 
     async def unload(self, name: str) -> Any:
         raise NotImplementedError
+
+
+class SourceReadWhileTheLoopRuns:
+    """A ``batchserve predict`` source whose every chunk is read only once the event loop has
+    run a callback handed to it at that moment: read on the loop itself, it fails (the loop
+    cannot run the callback while it waits) after ``timeout_s``."""
+
+    def __init__(
+        self, chunks: Sequence[Chunk], loop: asyncio.AbstractEventLoop, timeout_s: float
+    ) -> None:
+        self._chunks = chunks
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.rows = sum(len(chunk) for chunk in chunks)
+        self.read_in: set[str] = set()
+        """The names of the threads that read the chunks."""
+
+    def chunks(self, size: int, skip: int = 0) -> Iterator[Chunk]:
+        for chunk in self._chunks:
+            self.read_in.add(threading.current_thread().name)
+            ran = threading.Event()
+            self.loop.call_soon_threadsafe(ran.set)
+            if not ran.wait(self.timeout_s):
+                raise AssertionError(
+                    f"the event loop ran nothing for {self.timeout_s} s while a chunk was read"
+                )
+            yield chunk

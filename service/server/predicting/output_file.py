@@ -19,7 +19,8 @@ import orjson
 
 from service.errors import ServiceError
 
-_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+_PREDICTION_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_OPTIONS = _PREDICTION_OPTIONS | orjson.OPT_APPEND_NEWLINE
 #: Failed rows named in the summary.
 FAILED_ROWS_SHOWN = 5
 
@@ -28,11 +29,18 @@ class OutputFileError(Exception):
     """The output file cannot be written, or resumed, by this run."""
 
 
-def answer_line(row: int, model: str, version: str, prediction: Any) -> bytes:
-    return orjson.dumps(
-        {"row": row, "model": model, "version": version, "prediction": prediction},
-        option=_OPTIONS,
+def answer_lines(start: int, model: str, version: str, predictions: list[Any]) -> list[bytes]:
+    """The line of each prediction, rows ``start`` onwards: the bytes of ``{"row", "model",
+    "version", "prediction"}`` as one ``orjson.dumps`` writes the record, its fixed fields
+    serialized once for all the rows."""
+    middle = b',"model":%b,"version":%b,"prediction":' % (
+        orjson.dumps(model),
+        orjson.dumps(version),
     )
+    return [
+        b'{"row":%d%b%b}\n' % (row, middle, orjson.dumps(prediction, option=_PREDICTION_OPTIONS))
+        for row, prediction in enumerate(predictions, start)
+    ]
 
 
 def error_line(row: int, model: str, version: str, error: ServiceError) -> bytes:

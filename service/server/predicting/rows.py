@@ -23,7 +23,6 @@ from service.errors import BadRequestError, HandlerError, ServiceError
 from service.frontend import per_token
 from service.frontend.bodies import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE
 from service.frontend.handlers.base import Handler, HandlerRequest
-from service.frontend.preprocessing import INLINE_PARSE_MAX_BYTES
 from service.manifest import Manifest
 from service.server.predicting.sources import ArrayRows, Chunk
 from service.tensors import NamedArrays
@@ -74,16 +73,6 @@ class RowPreparer:
             f"{format} rows need a model that reads {wanted}; {self.manifest.label} reads "
             f"{sorted(media_types)}"
         )
-
-    def cheap_to_prepare(self, chunk: Chunk) -> bool:
-        """Whether ``/predict`` would parse these rows on the event loop: tensors of a small
-        body (``preprocessing.cheap_to_parse``), without a handler's own steps."""
-        if not self.tensors_only:
-            return False
-        if isinstance(chunk, ArrayRows):
-            return sum(array.nbytes for array in chunk.arrays.values()) <= INLINE_PARSE_MAX_BYTES
-        lengths = (len(value) for value in chunk.values if isinstance(value, bytes))
-        return sum(lengths) <= INLINE_PARSE_MAX_BYTES
 
     def together(self, chunk: Chunk) -> RowsRequest:
         """The chunk's rows as one request; a ``ServiceError`` if any of them fails."""

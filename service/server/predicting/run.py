@@ -1,13 +1,15 @@
 """A file's rows through the engine in this process, answered in order.
 
 The model is loaded as ``batchserve serve`` loads it in one process (``single.loaded``).
-Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body
-and queued as one request each through ``HeldRequest.infer``, the one path of every entry
-point. A window of chunks is in flight at once: enough to keep the device's batches full while
-the next chunks are read and prepared, few enough that the queue never refuses them and the
-memory held is a few chunks, whatever the file's size. Answers are written as each oldest
-chunk completes, so the output is in input order. Rows have no deadline; a model that hangs
-is caught by ``stall_timeout_s``.
+Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body:
+by the feeder thread (``feeder``), or in the handler threads for a handler of the model's own.
+On the event loop, each is queued as one request through ``HeldRequest.infer``, the one path
+of every entry point (``ChunkAnswers``). A window of chunks is in flight at once: enough to
+keep the device's batches full while the next chunks are read and prepared, few enough that
+the queue never refuses them and the memory held is a few chunks, whatever the file's size.
+The feeder writes the answers as each oldest chunk completes, so the output is in input
+order. Rows have no deadline; a model that hangs is caught by ``stall_timeout_s``, which
+stops the feeder.
 """
 
 from __future__ import annotations
@@ -15,20 +17,20 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
-
-import orjson
+from typing import Any, TypeVar
 
 from service.bridge.interface import InferenceResult, ModelInfo
 from service.config import Settings
-from service.errors import HandlerError, ServiceError
+from service.errors import ServiceError
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.state import FrontendState
-from service.server.predicting.output_file import OutputFile, answer_line, error_line
+from service.server.predicting.feeder import Answered, Computed, Feeder, Refused
+from service.server.predicting.output_file import OutputFile
 from service.server.predicting.progress import Progress
 from service.server.predicting.rows import RowPreparer, RowsRequest
 from service.server.predicting.sources import Chunk, InputFileError, Source
@@ -36,14 +38,12 @@ from service.server.single import loaded
 
 T = TypeVar("T")
 
-#: Chunks in flight per device instance: one running, and the next queued to start as it ends
-#: (more served fewer rows/s, measured: see docs/bench/batching.md).
-CHUNKS_PER_INSTANCE = 2
+#: Chunks in flight per device instance: one running, and the next ones queued, so that a batch
+#: is ready when one ends even while the feeder waits for a core to submit the next chunk
+#: (four served more rows/s than two or three: see docs/bench/batching.md).
+CHUNKS_PER_INSTANCE = 4
 #: A row's deadline: none (``HeldRequest`` names this source should one ever be reported).
 NO_DEADLINE = Deadline(math.inf, math.inf, "batchserve predict")
-
-#: A row's line of output, and its error's fields when it failed.
-Line = tuple[bytes, dict[str, object] | None]
 
 
 class ModelStalledError(Exception):
@@ -93,27 +93,25 @@ async def predict_file(
             raise InputFileError(problem)
         answering = ChunkAnswers(frontend, model, preparer)
         rows, window = chunk_sizes(settings, prepared_in_threads=not preparer.tensors_only)
+        loop = asyncio.get_running_loop()
+        feeder = Feeder(loop, answering, preparer, rows=rows, window=window)
         started_s = time.monotonic()
         progress.start()
-        in_flight: deque[asyncio.Task[list[Line]]] = deque()
-        try:
-            for chunk in source.chunks(rows, skip=output.tally.rows):
-                in_flight.append(asyncio.create_task(answering.lines(chunk)))
-                if len(in_flight) >= window:
-                    _write(output, await in_flight.popleft(), progress)
-            while in_flight:
-                _write(output, await in_flight.popleft(), progress)
-        except asyncio.CancelledError:
-            if stalled:
-                raise ModelStalledError(
-                    f"a batch of {model.manifest.label} ran longer than stall_timeout_s "
-                    f"({settings.stall_timeout_s:g} s): the model hangs"
-                ) from None
-            raise
-        finally:
-            for task in in_flight:
-                task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+        with ThreadPoolExecutor(1, thread_name_prefix="batchserve-feeder") as thread:
+            feeding = loop.run_in_executor(thread, feeder.run, source, output, progress)
+            try:
+                await asyncio.shield(feeding)
+            except asyncio.CancelledError:
+                feeder.stop()
+                await asyncio.wait([feeding])
+                if stalled:
+                    raise ModelStalledError(
+                        f"a batch of {model.manifest.label} ran longer than stall_timeout_s "
+                        f"({settings.stall_timeout_s:g} s): the model hangs"
+                    ) from None
+                raise
+            finally:
+                await answering.settle()
         return Summary(
             model.manifest.label,
             output.tally.rows - output.resumed_rows,
@@ -121,65 +119,67 @@ async def predict_file(
         )
 
 
-def _write(output: OutputFile, lines: list[Line], progress: Progress) -> None:
-    output.write([line for line, _ in lines])
-    for _, error in lines:
-        output.tally.count(output.tally.rows, error)
-    progress.update(output.tally.rows)
-
-
 class ChunkAnswers:
-    """A chunk's lines of output: its rows as one request, or each alone when that fails."""
+    """The event loop's side: a chunk's rows computed as one request, or each alone when
+    that fails, through ``HeldRequest.infer`` as ``/predict``'s requests."""
 
     def __init__(self, frontend: FrontendState, model: ModelInfo, preparer: RowPreparer) -> None:
         self.frontend = frontend
         self.model = model
         self.preparer = preparer
-        self.name = model.manifest.name
+        self._running: set[asyncio.Task[Any]] = set()
 
-    async def lines(self, chunk: Chunk) -> list[Line]:
-        try:
-            if self.preparer.cheap_to_prepare(chunk):
-                request = self.preparer.together(chunk)
-            else:
-                request = await self._in_thread(self.preparer.together, chunk)
-            return await self._answered(request)
-        except ServiceError:
-            pass  # some row, or the chunk as a whole, failed: each row is run alone
+    async def computed(self, chunk: Chunk, prepared: RowsRequest | ServiceError | None) -> Computed:
+        with self._tracked():
+            if prepared is None:  # a handler of the model's own: in the handler threads
+                try:
+                    prepared = await self._in_thread(self.preparer.together, chunk)
+                except ServiceError as error:
+                    prepared = error
+            if isinstance(prepared, RowsRequest):
+                try:
+                    return Answered(prepared, await self._infer(prepared))
+                except ServiceError:
+                    pass  # some row, or the chunk as a whole, failed: each row is run alone
+            return await self._alone(chunk)
+
+    async def alone(self, chunk: Chunk) -> list[Answered | Refused]:
+        with self._tracked():
+            return await self._alone(chunk)
+
+    async def settle(self) -> None:
+        """Cancel what is still computing (a run stopped, or failed) and wait for it."""
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _alone(self, chunk: Chunk) -> list[Answered | Refused]:
         prepared = await self._in_thread(self.preparer.alone, chunk)
         rows = enumerate(prepared, start=chunk.start)
-        outcomes = await asyncio.gather(*(self._answered_alone(row, one) for row, one in rows))
-        return [line for lines in outcomes for line in lines]
+        return list(await asyncio.gather(*(self._one(row, one) for row, one in rows)))
 
-    async def _answered_alone(self, row: int, prepared: RowsRequest | ServiceError) -> list[Line]:
+    async def _one(self, row: int, prepared: RowsRequest | ServiceError) -> Answered | Refused:
+        if isinstance(prepared, ServiceError):
+            return Refused(row, prepared)
         try:
-            if isinstance(prepared, ServiceError):
-                raise prepared
-            return await self._answered(prepared)
+            return Answered(prepared, await self._infer(prepared))
         except ServiceError as error:
-            version = self.model.manifest.version
-            line = error_line(row, self.name, version, error)
-            return [(line, {"status": error.status_code, "message": error.message})]
+            return Refused(row, error)
 
-    async def _answered(self, request: RowsRequest) -> list[Line]:
-        """The request's rows computed, postprocessed and written as lines."""
+    async def _infer(self, request: RowsRequest) -> InferenceResult:
         with HeldRequest(self.frontend, NO_DEADLINE, f"row-{request.start}") as held:
-            result = await held.infer(self.model, request.instances, "normal")
-        # On the event loop, as /predict's answers: a thread hop costs more than a chunk's
-        # postprocess (softmax and top-k of a few rows) and lines.
-        return self._answer_lines(request, result)
+            return await held.infer(self.model, request.instances, "normal")
 
-    def _answer_lines(self, request: RowsRequest, result: InferenceResult) -> list[Line]:
-        values = self.preparer.answers(request, result)
+    @contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """The current task counted as running until it ends, for ``settle``."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
         try:
-            return [
-                (answer_line(request.start + offset, self.name, result.version, value), None)
-                for offset, value in enumerate(values)
-            ]
-        except orjson.JSONEncodeError as error:
-            raise HandlerError(
-                f"the model's handler answered a value JSON cannot hold ({error})"
-            ) from None
+            yield
+        finally:
+            self._running.discard(task)
 
     async def _in_thread(self, step: Callable[..., T], *args: object) -> T:
         """``step`` in the handler threads: the event loop stays free to start batches."""

@@ -1,0 +1,73 @@
+"""``batchserve predict``'s feeder: rows read, prepared and written outside the event loop,
+whose steps stay short while it does; lines written in bulk byte for byte as one record each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from service.config import BUNDLED_MODEL_REPOSITORY, Settings
+from service.engine.model_store import ModelStore
+from service.server.predicting.output_file import OutputFile, answer_lines
+from service.server.predicting.progress import Progress
+from service.server.predicting.run import predict_file
+from service.server.predicting.sources import ArrayRows
+from tests.fixtures import SourceReadWhileTheLoopRuns
+
+DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
+#: How long the event loop may leave a callback waiting while a chunk is read: far longer
+#: than any of its steps, however busy the machine.
+LOOP_TURN_LIMIT_S = 10.0
+
+
+def test_chunks_are_read_while_the_event_loop_goes_on_running(tmp_path: Path) -> None:
+    rows = np.random.default_rng(0).random((150, 8, 8), dtype=np.float32)
+    chunks = [ArrayRows(start, {"image": rows[start : start + 64]}) for start in (0, 64, 128)]
+    path = tmp_path / "out.jsonl"
+    output = OutputFile(path, resume=False, model="digits", version=DIGITS.version)
+    settings = Settings(device="cpu", model_name="digits", model_version=DIGITS.version)
+
+    async def run() -> SourceReadWhileTheLoopRuns:
+        source = SourceReadWhileTheLoopRuns(chunks, asyncio.get_running_loop(), LOOP_TURN_LIMIT_S)
+        await predict_file(settings, source, "npy", output, Progress(150, 0, io.StringIO()))
+        return source
+
+    source = asyncio.run(run())
+    output.close()
+
+    assert source.read_in
+    assert "MainThread" not in source.read_in
+    records = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert [record["row"] for record in records] == list(range(150))
+    assert all(len(record["prediction"]) == 10 for record in records)
+
+
+@pytest.mark.parametrize(
+    "predictions",
+    [
+        [[0.1, -2.5e-7, 3.0], [1e300, 0.0, -0.0]],
+        [np.float32(0.1), np.arange(3, dtype=np.float32), np.eye(2)],
+        [{"label": 'a "quoted"\nlabel', "score": 0.5}, "é \u2028", None, True, 7],
+        [[{"row": 1, "prediction": [2]}], []],
+    ],
+)
+def test_lines_in_bulk_are_the_records_serialized_one_by_one(predictions: list[Any]) -> None:
+    model, version = 'a "model"', "dae3cd981a36"
+
+    lines = answer_lines(41, model, version, predictions)
+
+    options = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+    assert lines == [
+        orjson.dumps(
+            {"row": row, "model": model, "version": version, "prediction": prediction},
+            option=options,
+        )
+        for row, prediction in enumerate(predictions, start=41)
+    ]
