@@ -153,12 +153,12 @@ class ResponseCache:
         self._in_flight[key] = future
         try:
             result = await compute()
+            kept = _kept(result)
         except BaseException:
-            del self._in_flight[key]
             future.set_result(None)
             raise
-        del self._in_flight[key]
-        kept = _kept(result)
+        finally:
+            del self._in_flight[key]
         # Kept under the version that computed it, which may not be the one it was validated
         # against: never where a request validated against another version would find it.
         self._keep(key._replace(version=result.version), kept)
