@@ -19,7 +19,7 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.bridge.interface import InferenceResult
-from service.config import Settings
+from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.response_cache import ResponseCache
 from service.server.single import create_app
@@ -54,6 +54,7 @@ async def served(root: Path) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]
         model_repository=root,
         model_version=DIGITS.version,
         device="cpu",
+        warmup_batch_sizes=(1,),
         response_cache_mb=1,
         response_cache_models=("digits",),
     )
@@ -224,3 +225,37 @@ async def test_no_answer_is_another_versions_while_versions_switch_every_300_ms(
     assert len(switch_times_s) >= 3
     assert hits > 0
     assert evictions > 0
+
+
+async def test_a_handlers_text_is_keyed_as_tokenized_and_answered_with_each_requests_top_k() -> (
+    None
+):
+    """The bundled sentiment model: its handler tokenizes the text; the key is the token ids,
+    and each request's ``top_k`` shapes its own answer from the one forward."""
+    review = "great acting and a moving story"
+    settings = Settings(
+        model_repository=BUNDLED_MODEL_REPOSITORY,
+        model_name="sentiment",
+        device="cpu",
+        warmup_batch_sizes=(1,),
+        response_cache_mb=1,
+        response_cache_models=("sentiment",),
+    )
+    app = create_app(settings)
+    async with LifespanManager(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            before = forwards(app)
+            two = await client.post("/predict?top_k=2", json={"instances": [review]})
+            one = await client.post(
+                "/predict", content=review.encode(), headers={"Content-Type": "text/plain"}
+            )
+            other = await client.post("/predict", json={"instances": ["terrible"]})
+            assert forwards(app) - before == 2
+    assert [answer.status_code for answer in (two, one, other)] == [200] * 3
+    (top_two,) = two.json()["predictions"]
+    (top_one,) = one.json()["predictions"]
+    assert [entry["label"] for entry in top_two] == ["positive", "negative"]
+    assert top_one == top_two[:1]
+    assert other.json()["predictions"][0][0]["label"] == "negative"
