@@ -47,9 +47,15 @@ def request_of(
 
 
 async def answer(
-    cache: ResponseCache, engine: GatedDoublingEngine, request: InferenceRequest
+    cache: ResponseCache,
+    engine: GatedDoublingEngine,
+    request: InferenceRequest,
+    served_version: str | None = None,
 ) -> InferenceResult:
-    return await cache.answer(request, engine.computing(request))
+    """``request`` answered through ``cache``, served the version it was validated against
+    unless ``served_version`` says another is served now."""
+    served = request.version if served_version is None else served_version
+    return await cache.answer(request, engine.computing(request), served)
 
 
 def test_the_key_is_the_parsed_arrays_never_equal_for_different_inputs() -> None:
@@ -114,6 +120,26 @@ async def test_an_answer_is_found_only_by_its_model_and_version() -> None:
     back = await answer(cache, engine, request_of([1.0], version=V1))  # rolled back: kept
     assert back.version == V1
     assert engine.calls == 3
+
+
+async def test_no_answer_is_given_from_the_cache_once_its_version_is_switched_away() -> None:
+    """Validated against V1, looked up after a switch to V2 (its handler ran meanwhile): to
+    the engine, which refuses it or computes it, as without a cache; nor does it wait for an
+    identical request in flight."""
+    cache, engine = cache_of(), GatedDoublingEngine(V1)
+    await answer(cache, engine, request_of([1.0]))
+    await answer(cache, engine, request_of([1.0]), served_version=V2)
+    assert engine.calls == 2
+    await answer(cache, engine, request_of([1.0]))
+    assert engine.calls == 2
+    engine.gate.clear()
+    first = asyncio.ensure_future(answer(cache, engine, request_of([2.0])))
+    await wait_until(lambda: engine.calls == 3)
+    late = asyncio.ensure_future(answer(cache, engine, request_of([2.0]), served_version=V2))
+    await wait_until(lambda: engine.calls == 4)
+    assert cache.waiting == 0
+    engine.gate.set()
+    await asyncio.gather(first, late)
 
 
 async def test_an_answer_is_kept_under_the_version_that_computed_it() -> None:

@@ -144,10 +144,12 @@ class HeldRequest:
     ) -> InferenceResult:
         """``request``'s answer from ``cache``, or from the engine through it."""
         compute = partial(request_spans.infer, self.frontend, request)
+        served = self.frontend.engine.status().find(request.model)
+        version = None if served is None else served.manifest.version
         if receive is None:
-            return await cache.answer(request, compute)
+            return await cache.answer(request, compute, version)
         with DisconnectWatcher(receive):  # a waiter for an identical request leaves too
-            return await cache.answer(request, compute)
+            return await cache.answer(request, compute, version)
 
 
 class DisconnectWatcher:

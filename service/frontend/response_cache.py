@@ -7,10 +7,11 @@ engine's answer (its outputs and the version that computed them), not an HTTP bo
 protocol shapes its own answer from it, with its own parameters (a handler's ``top_k``), as
 it does from a fresh answer.
 
-A request is looked up under the version it was validated against; an answer is kept under
-the version that computed it (the engine may run a request on a version it is interchangeable
-with, and names that one). After a switch or a rollback, a request validated against the
-version served now finds only that version's answers.
+A request is looked up under the version it was validated against, and only while that
+version is still served; an answer is kept under the version that computed it (the engine may
+run a request on a version it is interchangeable with, and names that one). After a switch or
+a rollback, no request is answered from the cache with another version's answer, nor with an
+answer of a version no longer served.
 
 Identical requests in flight share one computation: the first asks the engine, the others
 wait for its answer. If the first fails or is cancelled (its client left, its own deadline
@@ -109,13 +110,18 @@ class ResponseCache:
         return len(self._entries)
 
     async def answer(
-        self, request: InferenceRequest, compute: Callable[[], Awaitable[InferenceResult]]
+        self,
+        request: InferenceRequest,
+        compute: Callable[[], Awaitable[InferenceResult]],
+        served_version: str | None,
     ) -> InferenceResult:
         """``request``'s answer: kept, being computed for an identical request, or from
-        ``compute`` (the engine), kept for the next one."""
+        ``compute`` (the engine), kept for the next one. ``served_version``: the version of
+        the model served now; a request validated against another (a switch landed since) goes
+        to the engine alone, which refuses it or computes it as it would without a cache."""
         model = request.model
         inputs = None
-        if self.models is None or model in self.models:
+        if served_version == request.version and (self.models is None or model in self.models):
             inputs = input_key(request.instances)
         if inputs is None:
             return await compute()
