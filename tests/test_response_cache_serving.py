@@ -54,7 +54,7 @@ async def served(root: Path) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]
         model_repository=root,
         model_version=DIGITS.version,
         device="cpu",
-        warmup_batch_sizes=(1,),
+        warmup_batch_sizes=(1, 4, 16),
         response_cache_mb=1,
         response_cache_models=("digits",),
     )
@@ -221,7 +221,7 @@ async def test_no_answer_is_another_versions_while_versions_switch_every_300_ms(
         )
     assert stale == []
     assert versions_seen == {retrained, DIGITS.version}
-    assert answered >= 1000
+    assert answered >= 500
     assert len(switch_times_s) >= 3
     assert hits > 0
     assert evictions > 0
