@@ -250,6 +250,16 @@ class Settings(BaseSettings):
     same name); one more is answered 413 before any is tokenized, saying to split the texts
     over several requests. ``max_instances_per_request`` holds too (422 above it)."""
 
+    response_cache_mb: int = Field(default=0, ge=0, le=1_048_576)
+    """Memory each front end may keep engine answers in, in MiB, so a repeated input of a
+    model named in ``response_cache_models`` is answered without a forward; 0 leaves the
+    cache off. Each front end (``workers``) keeps its own cache of this size."""
+
+    response_cache_models: Annotated[tuple[str, ...], NoDecode] = ()
+    """The models whose answers the response cache keeps (``digits,textenc``), or ``*`` for
+    every model: name only models whose answer depends on their input alone (no sampling,
+    no randomness in the forward)."""
+
     handler_threads: int = Field(default=0, ge=0, le=64)
     """Threads per front end that run a version's handler preprocessing (tokenizing,
     decoding images) and parse tensor bodies over 256 KiB, off the event loop, so one costly
@@ -318,6 +328,21 @@ class Settings(BaseSettings):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
+    @field_validator("response_cache_models", mode="before")
+    @classmethod
+    def _split_cached_model_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("response_cache_models")
+    @classmethod
+    def _check_cached_model_list(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in value if name != "*" and not _MODEL_NAME.fullmatch(name)]
+        if bad:
+            raise ValueError(f"model names are plain identifiers or *, got {bad!r}")
+        return value
+
     @field_validator("models")
     @classmethod
     def _check_model_list(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -375,6 +400,12 @@ class Settings(BaseSettings):
                 f"engine_heartbeat_timeout_s {self.engine_heartbeat_timeout_s}: a starting "
                 "engine pauses longer than a serving one"
             )
+        if self.response_cache_mb and not self.response_cache_models:
+            raise ValueError(
+                f"response_cache_mb {self.response_cache_mb} caches nothing until "
+                "response_cache_models names the models whose answers it may keep (or * for "
+                "every model); or set response_cache_mb to 0"
+            )
         if any(size > self.max_batch_size for size in self.warmup_batch_sizes):
             raise ValueError(
                 f"warmup_batch_sizes {self.warmup_batch_sizes} must not exceed "
@@ -389,6 +420,7 @@ class Settings(BaseSettings):
         return math.ceil(self.request_timeout_ms / 1000) + SHUTDOWN_MARGIN_S
 
 
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _MODEL_ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})(?:@(latest|[0-9a-f]{12}))?$")
 
 

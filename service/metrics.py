@@ -155,6 +155,34 @@ class FrontendMetrics:
             buckets=TAKEOVER_BUCKETS_S,
             registry=r,
         )
+        self.response_cache_hits = Counter(
+            "batchserve_response_cache_hits",
+            "Requests answered from a front end's response cache without a forward, by model "
+            "(a request that waited for an identical one in flight counts here too).",
+            ["model"],
+            registry=r,
+        )
+        self.response_cache_misses = Counter(
+            "batchserve_response_cache_misses",
+            "Requests to a cached model that the response cache sent to an engine, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.response_cache_evictions = Counter(
+            "batchserve_response_cache_evictions",
+            "Answers dropped from a response cache to make room (least recently used first), "
+            "by model.",
+            ["model"],
+            registry=r,
+        )
+        self.response_cache_bytes = Gauge(
+            "batchserve_response_cache_bytes",
+            "Bytes of answers and their keys the response caches hold, by model (summed over "
+            "front ends, each of which keeps its own).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
 
 
 class EngineMetrics:

@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from service.bridge.interface import InferenceRequest, InferenceResult
 from service.config import BatchPolicy
 from service.engine.batcher import (
     BatchFunction,
@@ -619,3 +620,31 @@ class SourceReadWhileTheLoopRuns:
                     f"the event loop ran nothing for {self.timeout_s} s while a chunk was read"
                 )
             yield chunk
+
+
+class GatedDoublingEngine:
+    """An engine's ``infer`` for the response cache's tests: answers each request's inputs
+    doubled, named ``version``, once ``gate`` is set (open from the start unless told), and
+    counts its calls; ``failures`` of the first calls raise ``InferenceError``."""
+
+    def __init__(self, version: str, *, open_gate: bool = True, failures: int = 0) -> None:
+        self.version = version
+        self.calls = 0
+        self.failures = failures
+        self.gate = asyncio.Event()
+        if open_gate:
+            self.gate.set()
+
+    def computing(self, request: InferenceRequest) -> Callable[[], Awaitable[InferenceResult]]:
+        """What the cache calls to have ``request`` computed."""
+
+        async def compute() -> InferenceResult:
+            self.calls += 1
+            call = self.calls
+            await self.gate.wait()
+            if call <= self.failures:
+                raise InferenceError("the forward failed")
+            doubled = {name: array * 2 for name, array in request.instances.arrays.items()}
+            return InferenceResult(NamedArrays(doubled), self.version)
+
+        return compute

@@ -31,12 +31,15 @@ PROMTOOL_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    """Series names on the real app's /metrics after one prediction (so histograms have data)."""
+    """Series names on the real app's /metrics after one prediction (so histograms have data),
+    with the response cache on (its series exist once a model has used it)."""
     return asyncio.run(scrape_after_one_prediction())
 
 
 async def scrape_after_one_prediction() -> set[str]:
-    app = create_app(Settings(device="cpu", max_wait_ms=1.0))
+    app = create_app(
+        Settings(device="cpu", max_wait_ms=1.0, response_cache_mb=1, response_cache_models=("*",))
+    )
     async with LifespanManager(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)

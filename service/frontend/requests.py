@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import NamedTuple
 
 from starlette.types import Message, Receive
@@ -23,6 +24,7 @@ from service.bridge.interface import InferenceRequest, InferenceResult, ModelInf
 from service.config import Settings
 from service.errors import DeadlineExceededError
 from service.frontend import request_spans
+from service.frontend.response_cache import ResponseCache
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import Priority
@@ -123,6 +125,8 @@ class HeldRequest:
             frontend_load=self.frontend.holding,
         )
         try:
+            if self.frontend.response_cache is not None:  # off, this check is all it costs
+                return await self._cached(self.frontend.response_cache, request, receive)
             if receive is None:
                 return await request_spans.infer(self.frontend, request)
             with DisconnectWatcher(receive):
@@ -134,6 +138,18 @@ class HeldRequest:
             overrun_s = max(0.0, time.monotonic() - self.deadline.at_s)
             self.frontend.metrics.deadline_overrun.observe(overrun_s)
             raise self.deadline.exceeded(error) from None
+
+    async def _cached(
+        self, cache: ResponseCache, request: InferenceRequest, receive: Receive | None
+    ) -> InferenceResult:
+        """``request``'s answer from ``cache``, or from the engine through it."""
+        compute = partial(request_spans.infer, self.frontend, request)
+        served = self.frontend.engine.status().find(request.model)
+        version = None if served is None else served.manifest.version
+        if receive is None:
+            return await cache.answer(request, compute, version)
+        with DisconnectWatcher(receive):  # a waiter for an identical request leaves too
+            return await cache.answer(request, compute, version)
 
 
 class DisconnectWatcher:

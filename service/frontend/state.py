@@ -18,6 +18,7 @@ from service.frontend.inputs import InputLayout
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.request_metrics import RequestTally
+from service.frontend.response_cache import ResponseCache
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.types import Priority
@@ -54,6 +55,8 @@ class FrontendState:
     """Request counts, latencies and in-flight, written to ``metrics`` a batch at a time."""
     refusal_holds: RefusalHolds = field(init=False)
     """When each HTTP client refused for load may retry."""
+    response_cache: ResponseCache | None = field(init=False)
+    """Engine answers kept by content (``response_cache_mb``); None when off."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
     _text_models: dict[str, TextModel] = field(default_factory=dict)
@@ -62,6 +65,7 @@ class FrontendState:
     def __post_init__(self) -> None:
         self.request_tally = RequestTally(self.metrics)
         self.refusal_holds = RefusalHolds(self.settings.refusal_hold_ms)
+        self.response_cache = ResponseCache.from_settings(self.settings, self.metrics)
 
     @property
     def handler_pool(self) -> ThreadPoolExecutor:
