@@ -247,7 +247,10 @@ async def test_requests_meet_the_version_their_key_and_the_weights_give(served: 
 
 
 async def test_refused_splits_say_why(served: Served) -> None:
-    http, original, retrained, _ = served
+    http, original, retrained, frontend = served
+    tampered = add_digits_version(frontend.repository.root, 1.0)
+    artifact = frontend.repository.root / "digits" / tampered / "model.safetensors"
+    artifact.write_bytes(artifact.read_bytes()[:-4] + b"\0\0\0\0")
     url = "/admin/models/digits/traffic"
 
     async def put(body: object, headers: dict[str, str] = AUTH) -> httpx.Response:
@@ -271,6 +274,12 @@ async def test_refused_splits_say_why(served: Served) -> None:
         "/admin/models/nothere/traffic", json={"weights": {original: 100}}, headers=AUTH
     )
     assert not_served.status_code == 404
+    # All or none: the retrained version loaded for this split is discarded with it.
+    refused = await put({"weights": {original: 50, retrained: 25, tampered: 25}})
+    assert refused.status_code == 422, refused.text
+    assert "still serving digits" in refused.json()["error"]["message"]
+    named = await http.post(f"/models/digits/versions/{retrained}/predict", json=ONE_DIGIT)
+    assert named.status_code == 404
     # Nothing refused changed what is served.
     read = (await http.get(url, headers=AUTH)).json()
     assert read["weights"] == {original: 100}
