@@ -90,8 +90,8 @@ async def test_a_version_loaded_beside_answers_as_it_does_alone(
         status = engine.status()
         assert status.weights("digits") == {original: 100, retrained: 0}
 
-        # {v: 100} serves that version alone: the other is unloaded.
-        await engine.split("digits", {retrained: 100})
+        # A version switch ends the split: the version switched to alone, the others unloaded.
+        await engine.switch("digits", retrained)
         assert engine.status().weights("digits") == {retrained: 100}
         gone = await http.post(f"/models/digits/versions/{original}/predict", json=DIGIT_ROWS)
         assert gone.status_code == 404
