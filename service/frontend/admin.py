@@ -22,6 +22,7 @@ from service.frontend.responses import json_response
 from service.frontend.routes import frontend_of
 from service.frontend.schemas import ErrorResponse
 from service.frontend.state import FrontendState
+from service.frontend.traffic_window import NO_ANSWERS
 from service.manifest import check_name, check_version, manifest_summary
 from service.traffic_split import checked_weights
 
@@ -138,9 +139,9 @@ async def split_traffic(name: str, split: TrafficWeights, request: Request) -> R
     fails its check, 409 for one that does not fit in the memory budget); the one with the
     most weight becomes the primary (what the model's metadata and a request naming no
     version fall back to); loaded versions left out are unloaded: ``{"<version>": 100}``
-    serves that version alone. A request picks its
-    version by the weights, sticky by its ``x-routing-key`` header. 404 for a model not
-    served or a version not in the repository; 422 for weights not summing to 100."""
+    serves that version alone. A request picks its version by the weights, sticky by its
+    ``x-routing-key`` header. 404 for a model not served or a version not in the
+    repository; 422 for weights not summing to 100."""
     frontend = frontend_of(request)
     name = check_name(name)
     _served_weights(frontend, name)  # 404 for a model not served, whatever the weights
@@ -170,10 +171,7 @@ def _traffic(frontend: FrontendState, weights: dict[str, int], name: str) -> dic
         "weights": weights,
         "window_s": frontend.traffic.window_s,
         "versions": {
-            version: stats[version].to_json() if version in stats else _NO_REQUESTS
+            version: stats.get(version, NO_ANSWERS).to_json()
             for version in dict.fromkeys([*weights, *stats])
         },
     }
-
-
-_NO_REQUESTS = {"requests": 0, "errors": 0, "error_rate": 0.0, "p50_ms": None, "p99_ms": None}

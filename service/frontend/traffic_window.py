@@ -47,6 +47,10 @@ class VersionStats:
         }
 
 
+NO_ANSWERS = VersionStats(requests=0, errors=0, p50_ms=None, p99_ms=None)
+"""A version with no answer in the window."""
+
+
 class TrafficWindow:
     """Recent answers by model and version."""
 
