@@ -1,5 +1,5 @@
-"""Management routes under ``/admin``: list versions, load one, unload a model, roll back.
-Bearer token only.
+"""Management routes under ``/admin``: list versions, load one, unload a model, roll back,
+split a model's traffic over several versions. Bearer token only.
 
 A version is loaded by every engine next to what it serves (hashes verified, built, warmed
 up) and served only once all of them have it, beside the other models or in place of the
@@ -10,15 +10,21 @@ fit in the memory budget) and what is served stays everywhere.
 from __future__ import annotations
 
 import hmac
+import time
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.bridge.interface import SwitchResult
-from service.errors import ForbiddenError, UnauthorizedError
+from service.errors import ForbiddenError, ModelNotFoundError, UnauthorizedError
 from service.frontend.responses import json_response
 from service.frontend.routes import frontend_of
 from service.frontend.schemas import ErrorResponse
+from service.frontend.state import FrontendState
+from service.frontend.traffic_window import NO_ANSWERS
 from service.manifest import check_name, check_version, manifest_summary
+from service.traffic_split import checked_weights
 
 
 def require_admin_token(request: Request) -> None:
@@ -89,3 +95,83 @@ async def rollback(request: Request) -> Response:
 
 def _switched(result: SwitchResult) -> Response:
     return json_response({"serving": manifest_summary(result.serving), "replaced": result.replaced})
+
+
+class TrafficWeights(BaseModel):
+    """A traffic split: each version's share of the model's requests, percent."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights: dict[str, Annotated[int, Field(ge=0, le=100)]] = Field(
+        min_length=1,
+        description="Version id to weight, 0-100, summing to 100; 0 loads a version that "
+        "answers only requests naming it.",
+        examples=[{"dae3cd981a36": 95, "d09d18db9b1a": 5}],
+    )
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _numbers_only(cls, weights: object) -> object:
+        """A weight is a JSON number (``95``, or ``95.0``), never a string or a boolean."""
+        if isinstance(weights, dict):
+            for version, weight in weights.items():
+                if isinstance(weight, str | bool):
+                    raise ValueError(f"the weight of {version!r} is a number, got {weight!r}")
+        return weights
+
+
+@router.get("/models/{name}/traffic", summary="Read a model's traffic split")
+async def read_traffic(name: str, request: Request) -> Response:
+    """The weights of ``name``'s loaded versions and, for each version, the requests this
+    front end answered with it over the recent window: requests, errors (5xx), p50 and p99
+    latency in milliseconds."""
+    frontend = frontend_of(request)
+    return json_response(_traffic(frontend, _served_weights(frontend, check_name(name)), name))
+
+
+@router.put(
+    "/models/{name}/traffic",
+    summary="Split a model's traffic over versions",
+    responses={400: {"model": ErrorResponse}},
+)
+async def split_traffic(name: str, split: TrafficWeights, request: Request) -> Response:
+    """Serve ``name``'s requests by ``weights``: every version named is verified, loaded and
+    warmed up beside the others on every engine first (or on none: 422 for a version that
+    fails its check, 409 for one that does not fit in the memory budget); the one with the
+    most weight becomes the primary (what the model's metadata and a request naming no
+    version fall back to); loaded versions left out are unloaded: ``{"<version>": 100}``
+    serves that version alone. A request picks its version by the weights, sticky by its
+    ``x-routing-key`` header. 404 for a model not served or a version not in the
+    repository; 422 for weights not summing to 100."""
+    frontend = frontend_of(request)
+    name = check_name(name)
+    _served_weights(frontend, name)  # 404 for a model not served, whatever the weights
+    known = {manifest.version for manifest in frontend.repository.versions(name)}
+    for version in split.weights:  # 404 before the weights are judged
+        if check_version(version) not in known:
+            raise ModelNotFoundError(
+                f"{name} has no version {version!r} in the repository (a split names "
+                f"versions by id; it has {', '.join(sorted(known))})"
+            )
+    weights = checked_weights(split.weights)
+    await frontend.engine.split(name, weights)
+    return json_response(_traffic(frontend, weights, name))
+
+
+def _served_weights(frontend: FrontendState, name: str) -> dict[str, int]:
+    """The split ``name`` is served by now; 404 for a model not served (503 while no
+    engine is ready)."""
+    model = frontend.serving_model(name)
+    return frontend.engine.status().weights(model.manifest.name)
+
+
+def _traffic(frontend: FrontendState, weights: dict[str, int], name: str) -> dict[str, object]:
+    stats = frontend.traffic.stats(name, time.monotonic())
+    return {
+        "model": name,
+        "weights": weights,
+        "window_s": frontend.traffic.window_s,
+        "versions": {
+            version: stats.get(version, NO_ANSWERS).to_json()
+            for version in dict.fromkeys([*weights, *stats])
+        },
+    }

@@ -1,4 +1,5 @@
-"""``batchserve``: serve a model, package a model version, list and verify the repository."""
+"""``batchserve``: serve a model, package a model version, list and verify the repository,
+split a served model's traffic over versions."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from service.server.env_file import apply_env_file
 from service.server.launcher import clear_configured_multiprocess_dir
 from service.server.model_flags import add_repository_flag
 from service.server.predict_command import add_predict_parser, run_predict
+from service.server.traffic_command import add_traffic_parser, run_traffic
 from service.server.tune_command import add_tune_parser, run_tune
 
 
@@ -120,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tune_parser(commands)
     add_predict_parser(commands)
+    add_traffic_parser(commands)
 
     package = commands.add_parser(
         "package",
@@ -376,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_tune(args)
         if args.command == "predict":
             return run_predict(args)
+        if args.command == "traffic":
+            return run_traffic(args)
         return _models(args)
     except SettingsError as error:
         print(error, file=sys.stderr)

@@ -121,6 +121,9 @@ class ZeroEngine:
     async def unload(self, name: str) -> str:
         raise ConflictError("the HTTP ceiling serves one model and never unloads it")
 
+    async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
+        raise ConflictError("the HTTP ceiling serves one version and never splits its traffic")
+
 
 def model_info(settings: Settings) -> ModelInfo:
     """The configured version as an engine would report it: its manifest (read, not loaded)
