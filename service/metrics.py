@@ -326,6 +326,35 @@ class EngineMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.shadow_compared = Counter(
+            "batchserve_shadow_compared",
+            "Shadowed requests whose candidate answer was compared with the served answer.",
+            ["model", "version"],
+            registry=r,
+        )
+        self.shadow_disagreed = Counter(
+            "batchserve_shadow_disagreed",
+            "Shadowed requests on which the candidate's answer disagreed with the served one "
+            "(another label, a token, or a tensor beyond the tolerance).",
+            ["model", "version"],
+            registry=r,
+        )
+        self.shadow_dropped = Counter(
+            "batchserve_shadow_dropped",
+            "Requests chosen for a shadow but not run on the candidate, by reason: "
+            "shadow_full (its bounded queue), served_busy (the served queue is long), "
+            "refused (the candidate's batcher refused it), failed (the candidate raised).",
+            ["model", "version", "reason"],
+            registry=r,
+        )
+        self.shadow_latency = Histogram(
+            "batchserve_shadow_latency_seconds",
+            "From a shadowed request's queueing on the candidate to its answer, by version "
+            "(it waits for an idle device, so it is an upper bound of the candidate's own).",
+            buckets=LATENCY_BUCKETS_S,
+            labelnames=["model", "version"],
+            registry=r,
+        )
 
     def for_model(self, model: str) -> ModelMetrics:
         """The series of one model's batcher."""

@@ -30,7 +30,7 @@ from typing import Any
 import uvloop
 
 from service import tracing
-from service.bridge.interface import EngineStatus, SwitchResult
+from service.bridge.interface import EngineStatus, ShadowReport, SwitchResult
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine, FrameRequest, Queued
@@ -91,6 +91,15 @@ class _StartedEngine:
 
     async def unload(self, name: str) -> str:
         return await self._engine.unload(name)
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        return await self._engine.start_shadow(name, version, percent)
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        return await self._engine.shadow_report(name)
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        return await self._engine.stop_shadow(name)
 
 
 async def serve_engine(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import EngineClient, ModelInfo
+from service.bridge.published import RolloutRecords
 from service.config import Settings
 from service.errors import HandlerError, ModelNotFoundError
 from service.frontend.generation.text_model import TextModel, load_text_model
@@ -44,6 +45,8 @@ class FrontendState:
     """One process serving alone: a hung model means this process must be replaced. Behind
     the bridge the supervisor replaces the engine and the front end stays alive."""
     draining: bool = False
+    rollouts: RolloutRecords = field(default_factory=RolloutRecords.of_run)
+    """Each model's rollout plan, as ``batchserve rollout`` recorded it."""
     holding: int = 0
     """Requests whose body has been read and that are not answered yet."""
     receiving: int = 0

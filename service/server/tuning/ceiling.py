@@ -40,6 +40,7 @@ from service.bridge.interface import (
     InferenceRequest,
     InferenceResult,
     ModelInfo,
+    ShadowReport,
     SwitchResult,
 )
 from service.buckets import manifest_length_edges
@@ -120,6 +121,15 @@ class ZeroEngine:
 
     async def unload(self, name: str) -> str:
         raise ConflictError("the HTTP ceiling serves one model and never unloads it")
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        raise ConflictError("the HTTP ceiling serves one version and never shadows")
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        raise ConflictError("the HTTP ceiling serves one version and never shadows")
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        raise ConflictError("the HTTP ceiling serves one version and never shadows")
 
 
 def model_info(settings: Settings) -> ModelInfo:
