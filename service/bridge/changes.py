@@ -1,5 +1,5 @@
 """Admin changes that reach every engine of a server: switch a version (or load one beside the
-others) and unload a model, all or none.
+others), split a model's traffic over several versions, and unload a model, all or none.
 
 A switch first has each engine load and warm up the version beside what it serves
 (``prepare``); only when all have it does each serve it (``commit``); if any refuses, the others
@@ -43,20 +43,7 @@ async def switch_everywhere(
     """Serve ``name`` at ``version`` on every engine or on none; ``before`` is the model of
     that name served now (None: not served), for the answer when no engine could say."""
     require_every_engine(engines, "a version switch")
-    outcomes = await asyncio.gather(
-        *(engine.control("prepare", name=name, version=version) for engine in engines),
-        return_exceptions=True,
-    )
-    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-    if failures:
-        prepared = [
-            engine
-            for engine, outcome in zip(engines, outcomes, strict=True)
-            if not isinstance(outcome, BaseException)
-        ]
-        await asyncio.gather(*(e.control("abort") for e in prepared), return_exceptions=True)
-        raise most_telling(failures)
-    target = Manifest.model_validate(outcomes[0])
+    target = await _prepare_everywhere(engines, "prepare", name=name, version=version)
     replies = await _on_every_engine(
         engines,
         "commit",
@@ -70,6 +57,54 @@ async def switch_everywhere(
             serving=Manifest.model_validate(reply["serving"]), replaced=reply["replaced"]
         )
     return SwitchResult(serving=target, replaced=replaced_by(before, target))
+
+
+async def split_everywhere(
+    engines: Sequence[ControlChannel],
+    name: str,
+    weights: dict[str, int],
+    before: ModelInfo | None,
+) -> SwitchResult:
+    """Split ``name``'s traffic by ``weights`` on every engine or on none (each loads the
+    versions it lacks first); ``before``: its primary now, for the answer when no engine
+    could say."""
+    require_every_engine(engines, "a traffic split")
+    target = await _prepare_everywhere(engines, "prepare_split", name=name, weights=weights)
+    replies = await _on_every_engine(
+        engines,
+        "commit",
+        {},
+        lambda record: published.recorded_weights(record, name) == weights,
+        f"splitting {name}'s traffic {weights}",
+    )
+    if replies:
+        reply = replies[0]
+        return SwitchResult(
+            serving=Manifest.model_validate(reply["serving"]), replaced=reply["replaced"]
+        )
+    replaced = replaced_by(before, target)
+    return SwitchResult(serving=target, replaced=None if replaced == "nothing" else replaced)
+
+
+async def _prepare_everywhere(
+    engines: Sequence[ControlChannel], op: str, **args: object
+) -> Manifest:
+    """``op`` (a first step) on every engine: the manifest it will serve, or, when any
+    refuses, the others' step aborted and the most telling refusal raised."""
+    outcomes = await asyncio.gather(
+        *(engine.control(op, **args) for engine in engines),
+        return_exceptions=True,
+    )
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failures:
+        prepared = [
+            engine
+            for engine, outcome in zip(engines, outcomes, strict=True)
+            if not isinstance(outcome, BaseException)
+        ]
+        await asyncio.gather(*(e.control("abort") for e in prepared), return_exceptions=True)
+        raise most_telling(failures)
+    return Manifest.model_validate(outcomes[0])
 
 
 async def unload_everywhere(

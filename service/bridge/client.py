@@ -183,6 +183,11 @@ class BridgeClient:
     async def rollback(self, name: str | None = None) -> SwitchResult:
         return await self.switch(*self.status().rollback_target(name))
 
+    async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
+        """Prepare the split on every engine, then commit on all of them, or abort on all."""
+        before = self.status().find(name)
+        return await changes.split_everywhere(self._change_targets(), name, weights, before)
+
     async def unload(self, name: str) -> str:
         """Unload on every engine; any refusal is the answer (each engine refuses alike)."""
         served = self.status().find(name)

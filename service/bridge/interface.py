@@ -37,6 +37,9 @@ class ModelInfo:
     """Length buckets of the inputs' shared variable axis (empty for fixed shapes)."""
     memory_bytes: int = 0
     """What loading and warming it up took on its device."""
+    weight: int = 100
+    """This version's share of its model's requests, percent (a traffic split); 0 for a
+    version loaded beside that answers only requests naming it."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -46,6 +49,7 @@ class ModelInfo:
             "compiled": self.compiled,
             "length_edges": list(self.length_edges),
             "memory_bytes": self.memory_bytes,
+            "weight": self.weight,
         }
 
     @classmethod
@@ -57,6 +61,7 @@ class ModelInfo:
             compiled=bool(document["compiled"]),
             length_edges=tuple(int(edge) for edge in document["length_edges"]),
             memory_bytes=int(document.get("memory_bytes", 0)),
+            weight=int(document.get("weight", 100)),
         )
 
 
@@ -66,7 +71,10 @@ class EngineStatus:
 
     phase: Phase
     models: tuple[ModelInfo, ...] = ()
-    """Each model served, in the order loaded: the first answers ``/predict``."""
+    """Each model served, in the order loaded, as its primary version (the one with the most
+    weight): the first answers ``/predict``."""
+    beside: tuple[ModelInfo, ...] = ()
+    """The versions loaded beside the primaries (a traffic split), each with its weight."""
     previous: dict[str, str] = field(default_factory=dict)
     """Each model's version served before its last switch: what a rollback goes back to."""
     detail: str | None = None
@@ -85,8 +93,28 @@ class EngineStatus:
         return self.models[0] if self.models else None
 
     def find(self, name: str) -> ModelInfo | None:
-        """The model served under ``name``, if any."""
+        """The model served under ``name`` (its primary version), if any."""
         return next((model for model in self.models if model.manifest.name == name), None)
+
+    def find_version(self, name: str, version: str) -> ModelInfo | None:
+        """``name`` at ``version`` if it is loaded, as the primary or beside it."""
+        for model in (*self.models, *self.beside):
+            if model.manifest.name == name and model.manifest.version == version:
+                return model
+        return None
+
+    def weights(self, name: str) -> dict[str, int]:
+        """The traffic split of ``name`` over its loaded versions, the primary first (empty
+        when ``name`` is not served)."""
+        return {
+            model.manifest.version: model.weight
+            for model in (*self.models, *self.beside)
+            if model.manifest.name == name
+        }
+
+    def is_split(self, name: str) -> bool:
+        """Whether ``name`` has versions loaded beside its primary."""
+        return any(model.manifest.name == name for model in self.beside)
 
     @property
     def ready(self) -> bool:
@@ -123,6 +151,7 @@ class EngineStatus:
         return {
             "phase": self.phase,
             "models": [model.to_wire() for model in self.models],
+            "beside": [model.to_wire() for model in self.beside],
             "previous": self.previous,
             "detail": self.detail,
             "device": self.device,
@@ -135,6 +164,7 @@ class EngineStatus:
         return cls(
             phase=document["phase"],
             models=tuple(ModelInfo.from_wire(model) for model in document.get("models", ())),
+            beside=tuple(ModelInfo.from_wire(model) for model in document.get("beside", ())),
             previous={str(name): str(version) for name, version in document["previous"].items()},
             detail=document.get("detail"),
             device=str(document.get("device", "")),
@@ -308,6 +338,14 @@ class EngineClient(Protocol):
     async def unload(self, name: str) -> str:
         """Stop serving ``name`` on every engine (its queued requests finish first) and free
         its memory; returns the ``name@version`` unloaded."""
+        ...
+
+    async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
+        """Serve the versions of ``name`` that ``weights`` names (``traffic_split.py``), on
+        every engine or none: each version not loaded yet is loaded, verified and warmed up
+        beside the others first; then the one with the most weight is the primary, versions
+        left out are unloaded (their queued requests finish first). ``{v: 100}`` serves ``v``
+        alone."""
         ...
 
     async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -35,6 +35,9 @@ class PublishedVersion:
     version: str
     previous: str | None = None
     """The version served before the last switch: what an engine started later rolls back to."""
+    weights: dict[str, int] = field(default_factory=dict)
+    """The model's traffic split over its versions (``version`` the primary among them);
+    empty when ``version`` is served alone."""
 
 
 def version_file() -> Path | None:
@@ -49,7 +52,12 @@ def publish(served: list[PublishedVersion]) -> None:
     if path is None:
         return
     document = [
-        {"name": entry.name, "version": entry.version, "previous": entry.previous}
+        {
+            "name": entry.name,
+            "version": entry.version,
+            "previous": entry.previous,
+            **({"weights": entry.weights} if entry.weights else {}),
+        }
         for entry in served
     ]
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".serving-", delete=False) as staged:
@@ -72,14 +80,35 @@ def read_published() -> list[PublishedVersion] | None:
                 name=str(entry["name"]),
                 version=str(entry["version"]),
                 previous=str(entry["previous"]) if entry.get("previous") else None,
+                weights={
+                    str(version): int(weight)
+                    for version, weight in (entry.get("weights") or {}).items()
+                },
             )
             for entry in document
         ]
     except FileNotFoundError:
         return None
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, IndexError) as error:
+    except (
+        OSError,
+        orjson.JSONDecodeError,
+        KeyError,
+        TypeError,
+        IndexError,
+        ValueError,
+        AttributeError,
+    ) as error:
         logger.error("published_version_unreadable", extra={"path": str(path), "error": str(error)})
         return None
+
+
+def recorded_weights(record: list[PublishedVersion] | None, name: str) -> dict[str, int] | None:
+    """The traffic split of ``name`` that ``record`` says is served (``{version: 100}`` for a
+    version served alone); None when it says ``name`` is not served, or there is no record."""
+    entry = next((entry for entry in record or () if entry.name == name), None)
+    if entry is None:
+        return None
+    return entry.weights or {entry.version: 100}
 
 
 def recorded_version(record: list[PublishedVersion] | None, name: str) -> str | None:

@@ -7,10 +7,11 @@ or timer per request); each batch's answers for one front end go back in one ANS
 generation streams; the tokens one generation step gave this front end's streams go back in one
 TOKENS frame, as does each stream's refusal or error. A CANCELS frame withdraws requests, which
 drops them from the queue if they have not run yet, and ends streams (their slots are free at
-the next step). A CONTROL frame runs one step of a version switch (``prepare``, ``commit``,
-``abort``), or unloads a model (``unload``), and is answered by a REPLY. The engine's status
-goes to every front end when it connects, whenever it changes, and once a
-``heartbeat_interval_s``, so that a front end can tell a hung engine from a quiet one.
+the next step). A CONTROL frame runs one step of a version switch (``prepare``, or
+``prepare_split`` for a traffic split, then ``commit`` or ``abort``), or unloads a model
+(``unload``), and is answered by a REPLY. The engine's status goes to every front end when it
+connects, whenever it changes, and once a ``heartbeat_interval_s``, so that a front end can
+tell a hung engine from a quiet one.
 
 When a front end's connection closes, its requests still queued are dropped and its streams
 cancelled (nobody is left to answer), and a switch it prepared but did not finish is aborted.
@@ -108,6 +109,8 @@ class EngineBackend(Protocol):
 
     async def prepare(self, name: str, version: str) -> Manifest: ...
 
+    async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest: ...
+
     async def commit(self) -> SwitchResult: ...
 
     async def abort(self) -> None: ...
@@ -186,8 +189,12 @@ class BridgeServer:
 
     async def control(self, connection: _Connection, op: str, args: dict[str, Any]) -> object:
         """One step of a version switch, for the front end on ``connection``."""
-        if op == "prepare":
-            manifest = await self.backend.prepare(str(args["name"]), str(args["version"]))
+        if op in ("prepare", "prepare_split"):
+            if op == "prepare":
+                manifest = await self.backend.prepare(str(args["name"]), str(args["version"]))
+            else:
+                weights = {str(v): int(w) for v, w in dict(args["weights"]).items()}
+                manifest = await self.backend.prepare_split(str(args["name"]), weights)
             self._prepared_by = connection
             self._prepared_timer = asyncio.get_running_loop().call_later(
                 PREPARED_TIMEOUT_S, self._abort_abandoned_switch, connection

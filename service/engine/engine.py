@@ -76,7 +76,8 @@ Queued = tuple[Ticket[NamedArrays], str] | ServiceError
 
 
 class Engine:
-    """Loads and serves several models on one device, each one version at a time."""
+    """Loads and serves several models on one device, each a primary version and any
+    versions loaded beside it (a traffic split)."""
 
     def __init__(
         self,
@@ -149,7 +150,15 @@ class Engine:
         if self._status is None:
             self._status = EngineStatus(
                 phase=self.state.phase,  # type: ignore[arg-type]
-                models=tuple(served.info() for served in self.state.models.values()),
+                models=tuple(
+                    served.info(self.state.weight_of(name, served.manifest.version))
+                    for name, served in self.state.models.items()
+                ),
+                beside=tuple(
+                    served.info(self.state.weight_of(name, version))
+                    for name, versions in self.state.beside.items()
+                    for version, served in versions.items()
+                ),
                 previous=dict(self.state.previous_versions),
                 detail=self.state.load_error,
                 device=self.state.device,
@@ -267,7 +276,11 @@ class Engine:
         return results  # type: ignore[return-value]  # every one set
 
     def _serving(self, model: str, version: str) -> ServedModel | ServiceError:
-        """The model serving requests prepared for ``model@version``, or why none does."""
+        """The model serving requests prepared for ``model@version``, or why none does: that
+        very version when it is loaded (as the primary, or beside it)."""
+        beside = self.state.beside.get(model)
+        if beside is not None and version in beside:
+            return beside[version]
         served = self.state.models.get(model)
         if served is None:
             return NotReadyError(
@@ -320,6 +333,10 @@ class Engine:
     async def unload(self, name: str) -> str:
         return await self._switcher.unload(name)
 
+    async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
+        await self._switcher.prepare_split(name, weights)
+        return await self._switcher.commit()
+
     # ----------------------------------------------------------------- two-phase switch
 
     async def prepare(self, name: str, version: str) -> Manifest:
@@ -327,8 +344,14 @@ class Engine:
         ``abort``; meanwhile any other switch is refused (409)."""
         return await self._switcher.prepare(name, version)
 
+    async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest:
+        """Load the versions of ``weights`` not loaded yet beside those of ``name`` and hold
+        them until ``commit`` (which splits ``name``'s traffic by ``weights``) or ``abort``."""
+        return await self._switcher.prepare_split(name, weights)
+
     async def commit(self) -> SwitchResult:
-        """Serve what ``prepare`` loaded (nothing changes if it was served already)."""
+        """Serve what ``prepare`` or ``prepare_split`` loaded (nothing changes if it was
+        served already)."""
         return await self._switcher.commit()
 
     async def abort(self) -> None:
@@ -395,7 +418,7 @@ class Engine:
     def _forget_status(self) -> None:
         self._status = None
         versions = self._contracts
-        for served in self.state.models.values():
+        for served in self.state.every_version():
             versions[served.manifest.version] = request_contract(served.manifest)
         while len(versions) > REMEMBERED_VERSIONS:
             del versions[next(iter(versions))]

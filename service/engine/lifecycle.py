@@ -14,11 +14,12 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service import traffic_split
 from service.bridge import published
 from service.bridge.interface import GENERATIVE_TASKS
 from service.buckets import batch_group, manifest_length_edges
@@ -46,19 +47,29 @@ logger = logging.getLogger(__name__)
 
 
 async def load_version(
-    state: EngineState, name: str, version: str, *, shadow: bool = False
+    state: EngineState,
+    name: str,
+    version: str,
+    beside: Sequence[ServedModel] | None = None,
+    *,
+    shadow: bool = False,
 ) -> ServedModel:
     """Verify, load, place, warm up and start serving machinery for one version, within the
-    device memory budget beside the other models served (409 if it does not fit).
+    device memory budget beside the other versions loaded (409 if it does not fit): every
+    one but the primary of ``name``, which it would replace; with ``beside``, every one and
+    those (loaded for a traffic split, not serving yet).
 
-    A ``shadow`` version (``engine/shadow.py``) is loaded beside every model served, the
-    version of its own name included; its batches run on a thread of their own, begin only
+    A ``shadow`` version (``engine/shadow.py``) is counted beside every version loaded, the
+    primary of its own name included; its batches run on a thread of their own, begin only
     when the device is idle (background turns) and never hold a served model back; its
     batcher's series are labelled ``<name>@shadow``."""
     settings = state.settings
     manifest = state.store.resolve(name, version)
-    beside = list(state.models.values()) if shadow else _others(state, name)
-    others = [(served.manifest.label, served.memory_bytes) for served in beside]
+    if shadow:
+        counted = list(state.every_version())
+    else:
+        counted = _others(state, name) if beside is None else [*state.every_version(), *beside]
+    others = [(served.manifest.label, served.memory_bytes) for served in counted]
     series = shadow_series(name) if shadow else name
     folder = state.store.version_folder(manifest.name, manifest.version)
     measured = state.measured_memory.get(manifest.label)
@@ -249,17 +260,22 @@ def shadow_series(name: str) -> str:
 
 
 def _others(state: EngineState, name: str) -> list[ServedModel]:
-    """The models served beside ``name`` (whose served version a new one would replace)."""
-    return [served for other, served in state.models.items() if other != name]
+    """Every version loaded but the primary of ``name`` (which a new one would replace)."""
+    primary = state.models.get(name)
+    return [served for served in state.every_version() if served is not primary]
 
 
 def switch_to(state: EngineState, served: ServedModel) -> str:
     """Serve ``served`` from now on, beside the other models or in place of the version of
-    its name served now, which retires in the background; publish that. Returns what it
-    replaced: ``name@version``, or ``nothing``."""
+    its name served now, which retires in the background, as do the versions loaded beside
+    it (a switch ends a traffic split); publish that. Returns what it replaced:
+    ``name@version``, or ``nothing``."""
     manifest = served.manifest
     previous = state.models.get(manifest.name)
     state.models[manifest.name] = served
+    state.weights.pop(manifest.name, None)
+    for candidate in state.beside.pop(manifest.name, {}).values():
+        _retire_in_background(state, candidate)
     replaced = "nothing"
     if previous is not None:
         replaced = previous.manifest.label
@@ -281,6 +297,45 @@ def switch_to(state: EngineState, served: ServedModel) -> str:
             "compile_mode": served.runner.compile_mode,
             "memory_bytes": served.memory_bytes,
         },
+    )
+    return replaced
+
+
+def split_traffic(
+    state: EngineState, name: str, weights: dict[str, int], loaded: dict[str, ServedModel]
+) -> str | None:
+    """Serve ``name`` by ``weights`` (checked: ``traffic_split.checked_weights``) from now on,
+    over its versions loaded already and ``loaded`` (just loaded for it); publish that. The
+    version with the most weight is the primary; versions the weights leave out retire in the
+    background. Returns the ``name@version`` of the primary it replaced, or None."""
+    current = state.models[name]
+    versions = {current.manifest.version: current, **state.beside.get(name, {}), **loaded}
+    primary_version = traffic_split.primary_of(weights, current.manifest.version)
+    kept = {version: versions[version] for version in weights}
+    primary = kept.pop(primary_version)
+    for version, served in versions.items():
+        if version not in weights:
+            _retire_in_background(state, served)
+    state.models[name] = primary
+    state.beside.pop(name, None)
+    state.weights.pop(name, None)
+    if kept:
+        state.beside[name] = kept
+        state.weights[name] = dict(weights)
+    replaced = None
+    if primary is not current:
+        replaced = current.manifest.label
+        state.previous_versions[name] = current.manifest.version
+    for served in loaded.values():
+        if served.manifest.version in weights:
+            state.metrics.model_info.labels(*_info_labels(served)).set(1)
+            state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
+    _publish(state)
+    freeze_long_lived_objects(retired=False)
+    state.changed()
+    logger.info(
+        "traffic_split",
+        extra={"model": name, "weights": dict(weights), "primary": primary_version},
     )
     return replaced
 
@@ -307,7 +362,10 @@ def _publish(state: EngineState) -> None:
     published.publish(
         [
             published.PublishedVersion(
-                name, served.manifest.version, state.previous_versions.get(name)
+                name,
+                served.manifest.version,
+                state.previous_versions.get(name),
+                dict(state.weights.get(name, {})),
             )
             for name, served in state.models.items()
         ]
@@ -333,11 +391,14 @@ async def withdraw(state: EngineState, name: str) -> None:
     """Stop serving ``name`` (new requests for it are refused from now on), publish that,
     finish its queued requests and free its memory. The caller holds ``state.switch_lock``."""
     served = state.models.pop(name)
+    candidates = list(state.beside.pop(name, {}).values())
+    state.weights.pop(name, None)
     state.previous_versions.pop(name, None)
-    _forget_series(state, served)
+    for each in (served, *candidates):
+        _forget_series(state, each)
     _publish(state)
     state.changed()
-    await retire(served)
+    await asyncio.gather(*(retire(each) for each in (served, *candidates)))
     state.device_turns.forget(name)
 
 
@@ -369,14 +430,18 @@ async def start_serving(state: EngineState, on_load_failure: Callable[[], None] 
     wanted = state.settings.served_models()
     # An engine started after an admin switch (a replacement) serves what its siblings serve.
     recorded = published.read_published()
+    splits: dict[str, dict[str, int]] = {}
     if recorded is not None:
         wanted = [(entry.name, entry.version) for entry in recorded]
+        splits = {entry.name: entry.weights for entry in recorded if entry.weights}
     started_s = time.perf_counter()
     for name, version in wanted:
         try:
             async with state.switch_lock:
                 served = await load_version(state, name, version)
                 switch_to(state, served)
+                if name in splits:  # and the versions its split served beside it
+                    await _load_split(state, name, splits[name])
         except Exception as error:
             state.load_error = f"{name}@{version}: {error}"
             logger.error(
@@ -398,6 +463,19 @@ async def start_serving(state: EngineState, on_load_failure: Callable[[], None] 
     )
 
 
+async def _load_split(state: EngineState, name: str, weights: dict[str, int]) -> None:
+    """Load the versions of ``weights`` not loaded yet beside ``name``'s, then split."""
+    loaded: dict[str, ServedModel] = {}
+    try:
+        for version in weights:
+            if state.models[name].manifest.version != version and version not in loaded:
+                loaded[version] = await load_version(state, name, version, list(loaded.values()))
+    except BaseException:
+        await asyncio.gather(*(retire(served) for served in loaded.values()))
+        raise
+    split_traffic(state, name, weights, loaded)
+
+
 async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:
     """Refuse new work, finish every queued request, stop the collectors, free the device."""
     state.draining = True
@@ -410,7 +488,7 @@ async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:
         # requests have been answered 504 by their deadlines; the process must be replaced.
         logger.error("shutdown_with_stalled_model")
         return
-    await asyncio.gather(*(retire(served) for served in state.models.values()))
+    await asyncio.gather(*(retire(served) for served in state.every_version()))
     await asyncio.gather(*state.retiring, return_exceptions=True)
     if state.device_thread is not None:
         state.device_thread.shutdown(wait=True)

@@ -83,6 +83,9 @@ class _StartedEngine:
     async def prepare(self, name: str, version: str) -> Manifest:
         return await self._engine.prepare(name, version)
 
+    async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest:
+        return await self._engine.prepare_split(name, weights)
+
     async def commit(self) -> SwitchResult:
         return await self._engine.commit()
 

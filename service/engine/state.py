@@ -1,4 +1,5 @@
-"""What an engine holds: the models it serves, each one version at a time, and their machinery."""
+"""What an engine holds: the models it serves, each as a primary version and any versions
+loaded beside it under a traffic split, and their machinery."""
 
 from __future__ import annotations
 
@@ -148,7 +149,9 @@ class ServedModel:
         """The input whose shape decides the group (``buckets.batch_group``)."""
         return self.manifest.variable_input or self.manifest.input
 
-    def info(self) -> ModelInfo:
+    def info(self, weight: int = 100) -> ModelInfo:
+        """What a front end sees of this version; ``weight``: its share of its model's
+        requests (``EngineState.weights``)."""
         return ModelInfo(
             manifest=self.manifest,
             device=str(self.runner.device),
@@ -156,6 +159,7 @@ class ServedModel:
             compiled=self.runner.compiled,
             length_edges=self.length_edges,
             memory_bytes=self.memory_bytes,
+            weight=weight,
         )
 
 
@@ -175,8 +179,16 @@ class EngineState:
     device_turns: DeviceTurns = field(default_factory=DeviceTurns)
     """Which model runs next on the device: the one that has used it least."""
     models: dict[str, ServedModel] = field(default_factory=dict)
-    """Each model served, by name, in the order they were loaded: the first answers
+    """Each model served, by name, in the order they were loaded: its primary version (the
+    one its metadata describes and ``/predict`` falls back to). The first answers
     ``/predict``."""
+    beside: dict[str, dict[str, ServedModel]] = field(default_factory=dict)
+    """Versions of a model loaded beside its primary, by name then version: each a whole
+    ``ServedModel`` (its own runner and batcher; the device's turns shared), answering the
+    requests prepared for it. Absent for a model served by its primary alone."""
+    weights: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Each model's traffic split over its loaded versions (primary included), percent
+    summing to 100 (``traffic_split.py``); absent for a model served by its primary alone."""
     previous_versions: dict[str, str] = field(default_factory=dict)
     """Each model's version served before its last switch: what a rollback goes back to."""
     measured_memory: dict[str, int] = field(default_factory=dict)
@@ -196,6 +208,18 @@ class EngineState:
     """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
     frontend_loads: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
     """Each front end's last reported load (``InferenceRequest.frontend_load``) and when."""
+
+    def every_version(self) -> list[ServedModel]:
+        """Every version loaded: each model's primary, then the versions beside it."""
+        return [
+            *self.models.values(),
+            *(served for versions in self.beside.values() for served in versions.values()),
+        ]
+
+    def weight_of(self, name: str, version: str) -> int:
+        """``name@version``'s share of the requests to ``name``, percent."""
+        weights = self.weights.get(name)
+        return 100 if weights is None else weights.get(version, 0)
 
     @property
     def served(self) -> ServedModel | None:
@@ -233,7 +257,7 @@ class EngineState:
         and with it the device thread every model shares."""
         return any(
             served.batcher.stalled or (served.generation is not None and served.generation.stalled)
-            for served in self.models.values()
+            for served in self.every_version()
         )
 
     @property

@@ -1,10 +1,13 @@
-"""Changing what one engine serves: load a version beside the others, switch to it, unload.
+"""Changing what one engine serves: load a version beside the others, switch to it, split a
+model's traffic over several of its versions, unload.
 
 A switch has two steps so that a front end can switch several engines all or none: ``prepare``
 loads, verifies and warms up the version beside what is served and holds it; ``commit`` serves
-it, ``abort`` discards it. ``switch`` is both at once, for one engine alone. One change at a
-time per engine (``state.switch_lock``): a second one is refused (409) rather than queued, so
-that the admin API answers at once and every memory measurement is a model's own.
+it, ``abort`` discards it. A traffic split has the same two steps (``prepare_split``: every
+version it names that is not loaded yet). ``switch`` is both at once, for one engine alone.
+One change at a time per engine (``state.switch_lock``): a second one is refused (409) rather
+than queued, so that the admin API answers at once and every memory measurement is a model's
+own.
 
 Committing publishes what the engine serves (``bridge/published.py``) before it answers: that
 record is the commit point, which an engine started later serves, and which a front end reads
@@ -13,8 +16,9 @@ to tell whether a commit whose answer it never got took place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from service import traffic_split
 from service.bridge.interface import SwitchResult
 from service.engine import lifecycle
 from service.engine.compatibility import interchangeable, request_contract
@@ -35,6 +39,9 @@ class _Prepared:
     name: str
     loaded: ServedModel | None
     """None: the version asked for is served already (committing changes nothing)."""
+    weights: dict[str, int] | None = None
+    """A traffic split to serve (then ``loaded`` is None, and ``beside`` what it loaded)."""
+    beside: dict[str, ServedModel] = field(default_factory=dict)
 
 
 class Switcher:
@@ -58,10 +65,39 @@ class Switcher:
         self._prepared = _Prepared(name, loaded)
         return (loaded or self._state.models[name]).manifest
 
+    async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest:
+        """Load each version of ``weights`` (checked: ``traffic_split.checked_weights``) that
+        is not loaded yet beside the versions of ``name`` loaded, within the memory budget
+        counting them all, and hold them until ``commit`` (which splits ``name``'s traffic by
+        ``weights``) or ``abort``. Returns the manifest of the primary to be. Refused as
+        ``prepare`` is; 404 for a model not served."""
+        await self._lock("another version is being loaded")
+        try:
+            beside = await _load_split(self._state, name, weights)
+        except BaseException:
+            self._state.switch_lock.release()
+            raise
+        self._prepared = _Prepared(name, None, weights, beside)
+        current = self._state.models[name]
+        primary = traffic_split.primary_of(weights, current.manifest.version)
+        return (
+            beside[primary].manifest
+            if primary in beside
+            else self._state.store.resolve(name, primary)
+        )
+
     async def commit(self) -> SwitchResult:
-        """Serve what ``prepare`` loaded (nothing changes if it was served already)."""
+        """Serve what ``prepare`` or ``prepare_split`` loaded (nothing changes if it was
+        served already)."""
         prepared = self._take_prepared("commit")
         try:
+            if prepared.weights is not None:
+                replaced = lifecycle.split_traffic(
+                    self._state, prepared.name, prepared.weights, prepared.beside
+                )
+                return SwitchResult(
+                    serving=self._state.models[prepared.name].manifest, replaced=replaced
+                )
             if prepared.loaded is None:
                 return SwitchResult(
                     serving=self._state.models[prepared.name].manifest, replaced=None
@@ -79,6 +115,8 @@ class Switcher:
         try:
             if prepared.loaded is not None:
                 await lifecycle.retire(prepared.loaded)
+            for served in prepared.beside.values():
+                await lifecycle.retire(served)
         finally:
             self._state.switch_lock.release()
 
@@ -119,6 +157,40 @@ class Switcher:
             raise ConflictError(f"no version has been prepared; nothing to {step}")
         prepared, self._prepared = self._prepared, None
         return prepared
+
+
+async def _load_split(
+    state: EngineState, name: str, weights: dict[str, int]
+) -> dict[str, ServedModel]:
+    """The versions of ``weights`` not loaded for ``name`` yet, loaded and warmed up beside
+    every version loaded; all or none (a refusal retires those loaded before it)."""
+    current = state.models.get(name)
+    if current is None:
+        serving = ", ".join(state.models) or "nothing"
+        raise ModelNotFoundError(
+            f"{name} is not served here (serving {serving}); load a version of it first"
+        )
+    loaded_already = {current.manifest.version, *state.beside.get(name, {})}
+    loaded: dict[str, ServedModel] = {}
+    try:
+        for version in weights:
+            if version in loaded_already:
+                continue
+            try:
+                manifest = state.store.resolve(name, version)
+                if manifest.version != version:
+                    raise ModelNotFoundError(f"a split names versions by id, got {version!r}")
+                loaded[version] = await lifecycle.load_version(
+                    state, name, manifest.version, list(loaded.values())
+                )
+            except (ModelIntegrityError, ModelLoadError) as error:
+                reason = str(error).replace(str(state.store.root), "<repository>")
+                raise ModelRejectedError(f"{reason}; still serving {name} as before") from error
+    except BaseException:
+        for served in loaded.values():
+            await lifecycle.retire(served)
+        raise
+    return loaded
 
 
 async def _load_beside(state: EngineState, name: str, version: str) -> ServedModel | None:

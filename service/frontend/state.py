@@ -88,8 +88,9 @@ class FrontendState:
 
     def serving_model(self, name: str | None = None, version: str | None = None) -> ModelInfo:
         """The model ``name`` (the first served when None) that requests are validated against
-        now, if it serves ``version`` when one is named; 503 when no engine can take requests,
-        404 for a model or version not served."""
+        now: its primary version, or ``version`` when one is named and loaded (the primary or
+        beside it); 503 when no engine can take requests, 404 for a model or version not
+        served."""
         status = self.engine.status()  # draining: readiness is off, but requests are served
         if not status.ready or status.model is None:
             raise status.refusal()
@@ -98,10 +99,14 @@ class FrontendState:
             served = ", ".join(repr(model.manifest.name) for model in status.models)
             raise ModelNotFoundError(f"unknown model {name!r}: this server serves {served}")
         if version not in (None, "", model.manifest.version):
-            raise ModelNotFoundError(
-                f"{model.manifest.name} version {version!r} is not served (serving "
-                f"{model.manifest.version}); load it first"
-            )
+            loaded = status.find_version(model.manifest.name, version)
+            if loaded is None:
+                serving = ", ".join(status.weights(model.manifest.name))
+                raise ModelNotFoundError(
+                    f"{model.manifest.name} version {version!r} is not served (serving "
+                    f"{serving}); load it first"
+                )
+            return loaded
         return model
 
     def admitting_model(

@@ -122,6 +122,9 @@ class ZeroEngine:
     async def unload(self, name: str) -> str:
         raise ConflictError("the HTTP ceiling serves one model and never unloads it")
 
+    async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
+        raise ConflictError("the HTTP ceiling serves one version and never splits its traffic")
+
     async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
         raise ConflictError("the HTTP ceiling serves one version and never shadows")
 
