@@ -87,6 +87,13 @@ class FrontendMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.model_requests = Counter(
+            "batchserve_model_requests",
+            "Inference requests answered, by the model and version they were validated for "
+            "(a traffic split's choice, or the version named) and status code.",
+            ["model", "version", "status"],
+            registry=r,
+        )
         self.deadline_overrun = Histogram(
             "batchserve_deadline_overrun_seconds",
             "How long after its deadline a request answered 504 by its engine got that "

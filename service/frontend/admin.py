@@ -1,5 +1,6 @@
-"""Management routes under ``/admin``: list versions, load one, unload a model, roll back;
-shadow a candidate version; record a rollout plan. Bearer token only.
+"""Management routes under ``/admin``: list versions, load one, unload a model, roll back,
+split a model's traffic over several versions; shadow a candidate version; record a rollout
+plan. Bearer token only.
 
 A version is loaded by every engine next to what it serves (hashes verified, built, warmed
 up) and served only once all of them have it, beside the other models or in place of the
@@ -15,23 +16,21 @@ the published version record, for ``batchserve rollout`` to resume after any res
 from __future__ import annotations
 
 import hmac
+import time
 
 import orjson
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from service.bridge.interface import SwitchResult
-from service.errors import (
-    ForbiddenError,
-    InvalidInputError,
-    ModelNotFoundError,
-    UnauthorizedError,
-)
+from service.errors import ForbiddenError, InvalidInputError, ModelNotFoundError, UnauthorizedError
 from service.frontend.responses import json_response
 from service.frontend.routes import frontend_of
 from service.frontend.schemas import ErrorResponse
+from service.frontend.state import FrontendState
 from service.manifest import check_name, check_version, manifest_summary
 from service.rollout_plan import RolloutPlan
+from service.traffic_split import checked_weights
 
 
 def require_admin_token(request: Request) -> None:
@@ -157,3 +156,85 @@ async def read_rollout(name: str, request: Request) -> Response:
 
 def _switched(result: SwitchResult) -> Response:
     return json_response({"serving": manifest_summary(result.serving), "replaced": result.replaced})
+
+
+class TrafficWeights(BaseModel):
+    """A traffic split: each version's share of the model's requests, percent."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights: dict[str, StrictInt] = Field(
+        description="Version id to weight, 0-100, summing to 100; 0 loads a version that "
+        "answers only requests naming it.",
+        examples=[{"dae3cd981a36": 95, "d09d18db9b1a": 5}],
+    )
+
+
+@router.get("/models/{name}/traffic", summary="Read a model's traffic split")
+async def read_traffic(name: str, request: Request) -> Response:
+    """The weights of ``name``'s loaded versions and, for each version, the requests this
+    front end answered with it over the recent window: requests, errors (5xx), p50 and p99
+    latency in milliseconds."""
+    frontend = frontend_of(request)
+    return json_response(_traffic(frontend, _served_weights(frontend, check_name(name)), name))
+
+
+@router.put("/models/{name}/traffic", summary="Split a model's traffic over versions")
+async def split_traffic(name: str, split: TrafficWeights, request: Request) -> Response:
+    """Serve ``name``'s requests by ``weights``: every version named is verified, loaded and
+    warmed up beside the others on every engine first (or on none: 422 for a version that
+    fails its check, 409 for one that does not fit in the memory budget); the one with the
+    most weight becomes the primary (what the model's metadata and a request naming no
+    version fall back to); loaded versions left out are unloaded. A request picks its
+    version by the weights, sticky by its ``x-routing-key`` header. 404 for a model not
+    served or a version not in the repository; 422 for weights not summing to 100."""
+    frontend = frontend_of(request)
+    name = check_name(name)
+    weights = checked_weights(split.weights)
+    _served_weights(frontend, name)  # 404 before any version is looked up
+    known = {manifest.version for manifest in frontend.repository.versions(name)}
+    for version in weights:
+        if version == "latest":
+            raise InvalidInputError("a traffic split names versions by id, not 'latest'")
+        if check_version(version) not in known:
+            raise ModelNotFoundError(
+                f"{name} has no version {version!r} in the repository (it has "
+                f"{', '.join(sorted(known))})"
+            )
+    await frontend.engine.split(name, weights)
+    return json_response(_traffic(frontend, weights, name))
+
+
+@router.delete("/models/{name}/traffic", summary="Serve a model's primary version alone")
+async def clear_traffic(name: str, request: Request) -> Response:
+    """End ``name``'s traffic split: its primary version (the one with the most weight) takes
+    every request, and the other versions are unloaded."""
+    frontend = frontend_of(request)
+    name = check_name(name)
+    primary = frontend.serving_model(name).manifest.version
+    weights = {primary: 100}
+    if _served_weights(frontend, name) != weights:
+        await frontend.engine.split(name, weights)
+    return json_response(_traffic(frontend, weights, name))
+
+
+def _served_weights(frontend: FrontendState, name: str) -> dict[str, int]:
+    """The split ``name`` is served by now; 404 for a model not served (503 while no
+    engine is ready)."""
+    model = frontend.serving_model(name)
+    return frontend.engine.status().weights(model.manifest.name)
+
+
+def _traffic(frontend: FrontendState, weights: dict[str, int], name: str) -> dict[str, object]:
+    stats = frontend.traffic.stats(name, time.monotonic())
+    return {
+        "model": name,
+        "weights": weights,
+        "window_s": frontend.traffic.window_s,
+        "versions": {
+            version: stats[version].to_json() if version in stats else _NO_REQUESTS
+            for version in dict.fromkeys([*weights, *stats])
+        },
+    }
+
+
+_NO_REQUESTS = {"requests": 0, "errors": 0, "error_rate": 0.0, "p50_ms": None, "p99_ms": None}

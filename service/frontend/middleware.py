@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.frontend import access_log, request_spans
 from service.frontend.inference import CLIENT_CLOSED_STATUS
 from service.frontend.inference_routes import INFERENCE_LABELS
+from service.frontend.routing import ROUTING_STATE
 from service.frontend.state import FrontendState
 
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -79,6 +80,9 @@ class ServiceMiddleware:
             latency_s = time.perf_counter() - started_s
             exemplar = state.get(request_spans.EXEMPLAR_STATE)
             self.tally.answered(route_label(scope), str(answered), latency_s, exemplar)
+            routing = state.get(ROUTING_STATE)
+            if routing is not None:
+                self.frontend.answered_with(routing, answered, latency_s)
             if self.access_log:
                 access_log.log_http(scope, answered, latency_s, answer_headers)
 

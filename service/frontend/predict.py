@@ -42,6 +42,7 @@ from service.frontend.handlers.base import Handler, HandlerRequest
 from service.frontend.preprocessing import cheap_to_parse, off_the_loop
 from service.frontend.requests import ClientDisconnectedError, Deadline, HeldRequest
 from service.frontend.responses import json_answer
+from service.frontend.routing import Routing
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import PRIORITIES, Priority
@@ -187,11 +188,12 @@ async def serve_prediction(
     query_string: bytes = b"",
     model_name: str | None = None,
     model_version: str | None = None,
+    routing: Routing | None = None,
 ) -> Response:
     """Validate the body, queue its instances for the next batch, answer one row each.
 
-    ``model_name`` (the first model served when None) at ``model_version`` (the one served
-    when None) answers it.
+    ``model_name`` (the first model served when None) at ``model_version`` (when None: the
+    one its traffic split gives ``routing``, else its primary) answers it.
 
     The request is validated against the version served once its body has arrived, so a
     version switched while a slow body was uploading costs nothing; the answer names the
@@ -202,7 +204,7 @@ async def serve_prediction(
     deadline = Deadline.start(frontend.settings)
     # Refused at once, before reading a body nobody can serve.
     first_model = frontend.admitting_model(
-        model_name, model_version, headers.batch_priority(), deadline.at_s
+        model_name, model_version, headers.batch_priority(), deadline.at_s, routing
     )
     media_type = body_media_type(
         headers.content_type, frontend.handler_for(first_model).media_types
@@ -221,6 +223,7 @@ async def serve_prediction(
         body,
         deadline,
         (first_model, media_type),
+        routing,
     )
     try:
         return await answer(model_name, model_version)
@@ -239,6 +242,7 @@ async def _serve_body(
     body: bytes,
     deadline: Deadline,
     checked: tuple[ModelInfo, str],
+    routing: Routing | None,
     model_name: str | None,
     model_version: str | None,
 ) -> Response:
@@ -247,7 +251,7 @@ async def _serve_body(
     against before it arrived, and that media type."""
     first_model, media_type = checked
     with HeldRequest(frontend, deadline, request_id) as held:
-        model = frontend.serving_model(model_name, model_version)
+        model = frontend.serving_model(model_name, model_version, routing)
         handler = frontend.handler_for(model)
         if model is not first_model:  # switched while the body arrived: its handler decides
             media_type = body_media_type(headers.content_type, handler.media_types)

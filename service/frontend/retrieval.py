@@ -32,6 +32,7 @@ from service.frontend.handlers.base import Handler
 from service.frontend.predict import PredictHeaders, handled, read_body
 from service.frontend.preprocessing import off_the_loop
 from service.frontend.requests import Deadline, HeldRequest
+from service.frontend.routing import routing_of
 from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import Priority
@@ -105,7 +106,8 @@ class Arrived:
             if not kinds:
                 raise ModelNotFoundError(f"this server serves no {what}")
             name = kinds[0]
-        model = frontend.admitting_model(name, None, self.priority, self.deadline.at_s)
+        routing = routing_of(self.scope)
+        model = frontend.admitting_model(name, None, self.priority, self.deadline.at_s, routing)
         if not _is(frontend, model, kind):
             raise ModelNotFoundError(
                 f"{name!r} is not {what}; the {what}s served: {kinds or 'none'}"
@@ -122,7 +124,8 @@ class Arrived:
         try:
             return await self._computed(model, kind, prepare)
         except VersionSwitchedError:
-            return await self._computed(self.frontend.serving_model(name), kind, prepare)
+            again = self.frontend.serving_model(name, None, routing_of(self.scope))
+            return await self._computed(again, kind, prepare)
 
     async def _computed(
         self, model: ModelInfo, kind: type[HandlerT], prepare: Callable[[HandlerT], NamedArrays]

@@ -14,6 +14,7 @@ from service.frontend.inference import DirectRoute, Serve, answer_inference
 from service.frontend.inference_routes import of_protocol
 from service.frontend.predict import PredictHeaders, serve_prediction
 from service.frontend.responses import JSON, json_response, service_error_response
+from service.frontend.routing import routing_of
 from service.frontend.schemas import (
     ErrorResponse,
     HealthResponse,
@@ -98,6 +99,7 @@ def _serving(request: Request, name: str | None = None, version: str | None = No
             scope.get("query_string", b""),
             name,
             version,
+            routing_of(scope),
         )
 
     return serve

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry
 
+from service import traffic_split
 from service.bridge.interface import EngineClient, ModelInfo
 from service.bridge.published import RolloutRecords
 from service.config import Settings
@@ -19,6 +21,8 @@ from service.frontend.inputs import InputLayout
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.request_metrics import RequestTally
+from service.frontend.routing import Routing
+from service.frontend.traffic_window import TrafficWindow
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.types import Priority
@@ -57,6 +61,8 @@ class FrontendState:
     """Request counts, latencies and in-flight, written to ``metrics`` a batch at a time."""
     refusal_holds: RefusalHolds = field(init=False)
     """When each HTTP client refused for load may retry."""
+    traffic: TrafficWindow = field(default_factory=TrafficWindow)
+    """What each version answered lately (``GET /admin/models/{name}/traffic``)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
     _text_models: dict[str, TextModel] = field(default_factory=dict)
@@ -86,11 +92,14 @@ class FrontendState:
     def ready(self) -> bool:
         return not self.draining and self.engine.status().ready
 
-    def serving_model(self, name: str | None = None, version: str | None = None) -> ModelInfo:
+    def serving_model(
+        self, name: str | None = None, version: str | None = None, routing: Routing | None = None
+    ) -> ModelInfo:
         """The model ``name`` (the first served when None) that requests are validated against
         now: its primary version, or ``version`` when one is named and loaded (the primary or
-        beside it); 503 when no engine can take requests, 404 for a model or version not
-        served."""
+        beside it); with ``routing`` (an inference request's) and no ``version``, the version
+        its traffic split gives the request, remembered in ``routing.chosen``. 503 when no
+        engine can take requests, 404 for a model or version not served."""
         status = self.engine.status()  # draining: readiness is off, but requests are served
         if not status.ready or status.model is None:
             raise status.refusal()
@@ -106,7 +115,13 @@ class FrontendState:
                     f"{model.manifest.name} version {version!r} is not served (serving "
                     f"{serving}); load it first"
                 )
-            return loaded
+            model = loaded
+        elif routing is not None and status.beside and status.is_split(model.manifest.name):
+            name = model.manifest.name
+            chosen = traffic_split.version_for(status.weights(name), routing.bucket(name))
+            model = status.find_version(name, chosen) or model
+        if routing is not None:
+            routing.chosen = model
         return model
 
     def admitting_model(
@@ -115,17 +130,28 @@ class FrontendState:
         version: str | None,
         priority: Priority = "normal",
         deadline_s: float | None = None,
+        routing: Routing | None = None,
     ) -> ModelInfo:
         """``serving_model``, checked before a request's body is read: also refused (429) when
         its engine would refuse any request at ``priority`` due at ``deadline_s`` (None: its
         body may set it) now, whatever its body (``EngineClient.refusal_before_body``): a storm
         of requests that would be refused costs no parse, and leaves the CPU to the forward
         (issue 23)."""
-        model = self.serving_model(name, version)
+        model = self.serving_model(name, version, routing)
         refused = self.engine.refusal_before_body(model.manifest.name, priority, deadline_s)
         if refused is not None:
             raise refused
         return model
+
+    def answered_with(self, routing: Routing, status: int, latency_s: float) -> None:
+        """An inference request answered ``status`` after ``latency_s``, counted under the
+        version ``routing`` chose (``traffic``, ``batchserve_model_requests_total``)."""
+        model = routing.chosen
+        if model is None:
+            return
+        name, version = model.manifest.name, model.manifest.version
+        self.traffic.record(name, version, time.monotonic(), latency_s, status)
+        self.metrics.model_requests.labels(name, version, str(status)).inc()
 
     def layout_for(self, model: ModelInfo) -> InputLayout:
         """How requests for ``model`` are parsed, validated and grouped (built once a version)."""

@@ -1,4 +1,5 @@
-"""``batchserve``: serve a model, package a model version, list and verify the repository."""
+"""``batchserve``: serve a model, package a model version, list and verify the repository,
+split a served model's traffic over versions."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from service.server.launcher import clear_configured_multiprocess_dir
 from service.server.model_flags import add_repository_flag
 from service.server.predict_command import add_predict_parser, run_predict
 from service.server.rollout_command import add_rollout_parser, run_rollout
+from service.server.traffic_command import add_traffic_parser, run_traffic
 from service.server.tune_command import add_tune_parser, run_tune
 
 
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tune_parser(commands)
     add_predict_parser(commands)
+    add_traffic_parser(commands)
     add_rollout_parser(commands)
 
     package = commands.add_parser(
@@ -378,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_tune(args)
         if args.command == "predict":
             return run_predict(args)
+        if args.command == "traffic":
+            return run_traffic(args)
         if args.command == "rollout":
             return run_rollout(args)
         return _models(args)

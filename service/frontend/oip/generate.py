@@ -46,6 +46,7 @@ from service.frontend.inference import answer_inference
 from service.frontend.oip.rest import error_response
 from service.frontend.requests import Deadline
 from service.frontend.responses import json_response
+from service.frontend.routing import routing_of
 from service.frontend.sse import event, event_stream
 from service.frontend.state import FrontendState
 
@@ -118,7 +119,8 @@ async def serve_generate(
 ) -> Response:
     deadline = Deadline.start(frontend.settings)
     priority = request_priority(scope)
-    model = frontend.admitting_model(name, version)
+    routing = routing_of(scope)
+    model = frontend.admitting_model(name, version, routing=routing)
     body = await read_request_body(frontend, scope, receive, deadline)
     try:
         request = GenerateBody.model_validate_json(body)
@@ -130,7 +132,7 @@ async def serve_generate(
         raise InvalidParameterError(
             "text_input", f"text_input is over {MAX_TEXT_INPUT_CHARS} characters"
         )
-    model = frontend.serving_model(name, version)
+    model = frontend.serving_model(name, version, routing)
     text_model = await text_model_of(frontend, model)
     prompt = await off_loop(frontend, lambda: tuple(text_model.encode(request.text_input)))
     if not prompt:

@@ -42,6 +42,7 @@ from service.frontend.oip.tensors import (
 )
 from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.requests import Deadline
+from service.frontend.routing import ROUTING_KEY_HEADER, Routing
 from service.frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
@@ -138,11 +139,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         started_s = time.perf_counter()
         status = "200"
         reply: pb.ModelInferResponse | None = None
+        routing = Routing(_routing_key(context))
         tally.started()
         self.frontend.receiving += 1
         try:
             try:
-                reply = await self._infer(request, context)
+                reply = await self._infer(request, context, routing)
                 return reply
             except ServiceError as error:
                 status = str(error.status_code)
@@ -157,6 +159,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             tally.stopped()
             latency_s = time.perf_counter() - started_s
             tally.answered(INFER_ROUTE, status, latency_s, tracing.current_exemplar())
+            self.frontend.answered_with(routing, int(status), latency_s)
             if self.access_log:
                 access_log.log_grpc(
                     "/" + MODEL_INFER_METHOD,
@@ -170,12 +173,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 )
 
     async def _infer(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        routing: Routing,
     ) -> pb.ModelInferResponse:
         """The call's answer; a ``ServiceError`` for any refusal."""
         frontend = self.frontend
         deadline = Deadline.start(frontend.settings).sooner(context.time_remaining(), GRPC_DEADLINE)
-        model = frontend.serving_model(request.model_name, request.model_version or None)
+        model = frontend.serving_model(request.model_name, request.model_version or None, routing)
         options = InferOptions(
             outputs=tuple(_requested(output) for output in request.outputs),
             parameters=_parameters(request.parameters),
@@ -293,3 +299,12 @@ async def start_grpc_server(frontend: FrontendState) -> grpc.aio.Server:
     await server.start()
     logger.info("grpc_serving", extra={"address": address})
     return server
+
+
+def _routing_key(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    """The call's ``x-routing-key`` metadata (``routing.py``), or None."""
+    wanted = ROUTING_KEY_HEADER.decode()
+    for key, value in context.invocation_metadata() or ():
+        if key == wanted:
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None

@@ -44,6 +44,7 @@ from service.frontend.oip.tensors import (
 from service.frontend.predict import read_body
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.responses import json_response
+from service.frontend.routing import Routing
 from service.frontend.state import FrontendState
 from service.types import Priority
 
@@ -65,15 +66,17 @@ async def serve_v2_inference(
     request_id: str,
     name: str,
     version: str | None,
+    routing: Routing | None = None,
 ) -> Response:
-    """Validate, queue on the engine, and answer one V2 inference request."""
+    """Validate, queue on the engine, and answer one V2 inference request (when it names no
+    version, with the version its model's traffic split gives ``routing``)."""
     deadline = Deadline.start(frontend.settings)
-    frontend.admitting_model(name, version)
+    frontend.admitting_model(name, version, routing=routing)
     body = await read_body(
         receive, headers.get("content-length"), frontend.settings.max_body_bytes, deadline.at_s
     )
     request_spans.event("body_read", {"bytes": len(body)})
-    model = frontend.serving_model(name, version)
+    model = frontend.serving_model(name, version, routing)
     with request_spans.child("parse"):
         document, binary = split_body(body, headers.get(HEADER_LENGTH))
         inputs, options, request_key = parse_request(document, binary)

@@ -35,6 +35,7 @@ from service.frontend.oip.schemas import (
     inlined_schema,
 )
 from service.frontend.responses import json_response
+from service.frontend.routing import routing_of
 from service.frontend.state import FrontendState
 from service.manifest import Manifest, TensorSpec, check_name
 
@@ -235,7 +236,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
             for key, value in request.scope["headers"]
         }
         return await serve_v2_inference(
-            frontend, headers, request.receive, request_id, name, version
+            frontend, headers, request.receive, request_id, name, version, routing_of(request.scope)
         )
 
     return await answer_inference(request, serve, _error_answer)

@@ -16,6 +16,7 @@ from service.frontend.generation.text_model import TextModel
 from service.frontend.openai.errors import invalid_request
 from service.frontend.openai.schemas import GenerationFields
 from service.frontend.requests import Deadline
+from service.frontend.routing import routing_of
 from service.frontend.state import FrontendState
 from service.types import Priority
 
@@ -42,7 +43,7 @@ async def received(
         request = schema.model_validate_json(body)
     except ValidationError as error:
         raise invalid_request(error) from None
-    model = frontend.serving_model(request.model)
+    model = frontend.serving_model(request.model, None, routing_of(scope))
     text_model = await text_model_of(frontend, model)
     request.check_unsupported()
     return Received(request, model, text_model, deadline, priority)
