@@ -95,8 +95,8 @@ def traffic(url: str) -> Iterator[list[str]]:
 def rollout(url: str, to: str, *extra: str) -> tuple[int, list[str]]:
     arguments = [
         "rollout", "--url", url, "--token", TOKEN, "--model", "threshold", "--to", to,
-        "--steps", "0,100", "--hold-s", "0", "--min-requests", "100", "--min-agreement",
-        "0.99", "--poll-s", "0.2", "--step-timeout-s", "20", *extra,
+        "--steps", "10,50,100", "--hold-s", "0", "--min-requests", "100", "--min-agreement",
+        "0.99", "--max-p99-ratio", "100", "--poll-s", "0.2", "--step-timeout-s", "20", *extra,
     ]  # fmt: skip
     lines: list[str] = []
     status = run_rollout(build_parser().parse_args(arguments), lines.append)
@@ -127,14 +127,20 @@ def test_a_candidate_disagreeing_on_5_percent_is_rolled_back_at_its_first_step(
         assert plan["state"] == "rolled_back"
         (decision,) = plan["decisions"]
         assert (decision["percent"], decision["verdict"], decision["check"]) == (
-            0,
+            10,
             "rollback",
             "agreement",
         )
         assert serving(server.url) == packaged["v1"]
         gone = httpx.get(f"{server.url}/admin/models/threshold/shadow", headers=AUTH)
         assert gone.status_code == 404  # the shadow was stopped and its candidate unloaded
-    assert set(answered) == {packaged["v1"]}  # every client was answered by the old version
+    # Clients were answered by the old version, and by the candidate only while it had its
+    # 10 %; once rolled back, by the old version alone.
+    assert set(answered) <= {packaged["v1"], packaged["worse"]}
+    assert (
+        httpx.post(f"{server.url}/predict", json={"instances": [[99.0]]}).json()["version"]
+        == (packaged["v1"])
+    )
 
 
 def test_a_plan_interrupted_by_kill_9_of_the_engine_resumes_and_finishes(
@@ -164,7 +170,7 @@ def test_a_plan_interrupted_by_kill_9_of_the_engine_resumes_and_finishes(
         assert status not in (EXIT_PROMOTED, EXIT_ROLLED_BACK), lines  # cut off, not decided
         plan = plan_of(server.url)
         assert (plan["state"], plan["step"], plan["to_version"]) == ("running", 0, packaged["same"])
-        # The engine, restarted, serves what was served: nothing of the plan was applied.
+        # The engine, restarted, serves what it served: v1, beside the candidate's 10 %.
         wait_for(lambda: serving(server.url) == packaged["v1"], "the engine back", server)
         wait_until_serving(server, 1)
         status, lines = rollout(server.url, packaged["same"])
