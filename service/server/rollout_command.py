@@ -228,18 +228,27 @@ class Rollout:
         return self._promote(plan)
 
     def _hold(self, plan: RolloutPlan) -> Decision:
-        """Apply the step, then read the window until it decides (or times out)."""
+        """Apply the step, then read the window until it decides (or times out). An engine
+        restarting meanwhile (503) is waited for; one that came back without the shadow (404)
+        is given it again, and the window counts from then."""
         model, percent = self._model, plan.percent
         if percent > 0:
             weights = {plan.from_version: 100 - percent, plan.to_version: percent}
             self._api.call("PUT", f"/admin/models/{model}/traffic", {"weights": weights})
-        shadow_body = {"version": plan.to_version, "percent": self._args.shadow_percent}
-        base = self._api.call("PUT", f"/admin/models/{model}/shadow", shadow_body)
+        counts = ShadowCounts(self._start_shadow(plan))
         started_s = time.monotonic()
         while True:
             self._sleep(self._args.poll_s)
             held_s = time.monotonic() - started_s
-            window = self._window(plan, base, held_s)
+            try:
+                counts.read(self._api.call("GET", f"/admin/models/{model}/shadow"))
+                window = self._window(plan, counts, held_s)
+            except AdminError as error:
+                if error.status == 404:
+                    counts = ShadowCounts(self._start_shadow(plan))
+                elif error.status != 503:
+                    raise
+                window = Window(held_s=held_s, requests=0, errors=0)
             decision = decide(window, self._thresholds)
             if decision.verdict != "hold":
                 return decision
@@ -251,21 +260,19 @@ class Rollout:
                     f"({decision.reason})",
                 )
 
-    def _window(self, plan: RolloutPlan, base: dict[str, Any], held_s: float) -> Window:
-        """The step's window: the shadow's counts since the step began (from zero again when
-        an engine restarted and lost them), and the traffic split's own window of the
-        candidate's requests when it has a share."""
-        model = self._model
-        shadow = self._api.call("GET", f"/admin/models/{model}/shadow")
-        if shadow["compared"] + shadow["failed"] < base["compared"] + base["failed"]:
-            base = {"compared": 0, "failed": 0, "disagreed": 0}
-        compared = shadow["compared"] - base["compared"]
-        failed = shadow["failed"] - base["failed"]
-        disagreed = shadow["disagreed"] - base["disagreed"]
+    def _start_shadow(self, plan: RolloutPlan) -> dict[str, Any]:
+        body = {"version": plan.to_version, "percent": self._args.shadow_percent}
+        report: dict[str, Any] = self._api.call("PUT", f"/admin/models/{self._model}/shadow", body)
+        return report
+
+    def _window(self, plan: RolloutPlan, counts: ShadowCounts, held_s: float) -> Window:
+        """The step's window: the shadow's counts since the step began, and the traffic
+        split's own window of the candidate's requests when it has a share."""
+        compared, failed, disagreed = counts.since_start()
         requests, errors = compared + failed, failed
         candidate_p99_s = served_p99_s = None
         if plan.percent > 0:
-            traffic = self._api.call("GET", f"/admin/models/{model}/traffic")
+            traffic = self._api.call("GET", f"/admin/models/{self._model}/traffic")
             candidate = _version_window(traffic, plan.to_version)
             served = _version_window(traffic, plan.from_version)
             requests += candidate.get("requests", 0)
@@ -329,6 +336,29 @@ class Rollout:
         document = plan.model_dump(mode="json")
         self._api.call("PUT", f"/admin/models/{self._model}/rollout", document)
         return plan
+
+
+class ShadowCounts:
+    """A shadow's counts (summed over engines) since a step began. They only grow, unless an
+    engine restarted and lost its own: then the window counts from what was read last."""
+
+    _KEYS = ("compared", "failed", "disagreed")
+
+    def __init__(self, start: dict[str, Any]) -> None:
+        self._base = [int(start[key]) for key in self._KEYS]
+        self._last = list(self._base)
+
+    def read(self, report: dict[str, Any]) -> None:
+        now = [int(report[key]) for key in self._KEYS]
+        if now[0] + now[1] < self._last[0] + self._last[1]:
+            self._base = [0, 0, 0]  # counted again from zero by a restarted engine
+        self._last = now
+
+    def since_start(self) -> tuple[int, int, int]:
+        compared, failed, disagreed = (
+            now - base for now, base in zip(self._last, self._base, strict=True)
+        )
+        return compared, failed, disagreed
 
 
 def _entry(percent: int, decision: Decision) -> RolloutDecision:
