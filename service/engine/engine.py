@@ -32,7 +32,7 @@ from service.engine.batcher import Sink, Submission, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
 from service.engine.generation_loop import GenerationLoop
 from service.engine.model_store import ModelStore
-from service.engine.shadow import Shadow
+from service.engine.shadow import Shadow, ShadowedGeneration
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher, load_shadow
 from service.errors import (
@@ -310,9 +310,10 @@ class Engine:
         finally:
             generation.cancel(key)  # nothing happens once it finished
 
-    def generation_of(self, model: str, version: str) -> GenerationLoop:
+    def generation_of(self, model: str, version: str) -> GenerationLoop | ShadowedGeneration:
         """The loop generating for requests prepared for ``model@version``: refused as
-        ``enqueue`` refuses, and 422 for a model that does not generate."""
+        ``enqueue`` refuses, and 422 for a model that does not generate; with a shadow of that
+        version, the loop as the shadow watches it."""
         served = self._serving(model, version)
         if isinstance(served, ServiceError):
             raise served
@@ -322,6 +323,9 @@ class Engine:
                 f"{model} does not generate text ({task}); generation is served for "
                 "text-generation versions (package a causal LM with --hf)"
             )
+        shadow = self._shadows.get(model)
+        if shadow is not None and shadow.shadows(served):
+            return ShadowedGeneration(served.generation, shadow)
         return served.generation
 
     async def switch(self, name: str, version: str) -> SwitchResult:

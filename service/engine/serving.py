@@ -35,6 +35,7 @@ from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine, FrameRequest, Queued
 from service.engine.generation_loop import GenerationLoop
+from service.engine.shadow import ShadowedGeneration
 from service.engine.starting_heartbeat import StartingHeartbeat
 from service.garbage import collect_young_garbage_rarely
 from service.logs import configure_logging
@@ -77,7 +78,7 @@ class _StartedEngine:
     ) -> list[Queued]:
         return self._engine.enqueue_frame(requests, frontend_load, sink)
 
-    def generation_of(self, model: str, version: str) -> GenerationLoop:
+    def generation_of(self, model: str, version: str) -> GenerationLoop | ShadowedGeneration:
         return self._engine.generation_of(model, version)
 
     async def prepare(self, name: str, version: str) -> Manifest:

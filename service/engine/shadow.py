@@ -10,11 +10,14 @@ own queue holds a batch's worth of requests. A candidate that raises or is slow 
 nothing but its own counters.
 
 Each answer pair is compared output by output (``service/comparison.py``); a disagreement is
-counted and kept in a bounded log with both version ids.
+counted and kept in a bounded log with both version ids. A generative model's greedy requests
+(temperature 0) are copied once their stream has finished, and agree when the candidate
+generates the same token ids (``ShadowedGeneration``); sampled ones are never copied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -23,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from service.bridge.interface import ShadowReport
-from service.comparison import Disagreement, DisagreementLog, compare_answers
+from service.bridge.interface import GeneratedTokens, GenerateRequest, ShadowReport
+from service.comparison import Disagreement, DisagreementLog, compare_answers, same_tokens
 from service.engine.batcher import Sink, Ticket
+from service.engine.generation_loop import GenerationLoop, TokenSink
 from service.engine.state import ServedModel
 from service.errors import ServiceError
 from service.metrics import EngineMetrics
@@ -176,6 +180,46 @@ class Shadow:
             return
         self._queued += 1
 
+    def generated(self, request: GenerateRequest, served_ids: tuple[int, ...]) -> None:
+        """A chosen greedy stream finished on the served version with ``served_ids``: queue
+        the same request on the candidate's generation."""
+        generation = self.candidate.generation
+        if generation is None:
+            return
+        if self._queued >= self._max_queued:
+            self._drop("shadow_full")
+            return
+        copy = dataclasses.replace(request, deadline_s=float("inf"), traceparent=None)
+        sink = _CandidateTokens(self, request.request_id, served_ids, self._clock())
+        try:
+            generation.submit(copy, sink)
+        except ServiceError:
+            self._drop("refused")
+            return
+        self._queued += 1
+
+    def generation_compared(
+        self, request_id: str, served_ids: tuple[int, ...], candidate_ids: tuple[int, ...] | None,
+        queued_s: float,
+    ) -> None:  # fmt: skip
+        """The candidate's copy of a stream ended: ``candidate_ids`` (None: it failed)."""
+        self._queued -= 1
+        labels = (self.model, self.candidate_version)
+        if candidate_ids is None:
+            self.failed += 1
+            self._metrics.shadow_dropped.labels(*labels, "failed").inc()
+            return
+        seconds = self._clock() - queued_s
+        self.candidate_latency.add(seconds)
+        self._metrics.shadow_latency.labels(*labels).observe(seconds)
+        result = same_tokens(served_ids, candidate_ids)
+        self._count(
+            result.agreed,
+            request_id,
+            f"tokens: {len(served_ids)} served, {len(candidate_ids)} candidate, "
+            f"token agreement {result.token_agreement:.3f}",
+        )
+
     def candidate_answered(self, ticket: Ticket[Any]) -> None:
         pending = ticket.tag
         assert isinstance(pending, _Pending)  # as served_answered queued it
@@ -191,19 +235,19 @@ class Shadow:
         self.candidate_latency.add(seconds)
         self._metrics.shadow_latency.labels(*labels).observe(seconds)
         result = compare_answers(pending.served.arrays, outputs.arrays, self._specs)
+        self._count(result.agreed, pending.request_id, result.first_disagreement or "")
+
+    def _count(self, agreed: bool, request_id: str, detail: str) -> None:
+        labels = (self.model, self.candidate_version)
         self.compared += 1
         self._metrics.shadow_compared.labels(*labels).inc()
-        if result.agreed:
+        if agreed:
             return
         self.disagreed += 1
         self._metrics.shadow_disagreed.labels(*labels).inc()
         self.log.add(
             Disagreement(
-                self.model,
-                self.served_version,
-                self.candidate_version,
-                pending.request_id,
-                result.first_disagreement or "",
+                self.model, self.served_version, self.candidate_version, request_id, detail
             )
         )
 
@@ -253,3 +297,65 @@ class _CandidateSink:
     def deliver(self, tickets: Sequence[Ticket[Any]]) -> None:
         for ticket in tickets:
             self._shadow.candidate_answered(ticket)
+
+
+class ShadowedGeneration:
+    """A served version's generation with a shadow: each greedy stream the shadow chooses is
+    watched on its way to its sink, and copied to the candidate once it has finished."""
+
+    def __init__(self, generation: GenerationLoop, shadow: Shadow) -> None:
+        self._generation = generation
+        self._shadow = shadow
+
+    def submit(self, request: GenerateRequest, sink: TokenSink) -> int:
+        if request.temperature == 0 and self._shadow.chooses():
+            self._shadow.chosen_count += 1
+            sink = _ServedTokens(self._shadow, request, sink)
+        return self._generation.submit(request, sink)
+
+    def cancel(self, key: int) -> None:
+        self._generation.cancel(key)
+
+
+class _ServedTokens:
+    """A chosen stream's sink: hands each item on first, keeps its token ids, and gives them
+    to the shadow once the stream has finished (not when it failed)."""
+
+    def __init__(self, shadow: Shadow, request: GenerateRequest, sink: TokenSink) -> None:
+        self._shadow = shadow
+        self._request = request
+        self._sink = sink
+        self._ids: list[int] = []
+
+    def tokens(self, item: GeneratedTokens) -> None:
+        self._sink.tokens(item)
+        self._ids += item.token_ids
+        if item.finish_reason in ("stop", "length"):
+            self._shadow.generated(self._request, tuple(self._ids))
+
+    def failed(self, error: ServiceError) -> None:
+        self._sink.failed(error)
+
+
+class _CandidateTokens:
+    """The sink of a stream's copy on the candidate: its token ids, compared at its end."""
+
+    def __init__(
+        self, shadow: Shadow, request_id: str, served_ids: tuple[int, ...], queued_s: float
+    ) -> None:
+        self._shadow = shadow
+        self._request_id = request_id
+        self._served_ids = served_ids
+        self._queued_s = queued_s
+        self._ids: list[int] = []
+
+    def tokens(self, item: GeneratedTokens) -> None:
+        self._ids += item.token_ids
+        if item.finish_reason is not None:
+            ids = None if item.finish_reason == "error" else tuple(self._ids)
+            self._shadow.generation_compared(
+                self._request_id, self._served_ids, ids, self._queued_s
+            )
+
+    def failed(self, error: ServiceError) -> None:
+        self._shadow.generation_compared(self._request_id, self._served_ids, None, self._queued_s)
