@@ -46,11 +46,12 @@ def bucket_of(model: str, routing_key: str) -> int:
 
 
 def version_for(weights: Mapping[str, int], bucket: int) -> str:
-    """The version whose share of ``0..BUCKETS-1`` (in the order of ``weights``) holds
-    ``bucket``. A version of weight 0 is never chosen."""
+    """The version whose share of ``0..BUCKETS-1`` holds ``bucket``, the shares laid out by
+    version id (so the same weights give every bucket the same version, whatever order they
+    came in). A version of weight 0 is never chosen."""
     edge = 0
     last = ""
-    for version, weight in weights.items():
+    for version, weight in sorted(weights.items()):
         if weight <= 0:
             continue
         edge += weight * _BUCKETS_PER_POINT

@@ -8,12 +8,18 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import httpx
+import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.errors import InvalidInputError
+from service.frontend.oip.grpc_server import InferenceServicer
+from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
+from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from service.frontend.state import FrontendState
 from service.frontend.traffic_window import TrafficWindow, VersionStats
 from service.server.single import create_app
 from service.traffic_split import (
@@ -23,6 +29,7 @@ from service.traffic_split import (
     primary_of,
     version_for,
 )
+from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 
 TOKEN = "traffic-split-token-0123456789"
@@ -120,8 +127,11 @@ def test_the_window_keeps_at_most_its_bound() -> None:
 # ----------------------------------------------------------------- through the app
 
 
+Served = tuple[httpx.AsyncClient, str, str, FrontendState]
+
+
 @pytest.fixture
-async def served(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, str, str]]:
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
     root = tmp_path / "models"
     copy_bundled_digits(root)
     retrained = add_digits_version(root, 0.5)
@@ -133,13 +143,33 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, str, 
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            yield http, DIGITS.version, retrained
+            yield http, DIGITS.version, retrained, frontend_of(app)
 
 
-async def test_requests_meet_the_version_their_key_and_the_weights_give(
-    served: tuple[httpx.AsyncClient, str, str],
-) -> None:
-    http, original, retrained = served
+async def grpc_versions(frontend: FrontendState, keys: list[str]) -> list[str]:
+    """The version that answers a gRPC ModelInfer with each of ``keys`` as its routing key."""
+    server = grpc.aio.server()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        InferenceServicer(frontend), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    request = pb.ModelInferRequest(model_name="digits")
+    request.inputs.add(name="image", datatype="FP32", shape=[1, 8, 8])
+    request.raw_input_contents.append(np.asarray(ONE_DIGIT["instances"], dtype="<f4").tobytes())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            return [
+                (await stub.ModelInfer(request, metadata=(("x-routing-key", key),))).model_version
+                for key in keys
+            ]
+    finally:
+        await server.stop(grace=None)
+
+
+async def test_requests_meet_the_version_their_key_and_the_weights_give(served: Served) -> None:
+    http, original, retrained, frontend = served
     alone = {}
     for version in (original, retrained):
         path = f"/models/digits/versions/{version}/predict"
@@ -153,6 +183,12 @@ async def test_requests_meet_the_version_their_key_and_the_weights_give(
         path = f"/models/digits/versions/{version}/predict"
         alone[version] = (await http.post(path, json=ONE_DIGIT)).json()["predictions"]
     assert alone[original] != alone[retrained]
+    # A request naming a version meets it, the primary too, whatever the weights.
+    for version in (original, retrained) * 20:
+        path = f"/models/digits/versions/{version}/predict"
+        named = await http.post(path, json=ONE_DIGIT)
+        assert named.headers["x-model-version"] == f"digits@{version}"
+        assert named.json()["predictions"] == alone[version]
 
     keys = [f"user-{index}" for index in range(40)]
     for key in keys * 5:
@@ -177,6 +213,9 @@ async def test_requests_meet_the_version_their_key_and_the_weights_give(
         headers={"x-routing-key": keys[0]},
     )
     assert v2.json()["model_version"] == version_for(weights, bucket_of("digits", keys[0]))
+    assert await grpc_versions(frontend, keys[:10]) == [
+        version_for(weights, bucket_of("digits", key)) for key in keys[:10]
+    ]
 
     unkeyed: Counter[str] = Counter()
     for _ in range(100):
@@ -207,8 +246,11 @@ async def test_requests_meet_the_version_their_key_and_the_weights_give(
     assert gone.status_code == 404
 
 
-async def test_refused_splits_say_why(served: tuple[httpx.AsyncClient, str, str]) -> None:
-    http, original, retrained = served
+async def test_refused_splits_say_why(served: Served) -> None:
+    http, original, retrained, frontend = served
+    tampered = add_digits_version(frontend.repository.root, 1.0)
+    artifact = frontend.repository.root / "digits" / tampered / "model.safetensors"
+    artifact.write_bytes(artifact.read_bytes()[:-4] + b"\0\0\0\0")
     url = "/admin/models/digits/traffic"
 
     async def put(body: object, headers: dict[str, str] = AUTH) -> httpx.Response:
@@ -232,6 +274,12 @@ async def test_refused_splits_say_why(served: tuple[httpx.AsyncClient, str, str]
         "/admin/models/nothere/traffic", json={"weights": {original: 100}}, headers=AUTH
     )
     assert not_served.status_code == 404
+    # All or none: the retrained version loaded for this split is discarded with it.
+    refused = await put({"weights": {original: 50, retrained: 25, tampered: 25}})
+    assert refused.status_code == 422, refused.text
+    assert "still serving digits" in refused.json()["error"]["message"]
+    named = await http.post(f"/models/digits/versions/{retrained}/predict", json=ONE_DIGIT)
+    assert named.status_code == 404
     # Nothing refused changed what is served.
     read = (await http.get(url, headers=AUTH)).json()
     assert read["weights"] == {original: 100}

@@ -441,7 +441,8 @@ async def start_serving(state: EngineState, on_load_failure: Callable[[], None] 
                 served = await load_version(state, name, version)
                 switch_to(state, served)
                 if name in splits:  # and the versions its split served beside it
-                    await _load_split(state, name, splits[name])
+                    loaded = await load_missing_versions(state, name, splits[name])
+                    split_traffic(state, name, splits[name], loaded)
         except Exception as error:
             state.load_error = f"{name}@{version}: {error}"
             logger.error(
@@ -463,17 +464,23 @@ async def start_serving(state: EngineState, on_load_failure: Callable[[], None] 
     )
 
 
-async def _load_split(state: EngineState, name: str, weights: dict[str, int]) -> None:
-    """Load the versions of ``weights`` not loaded yet beside ``name``'s, then split."""
+async def load_missing_versions(
+    state: EngineState, name: str, weights: dict[str, int]
+) -> dict[str, ServedModel]:
+    """The versions of ``weights`` that ``name`` (served) has not loaded, loaded and warmed up
+    beside every version loaded, by id; all or none (a failure retires those loaded before
+    it, and is raised)."""
+    current = state.models[name]
+    loaded_already = {current.manifest.version, *state.beside.get(name, {})}
     loaded: dict[str, ServedModel] = {}
     try:
         for version in weights:
-            if state.models[name].manifest.version != version and version not in loaded:
+            if version not in loaded_already:
                 loaded[version] = await load_version(state, name, version, list(loaded.values()))
     except BaseException:
         await asyncio.gather(*(retire(served) for served in loaded.values()))
         raise
-    split_traffic(state, name, weights, loaded)
+    return loaded
 
 
 async def shut_down(state: EngineState, loading: asyncio.Task[None]) -> None:

@@ -163,34 +163,21 @@ async def _load_split(
     state: EngineState, name: str, weights: dict[str, int]
 ) -> dict[str, ServedModel]:
     """The versions of ``weights`` not loaded for ``name`` yet, loaded and warmed up beside
-    every version loaded; all or none (a refusal retires those loaded before it)."""
-    current = state.models.get(name)
-    if current is None:
+    every version loaded; all or none. 404 for a model not served or a version that is not
+    an id in the repository, 422 for one that fails its check or cannot be built."""
+    if name not in state.models:
         serving = ", ".join(state.models) or "nothing"
         raise ModelNotFoundError(
             f"{name} is not served here (serving {serving}); load a version of it first"
         )
-    loaded_already = {current.manifest.version, *state.beside.get(name, {})}
-    loaded: dict[str, ServedModel] = {}
     try:
         for version in weights:
-            if version in loaded_already:
-                continue
-            try:
-                manifest = state.store.resolve(name, version)
-                if manifest.version != version:
-                    raise ModelNotFoundError(f"a split names versions by id, got {version!r}")
-                loaded[version] = await lifecycle.load_version(
-                    state, name, manifest.version, list(loaded.values())
-                )
-            except (ModelIntegrityError, ModelLoadError) as error:
-                reason = str(error).replace(str(state.store.root), "<repository>")
-                raise ModelRejectedError(f"{reason}; still serving {name} as before") from error
-    except BaseException:
-        for served in loaded.values():
-            await lifecycle.retire(served)
-        raise
-    return loaded
+            if state.store.resolve(name, version).version != version:
+                raise ModelNotFoundError(f"a split names versions by id, got {version!r}")
+        return await lifecycle.load_missing_versions(state, name, weights)
+    except (ModelIntegrityError, ModelLoadError) as error:
+        reason = str(error).replace(str(state.store.root), "<repository>")
+        raise ModelRejectedError(f"{reason}; still serving {name} as before") from error
 
 
 async def _load_beside(state: EngineState, name: str, version: str) -> ServedModel | None:

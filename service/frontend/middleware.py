@@ -79,10 +79,10 @@ class ServiceMiddleware:
             answered = CLIENT_CLOSED_STATUS if status is None else status
             latency_s = time.perf_counter() - started_s
             exemplar = state.get(request_spans.EXEMPLAR_STATE)
-            self.tally.answered(route_label(scope), str(answered), latency_s, exemplar)
             routing = state.get(ROUTING_STATE)
-            if routing is not None:
+            if routing is not None:  # before the tally's answer, whose flush writes it
                 self.frontend.answered_with(routing, answered, latency_s)
+            self.tally.answered(route_label(scope), str(answered), latency_s, exemplar)
             if self.access_log:
                 access_log.log_http(scope, answered, latency_s, answer_headers)
 

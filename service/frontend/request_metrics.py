@@ -39,6 +39,7 @@ class RequestTally:
         self.in_flight = 0
         self._in_flight_written = 0
         self._latencies: dict[tuple[str, str], list[float]] = {}
+        self._by_version: dict[tuple[str, str, str], int] = {}
         self._flushed_s = time.perf_counter()
         self._flush_pending = False
 
@@ -71,6 +72,13 @@ class RequestTally:
         elif time.perf_counter() - self._flushed_s >= self._flush_every_s:
             self.flush()
 
+    def answered_by(self, model: str, version: str, status: str) -> None:
+        """An inference request validated for ``model@version`` answered ``status``
+        (``batchserve_model_requests_total``); written with the next flush, which the
+        request's ``answered`` brings."""
+        key = (model, version, status)
+        self._by_version[key] = self._by_version.get(key, 0) + 1
+
     def _flush_soon(self) -> None:
         """``flush`` at the end of this turn of the event loop (at once outside one)."""
         if self._flush_pending:
@@ -90,6 +98,10 @@ class RequestTally:
         if self.in_flight != self._in_flight_written:
             self._metrics.in_flight.set(self.in_flight)
             self._in_flight_written = self.in_flight
+        if self._by_version:
+            counted, self._by_version = self._by_version, {}
+            for labels, count in counted.items():
+                self._metrics.model_requests.labels(*labels).inc(count)
         if not self._latencies:
             return
         tallied, self._latencies = self._latencies, {}

@@ -107,15 +107,16 @@ class FrontendState:
         if model is None:
             served = ", ".join(repr(model.manifest.name) for model in status.models)
             raise ModelNotFoundError(f"unknown model {name!r}: this server serves {served}")
-        if version not in (None, "", model.manifest.version):
-            loaded = status.find_version(model.manifest.name, version)
-            if loaded is None:
-                serving = ", ".join(status.weights(model.manifest.name))
-                raise ModelNotFoundError(
-                    f"{model.manifest.name} version {version!r} is not served (serving "
-                    f"{serving}); load it first"
-                )
-            model = loaded
+        if version:  # named: that version exactly, the primary or one beside it
+            if version != model.manifest.version:
+                loaded = status.find_version(model.manifest.name, version)
+                if loaded is None:
+                    serving = ", ".join(status.weights(model.manifest.name))
+                    raise ModelNotFoundError(
+                        f"{model.manifest.name} version {version!r} is not served (serving "
+                        f"{serving}); load it first"
+                    )
+                model = loaded
         elif routing is not None and status.beside and status.is_split(model.manifest.name):
             name = model.manifest.name
             chosen = traffic_split.version_for(status.weights(name), routing.bucket(name))
@@ -151,7 +152,7 @@ class FrontendState:
             return
         name, version = model.manifest.name, model.manifest.version
         self.traffic.record(name, version, time.monotonic(), latency_s, status)
-        self.metrics.model_requests.labels(name, version, str(status)).inc()
+        self.request_tally.answered_by(name, version, str(status))
 
     def layout_for(self, model: ModelInfo) -> InputLayout:
         """How requests for ``model`` are parsed, validated and grouped (built once a version)."""

@@ -158,8 +158,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.frontend.receiving -= 1
             tally.stopped()
             latency_s = time.perf_counter() - started_s
-            tally.answered(INFER_ROUTE, status, latency_s, tracing.current_exemplar())
             self.frontend.answered_with(routing, int(status), latency_s)
+            tally.answered(INFER_ROUTE, status, latency_s, tracing.current_exemplar())
             if self.access_log:
                 access_log.log_grpc(
                     "/" + MODEL_INFER_METHOD,
