@@ -350,7 +350,8 @@ class EngineMetrics:
             "batchserve_shadow_dropped",
             "Requests chosen for a shadow but not run on the candidate, by reason: "
             "shadow_full (its bounded queue), served_busy (the served queue is long), "
-            "refused (the candidate's batcher refused it), failed (the candidate raised).",
+            "refused (the candidate's batcher refused it), expired (its deadline passed before "
+            "the device was idle for it), failed (the candidate raised).",
             ["model", "version", "reason"],
             registry=r,
         )

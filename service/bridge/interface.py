@@ -377,9 +377,10 @@ class ShadowReport:
     compared: int = 0
     disagreed: int = 0
     failed: int = 0
-    """Copies the candidate failed (raised, or ran past their deadline)."""
+    """Copies the candidate failed (it raised)."""
     dropped: int = 0
-    """Copies shed before they ran: the shadow's queue was full or the served queue long."""
+    """Copies shed before they ran: the shadow's queue was full, the served queue long, the
+    candidate refused them, or their deadline passed before the device was idle for them."""
     candidate_p50_s: float | None = None
     candidate_p99_s: float | None = None
     """From queueing a copy on the candidate to its answer (it waits for an idle device)."""

@@ -5,9 +5,10 @@ The client never waits for the candidate. A chosen request is served as any othe
 its answer has gone to its front end (``_ServedTap``) is a copy of its instances queued on the
 candidate, whose batches take the device only when no served model wants it
 (``DeviceTurns``'s background turns). Shadows are shed first: a copy is dropped, and counted,
-when ``SHADOW_QUEUE_REQUESTS`` are queued on the candidate already or when the served model's
-own queue holds a batch's worth of requests. A candidate that raises or is slow changes
-nothing but its own counters.
+when ``SHADOW_QUEUE_REQUESTS`` are queued on the candidate already, when the served model's
+own queue holds a batch's worth of requests, or when a copy's deadline passes before the
+device was idle for it. A candidate that raises or is slow changes nothing but its own
+counters.
 
 Each answer pair is compared output by output (``service/comparison.py``); a disagreement is
 counted and kept in a bounded log with both version ids. A generative model's greedy requests
@@ -17,6 +18,7 @@ generates the same token ids (``ShadowedGeneration``); sampled ones are never co
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import deque
@@ -31,7 +33,7 @@ from service.comparison import Disagreement, DisagreementLog, compare_answers, s
 from service.engine.batcher import Sink, Ticket
 from service.engine.generation_loop import GenerationLoop, TokenSink
 from service.engine.state import ServedModel
-from service.errors import ServiceError
+from service.errors import DeadlineExceededError, ServiceError
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 
@@ -227,7 +229,10 @@ class Shadow:
         labels = (self.model, self.candidate_version)
         try:
             outputs = NamedArrays.concatenate(ticket.outputs(), ticket.order)
-        except BaseException:  # the candidate raised (or its deadline passed)
+        except (DeadlineExceededError, asyncio.CancelledError):
+            self._drop("expired")  # never ran: shed, not the candidate's failure
+            return
+        except BaseException:  # the candidate raised
             self.failed += 1
             self._metrics.shadow_dropped.labels(*labels, "failed").inc()
             return
