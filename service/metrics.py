@@ -116,6 +116,21 @@ class FrontendMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.rollout_percent = Gauge(
+            "batchserve_rollout_percent",
+            "The candidate version's share of traffic at the step a rollout plan holds "
+            "(batchserve rollout), by model and candidate; 0 once the plan is done.",
+            ["model", "version"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.rollout_decisions = Counter(
+            "batchserve_rollout_decisions",
+            "Rollout steps decided, by model, verdict (promote, rollback) and the check that "
+            "failed (none on a promotion).",
+            ["model", "verdict", "check"],
+            registry=r,
+        )
         self.ready = Gauge(
             "batchserve_ready",
             "1 when the front end can reach a ready engine and is not draining.",

@@ -188,3 +188,48 @@ async def test_refused_shadows_say_why(client: httpx.AsyncClient, repository: Pa
     assert (await client.put(put, json={"version": "x", "percent": 1})).status_code == 401
     unknown = await client.get("/admin/models/nothing/shadow", headers=AUTH)
     assert unknown.status_code == 404
+
+
+async def test_a_rollout_plan_is_recorded_read_back_and_counted(client: httpx.AsyncClient) -> None:
+    route = "/admin/models/digits/rollout"
+    assert (await client.get(route, headers=AUTH)).status_code == 404
+    plan: dict[str, Any] = {
+        "model": "digits",
+        "from_version": DIGITS.version,
+        "to_version": "0123456789ab",
+        "steps": [10, 50, 100],
+        "step": 1,
+        "started_at": 1.0,
+        "step_started_at": 2.0,
+        "decisions": [
+            {"percent": 10, "verdict": "promote", "reason": "fine", "at": 2.0},
+        ],
+    }
+    recorded = await client.put(route, headers=AUTH, json=plan)
+    assert recorded.status_code == 200, recorded.text
+    assert (await client.get(route, headers=AUTH)).json() == recorded.json()
+    rolled_back = {
+        **plan,
+        "state": "rolled_back",
+        "decisions": [
+            *plan["decisions"],
+            {"percent": 50, "verdict": "rollback", "check": "agreement", "reason": "no", "at": 3.0},
+        ],
+    }
+    assert (await client.put(route, headers=AUTH, json=rolled_back)).status_code == 200
+    assert (await client.put(route, headers=AUTH, json=rolled_back)).status_code == 200  # again
+    metrics = (await client.get("/metrics")).text
+    assert 'batchserve_rollout_percent{model="digits",version="0123456789ab"} 0.0' in metrics
+    for verdict, check in (("promote", "none"), ("rollback", "agreement")):
+        labels = f'check="{check}",model="digits",verdict="{verdict}"'
+        assert f"batchserve_rollout_decisions_total{{{labels}}} 1.0" in metrics
+
+    refused = [
+        ({**plan, "steps": [10, 50]}, "end at 100"),
+        ({**plan, "model": "other"}, "not 'digits'"),
+        ({**plan, "to_version": DIGITS.version}, "to itself"),
+    ]
+    for body, message in refused:
+        answer = await client.put(route, headers=AUTH, json=body)
+        assert answer.status_code == 422, answer.text
+        assert message in answer.text

@@ -29,6 +29,7 @@ from service.frontend.routes import frontend_of
 from service.frontend.schemas import ErrorResponse
 from service.frontend.state import FrontendState
 from service.manifest import check_name, check_version, manifest_summary
+from service.metrics import FrontendMetrics
 from service.rollout_plan import RolloutPlan
 from service.traffic_split import checked_weights
 
@@ -140,9 +141,24 @@ async def record_rollout(name: str, plan: RolloutPlan, request: Request) -> Resp
     record: it outlives engine and front end restarts)."""
     if plan.model != check_name(name):
         raise InvalidInputError(f"the plan is for model {plan.model!r}, not {name!r}")
+    frontend = frontend_of(request)
+    recorded = frontend.rollouts.read(name)
+    before = RolloutPlan.model_validate_json(recorded) if recorded is not None else None
     document = plan.model_dump(mode="json")
-    frontend_of(request).rollouts.write(name, orjson.dumps(document))
+    frontend.rollouts.write(name, orjson.dumps(document))
+    _count_rollout(frontend.metrics, plan, before)
     return json_response(document)
+
+
+def _count_rollout(metrics: FrontendMetrics, plan: RolloutPlan, before: RolloutPlan | None) -> None:
+    """The plan's step in ``batchserve_rollout_percent``, and the decisions it added since it
+    was last recorded in ``batchserve_rollout_decisions_total``."""
+    running = plan.state == "running"
+    metrics.rollout_percent.labels(plan.model, plan.to_version).set(plan.percent if running else 0)
+    same = before is not None and before.started_at == plan.started_at
+    for decision in plan.decisions[len(before.decisions) if same and before else 0 :]:
+        labels = (plan.model, decision.verdict, decision.check or "none")
+        metrics.rollout_decisions.labels(*labels).inc()
 
 
 @router.get("/models/{name}/rollout", summary="Read a rollout plan's state")
