@@ -235,8 +235,9 @@ async def test_requests_meet_the_version_their_key_and_the_weights_give(served: 
     series = f'model="digits",status="200",version="{retrained}"'
     assert f"batchserve_model_requests_total{{{series}}}" in metrics
 
-    # {v: 100} (or DELETE) serves one version again and unloads the other.
-    back = await http.delete("/admin/models/digits/traffic", headers=AUTH)
+    # {v: 100} serves one version again and unloads the other.
+    alone_again = {"weights": {original: 100}}
+    back = await http.put("/admin/models/digits/traffic", json=alone_again, headers=AUTH)
     assert back.status_code == 200, back.text
     assert back.json()["weights"] == {original: 100}
     for key in keys[:10]:
@@ -268,8 +269,12 @@ async def test_refused_splits_say_why(served: Served) -> None:
     assert over.status_code == 422
     not_int = await put({"weights": {original: "100"}})
     assert not_int.status_code == 422
+    assert "is a number, got '100'" in not_int.json()["error"]["message"]
     latest = await put({"weights": {"latest": 100}})
-    assert latest.status_code == 422
+    assert latest.status_code == 404
+    assert "by id" in latest.json()["error"]["message"]
+    empty = await put({"weights": {}})
+    assert empty.status_code == 422
     not_served = await http.put(
         "/admin/models/nothere/traffic", json={"weights": {original: 100}}, headers=AUTH
     )
@@ -280,6 +285,10 @@ async def test_refused_splits_say_why(served: Served) -> None:
     assert "still serving digits" in refused.json()["error"]["message"]
     named = await http.post(f"/models/digits/versions/{retrained}/predict", json=ONE_DIGIT)
     assert named.status_code == 404
+    # A route per method at one path: a 405 names them all.
+    options = await http.request("OPTIONS", url, headers=AUTH)
+    assert options.status_code == 405
+    assert set(options.headers["allow"].split(", ")) == {"GET", "PUT"}
     # Nothing refused changed what is served.
     read = (await http.get(url, headers=AUTH)).json()
     assert read["weights"] == {original: 100}

@@ -26,7 +26,7 @@ from tests.processes import (
 
 TOKEN = "traffic-restart-token-0123456789"
 ONE_DIGIT = {"instances": [[[(row * 8 + col) / 64 for col in range(8)] for row in range(8)]]}
-KEYS = [f"user-{index}" for index in range(12)]
+KEYS = [f"user-{index}" for index in range(16)]
 ANSWER_TIMEOUT_S = 60.0
 
 

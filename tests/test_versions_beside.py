@@ -9,8 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
 
+from service.bridge.interface import EngineStatus
+from service.bridge.published import PublishedVersion, read_published
 from service.config import Settings
+from service.processes import RUN_DIR_ENV
 from service.server.single import create_app
 from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
@@ -25,7 +29,7 @@ def repository(tmp_path: Path) -> tuple[Path, str]:
     return root, add_digits_version(root, 0.5)
 
 
-async def serve(root: Path, version: str) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
+async def serve(root: Path, version: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
     app = create_app(Settings(model_repository=root, model_version=version, device="cpu"))
     async with LifespanManager(app):
         await app.state.loading
@@ -50,7 +54,7 @@ async def test_a_version_loaded_beside_answers_as_it_does_alone(
     expected = {original: await alone(root, original), retrained: await alone(root, retrained)}
     assert expected[original] != expected[retrained]
     async for http, app in serve(root, original):
-        engine = frontend_of(app).engine  # type: ignore[arg-type]
+        engine = frontend_of(app).engine
         result = await engine.split("digits", {original: 100, retrained: 0})
         assert result.serving.version == original
 
@@ -86,9 +90,40 @@ async def test_a_version_loaded_beside_answers_as_it_does_alone(
         status = engine.status()
         assert status.weights("digits") == {original: 100, retrained: 0}
 
-        # {v: 100} serves that version alone: the other is unloaded.
-        await engine.split("digits", {retrained: 100})
+        # A version switch ends the split: the version switched to alone, the others unloaded.
+        await engine.switch("digits", retrained)
         assert engine.status().weights("digits") == {retrained: 100}
         gone = await http.post(f"/models/digits/versions/{original}/predict", json=DIGIT_ROWS)
         assert gone.status_code == 404
         assert (await http.post("/predict", json=DIGIT_ROWS)).json()["version"] == retrained
+
+
+async def test_a_split_is_recorded_and_an_engine_started_later_serves_it(
+    repository: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights live with the published record: an engine started on it (a replacement)
+    loads every version of the split and serves the same weights, and its status carries
+    them to a front end (over the bridge, as JSON)."""
+    root, retrained = repository
+    original = DIGITS.version
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    async for _, app in serve(root, original):
+        await frontend_of(app).engine.split("digits", {original: 25, retrained: 75})
+    assert read_published() == [
+        PublishedVersion(
+            "digits", retrained, previous=original, weights={original: 25, retrained: 75}
+        )
+    ]
+    async for http, app in serve(root, original):  # model_version is the record's no more
+        status = frontend_of(app).engine.status()
+        primary = status.find("digits")
+        assert primary is not None
+        assert primary.manifest.version == retrained
+        assert status.weights("digits") == {retrained: 75, original: 25}
+        assert EngineStatus.from_wire(status.to_wire()).weights("digits") == {
+            retrained: 75,
+            original: 25,
+        }
+        for version in (original, retrained):
+            path = f"/models/digits/versions/{version}/predict"
+            assert (await http.post(path, json=DIGIT_ROWS)).json()["version"] == version

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hmac
 import time
+from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.bridge.interface import SwitchResult
 from service.errors import ForbiddenError, InvalidInputError, ModelNotFoundError, UnauthorizedError
@@ -178,11 +179,22 @@ class TrafficWeights(BaseModel):
     """A traffic split: each version's share of the model's requests, percent."""
 
     model_config = ConfigDict(extra="forbid")
-    weights: dict[str, StrictInt] = Field(
+    weights: dict[str, Annotated[int, Field(ge=0, le=100)]] = Field(
+        min_length=1,
         description="Version id to weight, 0-100, summing to 100; 0 loads a version that "
         "answers only requests naming it.",
         examples=[{"dae3cd981a36": 95, "d09d18db9b1a": 5}],
     )
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _numbers_only(cls, weights: object) -> object:
+        """A weight is a JSON number (``95``, or ``95.0``), never a string or a boolean."""
+        if isinstance(weights, dict):
+            for version, weight in weights.items():
+                if isinstance(weight, str | bool):
+                    raise ValueError(f"the weight of {version!r} is a number, got {weight!r}")
+        return weights
 
 
 @router.get("/models/{name}/traffic", summary="Read a model's traffic split")
@@ -194,42 +206,32 @@ async def read_traffic(name: str, request: Request) -> Response:
     return json_response(_traffic(frontend, _served_weights(frontend, check_name(name)), name))
 
 
-@router.put("/models/{name}/traffic", summary="Split a model's traffic over versions")
+@router.put(
+    "/models/{name}/traffic",
+    summary="Split a model's traffic over versions",
+    responses={400: {"model": ErrorResponse}},
+)
 async def split_traffic(name: str, split: TrafficWeights, request: Request) -> Response:
     """Serve ``name``'s requests by ``weights``: every version named is verified, loaded and
     warmed up beside the others on every engine first (or on none: 422 for a version that
     fails its check, 409 for one that does not fit in the memory budget); the one with the
     most weight becomes the primary (what the model's metadata and a request naming no
-    version fall back to); loaded versions left out are unloaded. A request picks its
+    version fall back to); loaded versions left out are unloaded: ``{"<version>": 100}``
+    serves that version alone. A request picks its
     version by the weights, sticky by its ``x-routing-key`` header. 404 for a model not
     served or a version not in the repository; 422 for weights not summing to 100."""
     frontend = frontend_of(request)
     name = check_name(name)
-    weights = checked_weights(split.weights)
-    _served_weights(frontend, name)  # 404 before any version is looked up
+    _served_weights(frontend, name)  # 404 for a model not served, whatever the weights
     known = {manifest.version for manifest in frontend.repository.versions(name)}
-    for version in weights:
-        if version == "latest":
-            raise InvalidInputError("a traffic split names versions by id, not 'latest'")
+    for version in split.weights:  # 404 before the weights are judged
         if check_version(version) not in known:
             raise ModelNotFoundError(
-                f"{name} has no version {version!r} in the repository (it has "
-                f"{', '.join(sorted(known))})"
+                f"{name} has no version {version!r} in the repository (a split names "
+                f"versions by id; it has {', '.join(sorted(known))})"
             )
+    weights = checked_weights(split.weights)
     await frontend.engine.split(name, weights)
-    return json_response(_traffic(frontend, weights, name))
-
-
-@router.delete("/models/{name}/traffic", summary="Serve a model's primary version alone")
-async def clear_traffic(name: str, request: Request) -> Response:
-    """End ``name``'s traffic split: its primary version (the one with the most weight) takes
-    every request, and the other versions are unloaded."""
-    frontend = frontend_of(request)
-    name = check_name(name)
-    primary = frontend.serving_model(name).manifest.version
-    weights = {primary: 100}
-    if _served_weights(frontend, name) != weights:
-        await frontend.engine.split(name, weights)
     return json_response(_traffic(frontend, weights, name))
 
 

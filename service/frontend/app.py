@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -247,6 +248,9 @@ async def _service_error_response(request: Request, error: ServiceError) -> Resp
 
 async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    allowed = _allowed_methods(request) if error.status_code == 405 else ""
+    if allowed:  # else a path the document leaves out: Starlette's own Allow stands
+        error.headers = {**(error.headers or {}), "Allow": allowed}
     if request.url.path.startswith(OPENAI_PREFIX):  # OpenAI's clients read their own shape
         failure = ServiceError(str(error.detail), headers=dict(error.headers or {}))
         failure.status_code, failure.code = error.status_code, code
@@ -254,6 +258,20 @@ async def _http_error_response(request: Request, error: StarletteHTTPException) 
     return error_response(
         error.status_code, code, str(error.detail), _request_id(request), error.headers
     )
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method the OpenAPI document gives the request's path: Starlette's 405 names only
+    the first matching route's, where a path has a route per method
+    (``/admin/models/{name}/traffic``)."""
+    path = request.url.path
+    methods: dict[str, None] = {}
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        parts = re.split(r"(\{[^}]+\})", template)
+        pattern = "".join("[^/]+" if part[:1] == "{" else re.escape(part) for part in parts)
+        if re.fullmatch(pattern, path):
+            methods.update(dict.fromkeys(method.upper() for method in sorted(operations)))
+    return ", ".join(methods)
 
 
 async def _validation_error_response(request: Request, error: RequestValidationError) -> Response:

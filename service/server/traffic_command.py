@@ -1,5 +1,6 @@
 """``batchserve traffic``: read, set or clear a model's traffic split through a running
-server's admin API (``PUT``/``GET``/``DELETE /admin/models/{name}/traffic``).
+server's admin API (``GET``/``PUT /admin/models/{name}/traffic``; clearing puts the version
+with the most weight at 100).
 
 It prints the server's answer as JSON. Exit status: 0 when the server did it, 1 when it
 refused (its message on stderr), 2 when the weights given cannot be read or the server
@@ -14,6 +15,8 @@ import sys
 
 import httpx
 import orjson
+
+from service.traffic_split import primary_of
 
 EXIT_REFUSED = 1
 EXIT_UNUSABLE = 2
@@ -70,10 +73,12 @@ def run_traffic(args: argparse.Namespace) -> int:
         if args.weights is not None:
             body = {"weights": parse_weights(args.weights)}
             response = httpx.put(path, json=body, headers=headers, timeout=TIMEOUT_S)
-        elif args.clear:
-            response = httpx.delete(path, headers=headers, timeout=TIMEOUT_S)
         else:
             response = httpx.get(path, headers=headers, timeout=TIMEOUT_S)
+            if args.clear and response.status_code == 200:
+                primary = primary_of(response.json()["weights"])
+                body = {"weights": {primary: 100}}
+                response = httpx.put(path, json=body, headers=headers, timeout=TIMEOUT_S)
     except ValueError as error:
         print(f"batchserve traffic: {error}", file=sys.stderr)
         return EXIT_UNUSABLE
