@@ -387,6 +387,7 @@ class Engine:
             busy_requests=self.state.settings.max_batch_size,
         )
         self._shadows[name] = shadow
+        self.state.shadow_candidates[name] = candidate
         return shadow.report()
 
     async def shadow_report(self, name: str) -> ShadowReport:
@@ -402,6 +403,7 @@ class Engine:
         shadow = self._shadows.pop(name, None)
         if shadow is None:
             raise ModelNotFoundError(f"{name} has no shadow to stop")
+        self.state.shadow_candidates.pop(name, None)
         await lifecycle.retire_shadow(self.state, shadow.candidate)
         return shadow.report()
 

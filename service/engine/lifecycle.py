@@ -69,6 +69,7 @@ async def load_version(
         counted = list(state.every_version())
     else:
         counted = _others(state, name) if beside is None else [*state.every_version(), *beside]
+    counted += state.shadow_candidates.values()
     others = [(served.manifest.label, served.memory_bytes) for served in counted]
     series = shadow_series(name) if shadow else name
     folder = state.store.version_folder(manifest.name, manifest.version)
