@@ -116,6 +116,21 @@ class FrontendMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.rollout_percent = Gauge(
+            "batchserve_rollout_percent",
+            "The candidate version's share of traffic at the step a rollout plan holds "
+            "(batchserve rollout), by model and candidate; 0 once the plan is done.",
+            ["model", "version"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.rollout_decisions = Counter(
+            "batchserve_rollout_decisions",
+            "Rollout steps decided, by model, verdict (promote, rollback) and the check that "
+            "failed (none on a promotion).",
+            ["model", "verdict", "check"],
+            registry=r,
+        )
         self.ready = Gauge(
             "batchserve_ready",
             "1 when the front end can reach a ready engine and is not draining.",
@@ -360,6 +375,36 @@ class EngineMetrics:
             ["model", "version", "kind"],
             registry=r,
             multiprocess_mode="livesum",
+        )
+        self.shadow_compared = Counter(
+            "batchserve_shadow_compared",
+            "Shadowed requests whose candidate answer was compared with the served answer.",
+            ["model", "version"],
+            registry=r,
+        )
+        self.shadow_disagreed = Counter(
+            "batchserve_shadow_disagreed",
+            "Shadowed requests on which the candidate's answer disagreed with the served one "
+            "(another label, a token, or a tensor beyond the tolerance).",
+            ["model", "version"],
+            registry=r,
+        )
+        self.shadow_dropped = Counter(
+            "batchserve_shadow_dropped",
+            "Requests chosen for a shadow but not run on the candidate, by reason: "
+            "shadow_full (its bounded queue), served_busy (the served queue is long), "
+            "refused (the candidate's batcher refused it), expired (its deadline passed before "
+            "the device was idle for it), failed (the candidate raised).",
+            ["model", "version", "reason"],
+            registry=r,
+        )
+        self.shadow_latency = Histogram(
+            "batchserve_shadow_latency_seconds",
+            "From a shadowed request's queueing on the candidate to its answer, by version "
+            "(it waits for an idle device, so it is an upper bound of the candidate's own).",
+            buckets=LATENCY_BUCKETS_S,
+            labelnames=["model", "version"],
+            registry=r,
         )
 
     def for_model(self, model: str) -> ModelMetrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -37,4 +38,29 @@ def add_digits_version(
         outputs=(TensorSpec(name="logits", dtype="float32", shape=(-1, 10)),),
     )
     artifact.unlink()
+    return manifest.version
+
+
+def add_digits_variant(
+    repository: Path,
+    class_bias: dict[int, float] | None = None,
+    architecture: str = "service.models.digits:DigitsCNN",
+) -> str:
+    """Package the bundled digits weights (with ``class_bias`` added to those classes' output
+    biases) under ``architecture``, with the bundled version's outputs and labels: a version
+    whose requests and answers mean what the bundled version's do (a shadow candidate)."""
+    weights = load_file(str(BUNDLED_MODEL_REPOSITORY / "digits" / DIGITS.version / DIGITS.artifact))
+    for label, shift in (class_bias or {}).items():
+        weights["classifier.3.bias"][label] += shift
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = Path(scratch) / "variant.safetensors"
+        save_file(weights, str(artifact))
+        manifest = Packager(repository).package(
+            name="digits",
+            artifact=artifact,
+            format="safetensors",
+            architecture=Architecture(import_path=architecture),
+            inputs=DIGITS.inputs,
+            outputs=DIGITS.outputs,
+        )
     return manifest.version

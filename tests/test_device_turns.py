@@ -76,3 +76,24 @@ async def test_a_waiter_cancelled_before_or_after_its_turn_never_keeps_the_devic
     with pytest.raises(asyncio.CancelledError):
         await granted_then_cancelled
     await asyncio.wait_for(turns.acquire("e"), timeout=1)
+
+
+async def test_a_background_model_starts_only_on_an_idle_device_and_holds_nobody_back() -> None:
+    """A shadow candidate's turn (background) waits while a served model holds the device
+    or waits for it, begins once the device is idle, and a served model's turn begins while
+    the background batch still runs."""
+    clock = Clock()
+    turns = DeviceTurns(clock)
+    served = turns.for_model("served")
+    shadow = turns.for_model("served@shadow", background=True)
+    await served.acquire()
+    background = asyncio.create_task(shadow.acquire())
+    await asyncio.sleep(0)
+    assert not background.done()  # the served model holds the device
+    served.release()  # anticipation: the device is kept for it a moment, then idle
+    await asyncio.wait_for(background, timeout=1)
+    assert turns.idle  # the background batch holds nobody back...
+    await asyncio.wait_for(served.acquire(), timeout=1)  # ...a served turn begins at once
+    shadow.release()  # its batch ends: nothing to hand on
+    assert not turns.idle
+    served.release()

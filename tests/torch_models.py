@@ -296,3 +296,67 @@ class MaskedTokenTagger(TokenTagger):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         return super().forward(input_ids)
+
+
+#: How long ``SleepingDigits`` sleeps in each forward: many times a digits batch on a CPU.
+SLEEPING_DIGITS_S = 0.03
+
+
+class SleepingDigits(DigitsCNN):
+    """The digits CNN, sleeping ``SLEEPING_DIGITS_S`` in every forward: a slow candidate."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLEEPING_DIGITS_S)
+        return super().forward(images)
+
+
+class RaisingDigits(DigitsCNN):
+    """The digits CNN, raising on a batch holding a constant image (all pixels alike; the
+    warm-up's random images never are): a candidate that fails."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        flat = images.flatten(1)
+        if bool((flat.amax(dim=1) == flat.amin(dim=1)).any()):
+            raise ValueError("RaisingDigits got a constant image")
+        return super().forward(images)
+
+
+class ThresholdClassifier(nn.Module):
+    """(N, 1) values -> (N, 2) scores: ``high`` where the value is at least ``threshold`` (a
+    buffer in the weights file), ``low`` elsewhere. Two versions that differ only in their
+    threshold disagree exactly on the values between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("threshold", torch.tensor([1000.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        high = (x >= self.threshold).to(torch.float32)
+        return torch.cat([1.0 - high, high], dim=1)
+
+
+def package_threshold_classifier(repository: Path, threshold: float) -> str:
+    """Package ``ThresholdClassifier`` as ``threshold`` at ``threshold``; the version."""
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "threshold.safetensors"
+        save_file({"threshold": torch.tensor([threshold])}, str(weights))
+        return (
+            Packager(repository)
+            .package(
+                name="threshold",
+                artifact=weights,
+                format="safetensors",
+                architecture=Architecture(import_path="tests.torch_models:ThresholdClassifier"),
+                inputs=(
+                    TensorSpec(
+                        name="x", dtype="float32", shape=(-1, 1), min_value=0, max_value=100
+                    ),
+                ),
+                outputs=(
+                    TensorSpec(
+                        name="scores", dtype="float32", shape=(-1, 2), labels=("low", "high")
+                    ),
+                ),
+            )
+            .version
+        )

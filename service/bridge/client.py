@@ -31,6 +31,7 @@ from service.bridge.interface import (
     InferenceRequest,
     InferenceResult,
     Phase,
+    ShadowReport,
     SwitchResult,
 )
 from service.errors import ServiceError
@@ -191,6 +192,60 @@ class BridgeClient:
         """Unload on every engine; any refusal is the answer (each engine refuses alike)."""
         served = self.status().find(name)
         return await changes.unload_everywhere(self._change_targets(), name, served)
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        """On every engine or none: any refusal stops the shadows the others started."""
+        engines = self._change_targets()
+        changes.require_every_engine(engines, "a shadow")
+        outcomes = await asyncio.gather(
+            *(
+                engine.control("shadow_start", name=name, version=version, percent=percent)
+                for engine in engines
+            ),
+            return_exceptions=True,
+        )
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            started = [
+                engine
+                for engine, outcome in zip(engines, outcomes, strict=True)
+                if not isinstance(outcome, BaseException)
+            ]
+            await asyncio.gather(
+                *(engine.control("shadow_stop", name=name) for engine in started),
+                return_exceptions=True,
+            )
+            raise changes.most_telling(failures)
+        return ShadowReport.summed(
+            [
+                ShadowReport.from_wire(outcome)
+                for outcome in outcomes
+                if not isinstance(outcome, BaseException)
+            ]
+        )
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        return await self._shadow_everywhere("shadow_report", name)
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        return await self._shadow_everywhere("shadow_stop", name)
+
+    async def _shadow_everywhere(self, op: str, name: str) -> ShadowReport:
+        """``op`` on every engine: the reports of those that have the shadow, summed; the
+        first refusal when none has (an engine restarted since has none)."""
+        engines = self._change_targets()
+        outcomes = await asyncio.gather(
+            *(engine.control(op, name=name) for engine in engines), return_exceptions=True
+        )
+        reports = [
+            ShadowReport.from_wire(outcome)
+            for outcome in outcomes
+            if not isinstance(outcome, BaseException)
+        ]
+        if reports:
+            return ShadowReport.summed(reports)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        raise changes.most_telling(failures) if failures else self.status().refusal()
 
     def _change_targets(self) -> list[EngineConnection]:
         """Every engine, standbys included, but one that failed to load (``engines.py``)."""

@@ -347,3 +347,111 @@ class EngineClient(Protocol):
         left out are unloaded (their queued requests finish first). ``{v: 100}`` serves ``v``
         alone."""
         ...
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        """Load ``version`` of ``name`` beside it on every engine (or on none, if any
+        refuses) and copy ``percent`` of ``name``'s requests to it (``engine/shadow.py``)."""
+        ...
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        """What ``name``'s shadow found, summed over the engines; 404 when it has none."""
+        ...
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        """Stop ``name``'s shadow on every engine and unload its candidate; what it found."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShadowReport:
+    """What one model's shadow found (``engine/shadow.py``): on one engine, or summed over
+    every engine (``summed``)."""
+
+    model: str
+    version: str
+    """The candidate version."""
+    served_version: str
+    percent: int
+    chosen: int = 0
+    """Requests chosen to be copied to the candidate."""
+    compared: int = 0
+    disagreed: int = 0
+    failed: int = 0
+    """Copies the candidate failed (it raised)."""
+    dropped: int = 0
+    """Copies shed before they ran: the shadow's queue was full, the served queue long, the
+    candidate refused them, or their deadline passed before the device was idle for them."""
+    candidate_p50_s: float | None = None
+    candidate_p99_s: float | None = None
+    """From queueing a copy on the candidate to its answer (it waits for an idle device)."""
+    served_p99_s: float | None = None
+    """From queueing a chosen request to its answer, on the served version."""
+    disagreements: tuple[dict[str, str], ...] = ()
+    """The most recent disagreements, oldest first (``comparison.Disagreement``)."""
+
+    @property
+    def disagreement(self) -> float:
+        """The share of compared requests that disagreed (0 when none was compared)."""
+        return self.disagreed / self.compared if self.compared else 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "version": self.version,
+            "served_version": self.served_version,
+            "percent": self.percent,
+            "chosen": self.chosen,
+            "compared": self.compared,
+            "disagreed": self.disagreed,
+            "disagreement": self.disagreement,
+            "failed": self.failed,
+            "dropped": self.dropped,
+            "candidate_p50_s": self.candidate_p50_s,
+            "candidate_p99_s": self.candidate_p99_s,
+            "served_p99_s": self.served_p99_s,
+            "disagreements": list(self.disagreements),
+        }
+
+    @classmethod
+    def from_wire(cls, document: dict[str, Any]) -> ShadowReport:
+        return cls(
+            model=str(document["model"]),
+            version=str(document["version"]),
+            served_version=str(document["served_version"]),
+            percent=int(document["percent"]),
+            chosen=int(document["chosen"]),
+            compared=int(document["compared"]),
+            disagreed=int(document["disagreed"]),
+            failed=int(document["failed"]),
+            dropped=int(document["dropped"]),
+            candidate_p50_s=document.get("candidate_p50_s"),
+            candidate_p99_s=document.get("candidate_p99_s"),
+            served_p99_s=document.get("served_p99_s"),
+            disagreements=tuple(document.get("disagreements", ())),
+        )
+
+    @classmethod
+    def summed(cls, reports: Sequence[ShadowReport]) -> ShadowReport:
+        """Several engines' reports of one shadow as one: counts added, each percentile the
+        largest of the engines' (an upper bound), disagreements joined."""
+        first = reports[0]
+
+        def largest(values: Sequence[float | None]) -> float | None:
+            known = [value for value in values if value is not None]
+            return max(known) if known else None
+
+        return cls(
+            model=first.model,
+            version=first.version,
+            served_version=first.served_version,
+            percent=first.percent,
+            chosen=sum(report.chosen for report in reports),
+            compared=sum(report.compared for report in reports),
+            disagreed=sum(report.disagreed for report in reports),
+            failed=sum(report.failed for report in reports),
+            dropped=sum(report.dropped for report in reports),
+            candidate_p50_s=largest([report.candidate_p50_s for report in reports]),
+            candidate_p99_s=largest([report.candidate_p99_s for report in reports]),
+            served_p99_s=largest([report.served_p99_s for report in reports]),
+            disagreements=tuple(entry for report in reports for entry in report.disagreements),
+        )

@@ -115,3 +115,42 @@ def recorded_version(record: list[PublishedVersion] | None, name: str) -> str | 
     """The version of ``name`` that ``record`` says is served; None when it says ``name`` is
     not served, or when there is no record."""
     return next((entry.version for entry in record or () if entry.name == name), None)
+
+
+class RolloutRecords:
+    """Each model's rollout plan (``service/rollout_plan.py``), kept in the server's run folder
+    beside the published version record, one file per model: it outlives any engine or front
+    end restart, as what is served does. One process serving alone keeps them in memory."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self._directory = directory
+        self._in_memory: dict[str, bytes] = {}
+
+    @classmethod
+    def of_run(cls) -> RolloutRecords:
+        path = version_file()
+        return cls(None if path is None else path.parent)
+
+    def read(self, name: str) -> bytes | None:
+        """The plan of ``name`` as last written (JSON), or None."""
+        if self._directory is None:
+            return self._in_memory.get(name)
+        try:
+            return (self._directory / self._file_name(name)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, plan: bytes) -> None:
+        """Record ``plan`` (JSON) for ``name`` (atomically: write, then rename)."""
+        if self._directory is None:
+            self._in_memory[name] = plan
+            return
+        with tempfile.NamedTemporaryFile(
+            dir=self._directory, prefix=".rollout-", delete=False
+        ) as staged:
+            staged.write(plan)
+        os.replace(staged.name, self._directory / self._file_name(name))
+
+    @staticmethod
+    def _file_name(name: str) -> str:
+        return f"rollout-{name}.json"  # a checked plain identifier (manifest.check_name)

@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from service.bridge import contract, wire
-from service.bridge.interface import EngineStatus, GeneratedTokens, GenerateRequest, SwitchResult
+from service.bridge.interface import (
+    EngineStatus,
+    GeneratedTokens,
+    GenerateRequest,
+    ShadowReport,
+    SwitchResult,
+)
 from service.errors import ConflictError, InvalidInputError, ServiceError
 from service.manifest import Manifest, manifest_summary
 from service.tensors import NamedArrays
@@ -110,6 +116,12 @@ class EngineBackend(Protocol):
     async def abort(self) -> None: ...
 
     async def unload(self, name: str) -> str: ...
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport: ...
+
+    async def shadow_report(self, name: str) -> ShadowReport: ...
+
+    async def stop_shadow(self, name: str) -> ShadowReport: ...
 
 
 class BridgeServer:
@@ -199,6 +211,15 @@ class BridgeServer:
             return {"serving": manifest_summary(result.serving), "replaced": result.replaced}
         if op == "unload":
             return {"unloaded": await self.backend.unload(str(args["name"]))}
+        if op == "shadow_start":
+            started = self.backend.start_shadow(
+                str(args["name"]), str(args["version"]), int(str(args["percent"]))
+            )
+            return (await started).to_wire()
+        if op == "shadow_report":
+            return (await self.backend.shadow_report(str(args["name"]))).to_wire()
+        if op == "shadow_stop":
+            return (await self.backend.stop_shadow(str(args["name"]))).to_wire()
         raise InvalidInputError(f"unknown bridge control operation {op!r}")
 
     def connection_opened(self, connection: _Connection) -> None:

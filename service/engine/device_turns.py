@@ -14,6 +14,10 @@ queued, and handing the device on in the meantime would give the turns out a bat
 
 A batch is taken when its model's turn comes, not before: requests that arrive while it waits
 join it.
+
+A background model (a shadow candidate: ``engine/shadow.py``, on a thread of its own) starts a
+batch only when no model holds the device or waits for it, and holds nobody back: a served
+model's turn may begin while a background batch runs.
 """
 
 from __future__ import annotations
@@ -45,9 +49,21 @@ class DeviceTurns:
         """The device time of the model granted last, when it was granted."""
         self._kept_for: str | None = None
         self._keeping: asyncio.TimerHandle | None = None
+        self._background: set[str] = set()
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        """Background models waiting for the device to be idle."""
 
-    def for_model(self, name: str) -> ModelTurns:
+    def for_model(self, name: str, *, background: bool = False) -> ModelTurns:
+        """``name``'s turns; a ``background`` model's begin only when the device is idle and
+        exclude no other model."""
+        if background:
+            self._background.add(name)
         return ModelTurns(self, name)
+
+    @property
+    def idle(self) -> bool:
+        """No model holds the device, waits for it, or keeps it (``ANTICIPATION_S``)."""
+        return self._holder is None and self._kept_for is None and not self._waiting
 
     def used_s(self, name: str) -> float:
         """Device time ``name`` has had (lifted when it came back from idle)."""
@@ -55,6 +71,9 @@ class DeviceTurns:
 
     async def acquire(self, name: str) -> None:
         """Wait until ``name`` may use the device."""
+        if name in self._background:
+            await self._idle()
+            return
         self._lift(name)
         if self._holder is None and (
             self._kept_for == name or (self._kept_for is None and not self._waiting)
@@ -75,6 +94,8 @@ class DeviceTurns:
     def release(self, name: str) -> None:
         """``name`` is done with the device: count its time, hand the device on (after
         ``ANTICIPATION_S`` when ``name`` has had less than every model waiting)."""
+        if name in self._background:
+            return
         if self._holder != name:
             raise RuntimeError(f"{name} releases a turn held by {self._holder}")
         now_s = self._clock()
@@ -82,6 +103,7 @@ class DeviceTurns:
         self._released_s[name] = now_s
         self._holder = None
         if not self._waiting:
+            self._wake_background()
             return
         if self.used_s(name) < min(self.used_s(waiting) for waiting, _ in self._waiting):
             self._kept_for = name
@@ -93,6 +115,7 @@ class DeviceTurns:
         """``name`` is served no more."""
         self._used_s.pop(name, None)
         self._released_s.pop(name, None)
+        self._background.discard(name)
 
     def _hand_on(self) -> None:
         """The device to the waiting model that has had the least of it."""
@@ -100,12 +123,32 @@ class DeviceTurns:
         if self._keeping is not None:
             self._keeping.cancel()
             self._keeping = None
-        if self._holder is not None or not self._waiting:
+        if self._holder is not None:
+            return
+        if not self._waiting:
+            self._wake_background()
             return
         index = min(range(len(self._waiting)), key=lambda i: self.used_s(self._waiting[i][0]))
         name, granted = self._waiting.pop(index)
         self._grant(name, self._clock())
         granted.set_result(None)
+
+    async def _idle(self) -> None:
+        """Wait until the device is idle (at once when it is)."""
+        while not self.idle:
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._idle_waiters:
+                    self._idle_waiters.remove(waiter)
+
+    def _wake_background(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _grant(self, name: str, now_s: float) -> None:
         if self._keeping is not None:

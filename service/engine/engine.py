@@ -22,6 +22,7 @@ from service.bridge.interface import (
     GenerateRequest,
     InferenceRequest,
     InferenceResult,
+    ShadowReport,
     SwitchResult,
 )
 from service.bridge.streams import TokenQueue
@@ -31,9 +32,16 @@ from service.engine.batcher import Sink, Submission, Ticket
 from service.engine.compatibility import RequestContract, interchangeable, request_contract
 from service.engine.generation_loop import GenerationLoop
 from service.engine.model_store import ModelStore
+from service.engine.shadow import Shadow, ShadowedGeneration
 from service.engine.state import EngineState, ServedModel
-from service.engine.switching import Switcher
-from service.errors import InvalidInputError, NotReadyError, ServiceError, VersionSwitchedError
+from service.engine.switching import Switcher, load_shadow
+from service.errors import (
+    InvalidInputError,
+    ModelNotFoundError,
+    NotReadyError,
+    ServiceError,
+    VersionSwitchedError,
+)
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
@@ -93,6 +101,7 @@ class Engine:
         self._stopped: asyncio.Task[None] | None = None
         self._status: EngineStatus | None = None
         self._contracts: dict[str, RequestContract] = {}
+        self._shadows: dict[str, Shadow] = {}
         self.state.listeners.append(self._forget_status)
 
     # ----------------------------------------------------------------- lifecycle
@@ -122,6 +131,8 @@ class Engine:
 
     async def _shut_down(self) -> None:
         await self.abort()
+        for name in list(self._shadows):
+            await self.stop_shadow(name)
         await lifecycle.shut_down(self.state, self.start())
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -208,6 +219,7 @@ class Engine:
             sink=sink,
             tag=tag,
         )
+        self._shadow_chosen(served, ticket, request.instances, request.request_id)
         return ticket, manifest.version
 
     def enqueue_frame(
@@ -255,9 +267,12 @@ class Engine:
             version = served.manifest.version
             admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=sink)
             for index, outcome in zip(indexes, admitted, strict=True):
-                results[index] = (
-                    outcome if isinstance(outcome, ServiceError) else (outcome, version)
-                )
+                if isinstance(outcome, ServiceError):
+                    results[index] = outcome
+                    continue
+                results[index] = (outcome, version)
+                request, instances = requests[index]
+                self._shadow_chosen(served, outcome, instances, request.request_id)
         return results  # type: ignore[return-value]  # every one set
 
     def _serving(self, model: str, version: str) -> ServedModel | ServiceError:
@@ -295,9 +310,10 @@ class Engine:
         finally:
             generation.cancel(key)  # nothing happens once it finished
 
-    def generation_of(self, model: str, version: str) -> GenerationLoop:
+    def generation_of(self, model: str, version: str) -> GenerationLoop | ShadowedGeneration:
         """The loop generating for requests prepared for ``model@version``: refused as
-        ``enqueue`` refuses, and 422 for a model that does not generate."""
+        ``enqueue`` refuses, and 422 for a model that does not generate; with a shadow of that
+        version, the loop as the shadow watches it."""
         served = self._serving(model, version)
         if isinstance(served, ServiceError):
             raise served
@@ -307,6 +323,9 @@ class Engine:
                 f"{model} does not generate text ({task}); generation is served for "
                 "text-generation versions (package a causal LM with --hf)"
             )
+        shadow = self._shadows.get(model)
+        if shadow is not None and shadow.shadows(served):
+            return ShadowedGeneration(served.generation, shadow)
         return served.generation
 
     async def switch(self, name: str, version: str) -> SwitchResult:
@@ -342,6 +361,63 @@ class Engine:
     async def abort(self) -> None:
         """Discard what ``prepare`` loaded, if anything; the serving version stays."""
         await self._switcher.abort()
+
+    # ----------------------------------------------------------------- shadows
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        """Copy ``percent`` of ``name``'s requests to ``version`` (loaded beside, in the
+        background), answering each with the served version alone; a shadow of another
+        version of ``name`` is replaced, one of the same version only changes its share."""
+        served = self.state.models.get(name)
+        if served is None:
+            raise ModelNotFoundError(f"{name} is not served here; load it before shadowing it")
+        current = self._shadows.get(name)
+        target = self.state.store.resolve(name, version).version
+        if current is not None and current.candidate_version == target:
+            current.percent = percent
+            return current.report()
+        candidate = await load_shadow(self.state, served, target)
+        if current is not None:
+            await self.stop_shadow(name)
+        shadow = Shadow(
+            served,
+            candidate,
+            percent,
+            self.state.metrics,
+            busy_requests=self.state.settings.max_batch_size,
+        )
+        self._shadows[name] = shadow
+        self.state.shadow_candidates[name] = candidate
+        return shadow.report()
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        """What ``name``'s shadow found so far; 404 when it has none."""
+        shadow = self._shadows.get(name)
+        if shadow is None:
+            raise ModelNotFoundError(f"{name} has no shadow; start one with PUT .../shadow")
+        return shadow.report()
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        """Stop copying ``name``'s requests and unload the candidate (its copies already
+        queued run first); what the shadow found, last. 404 when it has none."""
+        shadow = self._shadows.pop(name, None)
+        if shadow is None:
+            raise ModelNotFoundError(f"{name} has no shadow to stop")
+        self.state.shadow_candidates.pop(name, None)
+        await lifecycle.retire_shadow(self.state, shadow.candidate)
+        return shadow.report()
+
+    def _shadow_chosen(
+        self,
+        served: ServedModel,
+        ticket: Ticket[NamedArrays],
+        instances: NamedArrays,
+        request_id: str,
+    ) -> None:
+        """Copy a queued request to its model's shadow when the shadow chooses it."""
+        shadow = self._shadows.get(served.manifest.name)
+        if shadow is not None and shadow.shadows(served) and shadow.chooses():
+            shadow.watch(ticket, instances, request_id)
 
     # ----------------------------------------------------------------- internals
 

@@ -47,16 +47,31 @@ logger = logging.getLogger(__name__)
 
 
 async def load_version(
-    state: EngineState, name: str, version: str, beside: Sequence[ServedModel] | None = None
+    state: EngineState,
+    name: str,
+    version: str,
+    beside: Sequence[ServedModel] | None = None,
+    *,
+    shadow: bool = False,
 ) -> ServedModel:
     """Verify, load, place, warm up and start serving machinery for one version, within the
     device memory budget beside the other versions loaded (409 if it does not fit): every
     one but the primary of ``name``, which it would replace; with ``beside``, every one and
-    those (loaded for a traffic split, not serving yet)."""
+    those (loaded for a traffic split, not serving yet).
+
+    A ``shadow`` version (``engine/shadow.py``) is counted beside every version loaded, the
+    primary of its own name included; its batches run on a thread of their own, begin only
+    when the device is idle (background turns) and never hold a served model back; its
+    batcher's series are labelled ``<name>@shadow``."""
     settings = state.settings
     manifest = state.store.resolve(name, version)
-    counted = _others(state, name) if beside is None else [*state.every_version(), *beside]
+    if shadow:
+        counted = list(state.every_version())
+    else:
+        counted = _others(state, name) if beside is None else [*state.every_version(), *beside]
+    counted += state.shadow_candidates.values()
     others = [(served.manifest.label, served.memory_bytes) for served in counted]
+    series = shadow_series(name) if shadow else name
     folder = state.store.version_folder(manifest.name, manifest.version)
     measured = state.measured_memory.get(manifest.label)
     memory.check_budget(
@@ -70,6 +85,8 @@ async def load_version(
     threads = configure_torch_threads(settings.torch_threads)
     if state.device_thread is None:
         state.device_thread = device_threads(settings.device_instances, threads)
+    executor = device_threads(1, threads) if shadow else state.device_thread
+    instances = 1 if shadow else settings.device_instances
     memory.release_freed_memory(device)  # so that what others freed is not counted as ours
     before_bytes = memory.memory_in_use(device)
     loaded = await asyncio.to_thread(state.store.load, name, manifest.version)
@@ -85,12 +102,12 @@ async def load_version(
         compile_mode=settings.compile_mode,
         max_batch_size=settings.max_batch_size,
         length_edges=edges,
-        executor=state.device_thread,
+        executor=executor,
     )
     language_model = getattr(loaded.module, "language_model", None)
     del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
-    turns = state.device_turns.for_model(manifest.name)
+    turns = state.device_turns.for_model(series, background=shadow)
     continuous: ContinuousBatch | None = None
     try:
         warmup_s = await _warm_up(runner, batches, turns)
@@ -114,7 +131,7 @@ async def load_version(
         await asyncio.to_thread(runner.close)
         memory.release_freed_memory(device)
         raise
-    metrics = state.metrics.for_model(manifest.name)
+    metrics = state.metrics.for_model(series)
     runner.count_positions = metrics.batch_positions  # warmed up: requests' batches from now
     batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
@@ -122,7 +139,7 @@ async def load_version(
             settings.batch_policy,
             settings.max_wait_ms,
             expected_requests=state.expected_requests,
-            instances=settings.device_instances,
+            instances=instances,
         ),
         executor=runner.executor,
         metrics=metrics,
@@ -135,8 +152,8 @@ async def load_version(
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,
         tracer=batch_tracer(manifest, runner),
-        instances=settings.device_instances,
-        turns=state.device_turns.for_model(manifest.name),
+        instances=instances,
+        turns=turns,
     )
     for batch, seconds in zip(batches, warmup_s, strict=True):
         # The warm-up's timings let the deadlines be judged from the first request on.
@@ -236,6 +253,11 @@ async def _warm_up(
         extra={"batches": len(batches), "seconds": round(time.perf_counter() - started_s, 3)},
     )
     return seconds
+
+
+def shadow_series(name: str) -> str:
+    """The name a shadow of ``name`` takes its device turns and batch series under."""
+    return f"{name}@shadow"
 
 
 def _others(state: EngineState, name: str) -> list[ServedModel]:
@@ -379,6 +401,13 @@ async def withdraw(state: EngineState, name: str) -> None:
     state.changed()
     await asyncio.gather(*(retire(each) for each in (served, *candidates)))
     state.device_turns.forget(name)
+
+
+async def retire_shadow(state: EngineState, candidate: ServedModel) -> None:
+    """Unload a shadow candidate once its queued copies have run; forget its turns."""
+    await retire(candidate)
+    candidate.runner.executor.shutdown(wait=False)  # its own thread, idle once retired
+    state.device_turns.forget(shadow_series(candidate.manifest.name))
 
 
 async def retire(served: ServedModel) -> None:

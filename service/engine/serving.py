@@ -30,11 +30,12 @@ from typing import Any
 import uvloop
 
 from service import tracing
-from service.bridge.interface import EngineStatus, SwitchResult
+from service.bridge.interface import EngineStatus, ShadowReport, SwitchResult
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine, FrameRequest, Queued
 from service.engine.generation_loop import GenerationLoop
+from service.engine.shadow import ShadowedGeneration
 from service.engine.starting_heartbeat import StartingHeartbeat
 from service.garbage import collect_young_garbage_rarely
 from service.logs import configure_logging
@@ -77,7 +78,7 @@ class _StartedEngine:
     ) -> list[Queued]:
         return self._engine.enqueue_frame(requests, frontend_load, sink)
 
-    def generation_of(self, model: str, version: str) -> GenerationLoop:
+    def generation_of(self, model: str, version: str) -> GenerationLoop | ShadowedGeneration:
         return self._engine.generation_of(model, version)
 
     async def prepare(self, name: str, version: str) -> Manifest:
@@ -94,6 +95,15 @@ class _StartedEngine:
 
     async def unload(self, name: str) -> str:
         return await self._engine.unload(name)
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        return await self._engine.start_shadow(name, version, percent)
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        return await self._engine.shadow_report(name)
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        return await self._engine.stop_shadow(name)
 
 
 async def serve_engine(

@@ -208,6 +208,9 @@ class EngineState:
     """Called once when a batch outlives ``stall_timeout_s`` (the owner stops the process)."""
     frontend_loads: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
     """Each front end's last reported load (``InferenceRequest.frontend_load``) and when."""
+    shadow_candidates: dict[str, ServedModel] = field(default_factory=dict)
+    """Each model's shadow candidate (``engine/shadow.py``): loaded, not served; the memory
+    budget counts it."""
 
     def every_version(self) -> list[ServedModel]:
         """Every version loaded: each model's primary, then the versions beside it."""

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from service import traffic_split
 from service.bridge.interface import SwitchResult
 from service.engine import lifecycle
+from service.engine.compatibility import interchangeable, request_contract
 from service.engine.state import EngineState, ServedModel
 from service.errors import (
     ConflictError,
+    InvalidInputError,
     ModelIntegrityError,
     ModelLoadError,
     ModelNotFoundError,
@@ -191,3 +193,31 @@ async def _load_beside(state: EngineState, name: str, version: str) -> ServedMod
     except (ModelIntegrityError, ModelLoadError) as error:
         reason = str(error).replace(str(state.store.root), "<repository>")
         raise ModelRejectedError(f"{reason}; still serving {serving} for {name}") from error
+
+
+async def load_shadow(state: EngineState, served: ServedModel, version: str) -> ServedModel:
+    """``served``'s model at ``version`` loaded beside every model served, as a shadow
+    candidate (``engine/shadow.py``). Refused (422) for the version served, and for one that
+    would prepare or answer a request otherwise (``compatibility.py``): its answers to the
+    served version's instances could not be compared. 409 while another change is under way.
+    """
+    name = served.manifest.name
+    manifest = state.store.resolve(name, version)
+    if manifest.version == served.manifest.version:
+        raise InvalidInputError(
+            f"{manifest.label} is the version served; a shadow runs another version of {name}"
+        )
+    if not interchangeable(request_contract(manifest), request_contract(served.manifest)):
+        raise ModelRejectedError(
+            f"{manifest.label} cannot shadow {served.manifest.label}: their inputs, outputs, "
+            "handler or files other than the weights differ, so the same request would not "
+            "mean the same to both"
+        )
+    if state.switch_lock.locked():
+        raise ConflictError("a version is being loaded; retry when it is done")
+    async with state.switch_lock:
+        try:
+            return await lifecycle.load_version(state, name, manifest.version, shadow=True)
+        except (ModelIntegrityError, ModelLoadError) as error:
+            reason = str(error).replace(str(state.store.root), "<repository>")
+            raise ModelRejectedError(f"{reason}; no shadow of {name} started") from error

@@ -1,10 +1,16 @@
 """Management routes under ``/admin``: list versions, load one, unload a model, roll back,
-split a model's traffic over several versions. Bearer token only.
+split a model's traffic over several versions; shadow a candidate version; record a rollout
+plan. Bearer token only.
 
 A version is loaded by every engine next to what it serves (hashes verified, built, warmed
 up) and served only once all of them have it, beside the other models or in place of the
 version of its name; a version that any engine refuses is answered 422 (409 when it does not
 fit in the memory budget) and what is served stays everywhere.
+
+A shadow (``engine/shadow.py``) copies a share of a model's requests to a candidate version
+loaded beside it on every engine, and compares the answers; the client gets the served
+version's answer alone. A rollout plan's state (``service/rollout_plan.py``) is recorded beside
+the published version record, for ``batchserve rollout`` to resume after any restart.
 """
 
 from __future__ import annotations
@@ -13,17 +19,20 @@ import hmac
 import time
 from typing import Annotated
 
+import orjson
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.bridge.interface import SwitchResult
-from service.errors import ForbiddenError, ModelNotFoundError, UnauthorizedError
+from service.errors import ForbiddenError, InvalidInputError, ModelNotFoundError, UnauthorizedError
 from service.frontend.responses import json_response
 from service.frontend.routes import frontend_of
 from service.frontend.schemas import ErrorResponse
 from service.frontend.state import FrontendState
 from service.frontend.traffic_window import NO_ANSWERS
 from service.manifest import check_name, check_version, manifest_summary
+from service.metrics import FrontendMetrics
+from service.rollout_plan import RolloutPlan
 from service.traffic_split import checked_weights
 
 
@@ -91,6 +100,76 @@ async def rollback(request: Request) -> Response:
     """Switch the first model (the one ``/predict`` answers with) back to the version served
     before its last switch (verified and loaded again)."""
     return _switched(await frontend_of(request).engine.rollback())
+
+
+class ShadowRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str = Field(min_length=1, max_length=128)
+    """The candidate version (an id, or ``latest``)."""
+    percent: int = Field(ge=0, le=100)
+    """The share of the model's requests copied to it."""
+
+
+@router.put("/models/{name}/shadow", summary="Shadow a model with a candidate version")
+async def start_shadow(name: str, body: ShadowRequest, request: Request) -> Response:
+    """Load ``version`` beside ``name`` on every engine (or none) and copy ``percent`` of its
+    requests to it once they are answered; compare the answers. The client gets the served
+    version's answer alone. Again with the same version: only the share changes."""
+    engine = frontend_of(request).engine
+    report = await engine.start_shadow(check_name(name), check_version(body.version), body.percent)
+    return json_response(report.to_wire())
+
+
+@router.get("/models/{name}/shadow", summary="What a model's shadow found")
+async def shadow_report(name: str, request: Request) -> Response:
+    """Requests compared, those on which the candidate disagreed (and the share), those it
+    failed, those dropped to shed load, latencies, and the latest disagreements; summed over
+    the engines. 404 when ``name`` has no shadow."""
+    report = await frontend_of(request).engine.shadow_report(check_name(name))
+    return json_response(report.to_wire())
+
+
+@router.delete("/models/{name}/shadow", summary="Stop a model's shadow")
+async def stop_shadow(name: str, request: Request) -> Response:
+    """Stop copying requests and unload the candidate; what the shadow found, last."""
+    report = await frontend_of(request).engine.stop_shadow(check_name(name))
+    return json_response(report.to_wire())
+
+
+@router.put("/models/{name}/rollout", summary="Record a rollout plan's state")
+async def record_rollout(name: str, plan: RolloutPlan, request: Request) -> Response:
+    """Record where ``batchserve rollout`` stands with ``name`` (beside the published version
+    record: it outlives engine and front end restarts)."""
+    if plan.model != check_name(name):
+        raise InvalidInputError(f"the plan is for model {plan.model!r}, not {name!r}")
+    frontend = frontend_of(request)
+    recorded = frontend.rollouts.read(name)
+    before = RolloutPlan.model_validate_json(recorded) if recorded is not None else None
+    document = plan.model_dump(mode="json")
+    frontend.rollouts.write(name, orjson.dumps(document))
+    _count_rollout(frontend.metrics, plan, before)
+    return json_response(document)
+
+
+def _count_rollout(metrics: FrontendMetrics, plan: RolloutPlan, before: RolloutPlan | None) -> None:
+    """The plan's step in ``batchserve_rollout_percent``, and the decisions it added since it
+    was last recorded in ``batchserve_rollout_decisions_total``."""
+    running = plan.state == "running"
+    metrics.rollout_percent.labels(plan.model, plan.to_version).set(plan.percent if running else 0)
+    same = before is not None and before.started_at == plan.started_at
+    for decision in plan.decisions[len(before.decisions) if same and before else 0 :]:
+        labels = (plan.model, decision.verdict, decision.check or "none")
+        metrics.rollout_decisions.labels(*labels).inc()
+
+
+@router.get("/models/{name}/rollout", summary="Read a rollout plan's state")
+async def read_rollout(name: str, request: Request) -> Response:
+    """The plan last recorded for ``name``; 404 when none was."""
+    recorded = frontend_of(request).rollouts.read(check_name(name))
+    if recorded is None:
+        raise ModelNotFoundError(f"no rollout plan was recorded for {name}")
+    return json_response(orjson.loads(recorded))
 
 
 def _switched(result: SwitchResult) -> Response:

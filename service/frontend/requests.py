@@ -144,8 +144,9 @@ class HeldRequest:
     ) -> InferenceResult:
         """``request``'s answer from ``cache``, or from the engine through it."""
         compute = partial(request_spans.infer, self.frontend, request)
-        served = self.frontend.engine.status().find(request.model)
-        version = None if served is None else served.manifest.version
+        # loaded: the primary or a version beside it (a traffic split)
+        loaded = self.frontend.engine.status().find_version(request.model, request.version)
+        version = None if loaded is None else loaded.manifest.version
         if receive is None:
             return await cache.answer(request, compute, version)
         with DisconnectWatcher(receive):  # a waiter for an identical request leaves too

@@ -116,9 +116,10 @@ class ResponseCache:
         served_version: str | None,
     ) -> InferenceResult:
         """``request``'s answer: kept, being computed for an identical request, or from
-        ``compute`` (the engine), kept for the next one. ``served_version``: the version of
-        the model served now; a request validated against another (a switch landed since) goes
-        to the engine alone, which refuses it or computes it as it would without a cache."""
+        ``compute`` (the engine), kept for the next one. ``served_version``: the request's
+        version if it is still loaded (served, or beside the primary in a traffic split), else
+        None; a request whose version was switched away goes to the engine alone, which
+        refuses it or computes it as it would without a cache."""
         model = request.model
         inputs = None
         if served_version == request.version and (self.models is None or model in self.models):

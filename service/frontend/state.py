@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from service import traffic_split
 from service.bridge.interface import EngineClient, ModelInfo
+from service.bridge.published import RolloutRecords
 from service.config import Settings
 from service.errors import HandlerError, ModelNotFoundError
 from service.frontend.generation.text_model import TextModel, load_text_model
@@ -49,6 +50,8 @@ class FrontendState:
     """One process serving alone: a hung model means this process must be replaced. Behind
     the bridge the supervisor replaces the engine and the front end stays alive."""
     draining: bool = False
+    rollouts: RolloutRecords = field(default_factory=RolloutRecords.of_run)
+    """Each model's rollout plan, as ``batchserve rollout`` recorded it."""
     holding: int = 0
     """Requests whose body has been read and that are not answered yet."""
     receiving: int = 0

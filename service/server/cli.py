@@ -23,6 +23,7 @@ from service.server.env_file import apply_env_file
 from service.server.launcher import clear_configured_multiprocess_dir
 from service.server.model_flags import add_repository_flag
 from service.server.predict_command import add_predict_parser, run_predict
+from service.server.rollout_command import add_rollout_parser, run_rollout
 from service.server.traffic_command import add_traffic_parser, run_traffic
 from service.server.tune_command import add_tune_parser, run_tune
 
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_parser(commands)
     add_predict_parser(commands)
     add_traffic_parser(commands)
+    add_rollout_parser(commands)
 
     package = commands.add_parser(
         "package",
@@ -381,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_predict(args)
         if args.command == "traffic":
             return run_traffic(args)
+        if args.command == "rollout":
+            return run_rollout(args)
         return _models(args)
     except SettingsError as error:
         print(error, file=sys.stderr)

@@ -40,6 +40,7 @@ from service.bridge.interface import (
     InferenceRequest,
     InferenceResult,
     ModelInfo,
+    ShadowReport,
     SwitchResult,
 )
 from service.buckets import manifest_length_edges
@@ -123,6 +124,15 @@ class ZeroEngine:
 
     async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
         raise ConflictError("the HTTP ceiling serves one version and never splits its traffic")
+
+    async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:
+        raise ConflictError("the HTTP ceiling serves one version and never shadows")
+
+    async def shadow_report(self, name: str) -> ShadowReport:
+        raise ConflictError("the HTTP ceiling serves one version and never shadows")
+
+    async def stop_shadow(self, name: str) -> ShadowReport:
+        raise ConflictError("the HTTP ceiling serves one version and never shadows")
 
 
 def model_info(settings: Settings) -> ModelInfo:
