@@ -9,6 +9,7 @@ import contextlib
 import io
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def repository(tmp_path: Path) -> tuple[Path, str]:
     return root, add_digits_version(root, 0.5)
 
 
+ADMIN_TOKEN = "response-cache-token-0123456789"
+
+
 @contextlib.asynccontextmanager
 async def served(root: Path) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     settings = Settings(
@@ -57,6 +61,7 @@ async def served(root: Path) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]
         warmup_batch_sizes=(1, 4, 16),
         response_cache_mb=1,
         response_cache_models=("digits",),
+        admin_token=ADMIN_TOKEN,
     )
     app = create_app(settings)
     async with LifespanManager(app):
@@ -129,6 +134,37 @@ async def test_identical_requests_cost_one_forward_in_every_encoding_and_protoco
         np.testing.assert_array_equal(
             np.asarray(v2.json()["outputs"][0]["data"], dtype=np.float32), logits.ravel()
         )
+
+
+async def test_each_version_of_a_traffic_split_is_answered_from_the_cache_with_its_own_answer(
+    repository: tuple[Path, str],
+) -> None:
+    root, retrained = repository
+    weights = {DIGITS.version: 50, retrained: 50}
+    body = {"instances": [digit(3).tolist()]}
+    async with served(root) as (app, client):
+        split = await client.put(
+            "/admin/models/digits/traffic",
+            json={"weights": weights},
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+        assert split.status_code == 200, split.text
+        alone = {}
+        for version in weights:
+            named = await client.post(f"/models/digits/versions/{version}/predict", json=body)
+            alone[version] = named.json()["predictions"]
+        assert alone[DIGITS.version] != alone[retrained]
+        before = forwards(app)
+        met: Counter[str] = Counter()
+        for index in range(40):
+            keyed = await client.post("/predict", json=body, headers={"x-routing-key": f"u{index}"})
+            version = keyed.json()["version"]
+            met[version] += 1
+            assert keyed.json()["predictions"] == alone[version]
+        assert set(met) == set(weights), met
+        # Both versions' answers were kept when each was named: the primary's and the one
+        # loaded beside it are answered without a forward.
+        assert forwards(app) == before
 
 
 async def test_no_answer_is_another_versions_while_versions_switch_every_300_ms(
