@@ -299,6 +299,25 @@ def test_a_full_cache_and_waiting_line_refuse_with_429_and_retry_after() -> None
         no_waiting.submit(GenerationRequest(1, (1, 2, 3), max_tokens=5))
 
 
+def test_waiting_requests_join_high_priority_first_and_in_arrival_order_within() -> None:
+    """One slot: the requests waiting behind the running one join as each one before them
+    finishes, high before normal, first come first within a priority."""
+    batch = new_batch(generative_models.gpt2(), max_running=1)
+    batch.submit(GenerationRequest("running", (4, 5), max_tokens=2, ignore_eos=True))
+    batch.step()
+    for request_id, priority in [("n1", "normal"), ("h1", "high"), ("n2", "normal")]:
+        batch.submit(
+            GenerationRequest(request_id, (4, 5), max_tokens=2, priority=priority, ignore_eos=True)
+        )
+    batch.submit(GenerationRequest("h2", (4, 5), max_tokens=2, priority="high", ignore_eos=True))
+    first_tokens: list[Hashable] = []
+    for _ in range(12):
+        for event in batch.step():
+            if event.request_id not in first_tokens:
+                first_tokens.append(event.request_id)
+    assert first_tokens == ["running", "h1", "h2", "n1", "n2"]
+
+
 def test_a_cancelled_sequence_frees_its_slot_for_the_next_step() -> None:
     model = generative_models.gpt2()
     batch = new_batch(model, max_running=2)

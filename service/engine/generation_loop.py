@@ -11,8 +11,11 @@ one step for all its streams into one frame.
 
 What needs no device is answered at once on the event loop, before anything is queued: 422
 for sampling settings out of range, token ids outside the vocabulary or a prompt that never
-fits, 429 with ``Retry-After`` when every KV-cache slot is taken and the waiting room is full,
-504 when the first token has not come by the request's deadline (the sequence is cancelled).
+fits, 429 with ``Retry-After`` when every KV-cache slot is taken and the waiting room is full.
+A request's deadline covers its whole stream: when it passes, before the first token or after
+any, the stream ends with 504 (``DeadlineExceededError``, sent as the stream's error) and its
+sequence is cancelled, its slot free at the next step. Waiting requests join the batch by
+priority (``X-Priority: high`` first), in arrival order within one.
 
 A loop serves one version: when its model switches to another version, the old loop takes no
 new request and finishes its streams (``drain``), so a stream is produced by one version from
@@ -76,13 +79,13 @@ class _Stream:
     prompt_tokens: int
     tokens: int = 0
     last_token_s: float = 0.0
-    first_token_timer: asyncio.TimerHandle | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
     span: StreamSpan | None = None
 
     def stop_timer(self) -> None:
-        if self.first_token_timer is not None:
-            self.first_token_timer.cancel()
-            self.first_token_timer = None
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
 
     def ended(self, outcome: str) -> None:
         """The stream is over: no timer left, its span (if traced) ended with ``outcome``."""
@@ -98,6 +101,16 @@ class _StepResult:
     refused: list[tuple[Hashable, ServiceError]]
     running: int
     waiting: int
+
+
+def deadline_message(tokens: int) -> str:
+    """What a stream whose deadline passed is told, once it had ``tokens`` tokens."""
+    if not tokens:
+        return "the first token did not come by the request's deadline"
+    return (
+        f"the request's deadline passed after {tokens} generated tokens: the stream was "
+        "ended there (raise request_timeout_ms, or ask for fewer tokens)"
+    )
 
 
 class GenerationLoop:
@@ -185,6 +198,7 @@ class GenerationLoop:
             sampling=sampling,
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            priority=request.priority,
         )
         self.batch.check(generation)
         capacity = self.batch.slots + self.batch.max_waiting_sequences
@@ -203,7 +217,7 @@ class GenerationLoop:
             request.traceparent, self.model, self.version, stream.prompt_tokens
         )
         if request.deadline_s != float("inf"):
-            stream.first_token_timer = asyncio.get_running_loop().call_later(
+            stream.deadline_timer = asyncio.get_running_loop().call_later(
                 request.deadline_s - now_s, self._expire, key
             )
         self._streams[key] = stream
@@ -238,10 +252,12 @@ class GenerationLoop:
             gauge.remove(*labels)
 
     def _expire(self, key: int) -> None:
+        """The request's deadline passed: its stream ends with 504 and its sequence leaves
+        the batch at the next step."""
         stream = self._streams.get(key)
-        if stream is None or stream.last_token_s:
+        if stream is None:
             return
-        error = DeadlineExceededError("the first token did not come by the request's deadline")
+        error = DeadlineExceededError(deadline_message(stream.tokens))
         stream.ended(error.code)  # before cancel() would end it as cancelled
         self.cancel(key)
         stream.sink.failed(error)
@@ -308,7 +324,6 @@ class GenerationLoop:
             if stream.last_token_s:
                 self._itl.observe(now_s - stream.last_token_s)
             else:
-                stream.stop_timer()
                 self._ttft.observe(now_s - stream.arrived_s)
                 if stream.span is not None:
                     stream.span.first_token()

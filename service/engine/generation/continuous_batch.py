@@ -23,7 +23,12 @@ from typing import Any
 import torch
 
 from service.config import Precision
-from service.engine.generation.admission import StepLimits, new_tokens_allowed, plan_prefill
+from service.engine.generation.admission import (
+    StepLimits,
+    new_tokens_allowed,
+    plan_prefill,
+    waiting_position,
+)
 from service.engine.generation.forward_inputs import Row, forward_inputs
 from service.engine.generation.kv_cache import SlotKVCache, probe_kv_layout, slots_for_budget
 from service.engine.generation.model_limits import context_tokens
@@ -129,9 +134,10 @@ class ContinuousBatch:
         )
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request to join at a coming step. Refused at once: a request that can
-        never fit (422), or one that would wait beyond ``max_waiting_sequences`` for a slot
-        (429 with Retry-After)."""
+        """Queue a request to join at a coming step, behind the waiting requests of its
+        priority and higher ones (``admission.waiting_position``). Refused at once: a request
+        that can never fit (422), or one that would wait beyond ``max_waiting_sequences`` for
+        a slot (429 with Retry-After)."""
         if request.request_id in self._known:
             raise ValueError(f"request {request.request_id!r} is already generating")
         max_new_tokens = self.check(request)
@@ -146,7 +152,8 @@ class ContinuousBatch:
             stop_ids |= self._eos_ids
         generator = new_generator(request.sampling, self._device)
         sequence = RunningSequence(request, max_new_tokens, stop_ids, generator)
-        self._waiting.append(sequence)
+        line = [waiting.request.priority for waiting in self._waiting]
+        self._waiting.insert(waiting_position(line, request.priority), sequence)
         self._known[request.request_id] = sequence
 
     def cancel(self, request_id: Hashable) -> bool:
