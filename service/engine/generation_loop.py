@@ -1,13 +1,14 @@
 """The generation loop of one generative version: its continuous batch stepped on the device
 thread, a device turn per step, and each request's tokens handed to its stream.
 
-The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never touches
+The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never changes
 it: submissions and cancellations go into a queue that the device thread drains at the start of
-each step (cancellations and submissions in the order they came, so a slot freed by a cancel is
-free for the request after it). A step's events come back to the event loop once (the step's
-future), and each stream's token goes to its ``TokenSink``: an in-process caller's
-``bridge.streams.TokenQueue``, or a front end's bridge connection, which gathers the tokens of
-one step for all its streams into one frame.
+each half of a step (cancellations and submissions in the order they came, so a slot freed by a
+cancel is free for the request after it). A step runs in two halves, prefill then decode, and
+each half's events come back to the event loop once (its future), so that a new request's
+first token is handed out before the running streams' decode runs. Each stream's token goes to
+its ``TokenSink``: an in-process caller's ``bridge.streams.TokenQueue``, or a front end's
+bridge connection, which gathers the tokens of one half for all its streams into one frame.
 
 What needs no device is answered at once on the event loop, before anything is queued: 422
 for sampling settings out of range, token ids outside the vocabulary or a prompt that never
@@ -275,21 +276,38 @@ class GenerationLoop:
                 continue
             try:
                 async with self._turns.turn():
-                    step = self._stall.started(time.monotonic())
-                    try:
-                        result = await loop.run_in_executor(self._executor, self._step)
-                    finally:
-                        self._stall.finished(step)
-                self._deliver(result)
+                    # Two halves, their tokens handed out after each: a new request's first
+                    # token does not wait for the running streams' decode.
+                    # The batch is read here only between halves, when none runs.
+                    due = self._inbox or self.batch.prefill_due
+                    for half in (self._prefill, self._decode) if due else (self._decode,):
+                        step = self._stall.started(time.monotonic())
+                        try:
+                            result = await loop.run_in_executor(self._executor, half)
+                        finally:
+                            self._stall.finished(step)
+                        self._deliver(result)
             except Exception:
                 # Left running, the streams would wait forever; the batch keeps its sequences
                 # until the cancels queued here reach it.
                 logger.exception("generation_step_failed", extra={"model": self.model})
                 self._fail_all()
 
-    def _step(self) -> _StepResult:
-        """One iteration, on the device thread: the queued cancels and submissions, then a
-        step of the batch."""
+    def _prefill(self) -> _StepResult:
+        """The first half of an iteration, on the device thread: the queued cancels and
+        submissions, then the batch's prefill."""
+        refused = self._take_inbox()
+        return self._result(self.batch.prefill(), refused)
+
+    def _decode(self) -> _StepResult:
+        """The second half, on the device thread: cancels that came meanwhile, then the
+        batch's decode."""
+        refused = self._take_inbox()
+        return self._result(self.batch.decode(), refused)
+
+    def _take_inbox(self) -> list[tuple[Hashable, ServiceError]]:
+        """The queued cancels and submissions into the batch, in the order they came; the
+        submissions it refused."""
         batch = self.batch
         refused: list[tuple[Hashable, ServiceError]] = []
         inbox = self._inbox
@@ -302,8 +320,12 @@ class GenerationLoop:
                 batch.submit(item)
             except ServiceError as error:
                 refused.append((item.request_id, error))
-        events = batch.step() if batch.running or batch.waiting else []
-        return _StepResult(events, refused, batch.running, batch.waiting)
+        return refused
+
+    def _result(
+        self, events: list[TokenEvent], refused: list[tuple[Hashable, ServiceError]]
+    ) -> _StepResult:
+        return _StepResult(events, refused, self.batch.running, self.batch.waiting)
 
     def _deliver(self, result: _StepResult) -> None:
         """A step's events to their streams (a stream cancelled meanwhile hears nothing)."""
