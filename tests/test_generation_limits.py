@@ -25,6 +25,7 @@ from service.errors import (
     NotReadyError,
     QueueFullError,
 )
+from service.types import Priority
 from tests import generative_models
 from tests.fixtures import wait_until
 from tests.generation_streams import (
@@ -171,6 +172,39 @@ async def test_a_deadline_passed_mid_stream_ends_it_with_504_and_frees_the_seque
         assert all(item.finish_reason is None for item in items)
         loop = engine.generation_of("lm", request.version)
         await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
+
+
+async def test_a_high_priority_request_takes_a_free_slot_before_a_normal_one_sent_first(
+    repository: Path,
+) -> None:
+    """One slot, held by a long stream; a normal then a high request wait (the device held
+    here, so that nothing finishes meanwhile). Once the long stream is closed, the high one
+    generates first."""
+    async with started(repository, max_running_sequences=1) as engine:
+        long = engine.generate(request_for(engine, (5, 6, 7), max_tokens=400, ignore_eos=True))
+        async with asyncio.timeout(PROMPTLY_S):
+            assert (await anext(long)).token_ids
+        loop = engine.generation_of("lm", request_for(engine, (1,)).version)
+        order: list[str] = []
+
+        async def read(priority: Priority) -> None:
+            request = request_for(engine, (8, 9), max_tokens=2, ignore_eos=True, priority=priority)
+            async for item in engine.generate(request):
+                order.extend([priority] * len(item.token_ids))
+
+        turns = engine.state.device_turns.for_model("lm")
+        await turns.acquire()
+        try:
+            normal = asyncio.ensure_future(read("normal"))
+            await wait_until(lambda: loop.streams == 2, PROMPTLY_S)
+            high = asyncio.ensure_future(read("high"))
+            await wait_until(lambda: loop.streams == 3, PROMPTLY_S)
+            await long.aclose()
+        finally:
+            turns.release()
+        async with asyncio.timeout(PROMPTLY_S):
+            await asyncio.gather(normal, high)
+        assert order == ["high", "high", "normal", "normal"]
 
 
 async def test_the_kv_cache_holds_what_kv_cache_mb_allows_and_a_full_one_is_429(
