@@ -101,7 +101,7 @@ def accept_next(sequences: list[RunningSequence], logits: torch.Tensor) -> list[
     good = [row for row, ok in enumerate(finite) if ok]
     chosen = (
         choose(
-            logits[good],
+            logits if len(good) == len(finite) else logits[good],  # no copy when all are good
             [sequences[row].request.sampling for row in good],
             [sequences[row].generator for row in good],
         )
