@@ -1,14 +1,15 @@
 """The generation loop of one generative version: its continuous batch stepped on the device
 thread, a device turn per step, and each request's tokens handed to its stream.
 
-The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never changes
+The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never touches
 it: submissions and cancellations go into a queue that the device thread drains at the start of
-each half of a step (cancellations and submissions in the order they came, so a slot freed by a
-cancel is free for the request after it). A step runs in two halves, prefill then decode, and
-each half's events come back to the event loop once (its future), so that a new request's
-first token is handed out before the running streams' decode runs. Each stream's token goes to
-its ``TokenSink``: an in-process caller's ``bridge.streams.TokenQueue``, or a front end's
-bridge connection, which gathers the tokens of one half for all its streams into one frame.
+each step (cancellations and submissions in the order they came, so a slot freed by a cancel is
+free for the request after it). A step runs the batch's prefill, then its decode; the prefill's
+events are sent to the event loop as soon as they exist and the decode's with the step's
+result, so that a new request's first token is handed out while the running streams' decode
+runs, not after it. Each stream's token goes to its ``TokenSink``: an in-process caller's
+``bridge.streams.TokenQueue``, or a front end's bridge connection, which gathers the tokens of
+one delivery for all its streams into one frame.
 
 What needs no device is answered at once on the event loop, before anything is queued: 422
 for sampling settings out of range, token ids outside the vocabulary or a prompt that never
@@ -30,7 +31,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
@@ -276,34 +277,35 @@ class GenerationLoop:
                 continue
             try:
                 async with self._turns.turn():
-                    # Two halves, their tokens handed out after each: a new request's first
-                    # token does not wait for the running streams' decode.
-                    # The batch is read here only between halves, when none runs.
-                    due = self._inbox or self.batch.prefill_due
-                    for half in (self._prefill, self._decode) if due else (self._decode,):
-                        step = self._stall.started(time.monotonic())
-                        try:
-                            result = await loop.run_in_executor(self._executor, half)
-                        finally:
-                            self._stall.finished(step)
-                        self._deliver(result)
+                    step = self._stall.started(time.monotonic())
+                    try:
+                        result = await loop.run_in_executor(
+                            self._executor, self._step, loop.call_soon_threadsafe
+                        )
+                    finally:
+                        self._stall.finished(step)
+                self._deliver(result)
             except Exception:
                 # Left running, the streams would wait forever; the batch keeps its sequences
                 # until the cancels queued here reach it.
                 logger.exception("generation_step_failed", extra={"model": self.model})
                 self._fail_all()
 
-    def _prefill(self) -> _StepResult:
-        """The first half of an iteration, on the device thread: the queued cancels and
-        submissions, then the batch's prefill."""
+    def _step(
+        self, on_loop: Callable[[Callable[[_StepResult], None], _StepResult], object]
+    ) -> _StepResult:
+        """One iteration, on the device thread: the queued cancels and submissions, the
+        batch's prefill, whose events go to the event loop at once (``on_loop``: the loop's
+        ``call_soon_threadsafe``, so they are delivered before this step's result, while the
+        decode runs), then its decode. Cancels that come meanwhile wait for the next step."""
         refused = self._take_inbox()
-        return self._result(self.batch.prefill(), refused)
-
-    def _decode(self) -> _StepResult:
-        """The second half, on the device thread: cancels that came meanwhile, then the
-        batch's decode."""
-        refused = self._take_inbox()
-        return self._result(self.batch.decode(), refused)
+        batch = self.batch
+        if batch.prefill_due:
+            first = batch.prefill()
+            if first or refused:
+                on_loop(self._deliver, self._result(first, refused))
+                refused = []
+        return self._result(batch.decode(), refused)
 
     def _take_inbox(self) -> list[tuple[Hashable, ServiceError]]:
         """The queued cancels and submissions into the batch, in the order they came; the
