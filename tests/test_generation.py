@@ -299,6 +299,55 @@ def test_a_full_cache_and_waiting_line_refuse_with_429_and_retry_after() -> None
         no_waiting.submit(GenerationRequest(1, (1, 2, 3), max_tokens=5))
 
 
+def test_waiting_requests_join_high_priority_first_and_in_arrival_order_within() -> None:
+    """One slot: the requests waiting behind the running one join as each one before them
+    finishes, high before normal, first come first within a priority."""
+    batch = new_batch(generative_models.gpt2(), max_running=1)
+    batch.submit(GenerationRequest("running", (4, 5), max_tokens=4, ignore_eos=True))
+    batch.step()
+    for request_id, priority in [("n1", "normal"), ("h1", "high"), ("n2", "normal")]:
+        batch.submit(
+            GenerationRequest(request_id, (4, 5), max_tokens=2, priority=priority, ignore_eos=True)
+        )
+    batch.submit(GenerationRequest("h2", (4, 5), max_tokens=2, priority="high", ignore_eos=True))
+    first_tokens: list[Hashable] = []
+    for _ in range(16):
+        for event in batch.step():
+            if event.request_id not in first_tokens:
+                first_tokens.append(event.request_id)
+    assert first_tokens == ["running", "h1", "h2", "n1", "n2"]
+
+
+def test_a_new_requests_first_token_comes_from_its_prompt_alone_before_the_others_decode() -> None:
+    """The time to first token beside running streams: the prefill half runs the new prompt
+    alone and hands out its first token; the decode half then steps everyone, the new
+    sequence with them."""
+    model = generative_models.gpt2()
+    shapes: list[tuple[int, ...]] = []
+
+    def record(module: Any, args: Any, kwargs: Any) -> None:
+        shapes.append(tuple(kwargs["input_ids"].shape))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    batch = new_batch(model)
+    for index in range(4):
+        batch.submit(GenerationRequest(index, (4, 5, 6), max_tokens=20, sampling=GREEDY))
+    batch.step()
+    shapes.clear()
+    new = GenerationRequest("new", (7, 8, 9, 10, 11), max_tokens=3, sampling=GREEDY)
+    batch.submit(new)
+
+    first = batch.prefill()
+    assert [event.request_id for event in first] == ["new"]
+    assert shapes == [(1, 5)]
+    second = batch.decode()
+    assert [event.request_id for event in second] == [0, 1, 2, 3, "new"]
+    assert shapes == [(1, 5), (5, 1)]
+    tokens = [event.token_id for event in [*first, *second] if event.request_id == "new"]
+    tokens += drive(batch, {}).tokens["new"]
+    assert tokens == generated_alone(model, new)
+
+
 def test_a_cancelled_sequence_frees_its_slot_for_the_next_step() -> None:
     model = generative_models.gpt2()
     batch = new_batch(model, max_running=2)
@@ -345,7 +394,7 @@ def test_a_step_whose_forward_fails_leaves_every_sequence_to_step_again() -> Non
     def fail_step_2_prefill(module: Any, args: Any, kwargs: Any) -> None:
         nonlocal calls
         calls += 1
-        # The probe, step 0 (prefill), step 1 (decode), step 2 (decode, then this prefill).
+        # The probe, step 0 (prefill, decode), step 1 (decode), step 2 (this prefill).
         if calls == 5:
             raise RuntimeError("the device failed")
 

@@ -9,6 +9,7 @@ from service.engine.generation.admission import (
     StepLimits,
     new_tokens_allowed,
     plan_prefill,
+    waiting_position,
 )
 from service.errors import InvalidInputError
 
@@ -39,6 +40,16 @@ def test_no_one_joins_beyond_max_running_sequences_or_the_free_slots() -> None:
 
 def test_decoding_alone_costs_no_prefill_budget() -> None:
     assert plan_prefill([], [], running=4, free_slots=0, limits=LIMITS) == PrefillPlan((), ())
+
+
+def test_a_waiting_request_goes_behind_its_priority_and_higher_ones() -> None:
+    assert waiting_position([], "normal") == 0
+    assert waiting_position([], "high") == 0
+    assert waiting_position(["normal", "normal"], "normal") == 2
+    assert waiting_position(["normal", "normal"], "high") == 0
+    assert waiting_position(["high", "normal", "normal"], "high") == 1
+    assert waiting_position(["high", "high", "normal"], "normal") == 3
+    assert waiting_position(["high", "high"], "normal") == 2
 
 
 @pytest.mark.parametrize("field", ["max_running_sequences", "prefill_chunk_tokens"])

@@ -1,7 +1,8 @@
 """What a generative model refuses, and when a stream's slot is free again, in an engine in
 process and over the bridge: a closed stream frees its slot for the next request, a full KV
 cache is 429 with Retry-After at once, a prompt that never fits 422, no first token by the
-deadline 504, a hung step marks the engine stalled."""
+deadline 504, a deadline passed mid-stream ends the stream with 504, a hung step marks the
+engine stalled."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.bridge.interface import EngineClient
+from service.bridge.interface import EngineClient, GeneratedTokens
 from service.config import Settings
 from service.engine.lifecycle import kv_cache_budget
 from service.errors import (
@@ -24,6 +25,7 @@ from service.errors import (
     NotReadyError,
     QueueFullError,
 )
+from service.types import Priority
 from tests import generative_models
 from tests.fixtures import wait_until
 from tests.generation_streams import (
@@ -130,6 +132,79 @@ async def test_no_first_token_by_the_deadline_is_504_and_frees_the_sequence(
         past = request_for(client, (5, 6), max_tokens=5, deadline_s=time.monotonic() - 1)
         with pytest.raises(DeadlineExceededError):
             await collect(client, past)
+
+
+@pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])
+async def test_a_deadline_passed_mid_stream_ends_it_with_504_and_frees_the_sequence(
+    repository: Path, bridged: bool
+) -> None:
+    """Once the first token came, the device is held (the model's turn taken here) so that
+    the stream cannot finish: at its deadline it ends with 504 after the tokens it had, and
+    its slot is free at the next step."""
+    async with started(repository) as engine, contextlib.AsyncExitStack() as stack:
+        client: EngineClient = (
+            await stack.enter_async_context(over_the_bridge(engine)) if bridged else engine
+        )
+        turns = engine.state.device_turns.for_model("lm")
+        request = request_for(
+            client, (5, 6), max_tokens=400, ignore_eos=True, deadline_s=time.monotonic() + 2.0
+        )
+        items: list[GeneratedTokens] = []
+
+        async def read_holding_the_device_after_the_first_token() -> None:
+            held = False
+            try:
+                async with asyncio.timeout(PROMPTLY_S):
+                    async for item in client.generate(request):
+                        items.append(item)
+                        if not held:
+                            await turns.acquire()
+                            held = True
+            finally:
+                if held:
+                    turns.release()
+
+        with pytest.raises(DeadlineExceededError) as expired:
+            await read_holding_the_device_after_the_first_token()
+        assert expired.value.status_code == 504
+        assert f"deadline passed after {len(items)} generated tokens" in expired.value.message
+        assert items
+        assert all(item.finish_reason is None for item in items)
+        loop = engine.generation_of("lm", request.version)
+        await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
+
+
+async def test_a_high_priority_request_takes_a_free_slot_before_a_normal_one_sent_first(
+    repository: Path,
+) -> None:
+    """One slot, held by a long stream; a normal then a high request wait (the device held
+    here, so that nothing finishes meanwhile). Once the long stream is closed, the high one
+    generates first."""
+    async with started(repository, max_running_sequences=1) as engine:
+        long = engine.generate(request_for(engine, (5, 6, 7), max_tokens=400, ignore_eos=True))
+        async with asyncio.timeout(PROMPTLY_S):
+            assert (await anext(long)).token_ids
+        loop = engine.generation_of("lm", request_for(engine, (1,)).version)
+        order: list[str] = []
+
+        async def read(priority: Priority) -> None:
+            request = request_for(engine, (8, 9), max_tokens=2, ignore_eos=True, priority=priority)
+            async for item in engine.generate(request):
+                order.extend([priority] * len(item.token_ids))
+
+        turns = engine.state.device_turns.for_model("lm")
+        await turns.acquire()
+        try:
+            normal = asyncio.ensure_future(read("normal"))
+            await wait_until(lambda: loop.streams == 2, PROMPTLY_S)
+            high = asyncio.ensure_future(read("high"))
+            await wait_until(lambda: loop.streams == 3, PROMPTLY_S)
+            await long.aclose()
+        finally:
+            turns.release()
+        async with asyncio.timeout(PROMPTLY_S):
+            await asyncio.gather(normal, high)
+        assert order == ["high", "high", "normal", "normal"]
 
 
 async def test_the_kv_cache_holds_what_kv_cache_mb_allows_and_a_full_one_is_429(

@@ -239,8 +239,10 @@ class GenerateRequest:
     ignore_eos: bool = False
     """Generate past the model's end-of-sequence ids (benchmarks)."""
     priority: Priority = "normal"
+    """Waiting requests join the running batch high before normal."""
     deadline_s: float = float("inf")
-    """``time.monotonic()`` by which the first token must come, else 504."""
+    """``time.monotonic()`` by which the stream must have ended: when it passes, before the
+    first token or after any, the stream ends with 504."""
     request_id: str = ""
     traceparent: str | None = None
     """The W3C trace context of the front end's span waiting for this request, when traced."""

@@ -4,15 +4,20 @@ thread, a device turn per step, and each request's tokens handed to its stream.
 The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never touches
 it: submissions and cancellations go into a queue that the device thread drains at the start of
 each step (cancellations and submissions in the order they came, so a slot freed by a cancel is
-free for the request after it). A step's events come back to the event loop once (the step's
-future), and each stream's token goes to its ``TokenSink``: an in-process caller's
+free for the request after it). A step runs the batch's prefill, then its decode; the prefill's
+events are sent to the event loop as soon as they exist and the decode's with the step's
+result, so that a new request's first token is handed out while the running streams' decode
+runs, not after it. Each stream's token goes to its ``TokenSink``: an in-process caller's
 ``bridge.streams.TokenQueue``, or a front end's bridge connection, which gathers the tokens of
-one step for all its streams into one frame.
+one delivery for all its streams into one frame.
 
 What needs no device is answered at once on the event loop, before anything is queued: 422
 for sampling settings out of range, token ids outside the vocabulary or a prompt that never
-fits, 429 with ``Retry-After`` when every KV-cache slot is taken and the waiting room is full,
-504 when the first token has not come by the request's deadline (the sequence is cancelled).
+fits, 429 with ``Retry-After`` when every KV-cache slot is taken and the waiting room is full.
+A request's deadline covers its whole stream: when it passes, before the first token or after
+any, the stream ends with 504 (``DeadlineExceededError``, sent as the stream's error) and its
+sequence is cancelled, its slot free at the next step. Waiting requests join the batch by
+priority (``X-Priority: high`` first), in arrival order within one.
 
 A loop serves one version: when its model switches to another version, the old loop takes no
 new request and finishes its streams (``drain``), so a stream is produced by one version from
@@ -26,7 +31,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
@@ -76,13 +81,13 @@ class _Stream:
     prompt_tokens: int
     tokens: int = 0
     last_token_s: float = 0.0
-    first_token_timer: asyncio.TimerHandle | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
     span: StreamSpan | None = None
 
     def stop_timer(self) -> None:
-        if self.first_token_timer is not None:
-            self.first_token_timer.cancel()
-            self.first_token_timer = None
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
 
     def ended(self, outcome: str) -> None:
         """The stream is over: no timer left, its span (if traced) ended with ``outcome``."""
@@ -98,6 +103,16 @@ class _StepResult:
     refused: list[tuple[Hashable, ServiceError]]
     running: int
     waiting: int
+
+
+def deadline_message(tokens: int) -> str:
+    """What a stream whose deadline passed is told, once it had ``tokens`` tokens."""
+    if not tokens:
+        return "the first token did not come by the request's deadline"
+    return (
+        f"the request's deadline passed after {tokens} generated tokens: the stream was "
+        "ended there (raise request_timeout_ms, or ask for fewer tokens)"
+    )
 
 
 class GenerationLoop:
@@ -185,6 +200,7 @@ class GenerationLoop:
             sampling=sampling,
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            priority=request.priority,
         )
         self.batch.check(generation)
         capacity = self.batch.slots + self.batch.max_waiting_sequences
@@ -203,7 +219,7 @@ class GenerationLoop:
             request.traceparent, self.model, self.version, stream.prompt_tokens
         )
         if request.deadline_s != float("inf"):
-            stream.first_token_timer = asyncio.get_running_loop().call_later(
+            stream.deadline_timer = asyncio.get_running_loop().call_later(
                 request.deadline_s - now_s, self._expire, key
             )
         self._streams[key] = stream
@@ -238,10 +254,12 @@ class GenerationLoop:
             gauge.remove(*labels)
 
     def _expire(self, key: int) -> None:
+        """The request's deadline passed: its stream ends with 504 and its sequence leaves
+        the batch at the next step."""
         stream = self._streams.get(key)
-        if stream is None or stream.last_token_s:
+        if stream is None:
             return
-        error = DeadlineExceededError("the first token did not come by the request's deadline")
+        error = DeadlineExceededError(deadline_message(stream.tokens))
         stream.ended(error.code)  # before cancel() would end it as cancelled
         self.cancel(key)
         stream.sink.failed(error)
@@ -261,7 +279,9 @@ class GenerationLoop:
                 async with self._turns.turn():
                     step = self._stall.started(time.monotonic())
                     try:
-                        result = await loop.run_in_executor(self._executor, self._step)
+                        result = await loop.run_in_executor(
+                            self._executor, self._step, loop.call_soon_threadsafe
+                        )
                     finally:
                         self._stall.finished(step)
                 self._deliver(result)
@@ -271,9 +291,25 @@ class GenerationLoop:
                 logger.exception("generation_step_failed", extra={"model": self.model})
                 self._fail_all()
 
-    def _step(self) -> _StepResult:
-        """One iteration, on the device thread: the queued cancels and submissions, then a
-        step of the batch."""
+    def _step(
+        self, on_loop: Callable[[Callable[[_StepResult], None], _StepResult], object]
+    ) -> _StepResult:
+        """One iteration, on the device thread: the queued cancels and submissions, the
+        batch's prefill, whose events go to the event loop at once (``on_loop``: the loop's
+        ``call_soon_threadsafe``, so they are delivered before this step's result, while the
+        decode runs), then its decode. Cancels that come meanwhile wait for the next step."""
+        refused = self._take_inbox()
+        batch = self.batch
+        if batch.prefill_due:
+            first = batch.prefill()
+            if first or refused:
+                on_loop(self._deliver, self._result(first, refused))
+                refused = []
+        return self._result(batch.decode(), refused)
+
+    def _take_inbox(self) -> list[tuple[Hashable, ServiceError]]:
+        """The queued cancels and submissions into the batch, in the order they came; the
+        submissions it refused."""
         batch = self.batch
         refused: list[tuple[Hashable, ServiceError]] = []
         inbox = self._inbox
@@ -286,8 +322,12 @@ class GenerationLoop:
                 batch.submit(item)
             except ServiceError as error:
                 refused.append((item.request_id, error))
-        events = batch.step() if batch.running or batch.waiting else []
-        return _StepResult(events, refused, batch.running, batch.waiting)
+        return refused
+
+    def _result(
+        self, events: list[TokenEvent], refused: list[tuple[Hashable, ServiceError]]
+    ) -> _StepResult:
+        return _StepResult(events, refused, self.batch.running, self.batch.waiting)
 
     def _deliver(self, result: _StepResult) -> None:
         """A step's events to their streams (a stream cancelled meanwhile hears nothing)."""
@@ -308,7 +348,6 @@ class GenerationLoop:
             if stream.last_token_s:
                 self._itl.observe(now_s - stream.last_token_s)
             else:
-                stream.stop_timer()
                 self._ttft.observe(now_s - stream.arrived_s)
                 if stream.span is not None:
                     stream.span.first_token()

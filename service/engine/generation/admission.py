@@ -4,10 +4,11 @@ prefills: pure arithmetic over counts, tested without a model or a clock.
 Each step decodes every running sequence that has its prompt cached; beside them it prefills
 at most ``prefill_chunk_tokens`` prompt tokens, so a long prompt is cut into chunks over
 several steps and the running streams keep their pace. The budget goes first to sequences
-already prefilling, in the order they joined, then to waiting ones in arrival order; a waiting
-sequence joins only with a free slot, under ``max_running_sequences``, and with at least one
-token of the budget (TGI's ``next_batch`` and vLLM's scheduler work the same way: running
-first, then waiting while the budgets last).
+already prefilling, in the order they joined, then to waiting ones in their waiting order; a
+waiting sequence joins only with a free slot, under ``max_running_sequences``, and with at
+least one token of the budget (TGI's ``next_batch`` and vLLM's scheduler work the same way:
+running first, then waiting while the budgets last). The waiting order is by priority, high
+before normal, and by arrival within a priority (``waiting_position``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.errors import InvalidInputError
+from service.types import PRIORITIES, Priority
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,17 @@ def plan_prefill(
         joining.append(tokens)
         budget -= tokens
     return PrefillPlan(tuple(prefilling), tuple(joining))
+
+
+def waiting_position(waiting: Sequence[Priority], priority: Priority) -> int:
+    """Where a new request at ``priority`` goes in the waiting line ``waiting`` (each waiting
+    request's priority, first to join first): after every request of its priority or a
+    higher one, before every lower one."""
+    rank = PRIORITIES.index(priority)
+    position = len(waiting)
+    while position > 0 and PRIORITIES.index(waiting[position - 1]) > rank:
+        position -= 1
+    return position
 
 
 def new_tokens_allowed(

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from service.config import Precision
-from service.engine.generation.admission import new_tokens_allowed
+from service.engine.generation.admission import new_tokens_allowed, waiting_position
 from service.engine.generation.continuous_batch import precision_context
 from service.engine.generation.sampling import new_generator
 from service.engine.generation.sequences import (
@@ -134,7 +134,7 @@ class CohortBatch:
         return len(self._cohorts)
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request to start at a coming step; refused at once as
+        """Queue a request to start at a coming step, in priority order; refused at once as
         ``ContinuousBatch.submit`` refuses."""
         if request.request_id in self._known:
             raise ValueError(f"request {request.request_id!r} is already generating")
@@ -164,7 +164,8 @@ class CohortBatch:
             stop_ids |= self._eos_ids
         generator = new_generator(request.sampling, self._device)
         sequence = RunningSequence(request, max_new_tokens, stop_ids, generator)
-        self._waiting.append(sequence)
+        line = [waiting.request.priority for waiting in self._waiting]
+        self._waiting.insert(waiting_position(line, request.priority), sequence)
         self._known[request.request_id] = sequence
 
     def cancel(self, request_id: Hashable) -> bool:

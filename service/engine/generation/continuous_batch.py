@@ -1,12 +1,14 @@
 """Continuous (iteration-level) batching of a causal LM: sequences join and leave between
 steps, and each step gives every running sequence its next token.
 
-A device thread calls ``step`` once per iteration. A step runs up to two forwards: one over
-every sequence whose prompt is cached (one token each: decode), one over the prompt chunks the
-admission policy chose (prefill: ``admission.py``); a sequence whose prompt is then whole gets
-its first token from that forward and decodes from the next step on. Rows of different lengths
-share a forward through the slot cache (``kv_cache.py``) and explicit positions and masks
-(``forward_inputs.py``), so each sequence's tokens are those it would get alone.
+A device thread runs each iteration in two halves, each one forward: ``prefill``, over the
+prompt chunks the admission policy chose (``admission.py``), where a sequence whose prompt is
+then whole gets its first token; then ``decode``, over every sequence whose prompt is cached
+(one token each), those just prefilled included. Prefill goes first so that a new request's
+first token is handed out before the running sequences' decode, not after it. Rows of
+different lengths share a forward through the slot cache (``kv_cache.py``) and explicit
+positions and masks (``forward_inputs.py``), so each sequence's tokens are those it would get
+alone.
 
 Nothing here is thread-safe: ``submit``, ``cancel`` and ``step`` are called from the one
 thread that owns the model (a cancelled sequence's slot is free for the next step).
@@ -23,7 +25,12 @@ from typing import Any
 import torch
 
 from service.config import Precision
-from service.engine.generation.admission import StepLimits, new_tokens_allowed, plan_prefill
+from service.engine.generation.admission import (
+    StepLimits,
+    new_tokens_allowed,
+    plan_prefill,
+    waiting_position,
+)
 from service.engine.generation.forward_inputs import Row, forward_inputs
 from service.engine.generation.kv_cache import SlotKVCache, probe_kv_layout, slots_for_budget
 from service.engine.generation.model_limits import context_tokens
@@ -129,9 +136,10 @@ class ContinuousBatch:
         )
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request to join at a coming step. Refused at once: a request that can
-        never fit (422), or one that would wait beyond ``max_waiting_sequences`` for a slot
-        (429 with Retry-After)."""
+        """Queue a request to join at a coming step, behind the waiting requests of its
+        priority and higher ones (``admission.waiting_position``). Refused at once: a request
+        that can never fit (422), or one that would wait beyond ``max_waiting_sequences`` for
+        a slot (429 with Retry-After)."""
         if request.request_id in self._known:
             raise ValueError(f"request {request.request_id!r} is already generating")
         max_new_tokens = self.check(request)
@@ -146,7 +154,8 @@ class ContinuousBatch:
             stop_ids |= self._eos_ids
         generator = new_generator(request.sampling, self._device)
         sequence = RunningSequence(request, max_new_tokens, stop_ids, generator)
-        self._waiting.append(sequence)
+        line = [waiting.request.priority for waiting in self._waiting]
+        self._waiting.insert(waiting_position(line, request.priority), sequence)
         self._known[request.request_id] = sequence
 
     def cancel(self, request_id: Hashable) -> bool:
@@ -162,12 +171,24 @@ class ContinuousBatch:
             self._release(sequence)
         return True
 
+    @property
+    def prefill_due(self) -> bool:
+        """A prompt is waiting or partly cached: ``prefill`` has work."""
+        return bool(self._waiting or self._prefilling)
+
     def step(self) -> list[TokenEvent]:
-        """Run one iteration: a token for every decoding sequence, the next prompt chunks,
-        and a first token for each sequence whose prompt is now cached. Finished sequences
-        (their event has a ``finish_reason``) have left the batch when it returns. A step
-        whose forward raises leaves the sequences as they were (those that joined stay
-        joined): the caller may step again or cancel them."""
+        """One iteration: ``prefill`` then ``decode``, the events of both. Should the decode
+        forward raise, the prefill's events are lost with it: a driver that hands tokens out
+        calls the two itself (``generation_loop``)."""
+        return self.prefill() + self.decode()
+
+    def prefill(self) -> list[TokenEvent]:
+        """The first half of an iteration: the waiting sequences that fit join, the next
+        prompt chunks are cached in one forward, and each sequence whose prompt is now whole
+        gets its first token and decodes from the ``decode`` after this on. Run before the
+        decode, so that a new request's first token waits for no decode step of the others:
+        its time to first token beside running streams stays near its time alone. A forward
+        that raises leaves the sequences as they were (those that joined stay joined)."""
         plan = plan_prefill(
             [sequence.prompt_left for sequence in self._prefilling],
             [len(sequence.request.prompt_ids) for sequence in self._waiting],
@@ -184,40 +205,47 @@ class ContinuousBatch:
             )
             if tokens
         ]
-        decoding = [sequence for sequence in self._slots[: self._decoding] if sequence]
+        if not chunks:
+            return []
         with torch.inference_mode():
             with self._precision():
-                stepped, decode_logits = self._decode(decoding)
-                prefilled, prefill_logits = self._prefill(chunks)
-            sequences = stepped + prefilled
-            logits = decode_logits + prefill_logits
-            events = accept_next(sequences, torch.cat(logits)) if logits else []
-        for sequence, event in zip(sequences, events, strict=True):
-            if event.finish_reason is not None:
-                self._release(sequence, clear=event.finish_reason == "error")
+                prefilled, logits = self._prefill(chunks)
+            events = accept_next(prefilled, logits) if prefilled else []
+        self._settle(prefilled, events)
         for sequence in prefilled:
             if sequence.slot >= 0:
                 self._promote(sequence)
         return events
 
-    def _decode(
-        self, decoding: list[RunningSequence]
-    ) -> tuple[list[RunningSequence], list[torch.Tensor]]:
+    def decode(self) -> list[TokenEvent]:
+        """The second half of an iteration: a token for every sequence whose prompt is
+        cached, in one forward. Finished sequences (their event has a ``finish_reason``) have
+        left the batch when it returns; a forward that raises leaves them as they were."""
+        decoding = [sequence for sequence in self._slots[: self._decoding] if sequence]
         if not decoding:
-            return [], []
+            return []
         rows = [
             Row(sequence.slot, sequence.cached_tokens, [sequence.generated[-1]])
             for sequence in decoding
         ]
-        return decoding, [self._forward(rows)]
+        with torch.inference_mode():
+            with self._precision():
+                logits = self._forward(rows)
+            events = accept_next(decoding, logits)
+        self._settle(decoding, events)
+        return events
+
+    def _settle(self, sequences: list[RunningSequence], events: list[TokenEvent]) -> None:
+        """Finished sequences leave the batch (a failed one's slot is zeroed)."""
+        for sequence, event in zip(sequences, events, strict=True):
+            if event.finish_reason is not None:
+                self._release(sequence, clear=event.finish_reason == "error")
 
     def _prefill(
         self, chunks: list[tuple[RunningSequence, int]]
-    ) -> tuple[list[RunningSequence], list[torch.Tensor]]:
+    ) -> tuple[list[RunningSequence], torch.Tensor]:
         """Cache the chosen prompt chunks; the sequences whose prompt is now whole, and
         their logits."""
-        if not chunks:
-            return [], []
         rows = []
         for sequence, tokens in chunks:
             start = sequence.prefilled
@@ -228,9 +256,7 @@ class ContinuousBatch:
         for sequence, tokens in chunks:
             sequence.prefilled += tokens
         whole = [index for index, (sequence, _) in enumerate(chunks) if not sequence.prompt_left]
-        if not whole:
-            return [], []
-        return [chunks[index][0] for index in whole], [logits[whole]]
+        return [chunks[index][0] for index in whole], logits[whole]
 
     def _forward(self, rows: Ordered[Row]) -> torch.Tensor:
         inputs = forward_inputs(rows, self._device)

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from service.engine.generation.sampling import Choice, SamplingParams, choose
+from service.types import Priority
 
 FinishReason = Literal["stop", "length", "error"]
 """``stop``: an end-of-sequence or stop token; ``length``: ``max_tokens`` or the room the
@@ -27,6 +28,8 @@ class GenerationRequest:
     output, as the end-of-sequence id is)."""
     ignore_eos: bool = False
     """Generate past the model's end-of-sequence ids (benchmarks)."""
+    priority: Priority = "normal"
+    """Waiting requests join the batch high before normal, in arrival order within each."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def accept_next(sequences: list[RunningSequence], logits: torch.Tensor) -> list[
     good = [row for row, ok in enumerate(finite) if ok]
     chosen = (
         choose(
-            logits[good],
+            logits if len(good) == len(finite) else logits[good],  # no copy when all are good
             [sequences[row].request.sampling for row in good],
             [sequences[row].generator for row in good],
         )
