@@ -219,7 +219,15 @@ class Settings(BaseSettings):
     deadline. 0: never held."""
 
     request_timeout_ms: float = Field(default=10_000.0, ge=1.0, le=600_000.0)
-    """Deadline of a request from its arrival; past it the request is answered 504."""
+    """Deadline of a request from its arrival; past it the request is answered 504. For a
+    generation stream, the deadline of its first token (``generation_timeout_s`` bounds the
+    rest)."""
+
+    generation_timeout_s: float = Field(default=600.0, ge=1.0, le=86_400.0)
+    """Longest a generation stream may run from its arrival: past it the stream ends with
+    504 (an error event when it has started), and its sequence leaves the batch at the next
+    step. Its first token must come within ``request_timeout_ms`` (or the client's sooner
+    limit)."""
 
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     """Largest accepted request body; a larger one is answered 413 before it is read whole."""

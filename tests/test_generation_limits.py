@@ -147,7 +147,12 @@ async def test_a_deadline_passed_mid_stream_ends_it_with_504_and_frees_the_seque
         )
         turns = engine.state.device_turns.for_model("lm")
         request = request_for(
-            client, (5, 6), max_tokens=400, ignore_eos=True, deadline_s=time.monotonic() + 2.0
+            client,
+            (5, 6),
+            max_tokens=400,
+            ignore_eos=True,
+            deadline_s=time.monotonic() + PROMPTLY_S,
+            stream_deadline_s=time.monotonic() + 2.0,
         )
         items: list[GeneratedTokens] = []
 
@@ -172,6 +177,32 @@ async def test_a_deadline_passed_mid_stream_ends_it_with_504_and_frees_the_seque
         assert all(item.finish_reason is None for item in items)
         loop = engine.generation_of("lm", request.version)
         await wait_until(lambda: not (loop.streams or loop.batch.running), PROMPTLY_S)
+
+
+async def test_a_stream_whose_first_token_came_in_time_runs_on_past_the_first_tokens_deadline(
+    repository: Path,
+) -> None:
+    """The first token's deadline (``request_timeout_ms``) bounds the wait for it, not the
+    stream: held past it (the device taken here once the first token came), the stream
+    still ends as the model ends it."""
+    async with started(repository) as engine:
+        first_deadline_s = time.monotonic() + 1.0
+        request = request_for(
+            engine, (5, 6), max_tokens=6, ignore_eos=True, deadline_s=first_deadline_s
+        )
+        turns = engine.state.device_turns.for_model("lm")
+        items: list[GeneratedTokens] = []
+        async with asyncio.timeout(PROMPTLY_S):
+            async for item in engine.generate(request):
+                items.append(item)
+                if len(items) == 1:
+                    await turns.acquire()
+                    try:
+                        await wait_until(lambda: time.monotonic() > first_deadline_s + 0.2, 5.0)
+                    finally:
+                        turns.release()
+        assert items[-1].finish_reason == "length"
+        assert sum(len(item.token_ids) for item in items) == 6
 
 
 async def test_a_high_priority_request_takes_a_free_slot_before_a_normal_one_sent_first(

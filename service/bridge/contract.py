@@ -113,6 +113,7 @@ class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unkno
     ignore_eos: bool = False
     priority: Priority = "normal"
     deadline_s: float = float("inf")
+    stream_deadline_s: float = float("inf")
     request_id: str = ""
     trace: str | None = None
 
@@ -133,6 +134,7 @@ class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unkno
             request.ignore_eos,
             request.priority,
             request.deadline_s,
+            request.stream_deadline_s,
             request.request_id,
             request.traceparent,
         )
@@ -152,6 +154,7 @@ class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unkno
             ignore_eos=self.ignore_eos,
             priority=self.priority,
             deadline_s=self.deadline_s,
+            stream_deadline_s=self.stream_deadline_s,
             request_id=self.request_id,
             traceparent=self.trace,
         )

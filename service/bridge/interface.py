@@ -241,8 +241,11 @@ class GenerateRequest:
     priority: Priority = "normal"
     """Waiting requests join the running batch high before normal."""
     deadline_s: float = float("inf")
-    """``time.monotonic()`` by which the stream must have ended: when it passes, before the
-    first token or after any, the stream ends with 504."""
+    """``time.monotonic()`` by which the first token must have come (``request_timeout_ms``,
+    or the client's sooner limit): a request still queued then ends with 504."""
+    stream_deadline_s: float = float("inf")
+    """``time.monotonic()`` by which the stream must have ended (``generation_timeout_s``):
+    when it passes, the stream ends with 504 after the tokens it had."""
     request_id: str = ""
     traceparent: str | None = None
     """The W3C trace context of the front end's span waiting for this request, when traced."""

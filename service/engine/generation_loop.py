@@ -14,9 +14,10 @@ one delivery for all its streams into one frame.
 What needs no device is answered at once on the event loop, before anything is queued: 422
 for sampling settings out of range, token ids outside the vocabulary or a prompt that never
 fits, 429 with ``Retry-After`` when every KV-cache slot is taken and the waiting room is full.
-A request's deadline covers its whole stream: when it passes, before the first token or after
-any, the stream ends with 504 (``DeadlineExceededError``, sent as the stream's error) and its
-sequence is cancelled, its slot free at the next step. Waiting requests join the batch by
+A request has two deadlines: its first token's (``request_timeout_ms``, or the client's
+sooner limit) and its whole stream's (``generation_timeout_s``). When one passes, the stream
+ends with 504 (``DeadlineExceededError``, sent as the stream's error) and its sequence is
+cancelled, its slot free at the next step. Waiting requests join the batch by
 priority (``X-Priority: high`` first), in arrival order within one.
 
 A loop serves one version: when its model switches to another version, the old loop takes no
@@ -79,6 +80,8 @@ class _Stream:
     sink: TokenSink
     arrived_s: float
     prompt_tokens: int
+    stream_deadline_s: float
+    """When the stream must have ended (``GenerateRequest.stream_deadline_s``)."""
     tokens: int = 0
     last_token_s: float = 0.0
     deadline_timer: asyncio.TimerHandle | None = None
@@ -111,7 +114,7 @@ def deadline_message(tokens: int) -> str:
         return "the first token did not come by the request's deadline"
     return (
         f"the request's deadline passed after {tokens} generated tokens: the stream was "
-        "ended there (raise request_timeout_ms, or ask for fewer tokens)"
+        "ended there (raise generation_timeout_s, or ask for fewer tokens)"
     )
 
 
@@ -214,13 +217,19 @@ class GenerationLoop:
         now_s = time.monotonic()
         if request.deadline_s <= now_s:
             raise DeadlineExceededError("the request's deadline passed before it was queued")
-        stream = _Stream(sink, arrived_s=now_s, prompt_tokens=len(generation.prompt_ids))
+        stream = _Stream(
+            sink,
+            arrived_s=now_s,
+            prompt_tokens=len(generation.prompt_ids),
+            stream_deadline_s=request.stream_deadline_s,
+        )
         stream.span = StreamSpan.start(
             request.traceparent, self.model, self.version, stream.prompt_tokens
         )
-        if request.deadline_s != float("inf"):
+        first_deadline_s = min(request.deadline_s, request.stream_deadline_s)
+        if first_deadline_s != float("inf"):
             stream.deadline_timer = asyncio.get_running_loop().call_later(
-                request.deadline_s - now_s, self._expire, key
+                first_deadline_s - now_s, self._expire, key
             )
         self._streams[key] = stream
         self._idle.clear()
@@ -258,6 +267,15 @@ class GenerationLoop:
         the batch at the next step."""
         stream = self._streams.get(key)
         if stream is None:
+            return
+        now_s = time.monotonic()
+        if stream.tokens and stream.stream_deadline_s > now_s:  # its first token came in time
+            if stream.stream_deadline_s != float("inf"):
+                stream.deadline_timer = asyncio.get_running_loop().call_later(
+                    stream.stream_deadline_s - now_s, self._expire, key
+                )
+            else:
+                stream.deadline_timer = None
             return
         error = DeadlineExceededError(deadline_message(stream.tokens))
         stream.ended(error.code)  # before cancel() would end it as cancelled

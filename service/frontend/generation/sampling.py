@@ -70,10 +70,12 @@ class SamplingSettings:
         priority: Priority,
         deadline_s: float,
         request_id: str,
+        stream_deadline_s: float = float("inf"),
         traceparent: str | None = None,
     ) -> list[GenerateRequest]:
         """One engine request per choice. Without ``max_tokens``, the version's
-        ``max_new_tokens``, else as many as the context leaves."""
+        ``max_new_tokens``, else as many as the context leaves. ``deadline_s`` bounds the
+        wait for the first token, ``stream_deadline_s`` the whole stream."""
         self.check()
         text_model.check_ids(self.stop_token_ids, "stop_token_ids")
         defaults = text_model.defaults
@@ -98,6 +100,7 @@ class SamplingSettings:
                 ignore_eos=self.ignore_eos,
                 priority=priority,
                 deadline_s=deadline_s,
+                stream_deadline_s=max(deadline_s, stream_deadline_s),
                 request_id=request_id if self.n == 1 else f"{request_id}-{index}",
                 traceparent=traceparent,
             )

@@ -104,12 +104,14 @@ class Generation:
         """Every choice queued in the engine and its first update come."""
         streams: list[AsyncIterator[ChoiceUpdate]] = []
         traceparent = request_spans.current_traceparent()  # the engine's spans: its children
+        stream_deadline_s = self.started_s + frontend.settings.generation_timeout_s
         for prompt_ids in self.prompts:
             for request in self.settings.engine_requests(
                 self.text_model,
                 prompt_ids,
                 priority=priority,
                 deadline_s=deadline.at_s,
+                stream_deadline_s=stream_deadline_s,
                 request_id=self.request_id,
                 traceparent=traceparent,
             ):
