@@ -10,13 +10,11 @@ aggregated across processes (``multiprocess_mode``).
 
 from __future__ import annotations
 
-import bisect
 import os
 import resource
 import sys
-from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -468,35 +466,6 @@ class ProcessMetrics:
 
     def refresh(self) -> None:
         self._resident_memory.labels(self.role).set(resident_memory_bytes())
-
-
-def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
-    """``histogram.observe(value)`` for each of ``values``, with one write per bucket touched
-    rather than two per value (each takes a lock; a multiprocess one, a ``getpid`` too). Each
-    bucket's count is a bisection of the sorted values: a call per bucket up to the largest
-    value's, not one per value. Uses prometheus-client's own fields; each value is observed
-    alone if they are not there."""
-    if not values:
-        return
-    child: Any = histogram
-    bounds = getattr(child, "_upper_bounds", None)
-    buckets = getattr(child, "_buckets", None)
-    total = getattr(child, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for value in values:
-            histogram.observe(value)
-        return
-    total.inc(sum(values))
-    ordered = sorted(values)
-    last = len(ordered)
-    counted = 0
-    for index, bound in enumerate(bounds):  # a value's bucket: the first bound >= it
-        upto = bisect.bisect_right(ordered, bound, counted)
-        if upto > counted:
-            buckets[index].inc(upto - counted)
-            counted = upto
-            if counted == last:
-                return
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -1,17 +1,16 @@
 """The engine's metrics stay exact when written a batch at a time: the queue wait of every
-request of a batch is written in one go (``metrics.observe_many``), and reads afterwards find
-every request in the bucket it falls in, as one observation per request would have put it."""
+request of a batch is written when the batch starts, and reads afterwards find every request
+in the bucket it falls in."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from service.metrics import LATENCY_BUCKETS_S, EngineMetrics, observe_many
+from service.metrics import LATENCY_BUCKETS_S, EngineMetrics
 from tests.fixtures import (
     BatcherFactory,
     ManualExecutor,
@@ -39,31 +38,6 @@ def reference(values: list[float]) -> CollectorRegistry:
     for value in values:
         histogram.observe(value)
     return registry
-
-
-def test_observe_many_counts_as_one_observation_per_value() -> None:
-    # On a bound (counted in that bucket, as observe does), between bounds, past the last.
-    values = [0.0, 0.0005, 0.0005001, 0.004, 0.004, 0.004, 0.04, 29.9, 30.0, 31.0, 1e9]
-    registry = CollectorRegistry()
-    histogram = Histogram("h", "many", buckets=LATENCY_BUCKETS_S, registry=registry)
-    observe_many(histogram, values)
-    observe_many(histogram, [])
-    assert buckets(registry, "h") == buckets(reference(values), "h")
-    assert registry.get_sample_value("h_count") == len(values)
-    assert registry.get_sample_value("h_sum") == pytest.approx(sum(values))
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_observe_many_counts_values_in_any_order_as_observed_one_by_one(seed: int) -> None:
-    generator = random.Random(seed)
-    bounds = [*LATENCY_BUCKETS_S, 1e9]
-    values = [generator.choice(bounds) * generator.choice([0.5, 1.0, 1.0, 1.5]) for _ in range(64)]
-    values += generator.sample(values, 8)  # the same values again, in another order
-    registry = CollectorRegistry()
-    histogram = Histogram("h", "many", buckets=LATENCY_BUCKETS_S, registry=registry)
-    observe_many(histogram, values)
-    assert buckets(registry, "h") == buckets(reference(values), "h")
-    assert registry.get_sample_value("h_sum") == sum(values)
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from service.frontend.request_metrics import RequestTally
-from service.metrics import LATENCY_BUCKETS_S, FrontendMetrics, observe_many
+from service.metrics import FrontendMetrics
 from tests.fixtures import sample_total
 
 LATENCIES_S = [0.0001, 0.0005, 0.0007, 0.002, 0.002, 0.04, 0.5, 31.0]
@@ -21,16 +21,6 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str
         for sample in family.samples
         if not sample.name.endswith("_created")
     }
-
-
-def test_observing_all_at_once_equals_observing_each() -> None:
-    one_by_one, all_at_once = CollectorRegistry(), CollectorRegistry()
-    each = Histogram("latency", "", ["route"], buckets=LATENCY_BUCKETS_S, registry=one_by_one)
-    together = Histogram("latency", "", ["route"], buckets=LATENCY_BUCKETS_S, registry=all_at_once)
-    for value in LATENCIES_S:
-        each.labels("/predict").observe(value)
-    observe_many(together.labels("/predict"), LATENCIES_S)
-    assert samples(all_at_once) == samples(one_by_one)
 
 
 def test_requests_are_written_when_the_front_end_goes_idle_and_on_flush() -> None:

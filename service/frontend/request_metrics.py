@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from service.metrics import FrontendMetrics, observe_many
+from service.metrics import FrontendMetrics
 
 FLUSH_EVERY_S = 0.1
 
@@ -107,4 +107,6 @@ class RequestTally:
         tallied, self._latencies = self._latencies, {}
         for (route, status), latencies in tallied.items():
             self._metrics.requests.labels(route, status).inc(len(latencies))
-            observe_many(self._metrics.request_latency.labels(route, status), latencies)
+            histogram = self._metrics.request_latency.labels(route, status)
+            for latency in latencies:
+                histogram.observe(latency)
