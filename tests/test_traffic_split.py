@@ -8,17 +8,12 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import httpx
-import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.errors import InvalidInputError
-from service.frontend.oip.grpc_server import InferenceServicer
-from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
-from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from service.frontend.state import FrontendState
 from service.frontend.traffic_window import TrafficWindow, VersionStats
 from service.server.single import create_app
@@ -146,30 +141,8 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
             yield http, DIGITS.version, retrained, frontend_of(app)
 
 
-async def grpc_versions(frontend: FrontendState, keys: list[str]) -> list[str]:
-    """The version that answers a gRPC ModelInfer with each of ``keys`` as its routing key."""
-    server = grpc.aio.server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        InferenceServicer(frontend), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    request = pb.ModelInferRequest(model_name="digits")
-    request.inputs.add(name="image", datatype="FP32", shape=[1, 8, 8])
-    request.raw_input_contents.append(np.asarray(ONE_DIGIT["instances"], dtype="<f4").tobytes())
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
-            return [
-                (await stub.ModelInfer(request, metadata=(("x-routing-key", key),))).model_version
-                for key in keys
-            ]
-    finally:
-        await server.stop(grace=None)
-
-
 async def test_requests_meet_the_version_their_key_and_the_weights_give(served: Served) -> None:
-    http, original, retrained, frontend = served
+    http, original, retrained, _ = served
     alone = {}
     for version in (original, retrained):
         path = f"/models/digits/versions/{version}/predict"
@@ -213,9 +186,6 @@ async def test_requests_meet_the_version_their_key_and_the_weights_give(served: 
         headers={"x-routing-key": keys[0]},
     )
     assert v2.json()["model_version"] == version_for(weights, bucket_of("digits", keys[0]))
-    assert await grpc_versions(frontend, keys[:10]) == [
-        version_for(weights, bucket_of("digits", key)) for key in keys[:10]
-    ]
 
     unkeyed: Counter[str] = Counter()
     for _ in range(100):

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 
 from service.server.cli import main
 from service.traffic_split import bucket_of, version_for
@@ -19,6 +21,7 @@ from tests.processes import (
     Running,
     alive,
     engine_pids,
+    free_port,
     serve_with_engines,
     wait_for,
     wait_until_serving,
@@ -47,6 +50,18 @@ def answered_version(server: Running, key: str) -> str:
         time.sleep(0.1)
 
 
+def grpc_version(address: str, key: str) -> str:
+    """The version that answers a gRPC ModelInfer with routing key ``key`` (metadata)."""
+    client = triton_grpc.InferenceServerClient(address)
+    try:
+        image = triton_grpc.InferInput("image", [1, 8, 8], "FP32")
+        image.set_data_from_numpy(np.asarray(ONE_DIGIT["instances"], dtype=np.float32))
+        answer = client.infer("digits", [image], headers={"x-routing-key": key})
+        return str(answer.get_response().model_version)
+    finally:
+        client.close()
+
+
 def traffic(server: Running, *flags: str) -> int:
     return main(["traffic", "--url", server.url, "--token", TOKEN, "--model", "digits", *flags])
 
@@ -61,6 +76,7 @@ def test_a_split_is_served_the_same_after_its_engine_is_killed(
     weights = {original: 60, retrained: 40}
     expected = {key: version_for(weights, bucket_of("digits", key)) for key in KEYS}
     assert set(expected.values()) == {original, retrained}
+    grpc_address = f"127.0.0.1:{free_port()}"
     with serve_with_engines(
         tmp_path,
         2,
@@ -68,6 +84,7 @@ def test_a_split_is_served_the_same_after_its_engine_is_killed(
         BATCHSERVE_MODEL_VERSION=original,
         BATCHSERVE_ADMIN_TOKEN=TOKEN,
         BATCHSERVE_SPARE_ENGINE="false",
+        BATCHSERVE_GRPC_PORT=grpc_address.rsplit(":", 1)[1],
     ) as server:
         wait_until_serving(server, 2)
         assert traffic(server, "--set", f"{original}=50,{retrained}=40") == 1
@@ -76,6 +93,8 @@ def test_a_split_is_served_the_same_after_its_engine_is_killed(
         capsys.readouterr()
         for key in KEYS:
             assert answered_version(server, key) == expected[key], key
+        for key in KEYS[:8]:  # gRPC: the key as metadata
+            assert grpc_version(grpc_address, key) == expected[key], key
 
         (engine,) = engine_pids(server)
         os.kill(engine, signal.SIGKILL)
