@@ -57,7 +57,9 @@ class NamedArrays:
 
     def __len__(self) -> int:
         """Rows, not names: the batcher counts a payload's rows with ``len``."""
-        return len(next(iter(self.arrays.values())))
+        for array in self.arrays.values():  # the first (a loop: no call to iter and next)
+            return len(array)
+        raise ValueError("named arrays without arrays have no rows")
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from service.engine.batcher import Submission
+from service.engine.batcher.estimates import size_class
 from service.errors import ServiceError
 from tests.fixtures import (
     Batcher,
@@ -276,3 +277,26 @@ async def test_a_request_without_a_cost_is_one_chunk_under_a_token_budget(
     assert batcher.queue_depth == 1
     await answered(batcher, device)
     assert described(ticket) == ("answered", [[2, 4]])
+
+
+async def test_a_frame_asks_each_batch_duration_once_per_group_and_size_class(
+    make_batcher: BatcherFactory,
+) -> None:
+    """The durations do not change while a frame is admitted: its alike requests ask them
+    once, not once a request (each request's own and the work queued ahead of it)."""
+    batcher, _, device = await busy_twin(make_batcher)
+    asked: list[tuple[object, int]] = []
+    estimate = batcher.times.estimate
+
+    def counted(group: object, rows: int) -> float | None:
+        asked.append((group, rows))
+        return estimate(group, rows)
+
+    batcher.times.estimate = counted  # type: ignore[method-assign]
+    frame = [Submission([row], "g", deadline_s=NOW_S + 30) for row in range(16)]
+    outcomes = batcher.enqueue_frame(frame, source="fe", sink=None)
+    batcher.times.estimate = estimate  # type: ignore[method-assign]
+    assert not any(isinstance(outcome, ServiceError) for outcome in outcomes)
+    assert asked
+    assert len(asked) == len({(group, size_class(rows)) for group, rows in asked})
+    await answered(batcher, device)

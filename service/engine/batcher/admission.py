@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from service.engine.batcher.clock import Clock, Deadlines
+from service.engine.batcher.estimates import size_class
 from service.engine.batcher.queue import BatchQueue, Entry, Sink, Ticket
 from service.engine.batcher.run import RowLimit, Rows
 from service.engine.batcher.selection import Estimate, Quantum
@@ -81,6 +83,38 @@ class Durations(Protocol):
 
     def fastest(self, group: Hashable, rows: int) -> float | None:
         """The quickest it was ever measured: the forward itself."""
+
+
+#: Not asked yet (None is an answer: never measured).
+_UNASKED = object()
+
+
+class RememberedDurations:
+    """``Durations`` asked once per group and size class (``estimates.size_class``: a
+    duration depends on the rows through it only). The requests of a frame are admitted at
+    one instant, mostly of one kind, and the durations do not change while they are (only a
+    batch's end records one)."""
+
+    __slots__ = ("_estimates", "_fastest", "_times")
+
+    def __init__(self, times: Durations) -> None:
+        self._times = times
+        self._estimates: dict[tuple[Hashable, int], float | None] = {}
+        self._fastest: dict[tuple[Hashable, int], float | None] = {}
+
+    def estimate(self, group: Hashable, rows: int) -> float | None:
+        key = (group, size_class(rows))
+        seconds = self._estimates.get(key, _UNASKED)
+        if seconds is _UNASKED:
+            seconds = self._estimates[key] = self._times.estimate(group, rows)
+        return seconds  # type: ignore[return-value]  # not _UNASKED any more
+
+    def fastest(self, group: Hashable, rows: int) -> float | None:
+        key = (group, size_class(rows))
+        seconds = self._fastest.get(key, _UNASKED)
+        if seconds is _UNASKED:
+            seconds = self._fastest[key] = self._times.fastest(group, rows)
+        return seconds  # type: ignore[return-value]
 
 
 class Running(Protocol):
@@ -239,9 +273,10 @@ class Admission:
         ticket or why it was refused. Their deadlines are watched together."""
         admitted: list[Admitted] = []
         watched: list[Entry] = []
+        times = RememberedDurations(self._times)
         for submission in submissions:
             try:
-                ticket, entries = self._queued(submission, source, sink)
+                ticket, entries = self._queued(submission, source, sink, times)
             except ServiceError as error:
                 # Kept without its traceback, whose frames hold this list: no reference cycle.
                 admitted.append(error.with_traceback(None))
@@ -252,25 +287,32 @@ class Admission:
         return admitted
 
     def _queued(
-        self, submission: Submission, source: Hashable, sink: Sink | None
+        self,
+        submission: Submission,
+        source: Hashable,
+        sink: Sink | None,
+        times: Durations | None = None,
     ) -> tuple[Ticket[Any], list[Entry]]:
-        """Queue one request: its ticket and entries (one per chunk); raises why not."""
-        parts = submission.parts()
-        if sum(len(part.payload) for part in parts) < 1:
+        """Queue one request: its ticket and entries (one per chunk); raises why not.
+        ``times``: the durations to estimate by (the batcher's own when None)."""
+        times = self._times if times is None else times
+        chunks = self._chunks(Part(submission.payload, submission.group, submission.cost_per_row))
+        for part in submission.more:
+            chunks += self._chunks(part)
+        sizes = [(chunk.group, len(chunk.payload)) for chunk in chunks]
+        if sum(rows for _, rows in sizes) < 1:
             raise InvalidInputError("a request needs at least one instance")
-        chunks = [chunk for part in parts for chunk in self._chunks(part)]
         if self._queue.entries + len(chunks) > self._max_queue_size:
             raise self._queue_full()
-        rows = [len(chunk.payload) for chunk in chunks]
         arrival_s = self._clock.now()
         deadline_s = submission.deadline_s
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
         refused = refusal(
-            [(chunk.group, count) for chunk, count in zip(chunks, rows, strict=True)],
+            sizes,
             deadline_s - arrival_s,
-            self._times,
-            self.estimated_wait_s,
+            times,
+            partial(self._estimated_wait_s, times.estimate, arrival_s),
             submission.priority,
         )
         if refused is not None:
@@ -282,9 +324,9 @@ class Admission:
                 ticket,
                 index,
                 chunk.payload,
-                rows=rows[index],
-                cost=rows[index] * chunk.cost_per_row,
-                group=chunk.group,
+                rows=rows,
+                cost=rows * chunk.cost_per_row,
+                group=group,
                 priority=submission.priority,
                 arrival_s=arrival_s,
                 deadline_s=deadline_s,
@@ -292,7 +334,7 @@ class Admission:
                 source=source,
                 trace=submission.trace,
             )
-            for index, chunk in enumerate(chunks)
+            for index, (chunk, (group, rows)) in enumerate(zip(chunks, sizes, strict=True))
         ]
         ticket.attach(entries)
         self._queue.add_all(entries)
@@ -326,13 +368,16 @@ class Admission:
 
     def estimated_wait_s(self, priority: Priority = "normal") -> float:
         """How long a request queued now would wait for the device (``estimated_wait_s``)."""
+        return self._estimated_wait_s(self._times.estimate, self._clock.now(), priority)
+
+    def _estimated_wait_s(self, estimate: Estimate, now_s: float, priority: Priority) -> float:
         return estimated_wait_s(
             self._queue,
             priority,
-            self._running.running_until_s - self._clock.now(),
+            self._running.running_until_s - now_s,
             self._row_limit.rows,
             self._max_batch_cost,
-            self._times.estimate,
+            estimate,
         )
 
     def not_ready(self) -> NotReadyError:
