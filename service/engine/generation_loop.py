@@ -47,7 +47,7 @@ from service.errors import (
 from service.metrics import EngineMetrics
 
 if TYPE_CHECKING:  # it imports transformers, which only a generative version needs
-    from service.engine.generation.continuous_batch import ContinuousBatch
+    from service.engine.generation.stepped_batch import SteppedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +101,12 @@ class _StepResult:
 
 
 class GenerationLoop:
-    """Serves one generative version's ``ContinuousBatch``: ``submit``, ``cancel``, ``drain``."""
+    """Serves one generative version's batch (a causal LM's ``ContinuousBatch``, an
+    encoder-decoder's ``CohortBatch``): ``submit``, ``cancel``, ``drain``."""
 
     def __init__(
         self,
-        batch: ContinuousBatch,
+        batch: SteppedBatch,
         *,
         model: str,
         version: str,

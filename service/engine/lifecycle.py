@@ -21,7 +21,7 @@ import numpy as np
 
 from service import traffic_split
 from service.bridge import published
-from service.bridge.interface import GENERATIVE_TASKS
+from service.bridge.interface import ENCODER_DECODER_TASK, GENERATIVE_TASKS
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory
@@ -41,7 +41,7 @@ from service.manifest import Manifest
 from service.tensors import NamedArrays
 
 if TYPE_CHECKING:
-    from service.engine.generation.continuous_batch import ContinuousBatch
+    from service.engine.generation.stepped_batch import SteppedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ async def load_version(
     del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
     turns = state.device_turns.for_model(series, background=shadow)
-    continuous: ContinuousBatch | None = None
+    continuous: SteppedBatch | None = None
     try:
         warmup_s = await _warm_up(runner, batches, turns)
         if manifest.metadata.get("task") in GENERATIVE_TASKS:
@@ -199,10 +199,11 @@ async def _continuous_batch(
     model: Any,
     manifest: Manifest,
     kv_budget_bytes: int,
-) -> ContinuousBatch:
+) -> SteppedBatch:
     """The version's continuous batch, built on the device thread (it probes the model's KV
     layout with a forward) in a turn of its model's; 409 when its KV cache would not hold one
     sequence."""
+    from service.engine.generation.cohorts import cohort_batch
     from service.engine.generation.continuous_batch import ContinuousBatch
 
     if model is None:
@@ -215,7 +216,9 @@ async def _continuous_batch(
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
 
-    def build() -> ContinuousBatch:
+    def build() -> SteppedBatch:
+        if manifest.metadata.get("task") == ENCODER_DECODER_TASK:
+            return cohort_batch(model, settings, manifest.metadata)
         return ContinuousBatch(
             model,
             kv_budget_bytes=kv_budget_bytes,

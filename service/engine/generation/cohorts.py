@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
-from service.config import Precision
+from service.config import Precision, Settings
 from service.engine.generation.admission import new_tokens_allowed
 from service.engine.generation.continuous_batch import precision_context
 from service.engine.generation.sampling import new_generator
@@ -109,7 +109,10 @@ class CohortBatch:
             )
         self._start_token_id = start
         named = getattr(model.config, "max_position_embeddings", None)
-        limit = named if isinstance(named, int) and named > 0 else context_tokens
+        limits = [
+            value for value in (named, context_tokens) if isinstance(value, int) and value > 0
+        ]
+        limit = min(limits) if limits else None
         if limit is None or limit < 2:
             raise ValueError(
                 f"{type(model).__name__}'s config names no context length: pass "
@@ -120,6 +123,11 @@ class CohortBatch:
         self._cohorts: list[_Cohort] = []
         self._waiting: deque[RunningSequence] = deque()
         self._known: dict[Hashable, RunningSequence] = {}
+
+    @property
+    def slots(self) -> int:
+        """Sequences that may decode at once (their caches grow as they go: no KV budget)."""
+        return self.max_running_sequences
 
     @property
     def running(self) -> int:
@@ -133,11 +141,9 @@ class CohortBatch:
     def cohorts(self) -> int:
         return len(self._cohorts)
 
-    def submit(self, request: GenerationRequest) -> None:
-        """Queue a request to start at a coming step; refused at once as
-        ``ContinuousBatch.submit`` refuses."""
-        if request.request_id in self._known:
-            raise ValueError(f"request {request.request_id!r} is already generating")
+    def check(self, request: GenerationRequest) -> int:
+        """The new tokens ``request`` may generate, or its refusal whatever else runs (422),
+        as ``ContinuousBatch.check``. Reads only what never changes, so any thread may ask."""
         prompt = len(request.prompt_ids)
         if not 1 <= prompt <= self.context_tokens:
             raise InvalidInputError(
@@ -149,9 +155,14 @@ class CohortBatch:
                 f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}"
             )
         # The decoder holds its start token and the generated ones.
-        max_new_tokens = new_tokens_allowed(
-            1, request.max_tokens, self.context_tokens, self.context_tokens
-        )
+        return new_tokens_allowed(1, request.max_tokens, self.context_tokens, self.context_tokens)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request to start at a coming step; refused at once as
+        ``ContinuousBatch.submit`` refuses."""
+        if request.request_id in self._known:
+            raise ValueError(f"request {request.request_id!r} is already generating")
+        max_new_tokens = self.check(request)
         room = self.max_running_sequences - self.running
         if len(self._waiting) >= room + self.max_waiting_sequences:
             raise QueueFullError(
@@ -230,3 +241,17 @@ class CohortBatch:
                 del self._known[sequence.request.request_id]
         cohort.keep(kept)
         return events
+
+
+def cohort_batch(model: Any, settings: Settings, metadata: dict[str, Any]) -> CohortBatch:
+    """The cohorts of a version packaged as ``text2text-generation`` (``metadata``: its
+    manifest's, with the start and end ids and the context length packaging read)."""
+    return CohortBatch(
+        model,
+        max_running_sequences=settings.max_running_sequences,
+        max_waiting_sequences=settings.max_waiting_sequences,
+        eos_token_ids=metadata.get("eos_token_ids") or (),
+        decoder_start_token_id=metadata.get("decoder_start_token_id"),
+        context_tokens=metadata.get("context_tokens"),
+        precision=settings.precision,
+    )
