@@ -119,3 +119,20 @@ def test_cohorts_refuse_what_never_fits_and_what_overflows_the_line() -> None:
         batch.submit(GenerationRequest("second", (5,), max_tokens=3))
     with pytest.raises(ValueError, match="pass context_tokens"):
         CohortBatch(generative_models.t5(), max_running_sequences=1, max_waiting_sequences=1)
+
+
+def test_a_kv_budget_bounds_the_cohorts_sequences_and_refuses_beyond_with_429() -> None:
+    model = generative_models.t5()
+    # Per token: keys and values of 2 decoder layers' self- and cross-attention (4 heads of
+    # 8 floats each) and the encoder's state of 32 floats.
+    per_sequence = 128 * (2 * 2 * 2 * 4 * 8 * 4 + 32 * 4)
+    batch = new_batch(model, max_waiting_sequences=0, kv_budget_bytes=3 * per_sequence - 1)
+    assert batch.slots == 2
+    for index in range(2):
+        batch.submit(GenerationRequest(index, (5, 6), max_tokens=4, sampling=GREEDY))
+    with pytest.raises(QueueFullError):
+        batch.submit(GenerationRequest("third", (5, 6), max_tokens=4, sampling=GREEDY))
+    batch.step()
+    assert batch.running == 2
+    with pytest.raises(ValueError, match=f"holds no sequence of 128 tokens \\({per_sequence} "):
+        new_batch(model, kv_budget_bytes=per_sequence - 1)

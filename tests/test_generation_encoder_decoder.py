@@ -20,6 +20,8 @@ import torch
 
 from service.bridge.interface import GenerateRequest
 from service.config import Settings
+from service.engine.generation.cohorts import CohortBatch
+from service.engine.generation.sequences import TokenEvent
 from service.engine.model_store import ModelStore
 from service.server.cli import main
 from service.server.draining import uvicorn_config
@@ -141,9 +143,18 @@ def test_an_encoder_decoder_without_what_it_needs_is_refused_naming_it(
 
 
 async def test_concurrent_greedy_streams_equal_generate_alone_in_process(
-    repository: Path,
+    repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     references = {name: build() for name, build in MODELS.items()}
+    stepped_rows = []
+    step = CohortBatch.step
+
+    def counted_step(batch: CohortBatch) -> list[TokenEvent]:
+        events = step(batch)
+        stepped_rows.append(len(events))
+        return events
+
+    monkeypatch.setattr(CohortBatch, "step", counted_step)
     async with started(repository, models=tuple(MODELS), max_running_sequences=6) as engine:
         jobs = []
         for seed, name in enumerate(MODELS):
@@ -165,9 +176,12 @@ async def test_concurrent_greedy_streams_equal_generate_alone_in_process(
         eos = references[name].generation_config.eos_token_id
         assert items[-1].finish_reason == ("stop" if tokens[-1] == eos else "length")
         assert all(item.finish_reason is None for item in items[:-1])
+    assert max(stepped_rows) >= 4  # sequences stepped together, not one at a time
 
 
-async def test_completions_streamed_and_whole_equal_generate_alone(repository: Path) -> None:
+async def test_completions_streamed_and_whole_and_oip_generate_equal_generate_alone(
+    repository: Path,
+) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe())
@@ -203,11 +217,17 @@ async def test_completions_streamed_and_whole_equal_generate_alone(repository: P
                 for index, (prompt, most) in enumerate(zip(prompts, MAX_TOKENS, strict=True))
             )
         )
+        oip = await client.post(
+            "/v2/models/t5/generate",
+            json={"text_input": prompts[3], "parameters": {"max_tokens": 9, "temperature": 0}},
+        )
         chat = await client.post(
             "/v1/chat/completions",
             json={"model": "t5", "messages": [{"role": "user", "content": "hi"}]},
         )
     for prompt, most, text in zip(prompts, MAX_TOKENS, texts, strict=True):
         assert text == expected(prompt, most), (len(prompt), most)
+    assert oip.status_code == 200, oip.text
+    assert oip.json()["text_output"] == expected(prompts[3], 9)
     assert chat.status_code == 400, chat.text
     assert "chat template" in chat.json()["error"]["message"]

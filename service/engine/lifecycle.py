@@ -218,7 +218,7 @@ async def _continuous_batch(
 
     def build() -> SteppedBatch:
         if manifest.metadata.get("task") == ENCODER_DECODER_TASK:
-            return cohort_batch(model, settings, manifest.metadata)
+            return cohort_batch(model, settings, manifest.metadata, kv_budget_bytes)
         return ContinuousBatch(
             model,
             kv_budget_bytes=kv_budget_bytes,

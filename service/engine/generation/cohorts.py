@@ -73,11 +73,14 @@ class CohortBatch:
     """The running cohorts of one encoder-decoder model, and the requests waiting to start.
 
     ``submit``, ``cancel`` and ``step`` as ``ContinuousBatch``'s, called from one thread
-    (``max_waiting_sequences``: how many may wait beyond ``max_running_sequences``). A
-    prompt is the encoder's input; ``max_tokens`` counts the decoder's tokens after its start
-    token. ``context_tokens``: the most tokens an encoder input or a decoder sequence may
-    hold, when the config names none (T5's relative positions have no limit of their own;
-    its tokenizer's ``model_max_length`` is the usual one).
+    (``max_waiting_sequences``: how many may wait beyond ``slots``). A prompt is the
+    encoder's input; ``max_tokens`` counts the decoder's tokens after its start token.
+    ``context_tokens``: the most tokens an encoder input or a decoder sequence may hold, and
+    no more than the config's ``max_position_embeddings`` (T5's relative positions have no
+    limit of their own; its tokenizer's ``model_max_length`` is the usual one).
+    ``kv_budget_bytes``: the memory its caches may take: ``slots`` is as many sequences of
+    the whole context (prompt and decoder) as it holds, and at most
+    ``max_running_sequences`` (None: no budget).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class CohortBatch:
         eos_token_ids: Iterable[int] = (),
         decoder_start_token_id: int | None = None,
         context_tokens: int | None = None,
+        kv_budget_bytes: int | None = None,
         precision: Precision = "fp32",
     ) -> None:
         self._model = model
@@ -120,14 +124,23 @@ class CohortBatch:
             )
         self.context_tokens = limit
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._slots = max_running_sequences
+        if kv_budget_bytes is not None:
+            per_sequence = self.context_tokens * self._bytes_per_token()
+            self._slots = min(max_running_sequences, kv_budget_bytes // per_sequence)
+            if self._slots < 1:
+                raise ValueError(
+                    f"a KV cache budget of {kv_budget_bytes} bytes holds no sequence of "
+                    f"{self.context_tokens} tokens ({per_sequence} bytes each); raise it"
+                )
         self._cohorts: list[_Cohort] = []
         self._waiting: deque[RunningSequence] = deque()
         self._known: dict[Hashable, RunningSequence] = {}
 
     @property
     def slots(self) -> int:
-        """Sequences that may decode at once (their caches grow as they go: no KV budget)."""
-        return self.max_running_sequences
+        """Sequences that may decode at once."""
+        return self._slots
 
     @property
     def running(self) -> int:
@@ -163,7 +176,7 @@ class CohortBatch:
         if request.request_id in self._known:
             raise ValueError(f"request {request.request_id!r} is already generating")
         max_new_tokens = self.check(request)
-        room = self.max_running_sequences - self.running
+        room = self._slots - self.running
         if len(self._waiting) >= room + self.max_waiting_sequences:
             raise QueueFullError(
                 f"{self.running} sequences generate, the most at once, and "
@@ -203,8 +216,30 @@ class CohortBatch:
         self._cohorts = [cohort for cohort in self._cohorts if cohort.sequences]
         return events
 
+    def _bytes_per_token(self) -> int:
+        """What one token of a sequence holds at most, measured on a prompt of one token
+        decoded one step: its keys and values in every decoder layer's self-attention cache,
+        and as a prompt token its encoder state and keys and values of cross-attention."""
+        ids = torch.tensor([[self._start_token_id]], device=self._device)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode(), self._precision():
+            encoded = self._model.get_encoder()(input_ids=ids, attention_mask=mask)
+            cohort = _Cohort([], encoded.last_hidden_state, mask, self._start_token_id)
+            self._model(
+                encoder_outputs=encoded,
+                attention_mask=mask,
+                decoder_input_ids=ids,
+                cache=cohort.cache,
+                use_cache=True,
+            )
+        caches = (cohort.cache.self_attention_cache, cohort.cache.cross_attention_cache)
+        layers: list[Any] = [layer for cache in caches for layer in cache.layers]
+        held: list[torch.Tensor] = [cohort.encoded]
+        held += [tensor for layer in layers for tensor in (layer.keys, layer.values)]
+        return sum(tensor.nelement() * tensor.element_size() for tensor in held)
+
     def _start_cohort(self) -> None:
-        room = self.max_running_sequences - self.running
+        room = self._slots - self.running
         if not self._waiting or room <= 0 or len(self._cohorts) >= self.max_cohorts:
             return
         joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
@@ -243,9 +278,12 @@ class CohortBatch:
         return events
 
 
-def cohort_batch(model: Any, settings: Settings, metadata: dict[str, Any]) -> CohortBatch:
+def cohort_batch(
+    model: Any, settings: Settings, metadata: dict[str, Any], kv_budget_bytes: int
+) -> CohortBatch:
     """The cohorts of a version packaged as ``text2text-generation`` (``metadata``: its
-    manifest's, with the start and end ids and the context length packaging read)."""
+    manifest's, with the start and end ids and the context length packaging read), as many
+    running at once as ``kv_budget_bytes`` holds."""
     return CohortBatch(
         model,
         max_running_sequences=settings.max_running_sequences,
@@ -253,5 +291,6 @@ def cohort_batch(model: Any, settings: Settings, metadata: dict[str, Any]) -> Co
         eos_token_ids=metadata.get("eos_token_ids") or (),
         decoder_start_token_id=metadata.get("decoder_start_token_id"),
         context_tokens=metadata.get("context_tokens"),
+        kv_budget_bytes=kv_budget_bytes,
         precision=settings.precision,
     )
