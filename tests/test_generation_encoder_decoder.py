@@ -1,7 +1,8 @@
 """Encoder-decoders (T5, BART) packaged with ``batchserve package --hf`` and served: each
 greedy stream equals ``generate(do_sample=False)`` on its prompt alone, for concurrent
-requests of mixed prompt lengths and ``max_tokens``, in process and over ``/v1/completions``
-(streamed and whole); a folder without what its decoder needs is refused naming it."""
+requests of mixed prompt lengths and ``max_tokens``, in process, over the bridge and over
+``/v1/completions`` (streamed and whole); a folder without what its decoder needs is
+refused naming it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from service.server.draining import uvicorn_config
 from service.server.single import create_app
 from tests import generative_models
 from tests.fixtures import uvicorn_port
-from tests.generation_streams import collect, package, started
+from tests.generation_streams import collect, over_the_bridge, package, started
 from tests.generative_models import TEXTS, VOCAB, byte_level_bpe, save_folder
 
 pytest.importorskip("transformers")
@@ -142,7 +143,7 @@ def test_an_encoder_decoder_without_what_it_needs_is_refused_naming_it(
     assert named in error
 
 
-async def test_concurrent_greedy_streams_equal_generate_alone_in_process(
+async def test_concurrent_greedy_streams_equal_generate_alone_in_process_and_bridged(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     references = {name: build() for name, build in MODELS.items()}
@@ -155,12 +156,13 @@ async def test_concurrent_greedy_streams_equal_generate_alone_in_process(
         return events
 
     monkeypatch.setattr(CohortBatch, "step", counted_step)
-    async with started(repository, models=tuple(MODELS), max_running_sequences=6) as engine:
+    settings: dict[str, Any] = {"models": tuple(MODELS), "max_running_sequences": 6}
+    async with started(repository, **settings) as engine, over_the_bridge(engine) as bridged:
         jobs = []
         for seed, name in enumerate(MODELS):
             model = engine.status().find(name)
             assert model is not None
-            for prompt, most in mixed_prompts(seed):
+            for index, (prompt, most) in enumerate(mixed_prompts(seed)):
                 request = GenerateRequest(
                     model=name,
                     version=model.manifest.version,
@@ -168,7 +170,8 @@ async def test_concurrent_greedy_streams_equal_generate_alone_in_process(
                     max_tokens=most,
                     temperature=0.0,
                 )
-                jobs.append((name, prompt, most, collect(engine, request)))
+                client = bridged if index % 2 else engine  # TOKENS frames, or in process
+                jobs.append((name, prompt, most, collect(client, request)))
         streams = await asyncio.gather(*(job for *_, job in jobs))
     for (name, prompt, most, _), items in zip(jobs, streams, strict=True):
         tokens = [token for item in items for token in item.token_ids]
