@@ -136,3 +136,27 @@ def test_a_kv_budget_bounds_the_cohorts_sequences_and_refuses_beyond_with_429() 
     assert batch.running == 2
     with pytest.raises(ValueError, match=f"holds no sequence of 128 tokens \\({per_sequence} "):
         new_batch(model, kv_budget_bytes=per_sequence - 1)
+
+
+def test_forced_first_and_last_tokens_equal_generate_with_barts_forcing() -> None:
+    model = generative_models.bart()
+    # What BART's checkpoints name: generate forces the first token and the last one within
+    # max_new_tokens.
+    model.generation_config.forced_bos_token_id = 0
+    model.generation_config.forced_eos_token_id = 2
+    batch = new_batch(model, forced_bos_token_id=0, forced_eos_token_ids=(2,))
+    requests = [
+        GenerationRequest(index, tuple(range(3, 3 + length)), max_tokens=most, sampling=GREEDY)
+        for index, (length, most) in enumerate([(1, 1), (4, 2), (9, 7), (20, 12)])
+    ]
+    for request in requests:
+        batch.submit(request)
+    tokens: dict[Hashable, list[int | None]] = {}
+    while batch.running or batch.waiting:
+        for event in batch.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+    for request in requests:
+        alone = generated_alone(model, request)
+        assert tokens[request.request_id] == alone
+        assert alone[-1] == 2
+        assert len(alone) == 1 or alone[0] == 0

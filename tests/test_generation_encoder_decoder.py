@@ -41,7 +41,16 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 
-MODELS = {"t5": generative_models.t5, "bart": generative_models.bart}
+
+def forcing_bart() -> Any:
+    """The tiny BART, forcing its first and last tokens as BART's checkpoints do."""
+    model = generative_models.bart()
+    model.generation_config.forced_bos_token_id = 0
+    model.generation_config.forced_eos_token_id = 2
+    return model
+
+
+MODELS = {"t5": generative_models.t5, "bart": forcing_bart}
 PROMPT_LENGTHS = (1, 3, 9, 17, 30, 46, 64, 100)
 MAX_TOKENS = (1, 4, 12, 20, 7, 30, 2, 16)
 READY_TIMEOUT_S = 120.0
@@ -112,6 +121,9 @@ def test_packaging_keeps_the_decoders_start_end_and_context(repository: Path) ->
     assert t5.metadata["context_tokens"] == generative_models.CONTEXT  # model_max_length
     assert bart.metadata["decoder_start_token_id"] == 2
     assert bart.metadata["context_tokens"] == 128  # max_position_embeddings
+    assert bart.metadata["forced_bos_token_id"] == 0
+    assert bart.metadata["forced_eos_token_ids"] == [2]
+    assert "forced_bos_token_id" not in t5.metadata
 
 
 @pytest.mark.parametrize(

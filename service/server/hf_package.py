@@ -473,7 +473,7 @@ def _encoder_decoder_version(
         "decoder_start_token_id": start,
         "context_tokens": context,
         "generation_defaults": defaults,
-    }
+    } | _forced_tokens(generation_config, config, vocabulary)
     return HFVersion(
         task=TEXT2TEXT_TASK,
         artifact=folder / ARTIFACT,
@@ -488,6 +488,32 @@ def _encoder_decoder_version(
         metadata=metadata,
         left_out=left_out,
     )
+
+
+def _forced_tokens(
+    generation_config: dict[str, Any], config: dict[str, Any], vocabulary: int
+) -> dict[str, Any]:
+    """The first and last tokens ``generate`` forces (BART's checkpoints name both), from
+    ``generation_config.json``, else ``config.json``; none when neither names them."""
+    forced: dict[str, Any] = {}
+    for key in ("forced_bos_token_id", "forced_eos_token_id"):
+        value = generation_config.get(key, config.get(key))
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(_token_id(token, vocabulary) for token in ids):
+            raise ValueError(
+                f"{key} must be a token id in [0, {vocabulary}) or a list of them, got {value!r}"
+            )
+        forced[key] = value
+    if "forced_eos_token_id" in forced:
+        eos = forced.pop("forced_eos_token_id")
+        forced["forced_eos_token_ids"] = eos if isinstance(eos, list) else [eos]
+    return forced
+
+
+def _token_id(value: object, vocabulary: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocabulary
 
 
 def _encoder_decoder_context(folder: Path, settings: Any) -> int | None:

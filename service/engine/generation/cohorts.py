@@ -32,6 +32,10 @@ from service.engine.generation.sequences import (
 )
 from service.errors import InvalidInputError, QueueFullError
 
+_NEVER = -1e9
+"""A forced row's score of every other token: its probability is zero in float32, and a
+row of them sums to a finite number."""
+
 
 class _Cohort:
     """Sequences that decode together: their encoder states, mask and cache, row by row."""
@@ -80,7 +84,9 @@ class CohortBatch:
     limit of their own; its tokenizer's ``model_max_length`` is the usual one).
     ``kv_budget_bytes``: the memory its caches may take: ``slots`` is as many sequences of
     the whole context (prompt and decoder) as it holds, and at most
-    ``max_running_sequences`` (None: no budget).
+    ``max_running_sequences`` (None: no budget). ``forced_bos_token_id``: the first token of
+    every sequence; ``forced_eos_token_ids``: its last within ``max_tokens`` (one of them), as
+    ``generate``'s forcing logits processors choose them (BART's checkpoints name both).
     """
 
     def __init__(
@@ -94,6 +100,8 @@ class CohortBatch:
         decoder_start_token_id: int | None = None,
         context_tokens: int | None = None,
         kv_budget_bytes: int | None = None,
+        forced_bos_token_id: int | None = None,
+        forced_eos_token_ids: Iterable[int] = (),
         precision: Precision = "fp32",
     ) -> None:
         self._model = model
@@ -103,6 +111,8 @@ class CohortBatch:
         self.max_waiting_sequences = max_waiting_sequences
         self.max_cohorts = max_cohorts
         self._eos_ids = frozenset(eos_token_ids)
+        self._forced_bos = () if forced_bos_token_id is None else (forced_bos_token_id,)
+        self._forced_eos = tuple(forced_eos_token_ids)
         start = decoder_start_token_id
         if start is None:
             start = model.generation_config.decoder_start_token_id
@@ -267,7 +277,7 @@ class CohortBatch:
                 use_cache=True,
             )
         sequences = cohort.sequences
-        events = accept_next(sequences, output.logits[:, -1, :])
+        events = accept_next(sequences, self._forced(sequences, output.logits[:, -1, :]))
         kept = []
         for sequence, event in zip(sequences, events, strict=True):
             if event.finish_reason is None:
@@ -276,6 +286,33 @@ class CohortBatch:
                 del self._known[sequence.request.request_id]
         cohort.keep(kept)
         return events
+
+    def _forced(self, sequences: list[RunningSequence], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the forced tokens' rows made certain, as ``generate``'s processors
+        make them (the first token's, then the last's, which wins when both are the same
+        token): theirs zero, every other token's far below. Far below rather than minus
+        infinity, which ``accept_next`` would take for a failed row; a row already not finite
+        is left to fail."""
+        first = [row for row, sequence in enumerate(sequences) if not sequence.generated]
+        last = [
+            row
+            for row, sequence in enumerate(sequences)
+            if len(sequence.generated) == sequence.max_new_tokens - 1
+        ]
+        forcing = [
+            (ids, rows)
+            for ids, rows in ((self._forced_bos, first), (self._forced_eos, last))
+            if ids and rows
+        ]
+        if not forcing:
+            return logits
+        logits = logits.float().clone()
+        finite: list[bool] = torch.isfinite(logits.sum(dim=-1)).tolist()
+        for ids, rows in forcing:
+            index = torch.tensor([row for row in rows if finite[row]], device=logits.device)
+            logits[index] = _NEVER
+            logits[index.unsqueeze(1), torch.tensor([ids], device=logits.device)] = 0.0
+        return logits
 
 
 def cohort_batch(
@@ -292,5 +329,7 @@ def cohort_batch(
         decoder_start_token_id=metadata.get("decoder_start_token_id"),
         context_tokens=metadata.get("context_tokens"),
         kv_budget_bytes=kv_budget_bytes,
+        forced_bos_token_id=metadata.get("forced_bos_token_id"),
+        forced_eos_token_ids=metadata.get("forced_eos_token_ids") or (),
         precision=settings.precision,
     )
