@@ -155,6 +155,20 @@ def test_an_encoder_decoder_without_what_it_needs_is_refused_naming_it(
     assert named in error
 
 
+def test_generate_settings_not_served_are_named_when_packaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = forcing_bart()
+    model.generation_config.num_beams = 4
+    model.generation_config.no_repeat_ngram_size = 3
+    folder = save_folder(tmp_path / "bart", model)
+    capsys.readouterr()
+    command = ["package", "--repository", str(tmp_path / "r"), "--name", "x", "--hf", str(folder)]
+    assert main(command) == 0
+    error = capsys.readouterr().err
+    assert "generates without generation_config.json's num_beams=4, no_repeat_ngram_size=3" in error
+
+
 async def test_concurrent_greedy_streams_equal_generate_alone_in_process_and_bridged(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

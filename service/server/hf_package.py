@@ -62,6 +62,19 @@ _SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration",)
 _SEQ2SEQ_MODEL_TYPES = frozenset({"t5", "bart"})
 GENERATION_TASK = "text-generation"
 TEXT2TEXT_TASK = ENCODER_DECODER_TASK
+#: ``generation_config.json``'s settings of ``generate`` that serving does not apply, each with
+#: the value that means "off".
+_UNSERVED_GENERATION = (
+    ("num_beams", 1),
+    ("min_length", 0),
+    ("min_new_tokens", 0),
+    ("no_repeat_ngram_size", 0),
+    ("encoder_no_repeat_ngram_size", 0),
+    ("repetition_penalty", 1.0),
+    ("bad_words_ids", None),
+    ("suppress_tokens", None),
+    ("begin_suppress_tokens", None),
+)
 #: A tokenizer's ``model_max_length`` above this is transformers' "no limit" placeholder.
 _NO_LIMIT_TOKENS = 1_000_000
 #: Keys of ``generation_config.json`` kept as the version's sampling defaults.
@@ -102,6 +115,8 @@ class HFVersion:
     metadata: dict[str, Any]
     left_out: tuple[str, ...] = ()
     """The folder's files left out of the version, each with why (``hf_files``)."""
+    not_applied: tuple[str, ...] = ()
+    """``generation_config.json``'s settings that serving does not apply, as ``key=value``."""
 
 
 def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HFVersion:
@@ -487,6 +502,11 @@ def _encoder_decoder_version(
         files=files,
         metadata=metadata,
         left_out=left_out,
+        not_applied=tuple(
+            f"{key}={generation_config[key]!r}"
+            for key, off in _UNSERVED_GENERATION
+            if generation_config.get(key, off) not in (off, None)
+        ),
     )
 
 
