@@ -160,3 +160,30 @@ def test_forced_first_and_last_tokens_equal_generate_with_barts_forcing() -> Non
         assert tokens[request.request_id] == alone
         assert alone[-1] == 2
         assert len(alone) == 1 or alone[0] == 0
+
+
+def test_prefill_starts_a_cohort_with_its_first_tokens_and_decode_steps_the_others() -> None:
+    model = generative_models.t5()
+    batch = new_batch(model)
+    first = GenerationRequest("first", (5, 6, 7), max_tokens=6, sampling=GREEDY)
+    second = GenerationRequest("second", (8, 9), max_tokens=6, sampling=GREEDY)
+    tokens: dict[Hashable, list[int | None]] = {}
+
+    def ids(events: list[Any]) -> list[Hashable]:
+        for event in events:
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+        return [event.request_id for event in events]
+
+    assert not batch.prefill_due
+    batch.submit(first)
+    assert batch.prefill_due
+    assert ids(batch.prefill()) == ["first"]
+    assert ids(batch.decode()) == []  # its token of this iteration came from the prefill
+    batch.submit(second)
+    assert ids(batch.prefill()) == ["second"]
+    assert ids(batch.decode()) == ["first"]
+    assert not batch.prefill_due
+    while batch.running:
+        ids(batch.step())
+    for request in (first, second):
+        assert tokens[request.request_id] == generated_alone(model, request)

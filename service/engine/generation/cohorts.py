@@ -144,6 +144,8 @@ class CohortBatch:
                     f"{self.context_tokens} tokens ({per_sequence} bytes each); raise it"
                 )
         self._cohorts: list[_Cohort] = []
+        self._started: _Cohort | None = None
+        """The cohort the last ``prefill`` started, which the next ``decode`` skips."""
         self._waiting: deque[RunningSequence] = deque()
         self._known: dict[Hashable, RunningSequence] = {}
 
@@ -215,14 +217,38 @@ class CohortBatch:
         self._cohorts = [cohort for cohort in self._cohorts if cohort.sequences]
         return True
 
+    @property
+    def prefill_due(self) -> bool:
+        """Requests wait and a cohort may start: ``prefill`` has work."""
+        room = self._slots - self.running
+        return bool(self._waiting) and room > 0 and len(self._cohorts) < self.max_cohorts
+
     def step(self) -> list[TokenEvent]:
-        """One token for every running sequence; the waiting ones (as many as fit) start as
-        a new cohort, their prompts encoded in this step."""
+        """One token for every running sequence: ``prefill`` then ``decode``."""
+        return self.prefill() + self.decode()
+
+    def prefill(self) -> list[TokenEvent]:
+        """The first half of an iteration: the waiting requests that fit start as a new
+        cohort, their prompts encoded together, and get their first tokens (as
+        ``ContinuousBatch.prefill``, so a driver may hand them out before ``decode``)."""
+        if not self.prefill_due:
+            return []
+        with torch.inference_mode():
+            cohort = self._start_cohort()
+            events = self._decode(cohort)
+        self._started = cohort
+        self._cohorts = [cohort for cohort in self._cohorts if cohort.sequences]
+        return events
+
+    def decode(self) -> list[TokenEvent]:
+        """The second half: a token for every sequence of the other cohorts (the one
+        ``prefill`` started has its token of this iteration)."""
+        started, self._started = self._started, None
         events: list[TokenEvent] = []
         with torch.inference_mode():
-            self._start_cohort()
             for cohort in self._cohorts:
-                events += self._decode(cohort)
+                if cohort is not started:
+                    events += self._decode(cohort)
         self._cohorts = [cohort for cohort in self._cohorts if cohort.sequences]
         return events
 
@@ -248,10 +274,8 @@ class CohortBatch:
         held += [tensor for layer in layers for tensor in (layer.keys, layer.values)]
         return sum(tensor.nelement() * tensor.element_size() for tensor in held)
 
-    def _start_cohort(self) -> None:
+    def _start_cohort(self) -> _Cohort:
         room = self._slots - self.running
-        if not self._waiting or room <= 0 or len(self._cohorts) >= self.max_cohorts:
-            return
         joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         longest = max(len(sequence.request.prompt_ids) for sequence in joining)
         ids = torch.zeros((len(joining), longest), dtype=torch.long)
@@ -264,7 +288,9 @@ class CohortBatch:
         with self._precision():
             encoded = self._model.get_encoder()(input_ids=ids, attention_mask=mask)
         hidden: torch.Tensor = encoded.last_hidden_state
-        self._cohorts.append(_Cohort(joining, hidden, mask, self._start_token_id))
+        cohort = _Cohort(joining, hidden, mask, self._start_token_id)
+        self._cohorts.append(cohort)
+        return cohort
 
     def _decode(self, cohort: _Cohort) -> list[TokenEvent]:
         tokens = torch.tensor(cohort.next_inputs(), device=self._device).unsqueeze(1)
