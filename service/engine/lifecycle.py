@@ -203,7 +203,7 @@ async def _continuous_batch(
     """The version's continuous batch, built on the device thread (it probes the model's KV
     layout with a forward) in a turn of its model's; 409 when its KV cache would not hold one
     sequence."""
-    from service.engine.generation.cohorts import cohort_batch
+    from service.engine.generation.cohorts import CohortBatch
     from service.engine.generation.continuous_batch import ContinuousBatch
 
     if model is None:
@@ -218,7 +218,19 @@ async def _continuous_batch(
 
     def build() -> SteppedBatch:
         if manifest.metadata.get("task") == ENCODER_DECODER_TASK:
-            return cohort_batch(model, settings, manifest.metadata, kv_budget_bytes)
+            metadata = manifest.metadata
+            return CohortBatch(
+                model,
+                max_running_sequences=settings.max_running_sequences,
+                max_waiting_sequences=settings.max_waiting_sequences,
+                eos_token_ids=metadata.get("eos_token_ids") or (),
+                decoder_start_token_id=metadata.get("decoder_start_token_id"),
+                context_tokens=metadata.get("context_tokens"),
+                kv_budget_bytes=kv_budget_bytes,
+                forced_bos_token_id=metadata.get("forced_bos_token_id"),
+                forced_eos_token_ids=metadata.get("forced_eos_token_ids") or (),
+                precision=settings.precision,
+            )
         return ContinuousBatch(
             model,
             kv_budget_bytes=kv_budget_bytes,

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
-from service.config import Precision, Settings
+from service.config import Precision
 from service.engine.generation.admission import new_tokens_allowed
 from service.engine.generation.continuous_batch import precision_context
 from service.engine.generation.sampling import new_generator
@@ -166,22 +166,6 @@ class CohortBatch:
     def cohorts(self) -> int:
         return len(self._cohorts)
 
-    def check(self, request: GenerationRequest) -> int:
-        """The new tokens ``request`` may generate, or its refusal whatever else runs (422),
-        as ``ContinuousBatch.check``. Reads only what never changes, so any thread may ask."""
-        prompt = len(request.prompt_ids)
-        if not 1 <= prompt <= self.context_tokens:
-            raise InvalidInputError(
-                f"the prompt must hold 1 to {self.context_tokens} tokens, got {prompt}"
-            )
-        bad = [token for token in request.prompt_ids if not 0 <= token < self._vocab_size]
-        if bad:
-            raise InvalidInputError(
-                f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}"
-            )
-        # The decoder holds its start token and the generated ones.
-        return new_tokens_allowed(1, request.max_tokens, self.context_tokens, self.context_tokens)
-
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request to start at a coming step; refused at once as
         ``ContinuousBatch.submit`` refuses."""
@@ -202,6 +186,22 @@ class CohortBatch:
         sequence = RunningSequence(request, max_new_tokens, stop_ids, generator)
         self._waiting.append(sequence)
         self._known[request.request_id] = sequence
+
+    def check(self, request: GenerationRequest) -> int:
+        """The new tokens ``request`` may generate, or its refusal whatever else runs (422),
+        as ``ContinuousBatch.check``. Reads only what never changes, so any thread may ask."""
+        prompt = len(request.prompt_ids)
+        if not 1 <= prompt <= self.context_tokens:
+            raise InvalidInputError(
+                f"the prompt must hold 1 to {self.context_tokens} tokens, got {prompt}"
+            )
+        bad = [token for token in request.prompt_ids if not 0 <= token < self._vocab_size]
+        if bad:
+            raise InvalidInputError(
+                f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}"
+            )
+        # The decoder holds its start token and the generated ones.
+        return new_tokens_allowed(1, request.max_tokens, self.context_tokens, self.context_tokens)
 
     def cancel(self, request_id: Hashable) -> bool:
         """Drop a request, waiting or running; False when it is not here."""
@@ -339,23 +339,3 @@ class CohortBatch:
             logits[index] = _NEVER
             logits[index.unsqueeze(1), torch.tensor([ids], device=logits.device)] = 0.0
         return logits
-
-
-def cohort_batch(
-    model: Any, settings: Settings, metadata: dict[str, Any], kv_budget_bytes: int
-) -> CohortBatch:
-    """The cohorts of a version packaged as ``text2text-generation`` (``metadata``: its
-    manifest's, with the start and end ids and the context length packaging read), as many
-    running at once as ``kv_budget_bytes`` holds."""
-    return CohortBatch(
-        model,
-        max_running_sequences=settings.max_running_sequences,
-        max_waiting_sequences=settings.max_waiting_sequences,
-        eos_token_ids=metadata.get("eos_token_ids") or (),
-        decoder_start_token_id=metadata.get("decoder_start_token_id"),
-        context_tokens=metadata.get("context_tokens"),
-        kv_budget_bytes=kv_budget_bytes,
-        forced_bos_token_id=metadata.get("forced_bos_token_id"),
-        forced_eos_token_ids=metadata.get("forced_eos_token_ids") or (),
-        precision=settings.precision,
-    )
