@@ -173,15 +173,14 @@ async def test_concurrent_greedy_streams_equal_generate_alone_in_process_and_bri
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     references = {name: build() for name, build in MODELS.items()}
-    stepped_rows = []
-    step = CohortBatch.step
+    cohort_rows = []
+    decode = CohortBatch._decode
 
-    def counted_step(batch: CohortBatch) -> list[TokenEvent]:
-        events = step(batch)
-        stepped_rows.append(len(events))
-        return events
+    def counted_decode(batch: CohortBatch, cohort: Any) -> list[TokenEvent]:
+        cohort_rows.append(len(cohort.sequences))
+        return decode(batch, cohort)
 
-    monkeypatch.setattr(CohortBatch, "step", counted_step)
+    monkeypatch.setattr(CohortBatch, "_decode", counted_decode)
     settings: dict[str, Any] = {"models": tuple(MODELS), "max_running_sequences": 6}
     async with started(repository, **settings) as engine, over_the_bridge(engine) as bridged:
         jobs = []
@@ -205,7 +204,7 @@ async def test_concurrent_greedy_streams_equal_generate_alone_in_process_and_bri
         eos = references[name].generation_config.eos_token_id
         assert items[-1].finish_reason == ("stop" if tokens[-1] == eos else "length")
         assert all(item.finish_reason is None for item in items[:-1])
-    assert max(stepped_rows) >= 4  # sequences stepped together, not one at a time
+    assert max(cohort_rows) >= 4  # sequences decoded together, not one at a time
 
 
 async def test_completions_streamed_and_whole_and_oip_generate_equal_generate_alone(

@@ -47,7 +47,8 @@ from service.errors import (
 from service.metrics import EngineMetrics
 
 if TYPE_CHECKING:  # it imports transformers, which only a generative version needs
-    from service.engine.generation.stepped_batch import SteppedBatch
+    from service.engine.generation.cohorts import CohortBatch
+    from service.engine.generation.continuous_batch import ContinuousBatch
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class GenerationLoop:
 
     def __init__(
         self,
-        batch: SteppedBatch,
+        batch: ContinuousBatch | CohortBatch,
         *,
         model: str,
         version: str,

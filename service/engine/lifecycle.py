@@ -41,7 +41,8 @@ from service.manifest import Manifest
 from service.tensors import NamedArrays
 
 if TYPE_CHECKING:
-    from service.engine.generation.stepped_batch import SteppedBatch
+    from service.engine.generation.cohorts import CohortBatch
+    from service.engine.generation.continuous_batch import ContinuousBatch
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ async def load_version(
     del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
     turns = state.device_turns.for_model(series, background=shadow)
-    continuous: SteppedBatch | None = None
+    continuous: ContinuousBatch | CohortBatch | None = None
     try:
         warmup_s = await _warm_up(runner, batches, turns)
         if manifest.metadata.get("task") in GENERATIVE_TASKS:
@@ -199,7 +200,7 @@ async def _continuous_batch(
     model: Any,
     manifest: Manifest,
     kv_budget_bytes: int,
-) -> SteppedBatch:
+) -> ContinuousBatch | CohortBatch:
     """The version's continuous batch, built on the device thread (it probes the model's KV
     layout with a forward) in a turn of its model's; 409 when its KV cache would not hold one
     sequence."""
@@ -216,7 +217,7 @@ async def _continuous_batch(
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
 
-    def build() -> SteppedBatch:
+    def build() -> ContinuousBatch | CohortBatch:
         if manifest.metadata.get("task") == ENCODER_DECODER_TASK:
             metadata = manifest.metadata
             return CohortBatch(
