@@ -119,3 +119,71 @@ def test_cohorts_refuse_what_never_fits_and_what_overflows_the_line() -> None:
         batch.submit(GenerationRequest("second", (5,), max_tokens=3))
     with pytest.raises(ValueError, match="pass context_tokens"):
         CohortBatch(generative_models.t5(), max_running_sequences=1, max_waiting_sequences=1)
+
+
+def test_a_kv_budget_bounds_the_cohorts_sequences_and_refuses_beyond_with_429() -> None:
+    model = generative_models.t5()
+    # Per token: keys and values of 2 decoder layers' self- and cross-attention (4 heads of
+    # 8 floats each) and the encoder's state of 32 floats.
+    per_sequence = 128 * (2 * 2 * 2 * 4 * 8 * 4 + 32 * 4)
+    batch = new_batch(model, max_waiting_sequences=0, kv_budget_bytes=3 * per_sequence - 1)
+    assert batch.slots == 2
+    for index in range(2):
+        batch.submit(GenerationRequest(index, (5, 6), max_tokens=4, sampling=GREEDY))
+    with pytest.raises(QueueFullError):
+        batch.submit(GenerationRequest("third", (5, 6), max_tokens=4, sampling=GREEDY))
+    batch.step()
+    assert batch.running == 2
+    with pytest.raises(ValueError, match=f"holds no sequence of 128 tokens \\({per_sequence} "):
+        new_batch(model, kv_budget_bytes=per_sequence - 1)
+
+
+def test_forced_first_and_last_tokens_equal_generate_with_barts_forcing() -> None:
+    model = generative_models.bart()
+    # What BART's checkpoints name: generate forces the first token and the last one within
+    # max_new_tokens.
+    model.generation_config.forced_bos_token_id = 0
+    model.generation_config.forced_eos_token_id = 2
+    batch = new_batch(model, forced_bos_token_id=0, forced_eos_token_ids=(2,))
+    requests = [
+        GenerationRequest(index, tuple(range(3, 3 + length)), max_tokens=most, sampling=GREEDY)
+        for index, (length, most) in enumerate([(1, 1), (4, 2), (9, 7), (20, 12)])
+    ]
+    for request in requests:
+        batch.submit(request)
+    tokens: dict[Hashable, list[int | None]] = {}
+    while batch.running or batch.waiting:
+        for event in batch.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+    for request in requests:
+        alone = generated_alone(model, request)
+        assert tokens[request.request_id] == alone
+        assert alone[-1] == 2
+        assert len(alone) == 1 or alone[0] == 0
+
+
+def test_prefill_starts_a_cohort_with_its_first_tokens_and_decode_steps_the_others() -> None:
+    model = generative_models.t5()
+    batch = new_batch(model)
+    first = GenerationRequest("first", (5, 6, 7), max_tokens=6, sampling=GREEDY)
+    second = GenerationRequest("second", (8, 9), max_tokens=6, sampling=GREEDY)
+    tokens: dict[Hashable, list[int | None]] = {}
+
+    def ids(events: list[Any]) -> list[Hashable]:
+        for event in events:
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+        return [event.request_id for event in events]
+
+    assert not batch.prefill_due
+    batch.submit(first)
+    assert batch.prefill_due
+    assert ids(batch.prefill()) == ["first"]
+    assert ids(batch.decode()) == []  # its token of this iteration came from the prefill
+    batch.submit(second)
+    assert ids(batch.prefill()) == ["second"]
+    assert ids(batch.decode()) == ["first"]
+    assert not batch.prefill_due
+    while batch.running:
+        ids(batch.step())
+    for request in (first, second):
+        assert tokens[request.request_id] == generated_alone(model, request)

@@ -374,20 +374,33 @@ async def test_folders_transformers_reads_are_served_as_the_pipeline_answers(
         await assert_answers_as_the_pipeline(client, "m", task, pipeline(task, model=str(folder)))
 
 
-def test_an_encoder_decoder_is_refused_naming_it_and_what_is_served(
+def test_an_unserved_encoder_decoder_is_refused_naming_it_and_what_is_served(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.generative_models import bart, save_folder
+    from transformers import MBartConfig, MBartForConditionalGeneration
 
-    folder = save_folder(tmp_path / "bart", bart())
+    from tests.generative_models import save_folder
+
+    config = MBartConfig(
+        vocab_size=300,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+    )
+    folder = save_folder(tmp_path / "mbart", MBartForConditionalGeneration(config))
     capsys.readouterr()
     assert main(["package", "--repository", str(tmp_path), "--name", "x", "--hf", str(folder)]) == 1
     error = capsys.readouterr().err
-    assert "architecture 'BartForConditionalGeneration' is not served by --hf" in error
+    assert "architecture 'MBartForConditionalGeneration' is not served by --hf" in error
     assert "*ForSequenceClassification" in error
-    assert "the bare model (BartModel) as feature extraction" in error
+    assert "the bare model (MBartModel) as feature extraction" in error
     assert "causal language models (*ForCausalLM, *LMHeadModel) as text generation" in error
-    assert "sequence-to-sequence generation (encoder-decoder models) is not served yet" in error
+    assert "*ForConditionalGeneration of model_type bart or t5 (T5, BART)" in error
 
 
 def test_a_folder_without_model_safetensors_is_refused_saying_how_to_save_it(

@@ -205,7 +205,9 @@ class InferenceResult:
     ``traceparent`` and the rows of this request it held."""
 
 
-GENERATIVE_TASKS = frozenset({"text-generation"})
+ENCODER_DECODER_TASK = "text2text-generation"
+"""``manifest.metadata["task"]`` of an encoder-decoder (T5, BART), generated in cohorts."""
+GENERATIVE_TASKS = frozenset({"text-generation", ENCODER_DECODER_TASK})
 """``manifest.metadata["task"]`` of a version served by ``EngineClient.generate``."""
 
 FinishReason = Literal["stop", "length", "error"]

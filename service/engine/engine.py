@@ -321,7 +321,7 @@ class Engine:
             task = served.manifest.metadata.get("task", "a tensor model")
             raise InvalidInputError(
                 f"{model} does not generate text ({task}); generation is served for "
-                "text-generation versions (package a causal LM with --hf)"
+                "text-generation versions (package a causal LM, a T5 or a BART with --hf)"
             )
         shadow = self._shadows.get(model)
         if shadow is not None and shadow.shadows(served):

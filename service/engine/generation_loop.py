@@ -53,6 +53,7 @@ from service.errors import (
 from service.metrics import EngineMetrics
 
 if TYPE_CHECKING:  # it imports transformers, which only a generative version needs
+    from service.engine.generation.cohorts import CohortBatch
     from service.engine.generation.continuous_batch import ContinuousBatch
 
 logger = logging.getLogger(__name__)
@@ -119,11 +120,12 @@ def deadline_message(tokens: int) -> str:
 
 
 class GenerationLoop:
-    """Serves one generative version's ``ContinuousBatch``: ``submit``, ``cancel``, ``drain``."""
+    """Serves one generative version's batch (a causal LM's ``ContinuousBatch``, an
+    encoder-decoder's ``CohortBatch``): ``submit``, ``cancel``, ``drain``."""
 
     def __init__(
         self,
-        batch: ContinuousBatch,
+        batch: ContinuousBatch | CohortBatch,
         *,
         model: str,
         version: str,

@@ -196,3 +196,40 @@ class TransformersCausalLM(_Wrapped):
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         logits: torch.Tensor = model.get_output_embeddings()(hidden[rows, last])
         return logits.float()
+
+
+class TransformersSeq2SeqLM(_Wrapped):
+    """An encoder-decoder (T5, BART). The engine generates from ``language_model`` in cohorts
+    (``engine/generation/cohorts.py``); as a tensor model it answers each prompt's first
+    decoded token's logits (the decoder fed its start token alone)."""
+
+    def __init__(self, config: dict[str, Any], decoder_start_token_id: int) -> None:
+        super().__init__("text2text-generation", config)
+        self.decoder_start_token_id = decoder_start_token_id
+
+    @property
+    def language_model(self) -> Any:
+        """The ``transformers`` model itself, which the cohorts step."""
+        return self.model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        start = torch.full(
+            (input_ids.shape[0], 1),
+            self.decoder_start_token_id,
+            dtype=input_ids.dtype,
+            device=input_ids.device,
+        )
+        model: Any = self.model
+        output = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=start,
+            use_cache=False,
+            return_dict=True,
+        )
+        logits: torch.Tensor = output.logits[:, -1]
+        return logits.float()

@@ -21,7 +21,7 @@ import numpy as np
 
 from service import traffic_split
 from service.bridge import published
-from service.bridge.interface import GENERATIVE_TASKS
+from service.bridge.interface import ENCODER_DECODER_TASK, GENERATIVE_TASKS
 from service.buckets import batch_group, manifest_length_edges
 from service.config import Settings
 from service.engine import memory
@@ -41,6 +41,7 @@ from service.manifest import Manifest
 from service.tensors import NamedArrays
 
 if TYPE_CHECKING:
+    from service.engine.generation.cohorts import CohortBatch
     from service.engine.generation.continuous_batch import ContinuousBatch
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ async def load_version(
     del loaded
     batches = warmup_batches(manifest, edges, runner, settings)
     turns = state.device_turns.for_model(series, background=shadow)
-    continuous: ContinuousBatch | None = None
+    continuous: ContinuousBatch | CohortBatch | None = None
     try:
         warmup_s = await _warm_up(runner, batches, turns)
         if manifest.metadata.get("task") in GENERATIVE_TASKS:
@@ -199,10 +200,11 @@ async def _continuous_batch(
     model: Any,
     manifest: Manifest,
     kv_budget_bytes: int,
-) -> ContinuousBatch:
+) -> ContinuousBatch | CohortBatch:
     """The version's continuous batch, built on the device thread (it probes the model's KV
     layout with a forward) in a turn of its model's; 409 when its KV cache would not hold one
     sequence."""
+    from service.engine.generation.cohorts import CohortBatch
     from service.engine.generation.continuous_batch import ContinuousBatch
 
     if model is None:
@@ -215,7 +217,21 @@ async def _continuous_batch(
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
 
-    def build() -> ContinuousBatch:
+    def build() -> ContinuousBatch | CohortBatch:
+        if manifest.metadata.get("task") == ENCODER_DECODER_TASK:
+            metadata = manifest.metadata
+            return CohortBatch(
+                model,
+                max_running_sequences=settings.max_running_sequences,
+                max_waiting_sequences=settings.max_waiting_sequences,
+                eos_token_ids=metadata.get("eos_token_ids") or (),
+                decoder_start_token_id=metadata.get("decoder_start_token_id"),
+                context_tokens=metadata.get("context_tokens"),
+                kv_budget_bytes=kv_budget_bytes,
+                forced_bos_token_id=metadata.get("forced_bos_token_id"),
+                forced_eos_token_ids=metadata.get("forced_eos_token_ids") or (),
+                precision=settings.precision,
+            )
         return ContinuousBatch(
             model,
             kv_budget_bytes=kv_budget_bytes,

@@ -57,4 +57,11 @@ def package_hf(args: argparse.Namespace, repository: Path) -> int:
             f"{'; '.join(version.left_out)}",
             file=sys.stderr,
         )
+    if version.not_applied:
+        print(
+            f"batchserve: {manifest.label} generates without generation_config.json's "
+            f"{', '.join(version.not_applied)} (beam search and these settings of generate are "
+            "not served): its answers are generate's with them unset",
+            file=sys.stderr,
+        )
     return 0

@@ -20,6 +20,13 @@ answers each prompt's next-token logits. Its tokenizer files, chat template and
 ``generation_config.json`` are hashed into the version, which the front ends read to tokenize;
 its end-of-sequence ids, context length and sampling defaults go into the manifest's
 metadata.
+
+An encoder-decoder (``*ForConditionalGeneration`` of T5 or BART) is ``text2text-generation``,
+as ``transformers`` names the task: the engine encodes each prompt and generates the decoder's
+tokens in cohorts (``engine/generation/cohorts.py``); as a tensor model it answers the first
+decoded token's logits. Its files are hashed as a causal LM's; its ``decoder_start_token_id``
+and context length (``max_position_embeddings``, else the tokenizer's ``model_max_length``)
+must be named, or it is refused naming what is missing.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.bridge.interface import ENCODER_DECODER_TASK
 from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.repository import one_line
 from service.server.hf_files import folder_files, read_json_object
@@ -48,9 +56,27 @@ _TASK_SUFFIXES = (
 )
 #: Causal language-model heads: served as ``text-generation``.
 _CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-#: Encoder-decoder heads, for the refusal's words (not served yet).
+#: Encoder-decoder heads: served as ``text2text-generation`` for the model types below.
 _SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration",)
+#: Encoder-decoders over text whose cohorts are tested against ``generate``.
+_SEQ2SEQ_MODEL_TYPES = frozenset({"t5", "bart"})
 GENERATION_TASK = "text-generation"
+TEXT2TEXT_TASK = ENCODER_DECODER_TASK
+#: ``generation_config.json``'s settings of ``generate`` that serving does not apply, each with
+#: the value that means "off".
+_UNSERVED_GENERATION = (
+    ("num_beams", 1),
+    ("min_length", 0),
+    ("min_new_tokens", 0),
+    ("no_repeat_ngram_size", 0),
+    ("encoder_no_repeat_ngram_size", 0),
+    ("repetition_penalty", 1.0),
+    ("bad_words_ids", None),
+    ("suppress_tokens", None),
+    ("begin_suppress_tokens", None),
+)
+#: A tokenizer's ``model_max_length`` above this is transformers' "no limit" placeholder.
+_NO_LIMIT_TOKENS = 1_000_000
 #: Keys of ``generation_config.json`` kept as the version's sampling defaults.
 _GENERATION_DEFAULTS = (
     "max_new_tokens",
@@ -89,6 +115,8 @@ class HFVersion:
     metadata: dict[str, Any]
     left_out: tuple[str, ...] = ()
     """The folder's files left out of the version, each with why (``hf_files``)."""
+    not_applied: tuple[str, ...] = ()
+    """``generation_config.json``'s settings that serving does not apply, as ``key=value``."""
 
 
 def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HFVersion:
@@ -120,6 +148,10 @@ def hf_version(folder: Path, scratch: Path, max_length: int | None = None) -> HF
     contents = folder_files(folder, ARTIFACT, modules)
     if task == GENERATION_TASK:
         return _generative_version(folder, config, settings, contents.kept, contents.left_out)
+    if task == TEXT2TEXT_TASK:
+        return _encoder_decoder_version(
+            folder, config, settings, max_length, contents.kept, contents.left_out
+        )
     files = contents.kept
     labels = _labels(settings) if task in _LABELLED_TASKS else None
     metadata: dict[str, Any] = {"task": task, "source": "transformers save_pretrained"}
@@ -324,16 +356,15 @@ def _task(config: dict[str, Any], settings: Any) -> str:
         return "feature-extraction"
     if name.endswith(_CAUSAL_LM_SUFFIXES):
         return GENERATION_TASK
+    if name.endswith(_SEQ2SEQ_SUFFIXES) and settings.model_type in _SEQ2SEQ_MODEL_TYPES:
+        return TEXT2TEXT_TASK
     supported = ", ".join(f"*{suffix}" for suffix, _ in _TASK_SUFFIXES)
-    generation = (
-        "; sequence-to-sequence generation (encoder-decoder models) is not served yet"
-        if name.endswith(_SEQ2SEQ_SUFFIXES)
-        else ""
-    )
     raise ValueError(
         f"architecture {name!r} is not served by --hf; it serves {supported}, the bare "
-        f"model ({' or '.join(bare) or 'its *Model'}) as feature extraction, and causal "
-        f"language models (*ForCausalLM, *LMHeadModel) as text generation{generation}"
+        f"model ({' or '.join(bare) or 'its *Model'}) as feature extraction, causal "
+        f"language models (*ForCausalLM, *LMHeadModel) as text generation, and the "
+        f"encoder-decoders *ForConditionalGeneration of model_type "
+        f"{' or '.join(sorted(_SEQ2SEQ_MODEL_TYPES))} (T5, BART) as text2text generation"
     )
 
 
@@ -397,6 +428,124 @@ def _generative_version(
         metadata=metadata,
         left_out=left_out,
     )
+
+
+def _encoder_decoder_version(
+    folder: Path,
+    config: dict[str, Any],
+    settings: Any,
+    max_length: int | None,
+    files: tuple[Path, ...],
+    left_out: tuple[str, ...],
+) -> HFVersion:
+    """A T5 or BART: prompt ids in, the first decoded token's logits out (the tensor path);
+    generated by the engine in cohorts from the metadata's start and end ids and context."""
+    from service.engine.generation.model_limits import eos_token_ids
+
+    name = config["architectures"][0]
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{folder.name} has no tokenizer.json, which the front ends tokenize prompts "
+            "with; save the tokenizer with a fast tokenizer (tokenizer.save_pretrained on a "
+            "PreTrainedTokenizerFast)"
+        )
+    generation_config = _json(folder / "generation_config.json", optional=True)
+    start = generation_config.get("decoder_start_token_id", settings.decoder_start_token_id)
+    vocabulary = _positive_int(settings, "vocab_size")
+    if isinstance(start, bool) or not (isinstance(start, int) and 0 <= start < vocabulary):
+        raise ValueError(
+            f"{name} in {folder.name} names no decoder_start_token_id (generation_config.json "
+            f"or config.json), which its decoder starts from; got {start!r}, want an id in "
+            f"[0, {vocabulary})"
+        )
+    context = _encoder_decoder_context(folder, settings)
+    if max_length is not None:
+        if context is not None and max_length > context:
+            raise ValueError(
+                f"max_length {max_length} is more than {name} holds ({context} tokens); give "
+                f"at most {context}"
+            )
+        context = max_length
+    if context is None:
+        raise ValueError(
+            f"{name} in {folder.name} names no context length: neither config.json's "
+            "max_position_embeddings nor tokenizer_config.json's model_max_length; save the "
+            "tokenizer with model_max_length, or give --max-length"
+        )
+    eos = eos_token_ids(generation_config, config)
+    pad = settings.pad_token_id
+    pad_value = pad if isinstance(pad, int) and 0 <= pad < vocabulary else start
+    ids, mask = _token_inputs(context, vocabulary, pad_value)
+    logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, vocabulary))
+    defaults = {
+        key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
+    }
+    metadata: dict[str, Any] = {
+        "task": TEXT2TEXT_TASK,
+        "source": "transformers save_pretrained",
+        "tokenizer_file": "tokenizer.json",
+        "eos_token_ids": list(eos),
+        "decoder_start_token_id": start,
+        "context_tokens": context,
+        "generation_defaults": defaults,
+    } | _forced_tokens(generation_config, config, vocabulary)
+    return HFVersion(
+        task=TEXT2TEXT_TASK,
+        artifact=folder / ARTIFACT,
+        architecture=Architecture(
+            import_path="service.engine.hf_model:TransformersSeq2SeqLM",
+            kwargs={"config": config, "decoder_start_token_id": start},
+        ),
+        inputs=(ids, mask),
+        outputs=(logits,),
+        handler=None,
+        files=files,
+        metadata=metadata,
+        left_out=left_out,
+        not_applied=tuple(
+            f"{key}={generation_config[key]!r}"
+            for key, off in _UNSERVED_GENERATION
+            if generation_config.get(key, off) not in (off, None)
+        ),
+    )
+
+
+def _forced_tokens(
+    generation_config: dict[str, Any], config: dict[str, Any], vocabulary: int
+) -> dict[str, Any]:
+    """The first and last tokens ``generate`` forces (BART's checkpoints name both), from
+    ``generation_config.json``, else ``config.json``; none when neither names them."""
+    forced: dict[str, Any] = {}
+    for key in ("forced_bos_token_id", "forced_eos_token_id"):
+        value = generation_config.get(key, config.get(key))
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(_token_id(token, vocabulary) for token in ids):
+            raise ValueError(
+                f"{key} must be a token id in [0, {vocabulary}) or a list of them, got {value!r}"
+            )
+        forced[key] = value
+    if "forced_eos_token_id" in forced:
+        eos = forced.pop("forced_eos_token_id")
+        forced["forced_eos_token_ids"] = eos if isinstance(eos, list) else [eos]
+    return forced
+
+
+def _token_id(value: object, vocabulary: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocabulary
+
+
+def _encoder_decoder_context(folder: Path, settings: Any) -> int | None:
+    """The most tokens a prompt or a generated sequence may hold: the position embeddings'
+    (BART), else the tokenizer's ``model_max_length`` (T5's relative positions have none)."""
+    positions = getattr(settings, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        return positions
+    declared = _json(folder / "tokenizer_config.json", optional=True).get("model_max_length")
+    if isinstance(declared, int) and 1 < declared < _NO_LIMIT_TOKENS:
+        return declared
+    return None
 
 
 def _bare_model_names(settings: Any) -> tuple[str, ...]:
