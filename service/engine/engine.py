@@ -103,6 +103,7 @@ class Engine:
         self._contracts: dict[str, RequestContract] = {}
         self._shadows: dict[str, Shadow] = {}
         self.state.listeners.append(self._forget_status)
+        self.state.listeners.append(self._follow_shadow_copies)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -179,9 +180,11 @@ class Engine:
         )
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         served = self.state.models.get(model)
+        if served is not None and served.manifest.version != version:
+            served = self.state.beside_copy(model, version) or served  # its own queue
         return None if served is None else served.batcher.refusal_of_any(priority, deadline_s)
 
     def enqueue(
@@ -335,6 +338,8 @@ class Engine:
         return await self.switch(*self.status().rollback_target(name))
 
     async def unload(self, name: str) -> str:
+        if name in self._shadows and len(self.state.models) > 1:
+            await self.stop_shadow(name)
         return await self._switcher.unload(name)
 
     async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
@@ -361,6 +366,7 @@ class Engine:
     async def abort(self) -> None:
         """Discard what ``prepare`` loaded, if anything; the serving version stays."""
         await self._switcher.abort()
+        self._follow_shadow_copies()
 
     # ----------------------------------------------------------------- shadows
 
@@ -404,8 +410,22 @@ class Engine:
         if shadow is None:
             raise ModelNotFoundError(f"{name} has no shadow to stop")
         self.state.shadow_candidates.pop(name, None)
-        await lifecycle.retire_shadow(self.state, shadow.candidate)
+        await lifecycle.retire_unused(self.state, shadow.candidate)
         return shadow.report()
+
+    def _follow_shadow_copies(self) -> None:
+        """After a change: a shadow whose own copy made way for a served copy of its version
+        (``lifecycle.release_shadow_copy``) runs on that copy; one left without a copy (its
+        version is the primary now, or the load was aborted) stops."""
+        for name, shadow in list(self._shadows.items()):
+            if name in self.state.shadow_candidates:
+                continue
+            beside = self.state.beside_copy(name, shadow.candidate_version)
+            if beside is None:
+                del self._shadows[name]
+                continue
+            shadow.candidate = beside
+            self.state.shadow_candidates[name] = beside
 
     def _shadow_chosen(
         self,

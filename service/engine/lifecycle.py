@@ -66,10 +66,9 @@ async def load_version(
     settings = state.settings
     manifest = state.store.resolve(name, version)
     if shadow:
-        counted = list(state.every_version())
+        counted = state.every_copy()
     else:
-        counted = _others(state, name) if beside is None else [*state.every_version(), *beside]
-    counted += state.shadow_candidates.values()
+        counted = _others(state, name) if beside is None else [*state.every_copy(), *beside]
     others = [(served.manifest.label, served.memory_bytes) for served in counted]
     series = shadow_series(name) if shadow else name
     folder = state.store.version_folder(manifest.name, manifest.version)
@@ -261,9 +260,9 @@ def shadow_series(name: str) -> str:
 
 
 def _others(state: EngineState, name: str) -> list[ServedModel]:
-    """Every version loaded but the primary of ``name`` (which a new one would replace)."""
+    """Every copy loaded but the primary of ``name`` (which a new one would replace)."""
     primary = state.models.get(name)
-    return [served for served in state.every_version() if served is not primary]
+    return [served for served in state.every_copy() if served is not primary]
 
 
 def switch_to(state: EngineState, served: ServedModel) -> str:
@@ -276,12 +275,12 @@ def switch_to(state: EngineState, served: ServedModel) -> str:
     state.models[manifest.name] = served
     state.weights.pop(manifest.name, None)
     for candidate in state.beside.pop(manifest.name, {}).values():
-        _retire_in_background(state, candidate)
+        _retire_unused_in_background(state, candidate)  # not the one promoted, nor a shadow's
     replaced = "nothing"
     if previous is not None:
         replaced = previous.manifest.label
         state.previous_versions[manifest.name] = previous.manifest.version
-        _retire_in_background(state, previous)
+        _retire_unused_in_background(state, previous)
     state.metrics.model_info.labels(*_info_labels(served)).set(1)
     state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
     _publish(state)
@@ -314,15 +313,15 @@ def split_traffic(
     primary_version = traffic_split.primary_of(weights, current.manifest.version)
     kept = {version: versions[version] for version in weights}
     primary = kept.pop(primary_version)
-    for version, served in versions.items():
-        if version not in weights:
-            _retire_in_background(state, served)
     state.models[name] = primary
     state.beside.pop(name, None)
     state.weights.pop(name, None)
     if kept:
         state.beside[name] = kept
         state.weights[name] = dict(weights)
+    for version, served in versions.items():
+        if version not in weights:
+            _retire_unused_in_background(state, served)  # a shadow may still run on it
     replaced = None
     if primary is not current:
         replaced = current.manifest.label
@@ -341,7 +340,10 @@ def split_traffic(
     return replaced
 
 
-def _retire_in_background(state: EngineState, served: ServedModel) -> None:
+def _retire_unused_in_background(state: EngineState, served: ServedModel) -> None:
+    """Retire ``served`` unless it is still served or a shadow runs on it."""
+    if state.in_use(served):
+        return
     _forget_series(state, served)
     retiring = asyncio.get_running_loop().create_task(retire(served))
     state.retiring.add(retiring)
@@ -401,6 +403,31 @@ async def withdraw(state: EngineState, name: str) -> None:
     state.changed()
     await asyncio.gather(*(retire(each) for each in (served, *candidates)))
     state.device_turns.forget(name)
+
+
+async def retire_unused(state: EngineState, copy: ServedModel) -> None:
+    """Unload ``copy`` unless it is still served or a shadow runs on it: a copy the shadow
+    loaded for itself with its own thread and turns, a version served once as any other."""
+    if state.in_use(copy):
+        return
+    if copy.runner.executor is state.device_thread:
+        _forget_series(state, copy)
+        await retire(copy)
+    else:
+        await retire_shadow(state, copy)
+
+
+async def release_shadow_copy(state: EngineState, name: str, version: str) -> None:
+    """Unload the copy of ``name@version`` a shadow loaded for itself (background turns, its
+    own thread), so that the version about to be loaded to serve is its one copy; the shadow
+    runs on the served copy once it is committed (``Engine``)."""
+    copy = state.shadow_candidates.get(name)
+    if copy is None or copy.manifest.version != version:
+        return
+    if any(copy is served for served in state.every_version()):
+        return  # the served copy already
+    del state.shadow_candidates[name]
+    await retire_shadow(state, copy)
 
 
 async def retire_shadow(state: EngineState, candidate: ServedModel) -> None:
@@ -477,6 +504,7 @@ async def load_missing_versions(
     try:
         for version in weights:
             if version not in loaded_already:
+                await release_shadow_copy(state, name, version)
                 loaded[version] = await load_version(state, name, version, list(loaded.values()))
     except BaseException:
         await asyncio.gather(*(retire(served) for served in loaded.values()))
