@@ -530,7 +530,9 @@ class EchoingGenerator:
     def engines(self) -> list[Any]:
         return [self._status]
 
-    def refusal_before_body(self, model: str, priority: str, deadline_s: float | None) -> None:
+    def refusal_before_body(
+        self, model: str, version: str, priority: str, deadline_s: float | None
+    ) -> None:
         return None
 
     async def infer(self, request: Any) -> Any:

@@ -138,7 +138,7 @@ class BridgeClient:
         return roles(statuses, self._choice.active)
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         """None: the engine's queue is behind the bridge, and refuses after the parse."""
         return None

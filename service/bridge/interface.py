@@ -302,9 +302,10 @@ class EngineClient(Protocol):
         ...
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
-        """The refusal any request to ``model`` at ``priority`` due at ``deadline_s`` (None:
+        """The refusal any request to ``model@version`` (its primary, or a version loaded
+        beside it: each has its own queue) at ``priority`` due at ``deadline_s`` (None:
         its body may set it) would get now whatever its body (a full queue, or more work ahead
         than time left), or None: a front end asks before parsing a body, so a storm of
         requests that would be refused costs no parse. Only an engine in this process can

@@ -143,7 +143,10 @@ class FrontendState:
         of requests that would be refused costs no parse, and leaves the CPU to the forward
         (issue 23)."""
         model = self.serving_model(name, version, routing)
-        refused = self.engine.refusal_before_body(model.manifest.name, priority, deadline_s)
+        manifest = model.manifest
+        refused = self.engine.refusal_before_body(
+            manifest.name, manifest.version, priority, deadline_s
+        )
         if refused is not None:
             raise refused
         return model

@@ -85,7 +85,7 @@ class ZeroEngine:
         return [self._status]
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         return None
 
