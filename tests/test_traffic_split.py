@@ -20,7 +20,6 @@ from service.frontend.oip.grpc_server import InferenceServicer
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from service.frontend.state import FrontendState
-from service.frontend.traffic_window import TrafficWindow, VersionStats
 from service.server.single import create_app
 from service.traffic_split import (
     BUCKETS,
@@ -29,6 +28,7 @@ from service.traffic_split import (
     primary_of,
     version_for,
 )
+from service.traffic_window import TrafficWindow, VersionStats
 from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 

@@ -35,6 +35,7 @@ from service.bridge.interface import (
     SwitchResult,
 )
 from service.errors import ServiceError
+from service.traffic_window import TrafficReport
 from service.types import Priority
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,17 @@ class BridgeClient:
 
     async def shadow_report(self, name: str) -> ShadowReport:
         return await self._shadow_everywhere("shadow_report", name)
+
+    async def traffic(self, name: str) -> TrafficReport:
+        """Every active engine's answers summed (an engine restarted since counts from its
+        start)."""
+        engines = self._active
+        if not engines:
+            raise self.status().refusal()
+        reports = await asyncio.gather(
+            *(engine.control("traffic", name=name) for engine in engines)
+        )
+        return TrafficReport.summed([TrafficReport.from_wire(report) for report in reports])
 
     async def stop_shadow(self, name: str) -> ShadowReport:
         return await self._shadow_everywhere("shadow_stop", name)

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 from service.errors import ConflictError, EngineUnavailableError, NotReadyError, ServiceError
 from service.manifest import Manifest
 from service.tensors import NamedArrays
+from service.traffic_window import TrafficReport
 from service.types import Priority
 
 Phase = Literal["connecting", "loading", "ready", "draining", "stalled", "failed", "down"]
@@ -347,6 +348,11 @@ class EngineClient(Protocol):
         beside the others first; then the one with the most weight is the primary, versions
         left out are unloaded (their queued requests finish first). ``{v: 100}`` serves ``v``
         alone."""
+        ...
+
+    async def traffic(self, name: str) -> TrafficReport:
+        """What each version of ``name`` answered within the recent window, on every engine
+        together (``traffic_window.py``): each engine sees every front end's requests."""
         ...
 
     async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:

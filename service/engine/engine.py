@@ -35,6 +35,7 @@ from service.engine.model_store import ModelStore
 from service.engine.shadow import Shadow, ShadowedGeneration
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher, load_shadow
+from service.engine.traffic_tally import TrafficTally
 from service.errors import (
     InvalidInputError,
     ModelNotFoundError,
@@ -45,6 +46,7 @@ from service.errors import (
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
+from service.traffic_window import TrafficReport
 from service.types import Priority
 
 #: Versions whose contracts an engine remembers, to accept requests prepared for a version
@@ -102,6 +104,7 @@ class Engine:
         self._status: EngineStatus | None = None
         self._contracts: dict[str, RequestContract] = {}
         self._shadows: dict[str, Shadow] = {}
+        self._tally = TrafficTally()
         self.state.listeners.append(self._forget_status)
         self.state.listeners.append(self._follow_shadow_copies)
 
@@ -206,7 +209,8 @@ class Engine:
             raise served
         manifest = served.manifest
         source = None if sink is None else id(sink)
-        self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
+        received_s = time.monotonic()
+        self.state.frontend_loads[source] = (request.frontend_load, received_s)
         queued = served.queued(request.instances)
         ticket = served.batcher.enqueue(
             queued.payload,
@@ -219,9 +223,10 @@ class Engine:
             deadline_s=request.deadline_s,
             source=source,
             trace=request.traceparent,
-            sink=sink,
+            sink=self._tally.sink_for(sink),
             tag=tag,
         )
+        self._tally.received(ticket, manifest.name, manifest.version, received_s)
         self._shadow_chosen(served, ticket, request.instances, request.request_id)
         return ticket, manifest.version
 
@@ -231,7 +236,9 @@ class Engine:
         """Queue the requests of one front end's frame at once: for each, in order, its ticket
         and version, or the error ``enqueue`` would have raised for it had they been queued
         one by one."""
-        self.state.frontend_loads[id(sink)] = (frontend_load, time.monotonic())
+        received_s = time.monotonic()
+        self.state.frontend_loads[id(sink)] = (frontend_load, received_s)
+        tap = self._tally.sink_for(sink)
         results: list[Queued | None] = [None] * len(requests)  # each set below
         serving: dict[tuple[str, str], ServedModel | ServiceError] = {}
         # By model served: its requests' indexes in the frame, and the requests.
@@ -267,13 +274,14 @@ class Engine:
                 )
             )
         for served, indexes, submissions in frames.values():
-            version = served.manifest.version
-            admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=sink)
+            name, version = served.manifest.name, served.manifest.version
+            admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=tap)
             for index, outcome in zip(indexes, admitted, strict=True):
                 if isinstance(outcome, ServiceError):
                     results[index] = outcome
                     continue
                 results[index] = (outcome, version)
+                self._tally.received(outcome, name, version, received_s)
                 request, instances = requests[index]
                 self._shadow_chosen(served, outcome, instances, request.request_id)
         return results  # type: ignore[return-value]  # every one set
@@ -367,6 +375,10 @@ class Engine:
         """Discard what ``prepare`` loaded, if anything; the serving version stays."""
         await self._switcher.abort()
         self._follow_shadow_copies()
+
+    async def traffic(self, name: str) -> TrafficReport:
+        """What each version of ``name`` answered here within the window."""
+        return self._tally.report(name)
 
     # ----------------------------------------------------------------- shadows
 

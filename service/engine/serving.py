@@ -51,6 +51,7 @@ from service.processes import (
     FAILED_MARK,
     READY_MARK,
 )
+from service.traffic_window import TrafficReport
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class _StartedEngine:
 
     async def stop_shadow(self, name: str) -> ShadowReport:
         return await self._engine.stop_shadow(name)
+
+    async def traffic(self, name: str) -> TrafficReport:
+        return await self._engine.traffic(name)
 
 
 async def serve_engine(

@@ -62,6 +62,7 @@ from service.server.launcher import (
 )
 from service.server.supervisor import gunicorn_command
 from service.tensors import NamedArrays
+from service.traffic_window import WINDOW_S, TrafficReport
 from service.types import Priority
 
 APP_FACTORY = "service.server.tuning.ceiling:create_app_from_environment()"
@@ -133,6 +134,9 @@ class ZeroEngine:
 
     async def stop_shadow(self, name: str) -> ShadowReport:
         raise ConflictError("the HTTP ceiling serves one version and never shadows")
+
+    async def traffic(self, name: str) -> TrafficReport:
+        return TrafficReport(WINDOW_S, {})  # it computes nothing
 
 
 def model_info(settings: Settings) -> ModelInfo:
