@@ -11,11 +11,13 @@ none.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
+from service.bridge import published
 from service.bridge.interface import (
     EngineStatus,
     GeneratedTokens,
@@ -48,6 +50,8 @@ from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
 from service.traffic_window import TrafficReport
 from service.types import Priority
+
+logger = logging.getLogger(__name__)
 
 #: Versions whose contracts an engine remembers, to accept requests prepared for a version
 #: it has just switched away from when the one served would prepare and answer them alike.
@@ -115,10 +119,29 @@ class Engine:
         if self._loading is None:
             self.state.metrics.starts.labels(self.state.device).inc()
             self._loading = asyncio.get_running_loop().create_task(
-                lifecycle.start_serving(self.state, self._on_load_failure),
-                name="batchserve-engine-load",
+                self._start_serving(), name="batchserve-engine-load"
             )
         return self._loading
+
+    async def _start_serving(self) -> None:
+        """The initial loads, then the shadows the published record keeps (an engine
+        started after ``PUT .../shadow``, such as a replacement, resumes them). A shadow that
+        cannot resume is logged and left off: what is served does not depend on it."""
+        recorded = published.read_published()  # before the loads publish it anew
+        await lifecycle.start_serving(self.state, self._on_load_failure)
+        if not self.state.loaded:
+            return
+        for entry in recorded or ():
+            if entry.shadow is None or entry.name not in self.state.models:
+                continue
+            version, percent = entry.shadow
+            try:
+                await self.start_shadow(entry.name, version, percent)
+            except ServiceError as error:
+                logger.error(
+                    "shadow_not_resumed",
+                    extra={"model": entry.name, "version": version, "error": str(error)},
+                )
 
     @property
     def loading(self) -> asyncio.Task[None]:
@@ -135,8 +158,8 @@ class Engine:
 
     async def _shut_down(self) -> None:
         await self.abort()
-        for name in list(self._shadows):
-            await self.stop_shadow(name)
+        for name in list(self._shadows):  # still recorded: an engine started next resumes it
+            await self._unload_shadow(name)
         await lifecycle.shut_down(self.state, self.start())
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -393,6 +416,8 @@ class Engine:
         target = self.state.store.resolve(name, version).version
         if current is not None and current.candidate_version == target:
             current.percent = percent
+            self.state.shadow_percents[name] = percent
+            lifecycle.publish(self.state)
             return current.report()
         candidate = await load_shadow(self.state, served, target)
         if current is not None:
@@ -406,6 +431,8 @@ class Engine:
         )
         self._shadows[name] = shadow
         self.state.shadow_candidates[name] = candidate
+        self.state.shadow_percents[name] = percent
+        lifecycle.publish(self.state)
         return shadow.report()
 
     async def shadow_report(self, name: str) -> ShadowReport:
@@ -418,9 +445,16 @@ class Engine:
     async def stop_shadow(self, name: str) -> ShadowReport:
         """Stop copying ``name``'s requests and unload the candidate (its copies already
         queued run first); what the shadow found, last. 404 when it has none."""
-        shadow = self._shadows.pop(name, None)
-        if shadow is None:
+        if name not in self._shadows:
             raise ModelNotFoundError(f"{name} has no shadow to stop")
+        self.state.shadow_percents.pop(name, None)
+        self.state.shadow_candidates.pop(name, None)
+        lifecycle.publish(self.state)
+        return await self._unload_shadow(name)
+
+    async def _unload_shadow(self, name: str) -> ShadowReport:
+        """Stop ``name``'s shadow here, unloading its candidate unless a split serves it."""
+        shadow = self._shadows.pop(name)
         self.state.shadow_candidates.pop(name, None)
         await lifecycle.retire_unused(self.state, shadow.candidate)
         return shadow.report()
@@ -429,15 +463,20 @@ class Engine:
         """After a change: a shadow whose own copy made way for a served copy of its version
         (``lifecycle.release_shadow_copy``) runs on that copy; one left without a copy (its
         version is the primary now, or the load was aborted) stops."""
+        followed = False
         for name, shadow in list(self._shadows.items()):
             if name in self.state.shadow_candidates:
                 continue
+            followed = True
             beside = self.state.beside_copy(name, shadow.candidate_version)
             if beside is None:
                 del self._shadows[name]
+                self.state.shadow_percents.pop(name, None)
                 continue
             shadow.candidate = beside
             self.state.shadow_candidates[name] = beside
+        if followed:
+            lifecycle.publish(self.state)  # the change published before the shadow followed
 
     def _shadow_chosen(
         self,

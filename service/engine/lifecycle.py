@@ -130,7 +130,7 @@ async def load_version(
         await asyncio.to_thread(runner.close)
         memory.release_freed_memory(device)
         raise
-    metrics = state.metrics.for_model(series)
+    metrics = state.metrics.for_model(series, manifest.version)
     runner.count_positions = metrics.batch_positions  # warmed up: requests' batches from now
     batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
@@ -283,7 +283,7 @@ def switch_to(state: EngineState, served: ServedModel) -> str:
         _retire_unused_in_background(state, previous)
     state.metrics.model_info.labels(*_info_labels(served)).set(1)
     state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
-    _publish(state)
+    publish(state)
     freeze_long_lived_objects(retired=False)  # what it replaces is retired in the background
     state.changed()
     logger.info(
@@ -330,7 +330,7 @@ def split_traffic(
         if served.manifest.version in weights:
             state.metrics.model_info.labels(*_info_labels(served)).set(1)
             state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
-    _publish(state)
+    publish(state)
     freeze_long_lived_objects(retired=False)
     state.changed()
     logger.info(
@@ -345,7 +345,7 @@ def _retire_unused_in_background(state: EngineState, served: ServedModel) -> Non
     if state.in_use(served):
         return
     _forget_series(state, served)
-    retiring = asyncio.get_running_loop().create_task(retire(served))
+    retiring = asyncio.get_running_loop().create_task(_retire_served(state, served))
     state.retiring.add(retiring)
     retiring.add_done_callback(state.retiring.discard)
 
@@ -361,7 +361,8 @@ def _forget_series(state: EngineState, served: ServedModel) -> None:
         gauge.remove(*labels)
 
 
-def _publish(state: EngineState) -> None:
+def publish(state: EngineState) -> None:
+    """Record what is served now, each model's split and shadow (``bridge/published.py``)."""
     published.publish(
         [
             published.PublishedVersion(
@@ -369,10 +370,19 @@ def _publish(state: EngineState) -> None:
                 served.manifest.version,
                 state.previous_versions.get(name),
                 dict(state.weights.get(name, {})),
+                _shadow_of(state, name),
             )
             for name, served in state.models.items()
         ]
     )
+
+
+def _shadow_of(state: EngineState, name: str) -> tuple[str, int] | None:
+    candidate = state.shadow_candidates.get(name)
+    percent = state.shadow_percents.get(name)
+    if candidate is None or percent is None:
+        return None
+    return candidate.manifest.version, percent
 
 
 def _info_labels(served: ServedModel) -> tuple[str, str, str, str, str]:
@@ -399,9 +409,9 @@ async def withdraw(state: EngineState, name: str) -> None:
     state.previous_versions.pop(name, None)
     for each in (served, *candidates):
         _forget_series(state, each)
-    _publish(state)
+    publish(state)
     state.changed()
-    await asyncio.gather(*(retire(each) for each in (served, *candidates)))
+    await asyncio.gather(*(_retire_served(state, each) for each in (served, *candidates)))
     state.device_turns.forget(name)
 
 
@@ -412,7 +422,7 @@ async def retire_unused(state: EngineState, copy: ServedModel) -> None:
         return
     if copy.runner.executor is state.device_thread:
         _forget_series(state, copy)
-        await retire(copy)
+        await _retire_served(state, copy)
     else:
         await retire_shadow(state, copy)
 
@@ -430,9 +440,17 @@ async def release_shadow_copy(state: EngineState, name: str, version: str) -> No
     await retire_shadow(state, copy)
 
 
+async def _retire_served(state: EngineState, served: ServedModel) -> None:
+    """``retire`` a version that was served, then drop its batcher's gauges (its queue is
+    empty by then, and nothing sets them again)."""
+    await retire(served)
+    state.metrics.forget_version(served.manifest.name, served.manifest.version)
+
+
 async def retire_shadow(state: EngineState, candidate: ServedModel) -> None:
     """Unload a shadow candidate once its queued copies have run; forget its turns."""
     await retire(candidate)
+    state.metrics.forget_version(shadow_series(candidate.manifest.name), candidate.manifest.version)
     candidate.runner.executor.shutdown(wait=False)  # its own thread, idle once retired
     state.device_turns.forget(shadow_series(candidate.manifest.name))
 

@@ -212,6 +212,9 @@ class EngineState:
     """The copy each model's shadow runs its candidate on (``engine/shadow.py``): the version
     loaded beside when it is (one copy per version, whatever uses it), else one loaded for
     the shadow alone (not served; background turns)."""
+    shadow_percents: dict[str, int] = field(default_factory=dict)
+    """The percent of each model's requests its shadow copies: with ``shadow_candidates``,
+    what the published record keeps for an engine started later."""
 
     def every_version(self) -> list[ServedModel]:
         """Every version served: each model's primary, then the versions beside it."""
