@@ -37,7 +37,7 @@ from service.engine.model_store import ModelStore
 from service.engine.shadow import Shadow, ShadowedGeneration
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher, load_shadow
-from service.engine.traffic_tally import TrafficTally
+from service.engine.traffic_tally import TalliedStreams, TrafficTally
 from service.errors import (
     InvalidInputError,
     ModelNotFoundError,
@@ -332,7 +332,7 @@ class Engine:
         return served
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
-        generation = self.generation_of(request.model, request.version)
+        generation = self.streams_of(request.model, request.version)
         stream = TokenQueue()
         key = generation.submit(request, stream)
         try:
@@ -348,6 +348,11 @@ class Engine:
         """The loop generating for requests prepared for ``model@version``: refused as
         ``enqueue`` refuses, and 422 for a model that does not generate; with a shadow of that
         version, the loop as the shadow watches it."""
+        return self._generation(self._generating(model, version))
+
+    def _generating(self, model: str, version: str) -> ServedModel:
+        """The version generating for requests prepared for ``model@version``, or the
+        refusal (``generation_of``)."""
         served = self._serving(model, version)
         if isinstance(served, ServiceError):
             raise served
@@ -357,7 +362,20 @@ class Engine:
                 f"{model} does not generate text ({task}); generation is served for "
                 "text-generation versions (package a causal LM with --hf)"
             )
-        shadow = self._shadows.get(model)
+        return served
+
+    def streams_of(self, model: str, version: str) -> TalliedStreams:
+        """``generation_of``, each stream counted in the traffic window when it ends: what
+        a request's stream is submitted to."""
+        served = self._generating(model, version)
+        manifest = served.manifest
+        return TalliedStreams(
+            self._generation(served), self._tally, manifest.name, manifest.version
+        )
+
+    def _generation(self, served: ServedModel) -> GenerationLoop | ShadowedGeneration:
+        shadow = self._shadows.get(served.manifest.name)
+        assert served.generation is not None  # as _generating checked
         if shadow is not None and shadow.shadows(served):
             return ShadowedGeneration(served.generation, shadow)
         return served.generation

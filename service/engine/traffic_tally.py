@@ -4,7 +4,8 @@ every front end, so its ``TrafficWindow`` covers them all (a front end's would c
 A request's finished ticket passes through a tap (``TallySink``) on its way to its own sink
 (its front end, or none for a caller in this process waiting on it): the tap records the
 version's answer (its latency from the engine's receipt, and whether it failed with a server
-error) and hands the ticket on.
+error) and hands the ticket on. A generated stream is counted when it ends
+(``TalliedStreams``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+from service.bridge.interface import GeneratedTokens, GenerateRequest
 from service.engine.batcher import Sink, Ticket
+from service.engine.generation_loop import TokenSink
 from service.errors import ServiceError
 from service.traffic_window import TrafficReport, TrafficWindow
 
@@ -56,8 +59,16 @@ class TrafficTally:
             status = error.status_code
         except Exception:
             status = 500
+        self.record(model, version, at_s, status)
+
+    def record(self, model: str, version: str, received_s: float, status: int) -> None:
+        """An answer of ``model@version`` with ``status``, to a request received at
+        ``received_s``, given now."""
         now_s = self._clock()
-        self.window.record(model, version, now_s, now_s - at_s, status)
+        self.window.record(model, version, now_s, now_s - received_s, status)
+
+    def now_s(self) -> float:
+        return self._clock()
 
     def report(self, model: str) -> TrafficReport:
         return self.window.report(model, self._clock())
@@ -75,3 +86,48 @@ class TallySink:
             self._tally.answered(ticket)
         if self._sink is not None:
             self._sink.deliver(tickets)
+
+
+class Streams(Protocol):
+    """A generative version's streams (``GenerationLoop``, or a shadow's watch over it)."""
+
+    def submit(self, request: GenerateRequest, sink: TokenSink) -> int: ...
+
+    def cancel(self, key: int) -> None: ...
+
+
+class TalliedStreams:
+    """A version's streams, each counted in the tally when it ends (a stream its client left
+    is not)."""
+
+    def __init__(self, streams: Streams, tally: TrafficTally, model: str, version: str) -> None:
+        self._streams = streams
+        self._tally = tally
+        self._model = model
+        self._version = version
+
+    def submit(self, request: GenerateRequest, sink: TokenSink) -> int:
+        counted = _TalliedTokens(self, self._tally.now_s(), sink)
+        return self._streams.submit(request, counted)
+
+    def cancel(self, key: int) -> None:
+        self._streams.cancel(key)
+
+    def ended(self, received_s: float, status: int) -> None:
+        self._tally.record(self._model, self._version, received_s, status)
+
+
+class _TalliedTokens:
+    def __init__(self, streams: TalliedStreams, received_s: float, sink: TokenSink) -> None:
+        self._streams = streams
+        self._received_s = received_s
+        self._sink = sink
+
+    def tokens(self, item: GeneratedTokens) -> None:
+        self._sink.tokens(item)
+        if item.finish_reason is not None:
+            self._streams.ended(self._received_s, 500 if item.finish_reason == "error" else 200)
+
+    def failed(self, error: ServiceError) -> None:
+        self._sink.failed(error)
+        self._streams.ended(self._received_s, error.status_code)
