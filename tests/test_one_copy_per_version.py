@@ -15,6 +15,7 @@ from asgi_lifespan import LifespanManager
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.state import ServedModel
+from service.errors import ModelNotFoundError, ModelRejectedError
 from service.server.single import create_app
 from tests.apps import engine_of
 from tests.digits_versions import DIGITS, add_digits_variant, copy_bundled_digits
@@ -110,3 +111,20 @@ async def test_switching_to_a_version_loaded_beside_promotes_that_copy(served: S
     await engine.switch("digits", candidate)
     assert engine.state.models["digits"] is copy
     assert (await http.post("/predict", json=DIGIT_ROWS)).json()["version"] == candidate
+
+
+async def test_a_refused_split_that_took_the_shadows_copy_stops_the_shadow(
+    served: Served, tmp_path: Path
+) -> None:
+    """The shadow's copy made way for the split's, whose load then failed: the shadow stops
+    (and says so, 404), rather than keep pointing at an unloaded copy."""
+    _, engine, candidate = served
+    tampered = add_digits_variant(tmp_path / "models", {5: 0.5})
+    artifact = tmp_path / "models" / "digits" / tampered / DIGITS.artifact
+    artifact.write_bytes(artifact.read_bytes()[:-4] + b"\0\0\0\0")
+    await engine.start_shadow("digits", candidate, 100)
+    with pytest.raises(ModelRejectedError):
+        await engine.split("digits", {DIGITS.version: 50, candidate: 25, tampered: 25})
+    assert copies_of(engine, candidate) == []
+    with pytest.raises(ModelNotFoundError):
+        await engine.shadow_report("digits")

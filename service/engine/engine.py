@@ -381,7 +381,11 @@ class Engine:
         return served.generation
 
     async def switch(self, name: str, version: str) -> SwitchResult:
-        return await self._switcher.switch(name, version)
+        try:
+            return await self._switcher.switch(name, version)
+        except BaseException:
+            self._follow_shadow_copies()  # it may have unloaded a shadow's copy first
+            raise
 
     async def rollback(self, name: str | None = None) -> SwitchResult:
         return await self.switch(*self.status().rollback_target(name))
@@ -392,7 +396,7 @@ class Engine:
         return await self._switcher.unload(name)
 
     async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
-        await self._switcher.prepare_split(name, weights)
+        await self.prepare_split(name, weights)
         return await self._switcher.commit()
 
     # ----------------------------------------------------------------- two-phase switch
@@ -400,12 +404,20 @@ class Engine:
     async def prepare(self, name: str, version: str) -> Manifest:
         """Load ``name`` at ``version`` beside the serving one and hold it until ``commit`` or
         ``abort``; meanwhile any other switch is refused (409)."""
-        return await self._switcher.prepare(name, version)
+        try:
+            return await self._switcher.prepare(name, version)
+        except BaseException:
+            self._follow_shadow_copies()  # it may have unloaded a shadow's copy first
+            raise
 
     async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest:
         """Load the versions of ``weights`` not loaded yet beside those of ``name`` and hold
         them until ``commit`` (which splits ``name``'s traffic by ``weights``) or ``abort``."""
-        return await self._switcher.prepare_split(name, weights)
+        try:
+            return await self._switcher.prepare_split(name, weights)
+        except BaseException:
+            self._follow_shadow_copies()  # it may have unloaded a shadow's copy first
+            raise
 
     async def commit(self) -> SwitchResult:
         """Serve what ``prepare`` or ``prepare_split`` loaded (nothing changes if it was
