@@ -226,8 +226,9 @@ class EngineMetrics:
         )
         self.queue_depth = Gauge(
             "batchserve_queue_depth",
-            "Requests waiting in a model's batcher queue.",
-            labelnames=["model"],
+            "Requests waiting in a model version's batcher queue (several versions of a model "
+            "are loaded under a traffic split: sum by model for the model's).",
+            labelnames=["model", "version"],
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -305,8 +306,8 @@ class EngineMetrics:
         self.effective_max_batch_size = Gauge(
             "batchserve_effective_max_batch_size",
             "Rows per batch allowed now: max_batch_size, or less for a while after running out "
-            "of device memory.",
-            labelnames=["model"],
+            "of device memory, by model version (each version loaded has its own batcher).",
+            labelnames=["model", "version"],
             registry=r,
             multiprocess_mode="livemin",
         )
@@ -405,24 +406,33 @@ class EngineMetrics:
             registry=r,
         )
 
-    def for_model(self, model: str) -> ModelMetrics:
-        """The series of one model's batcher."""
-        return ModelMetrics(self, model)
+    def for_model(self, model: str, version: str) -> ModelMetrics:
+        """The series of one model version's batcher."""
+        return ModelMetrics(self, model, version)
+
+    def forget_version(self, model: str, version: str) -> None:
+        """Drop the gauges of a version unloaded (zeroed first: with several processes the
+        value lives on in this process's metrics file, which remove() does not touch)."""
+        for gauge in (self.queue_depth, self.effective_max_batch_size):
+            gauge.labels(model, version).set(0)
+            gauge.remove(model, version)
 
 
 class ModelMetrics:
-    """One model's batcher series: ``EngineMetrics`` with the ``model`` label filled in."""
+    """One model version's batcher series: ``EngineMetrics`` with the ``model`` label filled
+    in, and ``version`` for the gauges (two versions' batchers would overwrite each other's
+    value; their counters and histograms add up under the model)."""
 
-    def __init__(self, metrics: EngineMetrics, model: str) -> None:
+    def __init__(self, metrics: EngineMetrics, model: str, version: str) -> None:
         self.model = model
-        self.queue_depth = metrics.queue_depth.labels(model)
+        self.queue_depth = metrics.queue_depth.labels(model, version)
         self.queue_wait = metrics.queue_wait.labels(model)
         self.batch_size = metrics.batch_size.labels(model)
         self.batch_sources = metrics.batch_sources.labels(model)
         self.inference_latency = metrics.inference_latency.labels(model)
         self.batch_failures = metrics.batch_failures.labels(model)
         self.out_of_memory = metrics.out_of_memory.labels(model)
-        self.effective_max_batch_size = metrics.effective_max_batch_size.labels(model)
+        self.effective_max_batch_size = metrics.effective_max_batch_size.labels(model, version)
         self._real_tokens = metrics.batch_tokens.labels(model, "real")
         self._padding_tokens = metrics.batch_tokens.labels(model, "padding")
         self._padding_ratio = metrics.batch_padding.labels(model)

@@ -365,7 +365,7 @@ class BatcherFactory:
             if isinstance(policy, str)
             else policy,
             executor=executor,
-            metrics=(metrics if metrics is not None else EngineMetrics()).for_model("test"),
+            metrics=(metrics if metrics is not None else EngineMetrics()).for_model("test", "v1"),
             max_batch_size=max_batch_size,
             max_queue_size=max_queue_size,
             request_timeout_ms=request_timeout_ms,
@@ -530,7 +530,9 @@ class EchoingGenerator:
     def engines(self) -> list[Any]:
         return [self._status]
 
-    def refusal_before_body(self, model: str, priority: str, deadline_s: float | None) -> None:
+    def refusal_before_body(
+        self, model: str, version: str, priority: str, deadline_s: float | None
+    ) -> None:
         return None
 
     async def infer(self, request: Any) -> Any:

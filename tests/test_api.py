@@ -287,7 +287,7 @@ async def test_metrics_expose_every_documented_family(client: httpx.AsyncClient)
         'batchserve_requests_total{route="/predict",status="200"} 1.0',
         'batchserve_requests_total{route="/predict",status="422"} 1.0',
         'batchserve_request_duration_seconds_count{route="/predict",status="200"} 1.0',
-        'batchserve_queue_depth{model="digits"} 0.0',
+        f'batchserve_queue_depth{{model="digits",version="{DIGITS.version}"}} 0.0',
         'batchserve_queue_wait_seconds_count{model="digits"} 1.0',
         'batchserve_batch_size_rows_sum{model="digits"} 2.0',
         'batchserve_inference_duration_seconds_count{model="digits"} 1.0',

@@ -569,7 +569,7 @@ async def test_submit_before_start_is_refused() -> None:
         batcher = Batcher(
             model,
             executor=executor,
-            metrics=metrics.for_model("test"),
+            metrics=metrics.for_model("test", "v1"),
             policy=AdaptivePolicy(0.05),
             max_batch_size=4,
             max_queue_size=4,
@@ -606,7 +606,7 @@ def test_sizes_below_one_are_rejected(max_batch_size: int, max_queue_size: int) 
         Batcher(
             RecordingDoubler(),
             executor=executor,
-            metrics=EngineMetrics().for_model("test"),
+            metrics=EngineMetrics().for_model("test", "v1"),
             policy=AdaptivePolicy(0.05),
             max_batch_size=max_batch_size,
             max_queue_size=max_queue_size,
@@ -2051,7 +2051,7 @@ async def test_a_batch_waiting_for_the_device_never_runs_once_the_collector_is_c
     model = RecordingDoubler()
     batcher = Batcher(
         model, policy=AdaptivePolicy(0.001), executor=device,
-        metrics=EngineMetrics().for_model("test"), max_batch_size=4, max_queue_size=8,
+        metrics=EngineMetrics().for_model("test", "v1"), max_batch_size=4, max_queue_size=8,
         request_timeout_ms=5_000,
     )  # fmt: skip
     batcher.start()

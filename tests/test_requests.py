@@ -94,7 +94,7 @@ class EngineAnsweringLate:
         return [self.status()]
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         left_s = None if deadline_s is None else deadline_s - time.monotonic()
         self.asked.append((model, priority, left_s))

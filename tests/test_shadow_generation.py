@@ -76,3 +76,19 @@ async def test_greedy_streams_are_compared_by_token_ids_and_sampled_ones_skipped
             assert entry["candidate_version"] == candidate
             assert entry["detail"].startswith("tokens: ")
         await engine.stop_shadow("lm")
+
+
+async def test_generated_streams_are_counted_in_the_engines_traffic_window(
+    repository: Path,
+) -> None:
+    """The traffic window a rollout judges by counts generation too, in the engine."""
+    served = ModelStore(repository).versions("lm")[0].version
+    async with started(repository, models=(f"lm@{served}",)) as engine:
+        for prompt in ((5, 6, 7), (11, 12)):
+            await collect(engine, request_for(engine, prompt, max_tokens=4))
+        stats = (await engine.traffic("lm")).stats()
+        assert set(stats) == {served}
+        assert (stats[served].requests, stats[served].errors) == (2, 0)
+        p99_ms = stats[served].p99_ms
+        assert p99_ms is not None
+        assert p99_ms > 0

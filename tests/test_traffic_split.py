@@ -15,7 +15,6 @@ from asgi_lifespan import LifespanManager
 from service.config import Settings
 from service.errors import InvalidInputError
 from service.frontend.state import FrontendState
-from service.frontend.traffic_window import TrafficWindow, VersionStats
 from service.server.single import create_app
 from service.traffic_split import (
     BUCKETS,
@@ -24,6 +23,7 @@ from service.traffic_split import (
     primary_of,
     version_for,
 )
+from service.traffic_window import TrafficWindow, VersionStats
 from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
 

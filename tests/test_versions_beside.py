@@ -127,3 +127,17 @@ async def test_a_split_is_recorded_and_an_engine_started_later_serves_it(
         for version in (original, retrained):
             path = f"/models/digits/versions/{version}/predict"
             assert (await http.post(path, json=DIGIT_ROWS)).json()["version"] == version
+
+
+async def test_models_lists_the_versions_loaded_beside_with_their_weights(
+    repository: tuple[Path, str],
+) -> None:
+    root, retrained = repository
+    original = DIGITS.version
+    async for http, app in serve(root, original):
+        await frontend_of(app).engine.split("digits", {original: 30, retrained: 70})
+        listed = (await http.get("/models")).json()
+        assert [(m["version"], m["weight"]) for m in listed["models"]] == [(retrained, 70)]
+        assert [(m["version"], m["weight"]) for m in listed["beside"]] == [(original, 30)]
+        assert listed["loaded"]["version"] == retrained
+        assert listed["beside"][0]["memory_bytes"] > 0

@@ -35,6 +35,7 @@ from service.bridge.interface import (
     SwitchResult,
 )
 from service.errors import ServiceError
+from service.traffic_window import TrafficReport
 from service.types import Priority
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class BridgeClient:
         return roles(statuses, self._choice.active)
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         """None: the engine's queue is behind the bridge, and refuses after the parse."""
         return None
@@ -226,6 +227,17 @@ class BridgeClient:
 
     async def shadow_report(self, name: str) -> ShadowReport:
         return await self._shadow_everywhere("shadow_report", name)
+
+    async def traffic(self, name: str) -> TrafficReport:
+        """Every active engine's answers summed (an engine restarted since counts from its
+        start)."""
+        engines = self._active
+        if not engines:
+            raise self.status().refusal()
+        reports = await asyncio.gather(
+            *(engine.control("traffic", name=name) for engine in engines)
+        )
+        return TrafficReport.summed([TrafficReport.from_wire(report) for report in reports])
 
     async def stop_shadow(self, name: str) -> ShadowReport:
         return await self._shadow_everywhere("shadow_stop", name)

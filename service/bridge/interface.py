@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 from service.errors import ConflictError, EngineUnavailableError, NotReadyError, ServiceError
 from service.manifest import Manifest
 from service.tensors import NamedArrays
+from service.traffic_window import TrafficReport
 from service.types import Priority
 
 Phase = Literal["connecting", "loading", "ready", "draining", "stalled", "failed", "down"]
@@ -309,9 +310,10 @@ class EngineClient(Protocol):
         ...
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
-        """The refusal any request to ``model`` at ``priority`` due at ``deadline_s`` (None:
+        """The refusal any request to ``model@version`` (its primary, or a version loaded
+        beside it: each has its own queue) at ``priority`` due at ``deadline_s`` (None:
         its body may set it) would get now whatever its body (a full queue, or more work ahead
         than time left), or None: a front end asks before parsing a body, so a storm of
         requests that would be refused costs no parse. Only an engine in this process can
@@ -353,6 +355,11 @@ class EngineClient(Protocol):
         beside the others first; then the one with the most weight is the primary, versions
         left out are unloaded (their queued requests finish first). ``{v: 100}`` serves ``v``
         alone."""
+        ...
+
+    async def traffic(self, name: str) -> TrafficReport:
+        """What each version of ``name`` answered within the recent window, on every engine
+        together (``traffic_window.py``): each engine sees every front end's requests."""
         ...
 
     async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport:

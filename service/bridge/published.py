@@ -38,6 +38,9 @@ class PublishedVersion:
     weights: dict[str, int] = field(default_factory=dict)
     """The model's traffic split over its versions (``version`` the primary among them);
     empty when ``version`` is served alone."""
+    shadow: tuple[str, int] | None = None
+    """The model's shadow (``engine/shadow.py``): its candidate version and the percent of
+    requests copied to it, which an engine started later resumes; None without one."""
 
 
 def version_file() -> Path | None:
@@ -57,6 +60,11 @@ def publish(served: list[PublishedVersion]) -> None:
             "version": entry.version,
             "previous": entry.previous,
             **({"weights": entry.weights} if entry.weights else {}),
+            **(
+                {"shadow": {"version": entry.shadow[0], "percent": entry.shadow[1]}}
+                if entry.shadow
+                else {}
+            ),
         }
         for entry in served
     ]
@@ -84,6 +92,11 @@ def read_published() -> list[PublishedVersion] | None:
                     str(version): int(weight)
                     for version, weight in (entry.get("weights") or {}).items()
                 },
+                shadow=(
+                    (str(entry["shadow"]["version"]), int(entry["shadow"]["percent"]))
+                    if entry.get("shadow")
+                    else None
+                ),
             )
             for entry in document
         ]

@@ -39,6 +39,7 @@ from service.bridge.interface import (
 from service.errors import ConflictError, InvalidInputError, ServiceError
 from service.manifest import Manifest, manifest_summary
 from service.tensors import NamedArrays
+from service.traffic_window import TrafficReport
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class EngineBackend(Protocol):
     async def start_shadow(self, name: str, version: str, percent: int) -> ShadowReport: ...
 
     async def shadow_report(self, name: str) -> ShadowReport: ...
+
+    async def traffic(self, name: str) -> TrafficReport: ...
 
     async def stop_shadow(self, name: str) -> ShadowReport: ...
 
@@ -216,6 +219,8 @@ class BridgeServer:
                 str(args["name"]), str(args["version"]), int(str(args["percent"]))
             )
             return (await started).to_wire()
+        if op == "traffic":
+            return (await self.backend.traffic(str(args["name"]))).to_wire()
         if op == "shadow_report":
             return (await self.backend.shadow_report(str(args["name"]))).to_wire()
         if op == "shadow_stop":

@@ -11,11 +11,13 @@ none.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
+from service.bridge import published
 from service.bridge.interface import (
     EngineStatus,
     GeneratedTokens,
@@ -35,6 +37,7 @@ from service.engine.model_store import ModelStore
 from service.engine.shadow import Shadow, ShadowedGeneration
 from service.engine.state import EngineState, ServedModel
 from service.engine.switching import Switcher, load_shadow
+from service.engine.traffic_tally import TalliedStreams, TrafficTally
 from service.errors import (
     InvalidInputError,
     ModelNotFoundError,
@@ -45,7 +48,10 @@ from service.errors import (
 from service.manifest import Manifest
 from service.metrics import EngineMetrics
 from service.tensors import NamedArrays
+from service.traffic_window import TrafficReport
 from service.types import Priority
+
+logger = logging.getLogger(__name__)
 
 #: Versions whose contracts an engine remembers, to accept requests prepared for a version
 #: it has just switched away from when the one served would prepare and answer them alike.
@@ -102,7 +108,9 @@ class Engine:
         self._status: EngineStatus | None = None
         self._contracts: dict[str, RequestContract] = {}
         self._shadows: dict[str, Shadow] = {}
+        self._tally = TrafficTally()
         self.state.listeners.append(self._forget_status)
+        self.state.listeners.append(self._follow_shadow_copies)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -111,10 +119,29 @@ class Engine:
         if self._loading is None:
             self.state.metrics.starts.labels(self.state.device).inc()
             self._loading = asyncio.get_running_loop().create_task(
-                lifecycle.start_serving(self.state, self._on_load_failure),
-                name="batchserve-engine-load",
+                self._start_serving(), name="batchserve-engine-load"
             )
         return self._loading
+
+    async def _start_serving(self) -> None:
+        """The initial loads, then the shadows the published record keeps (an engine
+        started after ``PUT .../shadow``, such as a replacement, resumes them). A shadow that
+        cannot resume is logged and left off: what is served does not depend on it."""
+        recorded = published.read_published()  # before the loads publish it anew
+        await lifecycle.start_serving(self.state, self._on_load_failure)
+        if not self.state.loaded:
+            return
+        for entry in recorded or ():
+            if entry.shadow is None or entry.name not in self.state.models:
+                continue
+            version, percent = entry.shadow
+            try:
+                await self.start_shadow(entry.name, version, percent)
+            except ServiceError as error:
+                logger.error(
+                    "shadow_not_resumed",
+                    extra={"model": entry.name, "version": version, "error": str(error)},
+                )
 
     @property
     def loading(self) -> asyncio.Task[None]:
@@ -131,8 +158,8 @@ class Engine:
 
     async def _shut_down(self) -> None:
         await self.abort()
-        for name in list(self._shadows):
-            await self.stop_shadow(name)
+        for name in list(self._shadows):  # still recorded: an engine started next resumes it
+            await self._unload_shadow(name)
         await lifecycle.shut_down(self.state, self.start())
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -179,9 +206,11 @@ class Engine:
         )
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         served = self.state.models.get(model)
+        if served is not None and served.manifest.version != version:
+            served = self.state.beside_copy(model, version) or served  # its own queue
         return None if served is None else served.batcher.refusal_of_any(priority, deadline_s)
 
     def enqueue(
@@ -203,7 +232,8 @@ class Engine:
             raise served
         manifest = served.manifest
         source = None if sink is None else id(sink)
-        self.state.frontend_loads[source] = (request.frontend_load, time.monotonic())
+        received_s = time.monotonic()
+        self.state.frontend_loads[source] = (request.frontend_load, received_s)
         queued = served.queued(request.instances)
         ticket = served.batcher.enqueue(
             queued.payload,
@@ -216,9 +246,10 @@ class Engine:
             deadline_s=request.deadline_s,
             source=source,
             trace=request.traceparent,
-            sink=sink,
+            sink=self._tally.sink_for(sink),
             tag=tag,
         )
+        self._tally.received(ticket, manifest.name, manifest.version, received_s)
         self._shadow_chosen(served, ticket, request.instances, request.request_id)
         return ticket, manifest.version
 
@@ -228,7 +259,9 @@ class Engine:
         """Queue the requests of one front end's frame at once: for each, in order, its ticket
         and version, or the error ``enqueue`` would have raised for it had they been queued
         one by one."""
-        self.state.frontend_loads[id(sink)] = (frontend_load, time.monotonic())
+        received_s = time.monotonic()
+        self.state.frontend_loads[id(sink)] = (frontend_load, received_s)
+        tap = self._tally.sink_for(sink)
         results: list[Queued | None] = [None] * len(requests)  # each set below
         serving: dict[tuple[str, str], ServedModel | ServiceError] = {}
         # By model served: its requests' indexes in the frame, and the requests.
@@ -264,13 +297,14 @@ class Engine:
                 )
             )
         for served, indexes, submissions in frames.values():
-            version = served.manifest.version
-            admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=sink)
+            name, version = served.manifest.name, served.manifest.version
+            admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=tap)
             for index, outcome in zip(indexes, admitted, strict=True):
                 if isinstance(outcome, ServiceError):
                     results[index] = outcome
                     continue
                 results[index] = (outcome, version)
+                self._tally.received(outcome, name, version, received_s)
                 request, instances = requests[index]
                 self._shadow_chosen(served, outcome, instances, request.request_id)
         return results  # type: ignore[return-value]  # every one set
@@ -298,7 +332,7 @@ class Engine:
         return served
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GeneratedTokens]:
-        generation = self.generation_of(request.model, request.version)
+        generation = self.streams_of(request.model, request.version)
         stream = TokenQueue()
         key = generation.submit(request, stream)
         try:
@@ -314,6 +348,11 @@ class Engine:
         """The loop generating for requests prepared for ``model@version``: refused as
         ``enqueue`` refuses, and 422 for a model that does not generate; with a shadow of that
         version, the loop as the shadow watches it."""
+        return self._generation(self._generating(model, version))
+
+    def _generating(self, model: str, version: str) -> ServedModel:
+        """The version generating for requests prepared for ``model@version``, or the
+        refusal (``generation_of``)."""
         served = self._serving(model, version)
         if isinstance(served, ServiceError):
             raise served
@@ -323,22 +362,41 @@ class Engine:
                 f"{model} does not generate text ({task}); generation is served for "
                 "text-generation versions (package a causal LM, a T5 or a BART with --hf)"
             )
-        shadow = self._shadows.get(model)
+        return served
+
+    def streams_of(self, model: str, version: str) -> TalliedStreams:
+        """``generation_of``, each stream counted in the traffic window when it ends: what
+        a request's stream is submitted to."""
+        served = self._generating(model, version)
+        manifest = served.manifest
+        return TalliedStreams(
+            self._generation(served), self._tally, manifest.name, manifest.version
+        )
+
+    def _generation(self, served: ServedModel) -> GenerationLoop | ShadowedGeneration:
+        shadow = self._shadows.get(served.manifest.name)
+        assert served.generation is not None  # as _generating checked
         if shadow is not None and shadow.shadows(served):
             return ShadowedGeneration(served.generation, shadow)
         return served.generation
 
     async def switch(self, name: str, version: str) -> SwitchResult:
-        return await self._switcher.switch(name, version)
+        try:
+            return await self._switcher.switch(name, version)
+        except BaseException:
+            self._follow_shadow_copies()  # it may have unloaded a shadow's copy first
+            raise
 
     async def rollback(self, name: str | None = None) -> SwitchResult:
         return await self.switch(*self.status().rollback_target(name))
 
     async def unload(self, name: str) -> str:
+        if name in self._shadows and len(self.state.models) > 1:
+            await self.stop_shadow(name)
         return await self._switcher.unload(name)
 
     async def split(self, name: str, weights: dict[str, int]) -> SwitchResult:
-        await self._switcher.prepare_split(name, weights)
+        await self.prepare_split(name, weights)
         return await self._switcher.commit()
 
     # ----------------------------------------------------------------- two-phase switch
@@ -346,12 +404,20 @@ class Engine:
     async def prepare(self, name: str, version: str) -> Manifest:
         """Load ``name`` at ``version`` beside the serving one and hold it until ``commit`` or
         ``abort``; meanwhile any other switch is refused (409)."""
-        return await self._switcher.prepare(name, version)
+        try:
+            return await self._switcher.prepare(name, version)
+        except BaseException:
+            self._follow_shadow_copies()  # it may have unloaded a shadow's copy first
+            raise
 
     async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest:
         """Load the versions of ``weights`` not loaded yet beside those of ``name`` and hold
         them until ``commit`` (which splits ``name``'s traffic by ``weights``) or ``abort``."""
-        return await self._switcher.prepare_split(name, weights)
+        try:
+            return await self._switcher.prepare_split(name, weights)
+        except BaseException:
+            self._follow_shadow_copies()  # it may have unloaded a shadow's copy first
+            raise
 
     async def commit(self) -> SwitchResult:
         """Serve what ``prepare`` or ``prepare_split`` loaded (nothing changes if it was
@@ -361,6 +427,11 @@ class Engine:
     async def abort(self) -> None:
         """Discard what ``prepare`` loaded, if anything; the serving version stays."""
         await self._switcher.abort()
+        self._follow_shadow_copies()
+
+    async def traffic(self, name: str) -> TrafficReport:
+        """What each version of ``name`` answered here within the window."""
+        return self._tally.report(name)
 
     # ----------------------------------------------------------------- shadows
 
@@ -375,6 +446,8 @@ class Engine:
         target = self.state.store.resolve(name, version).version
         if current is not None and current.candidate_version == target:
             current.percent = percent
+            self.state.shadow_percents[name] = percent
+            lifecycle.publish(self.state)
             return current.report()
         candidate = await load_shadow(self.state, served, target)
         if current is not None:
@@ -388,6 +461,8 @@ class Engine:
         )
         self._shadows[name] = shadow
         self.state.shadow_candidates[name] = candidate
+        self.state.shadow_percents[name] = percent
+        lifecycle.publish(self.state)
         return shadow.report()
 
     async def shadow_report(self, name: str) -> ShadowReport:
@@ -400,12 +475,38 @@ class Engine:
     async def stop_shadow(self, name: str) -> ShadowReport:
         """Stop copying ``name``'s requests and unload the candidate (its copies already
         queued run first); what the shadow found, last. 404 when it has none."""
-        shadow = self._shadows.pop(name, None)
-        if shadow is None:
+        if name not in self._shadows:
             raise ModelNotFoundError(f"{name} has no shadow to stop")
+        self.state.shadow_percents.pop(name, None)
         self.state.shadow_candidates.pop(name, None)
-        await lifecycle.retire_shadow(self.state, shadow.candidate)
+        lifecycle.publish(self.state)
+        return await self._unload_shadow(name)
+
+    async def _unload_shadow(self, name: str) -> ShadowReport:
+        """Stop ``name``'s shadow here, unloading its candidate unless a split serves it."""
+        shadow = self._shadows.pop(name)
+        self.state.shadow_candidates.pop(name, None)
+        await lifecycle.retire_unused(self.state, shadow.candidate)
         return shadow.report()
+
+    def _follow_shadow_copies(self) -> None:
+        """After a change: a shadow whose own copy made way for a served copy of its version
+        (``lifecycle.release_shadow_copy``) runs on that copy; one left without a copy (its
+        version is the primary now, or the load was aborted) stops."""
+        followed = False
+        for name, shadow in list(self._shadows.items()):
+            if name in self.state.shadow_candidates:
+                continue
+            followed = True
+            beside = self.state.beside_copy(name, shadow.candidate_version)
+            if beside is None:
+                del self._shadows[name]
+                self.state.shadow_percents.pop(name, None)
+                continue
+            shadow.candidate = beside
+            self.state.shadow_candidates[name] = beside
+        if followed:
+            lifecycle.publish(self.state)  # the change published before the shadow followed
 
     def _shadow_chosen(
         self,

@@ -67,10 +67,9 @@ async def load_version(
     settings = state.settings
     manifest = state.store.resolve(name, version)
     if shadow:
-        counted = list(state.every_version())
+        counted = state.every_copy()
     else:
-        counted = _others(state, name) if beside is None else [*state.every_version(), *beside]
-    counted += state.shadow_candidates.values()
+        counted = _others(state, name) if beside is None else [*state.every_copy(), *beside]
     others = [(served.manifest.label, served.memory_bytes) for served in counted]
     series = shadow_series(name) if shadow else name
     folder = state.store.version_folder(manifest.name, manifest.version)
@@ -132,7 +131,7 @@ async def load_version(
         await asyncio.to_thread(runner.close)
         memory.release_freed_memory(device)
         raise
-    metrics = state.metrics.for_model(series)
+    metrics = state.metrics.for_model(series, manifest.version)
     runner.count_positions = metrics.batch_positions  # warmed up: requests' batches from now
     batcher = DynamicBatcher[NamedArrays, NamedArrays](
         runner.run_batch,
@@ -277,9 +276,9 @@ def shadow_series(name: str) -> str:
 
 
 def _others(state: EngineState, name: str) -> list[ServedModel]:
-    """Every version loaded but the primary of ``name`` (which a new one would replace)."""
+    """Every copy loaded but the primary of ``name`` (which a new one would replace)."""
     primary = state.models.get(name)
-    return [served for served in state.every_version() if served is not primary]
+    return [served for served in state.every_copy() if served is not primary]
 
 
 def switch_to(state: EngineState, served: ServedModel) -> str:
@@ -292,15 +291,15 @@ def switch_to(state: EngineState, served: ServedModel) -> str:
     state.models[manifest.name] = served
     state.weights.pop(manifest.name, None)
     for candidate in state.beside.pop(manifest.name, {}).values():
-        _retire_in_background(state, candidate)
+        _retire_unused_in_background(state, candidate)  # not the one promoted, nor a shadow's
     replaced = "nothing"
     if previous is not None:
         replaced = previous.manifest.label
         state.previous_versions[manifest.name] = previous.manifest.version
-        _retire_in_background(state, previous)
+        _retire_unused_in_background(state, previous)
     state.metrics.model_info.labels(*_info_labels(served)).set(1)
     state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
-    _publish(state)
+    publish(state)
     freeze_long_lived_objects(retired=False)  # what it replaces is retired in the background
     state.changed()
     logger.info(
@@ -330,15 +329,15 @@ def split_traffic(
     primary_version = traffic_split.primary_of(weights, current.manifest.version)
     kept = {version: versions[version] for version in weights}
     primary = kept.pop(primary_version)
-    for version, served in versions.items():
-        if version not in weights:
-            _retire_in_background(state, served)
     state.models[name] = primary
     state.beside.pop(name, None)
     state.weights.pop(name, None)
     if kept:
         state.beside[name] = kept
         state.weights[name] = dict(weights)
+    for version, served in versions.items():
+        if version not in weights:
+            _retire_unused_in_background(state, served)  # a shadow may still run on it
     replaced = None
     if primary is not current:
         replaced = current.manifest.label
@@ -347,7 +346,7 @@ def split_traffic(
         if served.manifest.version in weights:
             state.metrics.model_info.labels(*_info_labels(served)).set(1)
             state.metrics.model_memory.labels(*_memory_labels(served)).set(served.memory_bytes)
-    _publish(state)
+    publish(state)
     freeze_long_lived_objects(retired=False)
     state.changed()
     logger.info(
@@ -357,9 +356,12 @@ def split_traffic(
     return replaced
 
 
-def _retire_in_background(state: EngineState, served: ServedModel) -> None:
+def _retire_unused_in_background(state: EngineState, served: ServedModel) -> None:
+    """Retire ``served`` unless it is still served or a shadow runs on it."""
+    if state.in_use(served):
+        return
     _forget_series(state, served)
-    retiring = asyncio.get_running_loop().create_task(retire(served))
+    retiring = asyncio.get_running_loop().create_task(_retire_served(state, served))
     state.retiring.add(retiring)
     retiring.add_done_callback(state.retiring.discard)
 
@@ -375,7 +377,8 @@ def _forget_series(state: EngineState, served: ServedModel) -> None:
         gauge.remove(*labels)
 
 
-def _publish(state: EngineState) -> None:
+def publish(state: EngineState) -> None:
+    """Record what is served now, each model's split and shadow (``bridge/published.py``)."""
     published.publish(
         [
             published.PublishedVersion(
@@ -383,10 +386,19 @@ def _publish(state: EngineState) -> None:
                 served.manifest.version,
                 state.previous_versions.get(name),
                 dict(state.weights.get(name, {})),
+                _shadow_of(state, name),
             )
             for name, served in state.models.items()
         ]
     )
+
+
+def _shadow_of(state: EngineState, name: str) -> tuple[str, int] | None:
+    candidate = state.shadow_candidates.get(name)
+    percent = state.shadow_percents.get(name)
+    if candidate is None or percent is None:
+        return None
+    return candidate.manifest.version, percent
 
 
 def _info_labels(served: ServedModel) -> tuple[str, str, str, str, str]:
@@ -413,15 +425,48 @@ async def withdraw(state: EngineState, name: str) -> None:
     state.previous_versions.pop(name, None)
     for each in (served, *candidates):
         _forget_series(state, each)
-    _publish(state)
+    publish(state)
     state.changed()
-    await asyncio.gather(*(retire(each) for each in (served, *candidates)))
+    await asyncio.gather(*(_retire_served(state, each) for each in (served, *candidates)))
     state.device_turns.forget(name)
+
+
+async def retire_unused(state: EngineState, copy: ServedModel) -> None:
+    """Unload ``copy`` unless it is still served or a shadow runs on it: a copy the shadow
+    loaded for itself with its own thread and turns, a version served once as any other."""
+    if state.in_use(copy):
+        return
+    if copy.runner.executor is state.device_thread:
+        _forget_series(state, copy)
+        await _retire_served(state, copy)
+    else:
+        await retire_shadow(state, copy)
+
+
+async def release_shadow_copy(state: EngineState, name: str, version: str) -> None:
+    """Unload the copy of ``name@version`` a shadow loaded for itself (background turns, its
+    own thread), so that the version about to be loaded to serve is its one copy; the shadow
+    runs on the served copy once it is committed (``Engine``)."""
+    copy = state.shadow_candidates.get(name)
+    if copy is None or copy.manifest.version != version:
+        return
+    if any(copy is served for served in state.every_version()):
+        return  # the served copy already
+    del state.shadow_candidates[name]
+    await retire_shadow(state, copy)
+
+
+async def _retire_served(state: EngineState, served: ServedModel) -> None:
+    """``retire`` a version that was served, then drop its batcher's gauges (its queue is
+    empty by then, and nothing sets them again)."""
+    await retire(served)
+    state.metrics.forget_version(served.manifest.name, served.manifest.version)
 
 
 async def retire_shadow(state: EngineState, candidate: ServedModel) -> None:
     """Unload a shadow candidate once its queued copies have run; forget its turns."""
     await retire(candidate)
+    state.metrics.forget_version(shadow_series(candidate.manifest.name), candidate.manifest.version)
     candidate.runner.executor.shutdown(wait=False)  # its own thread, idle once retired
     state.device_turns.forget(shadow_series(candidate.manifest.name))
 
@@ -493,6 +538,7 @@ async def load_missing_versions(
     try:
         for version in weights:
             if version not in loaded_already:
+                await release_shadow_copy(state, name, version)
                 loaded[version] = await load_version(state, name, version, list(loaded.values()))
     except BaseException:
         await asyncio.gather(*(retire(served) for served in loaded.values()))

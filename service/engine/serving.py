@@ -34,9 +34,8 @@ from service.bridge.interface import EngineStatus, ShadowReport, SwitchResult
 from service.bridge.server import BridgeServer
 from service.config import Settings
 from service.engine.engine import Engine, FrameRequest, Queued
-from service.engine.generation_loop import GenerationLoop
-from service.engine.shadow import ShadowedGeneration
 from service.engine.starting_heartbeat import StartingHeartbeat
+from service.engine.traffic_tally import TalliedStreams
 from service.garbage import collect_young_garbage_rarely
 from service.logs import configure_logging
 from service.manifest import Manifest
@@ -51,6 +50,7 @@ from service.processes import (
     FAILED_MARK,
     READY_MARK,
 )
+from service.traffic_window import TrafficReport
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class _StartedEngine:
     ) -> list[Queued]:
         return self._engine.enqueue_frame(requests, frontend_load, sink)
 
-    def generation_of(self, model: str, version: str) -> GenerationLoop | ShadowedGeneration:
-        return self._engine.generation_of(model, version)
+    def generation_of(self, model: str, version: str) -> TalliedStreams:
+        return self._engine.streams_of(model, version)
 
     async def prepare(self, name: str, version: str) -> Manifest:
         return await self._engine.prepare(name, version)
@@ -104,6 +104,9 @@ class _StartedEngine:
 
     async def stop_shadow(self, name: str) -> ShadowReport:
         return await self._engine.stop_shadow(name)
+
+    async def traffic(self, name: str) -> TrafficReport:
+        return await self._engine.traffic(name)
 
 
 async def serve_engine(

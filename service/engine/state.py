@@ -209,15 +209,33 @@ class EngineState:
     frontend_loads: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
     """Each front end's last reported load (``InferenceRequest.frontend_load``) and when."""
     shadow_candidates: dict[str, ServedModel] = field(default_factory=dict)
-    """Each model's shadow candidate (``engine/shadow.py``): loaded, not served; the memory
-    budget counts it."""
+    """The copy each model's shadow runs its candidate on (``engine/shadow.py``): the version
+    loaded beside when it is (one copy per version, whatever uses it), else one loaded for
+    the shadow alone (not served; background turns)."""
+    shadow_percents: dict[str, int] = field(default_factory=dict)
+    """The percent of each model's requests its shadow copies: with ``shadow_candidates``,
+    what the published record keeps for an engine started later."""
 
     def every_version(self) -> list[ServedModel]:
-        """Every version loaded: each model's primary, then the versions beside it."""
+        """Every version served: each model's primary, then the versions beside it."""
         return [
             *self.models.values(),
             *(served for versions in self.beside.values() for served in versions.values()),
         ]
+
+    def every_copy(self) -> list[ServedModel]:
+        """Every copy loaded, each once: those served and the shadows' own."""
+        served = self.every_version()
+        own = [copy for copy in self.shadow_candidates.values() if not _among(copy, served)]
+        return [*served, *own]
+
+    def beside_copy(self, name: str, version: str) -> ServedModel | None:
+        """``name@version`` when it is loaded beside ``name``'s primary, else None."""
+        return self.beside.get(name, {}).get(version)
+
+    def in_use(self, copy: ServedModel) -> bool:
+        """Whether ``copy`` is served or a shadow runs on it: unloaded only when it is not."""
+        return _among(copy, [*self.every_version(), *self.shadow_candidates.values()])
 
     def weight_of(self, name: str, version: str) -> int:
         """``name@version``'s share of the requests to ``name``, percent."""
@@ -273,3 +291,9 @@ class EngineState:
         if self.draining:
             return "draining"
         return "ready" if self.loaded and self.models else "loading"
+
+
+def _among(copy: ServedModel, copies: Sequence[ServedModel]) -> bool:
+    """Whether ``copy`` is one of ``copies`` (the same object: two loads of one version are
+    two copies)."""
+    return any(copy is each for each in copies)

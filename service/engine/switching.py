@@ -42,6 +42,9 @@ class _Prepared:
     weights: dict[str, int] | None = None
     """A traffic split to serve (then ``loaded`` is None, and ``beside`` what it loaded)."""
     beside: dict[str, ServedModel] = field(default_factory=dict)
+    promoted: bool = False
+    """``loaded`` is the copy loaded beside already (a split's): committing makes it the
+    primary, aborting leaves it where it is."""
 
 
 class Switcher:
@@ -62,7 +65,8 @@ class Switcher:
         except BaseException:
             self._state.switch_lock.release()
             raise
-        self._prepared = _Prepared(name, loaded)
+        promoted = loaded is not None and self._state.in_use(loaded)
+        self._prepared = _Prepared(name, loaded, promoted=promoted)
         return (loaded or self._state.models[name]).manifest
 
     async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest:
@@ -113,7 +117,7 @@ class Switcher:
             return
         prepared = self._take_prepared("abort")
         try:
-            if prepared.loaded is not None:
+            if prepared.loaded is not None and not prepared.promoted:
                 await lifecycle.retire(prepared.loaded)
             for served in prepared.beside.values():
                 await lifecycle.retire(served)
@@ -182,13 +186,18 @@ async def _load_split(
 
 async def _load_beside(state: EngineState, name: str, version: str) -> ServedModel | None:
     """``name`` at ``version`` loaded and warmed up beside the models served, or None when
-    that version is served already. A version refused leaves what is served untouched."""
+    that version is served already, or its copy loaded beside (a split's) when it is: that
+    copy is promoted, never loaded twice. A version refused leaves what is served untouched."""
     current = state.models.get(name)
     serving = current.manifest.label if current else "nothing"
     try:
         manifest = state.store.resolve(name, version)
         if current is not None and current.manifest.version == manifest.version:
             return None
+        beside = state.beside_copy(name, manifest.version)
+        if beside is not None:
+            return beside
+        await lifecycle.release_shadow_copy(state, name, manifest.version)
         return await lifecycle.load_version(state, name, manifest.version)
     except (ModelIntegrityError, ModelLoadError) as error:
         reason = str(error).replace(str(state.store.root), "<repository>")
@@ -197,10 +206,10 @@ async def _load_beside(state: EngineState, name: str, version: str) -> ServedMod
 
 async def load_shadow(state: EngineState, served: ServedModel, version: str) -> ServedModel:
     """``served``'s model at ``version`` loaded beside every model served, as a shadow
-    candidate (``engine/shadow.py``). Refused (422) for the version served, and for one that
-    would prepare or answer a request otherwise (``compatibility.py``): its answers to the
-    served version's instances could not be compared. 409 while another change is under way.
-    """
+    candidate (``engine/shadow.py``), or its copy loaded beside for a split when it is.
+    Refused (422) for the version served, and for one that would prepare or answer a request
+    otherwise (``compatibility.py``): its answers to the served version's instances could not
+    be compared. 409 while another change is under way."""
     name = served.manifest.name
     manifest = state.store.resolve(name, version)
     if manifest.version == served.manifest.version:
@@ -213,6 +222,9 @@ async def load_shadow(state: EngineState, served: ServedModel, version: str) -> 
             "handler or files other than the weights differ, so the same request would not "
             "mean the same to both"
         )
+    beside = state.beside_copy(name, manifest.version)
+    if beside is not None:
+        return beside  # one copy per version: the split's serves the shadow too
     if state.switch_lock.locked():
         raise ConflictError("a version is being loaded; retry when it is done")
     async with state.switch_lock:

@@ -16,7 +16,6 @@ the published version record, for ``batchserve rollout`` to resume after any res
 from __future__ import annotations
 
 import hmac
-import time
 from typing import Annotated
 
 import orjson
@@ -29,11 +28,11 @@ from service.frontend.responses import json_response
 from service.frontend.routes import frontend_of
 from service.frontend.schemas import ErrorResponse
 from service.frontend.state import FrontendState
-from service.frontend.traffic_window import NO_ANSWERS
 from service.manifest import check_name, check_version, manifest_summary
 from service.metrics import FrontendMetrics
 from service.rollout_plan import RolloutPlan
 from service.traffic_split import checked_weights
+from service.traffic_window import NO_ANSWERS
 
 
 def require_admin_token(request: Request) -> None:
@@ -200,11 +199,13 @@ class TrafficWeights(BaseModel):
 
 @router.get("/models/{name}/traffic", summary="Read a model's traffic split")
 async def read_traffic(name: str, request: Request) -> Response:
-    """The weights of ``name``'s loaded versions and, for each version, the requests this
-    front end answered with it over the recent window: requests, errors (5xx), p50 and p99
-    latency in milliseconds."""
+    """The weights of ``name``'s loaded versions and, for each version, the requests the
+    engines answered with it over the recent window, whichever front end they came through:
+    requests, errors (5xx), p50 and p99 latency in milliseconds from the engine's receipt to
+    its answer."""
     frontend = frontend_of(request)
-    return json_response(_traffic(frontend, _served_weights(frontend, check_name(name)), name))
+    weights = _served_weights(frontend, check_name(name))
+    return json_response(await _traffic(frontend, weights, name))
 
 
 @router.put(
@@ -233,7 +234,7 @@ async def split_traffic(name: str, split: TrafficWeights, request: Request) -> R
             )
     weights = checked_weights(split.weights)
     await frontend.engine.split(name, weights)
-    return json_response(_traffic(frontend, weights, name))
+    return json_response(await _traffic(frontend, weights, name))
 
 
 def _served_weights(frontend: FrontendState, name: str) -> dict[str, int]:
@@ -243,12 +244,15 @@ def _served_weights(frontend: FrontendState, name: str) -> dict[str, int]:
     return frontend.engine.status().weights(model.manifest.name)
 
 
-def _traffic(frontend: FrontendState, weights: dict[str, int], name: str) -> dict[str, object]:
-    stats = frontend.traffic.stats(name, time.monotonic())
+async def _traffic(
+    frontend: FrontendState, weights: dict[str, int], name: str
+) -> dict[str, object]:
+    report = await frontend.engine.traffic(name)
+    stats = report.stats()
     return {
         "model": name,
         "weights": weights,
-        "window_s": frontend.traffic.window_s,
+        "window_s": report.window_s,
         "versions": {
             version: stats.get(version, NO_ANSWERS).to_json()
             for version in dict.fromkeys([*weights, *stats])

@@ -81,7 +81,7 @@ class ServiceMiddleware:
             exemplar = state.get(request_spans.EXEMPLAR_STATE)
             routing = state.get(ROUTING_STATE)
             if routing is not None:  # before the tally's answer, whose flush writes it
-                self.frontend.answered_with(routing, answered, latency_s)
+                self.frontend.answered_with(routing, answered)
             self.tally.answered(route_label(scope), str(answered), latency_s, exemplar)
             if self.access_log:
                 access_log.log_http(scope, answered, latency_s, answer_headers)

@@ -169,8 +169,8 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/models", response_model=ModelsResponse, responses=_ERRORS, summary="Models")
 async def models(request: Request) -> Response:
-    """Every model served with its manifest and memory, each engine, and every version of
-    each served model in the repository."""
+    """Every model served with its manifest, memory and weight, the versions loaded beside
+    them, each engine, and every version of each served model in the repository."""
     frontend = frontend_of(request)
     status = frontend.engine.status()
     served = [
@@ -182,9 +182,11 @@ async def models(request: Request) -> Response:
             "compiled": model.compiled,
             "memory_bytes": model.memory_bytes,
             "manifest": manifest_summary(model.manifest),
+            "weight": model.weight,
         }
-        for model in status.models
+        for model in (*status.models, *status.beside)
     ]
+    primaries = served[: len(status.models)]
     engines = [
         {
             "device": engine.device,
@@ -205,8 +207,9 @@ async def models(request: Request) -> Response:
             ]
     return json_response(
         {
-            "loaded": served[0] if served else None,
-            "models": served,
+            "loaded": primaries[0] if primaries else None,
+            "models": primaries,
+            "beside": served[len(status.models) :],
             "engines": engines,
             "versions": versions,
         }

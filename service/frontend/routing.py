@@ -4,7 +4,7 @@ A request that names no version gets one by its model's weights (``traffic_split
 bucket of its ``x-routing-key`` header (gRPC: metadata), so one key always meets one version
 while the weights stand, or by a bucket drawn at random, once per request, without one. The
 request's ``Routing`` also remembers the version chosen, so the request is counted under it
-(``traffic_window.py``) when answered.
+(``batchserve_model_requests_total``) when answered.
 """
 
 from __future__ import annotations

@@ -77,6 +77,10 @@ class LoadedModelInfo(BaseModel):
         "allocated, or the engine's resident-memory growth on the CPU."
     )
     manifest: dict[str, Any]
+    weight: int = Field(
+        description="Its share of its model's requests, percent (100 unless a traffic split "
+        "serves the model over several versions)."
+    )
 
 
 class EngineInfo(BaseModel):
@@ -92,7 +96,13 @@ class EngineInfo(BaseModel):
 
 class ModelsResponse(BaseModel):
     loaded: LoadedModelInfo | None = Field(description="The model /predict answers with.")
-    models: list[LoadedModelInfo] = Field(description="Every model served, in load order.")
+    models: list[LoadedModelInfo] = Field(
+        description="Every model served, in load order: its primary version."
+    )
+    beside: list[LoadedModelInfo] = Field(
+        description="The versions loaded beside the primaries (a traffic split), each with its "
+        "weight; a request naming one is answered by it."
+    )
     engines: list[EngineInfo] = Field(
         description="Each engine (one per device, and its standbys), in order."
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -23,7 +22,6 @@ from service.frontend.refusal_hold import RefusalHolds
 from service.frontend.request_metrics import RequestTally
 from service.frontend.response_cache import ResponseCache
 from service.frontend.routing import Routing
-from service.frontend.traffic_window import TrafficWindow
 from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.types import Priority
@@ -64,8 +62,6 @@ class FrontendState:
     """When each HTTP client refused for load may retry."""
     response_cache: ResponseCache | None = field(init=False)
     """Engine answers kept by content (``response_cache_mb``); None when off."""
-    traffic: TrafficWindow = field(default_factory=TrafficWindow)
-    """What each version answered lately (``GET /admin/models/{name}/traffic``)."""
     _layouts: dict[str, InputLayout] = field(default_factory=dict)
     _handlers: dict[str, Handler] = field(default_factory=dict)
     _text_models: dict[str, TextModel] = field(default_factory=dict)
@@ -143,19 +139,22 @@ class FrontendState:
         of requests that would be refused costs no parse, and leaves the CPU to the forward
         (issue 23)."""
         model = self.serving_model(name, version, routing)
-        refused = self.engine.refusal_before_body(model.manifest.name, priority, deadline_s)
+        manifest = model.manifest
+        refused = self.engine.refusal_before_body(
+            manifest.name, manifest.version, priority, deadline_s
+        )
         if refused is not None:
             raise refused
         return model
 
-    def answered_with(self, routing: Routing, status: int, latency_s: float) -> None:
-        """An inference request answered ``status`` after ``latency_s``, counted under the
-        version ``routing`` chose (``traffic``, ``batchserve_model_requests_total``)."""
+    def answered_with(self, routing: Routing, status: int) -> None:
+        """An inference request answered ``status``, counted under the version ``routing``
+        chose (``batchserve_model_requests_total``; the engines count what the admin API's
+        traffic window reports: ``engine/traffic_tally.py``)."""
         model = routing.chosen
         if model is None:
             return
         name, version = model.manifest.name, model.manifest.version
-        self.traffic.record(name, version, time.monotonic(), latency_s, status)
         self.request_tally.answered_by(name, version, str(status))
 
     def layout_for(self, model: ModelInfo) -> InputLayout:

@@ -158,7 +158,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.frontend.receiving -= 1
             tally.stopped()
             latency_s = time.perf_counter() - started_s
-            self.frontend.answered_with(routing, int(status), latency_s)
+            self.frontend.answered_with(routing, int(status))
             tally.answered(INFER_ROUTE, status, latency_s, tracing.current_exemplar())
             if self.access_log:
                 access_log.log_grpc(

@@ -62,6 +62,7 @@ from service.server.launcher import (
 )
 from service.server.supervisor import gunicorn_command
 from service.tensors import NamedArrays
+from service.traffic_window import WINDOW_S, TrafficReport
 from service.types import Priority
 
 APP_FACTORY = "service.server.tuning.ceiling:create_app_from_environment()"
@@ -85,7 +86,7 @@ class ZeroEngine:
         return [self._status]
 
     def refusal_before_body(
-        self, model: str, priority: Priority, deadline_s: float | None
+        self, model: str, version: str, priority: Priority, deadline_s: float | None
     ) -> ServiceError | None:
         return None
 
@@ -133,6 +134,9 @@ class ZeroEngine:
 
     async def stop_shadow(self, name: str) -> ShadowReport:
         raise ConflictError("the HTTP ceiling serves one version and never shadows")
+
+    async def traffic(self, name: str) -> TrafficReport:
+        return TrafficReport(WINDOW_S, {})  # it computes nothing
 
 
 def model_info(settings: Settings) -> ModelInfo:
