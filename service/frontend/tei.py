@@ -31,12 +31,12 @@ service's own statuses otherwise.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pydantic
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.errors import InvalidInputError, ServiceError
 from service.frontend.handlers.embedding import EmbeddingHandler
@@ -57,9 +57,18 @@ from service.frontend.state import FrontendState
 from service.tensors import NamedArrays
 from service.types import Array
 
-Direction = Literal["Right", "Left", "right", "left"]
-"""The end a long input is cut from: ``Right`` keeps its first tokens, ``Left`` its last (TEI
-takes either spelling)."""
+
+def _capitalised(value: object) -> object:
+    """TEI's spelling of a direction given in lower case (TEI takes either)."""
+    if isinstance(value, str) and value in ("right", "left"):
+        return value.capitalize()
+    return value
+
+
+Direction = Annotated[Literal["Right", "Left"], BeforeValidator(_capitalised)]
+"""The end a long input is cut from: ``Right`` keeps its first tokens, ``Left`` its last. The
+schema names TEI's spelling only (two enum values differing in case break generated clients);
+``right`` and ``left`` are taken too, as TEI takes them."""
 
 
 class EmbedRequest(BaseModel):
