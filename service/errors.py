@@ -143,8 +143,8 @@ class ForbiddenError(ServiceError):
 
 class ConflictError(ServiceError):
     """An admin change that cannot be made: another is under way, nothing was served before
-    to roll back to, a version does not fit in ``device_memory_budget_mb``, or the model to
-    unload is the only one served."""
+    to roll back to, a version does not fit in ``device_memory_budget_mb``, the model to
+    unload is the only one served, or the version to shadow is the one served."""
 
     status_code = 409
     code = "conflict"

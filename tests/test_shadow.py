@@ -177,7 +177,7 @@ async def test_a_slow_candidate_does_not_delay_served_requests(
 async def test_refused_shadows_say_why(client: httpx.AsyncClient, repository: Path) -> None:
     put = "/admin/models/digits/shadow"
     cases: list[tuple[dict[str, Any], int, str]] = [
-        ({"version": DIGITS.version, "percent": 10}, 422, "is the version served"),
+        ({"version": DIGITS.version, "percent": 10}, 409, "is the version served"),
         ({"version": "0" * 12, "percent": 10}, 404, "has no version"),
         ({"version": DIGITS.version, "percent": 101}, 422, "percent"),
     ]

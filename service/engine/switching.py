@@ -25,7 +25,6 @@ from service.engine.compatibility import interchangeable, request_contract
 from service.engine.state import EngineState, ServedModel
 from service.errors import (
     ConflictError,
-    InvalidInputError,
     ModelIntegrityError,
     ModelLoadError,
     ModelNotFoundError,
@@ -207,13 +206,13 @@ async def _load_beside(state: EngineState, name: str, version: str) -> ServedMod
 async def load_shadow(state: EngineState, served: ServedModel, version: str) -> ServedModel:
     """``served``'s model at ``version`` loaded beside every model served, as a shadow
     candidate (``engine/shadow.py``), or its copy loaded beside for a split when it is.
-    Refused (422) for the version served, and for one that would prepare or answer a request
-    otherwise (``compatibility.py``): its answers to the served version's instances could not
-    be compared. 409 while another change is under way."""
+    Refused (409) for the version served: it cannot shadow itself; (422) for one that would
+    prepare or answer a request otherwise (``compatibility.py``): its answers to the served
+    version's instances could not be compared. 409 while another change is under way."""
     name = served.manifest.name
     manifest = state.store.resolve(name, version)
     if manifest.version == served.manifest.version:
-        raise InvalidInputError(
+        raise ConflictError(
             f"{manifest.label} is the version served; a shadow runs another version of {name}"
         )
     if not interchangeable(request_contract(manifest), request_contract(served.manifest)):

@@ -110,7 +110,11 @@ class ShadowRequest(BaseModel):
     """The share of the model's requests copied to it."""
 
 
-@router.put("/models/{name}/shadow", summary="Shadow a model with a candidate version")
+@router.put(
+    "/models/{name}/shadow",
+    summary="Shadow a model with a candidate version",
+    responses={400: {"model": ErrorResponse}},  # a body that is not JSON
+)
 async def start_shadow(name: str, body: ShadowRequest, request: Request) -> Response:
     """Load ``version`` beside ``name`` on every engine (or none) and copy ``percent`` of its
     requests to it once they are answered; compare the answers. The client gets the served
@@ -136,7 +140,11 @@ async def stop_shadow(name: str, request: Request) -> Response:
     return json_response(report.to_wire())
 
 
-@router.put("/models/{name}/rollout", summary="Record a rollout plan's state")
+@router.put(
+    "/models/{name}/rollout",
+    summary="Record a rollout plan's state",
+    responses={400: {"model": ErrorResponse}},  # a body that is not JSON
+)
 async def record_rollout(name: str, plan: RolloutPlan, request: Request) -> Response:
     """Record where ``batchserve rollout`` stands with ``name`` (beside the published version
     record: it outlives engine and front end restarts)."""
@@ -211,7 +219,7 @@ async def read_traffic(name: str, request: Request) -> Response:
 @router.put(
     "/models/{name}/traffic",
     summary="Split a model's traffic over versions",
-    responses={400: {"model": ErrorResponse}},
+    responses={400: {"model": ErrorResponse}},  # a body that is not JSON
 )
 async def split_traffic(name: str, split: TrafficWeights, request: Request) -> Response:
     """Serve ``name``'s requests by ``weights``: every version named is verified, loaded and
