@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from service.bridge.interface import ENCODER_DECODER_TASK
 from service.manifest import Architecture, HandlerSpec, TensorSpec
@@ -381,12 +381,7 @@ def _generative_version(
     from service.engine.hf_model import model_class
 
     name = config["architectures"][0]
-    if not (folder / "tokenizer.json").is_file():
-        raise ValueError(
-            f"{folder.name} has no tokenizer.json, which the front ends tokenize prompts "
-            "with; save the tokenizer with a fast tokenizer (tokenizer.save_pretrained on a "
-            "PreTrainedTokenizerFast)"
-        )
+    _check_fast_tokenizer(folder)
     try:
         model_class(config)
         context = context_tokens(settings)
@@ -401,31 +396,16 @@ def _generative_version(
     vocabulary = _positive_int(settings, "vocab_size")
     pad = settings.pad_token_id
     pad_value = pad if isinstance(pad, int) and 0 <= pad < vocabulary else (eos or (0,))[0]
-    ids, mask = _token_inputs(context, vocabulary, pad_value)
-    logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, vocabulary))
-    defaults = {
-        key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
-    }
-    metadata: dict[str, Any] = {
-        "task": GENERATION_TASK,
-        "source": "transformers save_pretrained",
-        "tokenizer_file": "tokenizer.json",
-        "eos_token_ids": list(eos),
-        "context_tokens": context,
-        "generation_defaults": defaults,
-    }
-    return HFVersion(
-        task=GENERATION_TASK,
-        artifact=folder / ARTIFACT,
-        architecture=Architecture(
+    return _generating_version(
+        GENERATION_TASK,
+        folder,
+        Architecture(
             import_path="service.engine.hf_model:TransformersCausalLM",
             kwargs={"config": config},
         ),
-        inputs=(ids, mask),
-        outputs=(logits,),
-        handler=None,
+        _TokenLimits(eos, context, vocabulary, pad_value),
+        generation_config,
         files=files,
-        metadata=metadata,
         left_out=left_out,
     )
 
@@ -443,12 +423,7 @@ def _encoder_decoder_version(
     from service.engine.generation.model_limits import eos_token_ids
 
     name = config["architectures"][0]
-    if not (folder / "tokenizer.json").is_file():
-        raise ValueError(
-            f"{folder.name} has no tokenizer.json, which the front ends tokenize prompts "
-            "with; save the tokenizer with a fast tokenizer (tokenizer.save_pretrained on a "
-            "PreTrainedTokenizerFast)"
-        )
+    _check_fast_tokenizer(folder)
     generation_config = _json(folder / "generation_config.json", optional=True)
     start = generation_config.get("decoder_start_token_id", settings.decoder_start_token_id)
     vocabulary = _positive_int(settings, "vocab_size")
@@ -475,38 +450,83 @@ def _encoder_decoder_version(
     eos = eos_token_ids(generation_config, config)
     pad = settings.pad_token_id
     pad_value = pad if isinstance(pad, int) and 0 <= pad < vocabulary else start
-    ids, mask = _token_inputs(context, vocabulary, pad_value)
-    logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, vocabulary))
-    defaults = {
-        key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
-    }
-    metadata: dict[str, Any] = {
-        "task": TEXT2TEXT_TASK,
-        "source": "transformers save_pretrained",
-        "tokenizer_file": "tokenizer.json",
-        "eos_token_ids": list(eos),
-        "decoder_start_token_id": start,
-        "context_tokens": context,
-        "generation_defaults": defaults,
-    } | _forced_tokens(generation_config, config, vocabulary)
-    return HFVersion(
-        task=TEXT2TEXT_TASK,
-        artifact=folder / ARTIFACT,
-        architecture=Architecture(
+    return _generating_version(
+        TEXT2TEXT_TASK,
+        folder,
+        Architecture(
             import_path="service.engine.hf_model:TransformersSeq2SeqLM",
             kwargs={"config": config, "decoder_start_token_id": start},
         ),
-        inputs=(ids, mask),
-        outputs=(logits,),
-        handler=None,
+        _TokenLimits(eos, context, vocabulary, pad_value),
+        generation_config,
         files=files,
-        metadata=metadata,
         left_out=left_out,
+        metadata={"decoder_start_token_id": start}
+        | _forced_tokens(generation_config, config, vocabulary),
         not_applied=tuple(
             f"{key}={generation_config[key]!r}"
             for key, off in _UNSERVED_GENERATION
             if generation_config.get(key, off) not in (off, None)
         ),
+    )
+
+
+def _check_fast_tokenizer(folder: Path) -> None:
+    """A generative folder's ``tokenizer.json``: the front ends tokenize prompts with it."""
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{folder.name} has no tokenizer.json, which the front ends tokenize prompts "
+            "with; save the tokenizer with a fast tokenizer (tokenizer.save_pretrained on a "
+            "PreTrainedTokenizerFast)"
+        )
+
+
+class _TokenLimits(NamedTuple):
+    eos: tuple[int, ...]
+    context: int
+    vocabulary: int
+    pad_value: int
+
+
+def _generating_version(
+    task: str,
+    folder: Path,
+    architecture: Architecture,
+    limits: _TokenLimits,
+    generation_config: dict[str, Any],
+    *,
+    files: tuple[Path, ...],
+    left_out: tuple[str, ...],
+    metadata: dict[str, Any] | None = None,
+    not_applied: tuple[str, ...] = (),
+) -> HFVersion:
+    """A generative version: prompt ids and their mask in, the next token's logits out (the
+    tensor path); the engine generates from the metadata's end-of-sequence ids, context
+    length and ``generation_config.json``'s defaults (plus ``metadata``)."""
+    ids, mask = _token_inputs(limits.context, limits.vocabulary, limits.pad_value)
+    logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, limits.vocabulary))
+    defaults = {
+        key: generation_config[key] for key in _GENERATION_DEFAULTS if key in generation_config
+    }
+    return HFVersion(
+        task=task,
+        artifact=folder / ARTIFACT,
+        architecture=architecture,
+        inputs=(ids, mask),
+        outputs=(logits,),
+        handler=None,
+        files=files,
+        metadata={
+            "task": task,
+            "source": "transformers save_pretrained",
+            "tokenizer_file": "tokenizer.json",
+            "eos_token_ids": list(limits.eos),
+            "context_tokens": limits.context,
+            "generation_defaults": defaults,
+        }
+        | (metadata or {}),
+        left_out=left_out,
+        not_applied=not_applied,
     )
 
 
