@@ -246,10 +246,11 @@ class Engine:
             deadline_s=request.deadline_s,
             source=source,
             trace=request.traceparent,
-            sink=self._tally.sink_for(sink),
+            sink=self._tally.sink_for(sink) if self._counted(manifest.name) else sink,
             tag=tag,
         )
-        self._tally.received(ticket, manifest.name, manifest.version, received_s)
+        if self._counted(manifest.name):
+            self._tally.received(ticket, manifest.name, manifest.version, received_s)
         self._shadow_chosen(served, ticket, request.instances, request.request_id)
         return ticket, manifest.version
 
@@ -298,13 +299,17 @@ class Engine:
             )
         for served, indexes, submissions in frames.values():
             name, version = served.manifest.name, served.manifest.version
-            admitted = served.batcher.enqueue_frame(submissions, source=id(sink), sink=tap)
+            counted = self._counted(name)
+            admitted = served.batcher.enqueue_frame(
+                submissions, source=id(sink), sink=tap if counted else sink
+            )
             for index, outcome in zip(indexes, admitted, strict=True):
                 if isinstance(outcome, ServiceError):
                     results[index] = outcome
                     continue
                 results[index] = (outcome, version)
-                self._tally.received(outcome, name, version, received_s)
+                if counted:
+                    self._tally.received(outcome, name, version, received_s)
                 request, instances = requests[index]
                 self._shadow_chosen(served, outcome, instances, request.request_id)
         return results  # type: ignore[return-value]  # every one set
@@ -507,6 +512,12 @@ class Engine:
             self.state.shadow_candidates[name] = beside
         if followed:
             lifecycle.publish(self.state)  # the change published before the shadow followed
+
+    def _counted(self, name: str) -> bool:
+        """Whether ``name``'s answers are counted by version (``GET .../traffic``): while it
+        has a traffic split or a shadow, what a rollout judges; a model served by one version
+        alone pays nothing for it."""
+        return name in self.state.weights or name in self._shadows
 
     def _shadow_chosen(
         self,
