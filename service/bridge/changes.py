@@ -91,20 +91,36 @@ async def _prepare_everywhere(
 ) -> Manifest:
     """``op`` (a first step) on every engine: the manifest it will serve, or, when any
     refuses, the others' step aborted and the most telling refusal raised."""
+    outcomes = await every_engine_or_none(engines, (op, args), ("abort", {}))
+    return Manifest.model_validate(outcomes[0])
+
+
+async def every_engine_or_none(
+    engines: Sequence[ControlChannel],
+    step: tuple[str, dict[str, object]],
+    undo: tuple[str, dict[str, object]],
+) -> list[Any]:
+    """``step`` (an operation and its arguments) on every engine at once: each engine's
+    reply, or, when any refuses, ``undo`` on the engines that took it and the most telling
+    refusal raised."""
+    op, args = step
     outcomes = await asyncio.gather(
         *(engine.control(op, **args) for engine in engines),
         return_exceptions=True,
     )
     failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
     if failures:
-        prepared = [
+        took = [
             engine
             for engine, outcome in zip(engines, outcomes, strict=True)
             if not isinstance(outcome, BaseException)
         ]
-        await asyncio.gather(*(e.control("abort") for e in prepared), return_exceptions=True)
+        undo_op, undo_args = undo
+        await asyncio.gather(
+            *(engine.control(undo_op, **undo_args) for engine in took), return_exceptions=True
+        )
         raise most_telling(failures)
-    return Manifest.model_validate(outcomes[0])
+    return outcomes
 
 
 async def unload_everywhere(

@@ -198,32 +198,12 @@ class BridgeClient:
         """On every engine or none: any refusal stops the shadows the others started."""
         engines = self._change_targets()
         changes.require_every_engine(engines, "a shadow")
-        outcomes = await asyncio.gather(
-            *(
-                engine.control("shadow_start", name=name, version=version, percent=percent)
-                for engine in engines
-            ),
-            return_exceptions=True,
+        outcomes = await changes.every_engine_or_none(
+            engines,
+            ("shadow_start", {"name": name, "version": version, "percent": percent}),
+            ("shadow_stop", {"name": name}),
         )
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
-            started = [
-                engine
-                for engine, outcome in zip(engines, outcomes, strict=True)
-                if not isinstance(outcome, BaseException)
-            ]
-            await asyncio.gather(
-                *(engine.control("shadow_stop", name=name) for engine in started),
-                return_exceptions=True,
-            )
-            raise changes.most_telling(failures)
-        return ShadowReport.summed(
-            [
-                ShadowReport.from_wire(outcome)
-                for outcome in outcomes
-                if not isinstance(outcome, BaseException)
-            ]
-        )
+        return ShadowReport.summed([ShadowReport.from_wire(outcome) for outcome in outcomes])
 
     async def shadow_report(self, name: str) -> ShadowReport:
         return await self._shadow_everywhere("shadow_report", name)
