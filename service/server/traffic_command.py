@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 
-import httpx
 import orjson
 
+from service.server.admin_client import AdminApi, AdminError
 from service.traffic_split import primary_of
 
 EXIT_REFUSED = 1
@@ -67,34 +67,21 @@ def parse_weights(text: str) -> dict[str, int]:
 
 def run_traffic(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("BATCHSERVE_ADMIN_TOKEN", "")
-    path = f"{args.url.rstrip('/')}/admin/models/{args.model}/traffic"
-    headers = {"Authorization": f"Bearer {token}"}
+    api = AdminApi(args.url, token, timeout_s=TIMEOUT_S)
+    path = f"/admin/models/{args.model}/traffic"
     try:
         if args.weights is not None:
-            body = {"weights": parse_weights(args.weights)}
-            response = httpx.put(path, json=body, headers=headers, timeout=TIMEOUT_S)
+            answer = api.call("PUT", path, {"weights": parse_weights(args.weights)})
         else:
-            response = httpx.get(path, headers=headers, timeout=TIMEOUT_S)
-            if args.clear and response.status_code == 200:
-                primary = primary_of(response.json()["weights"])
-                body = {"weights": {primary: 100}}
-                response = httpx.put(path, json=body, headers=headers, timeout=TIMEOUT_S)
+            answer = api.call("GET", path)
+            if args.clear:
+                primary = primary_of(answer["weights"])
+                answer = api.call("PUT", path, {"weights": {primary: 100}})
     except ValueError as error:
         print(f"batchserve traffic: {error}", file=sys.stderr)
         return EXIT_UNUSABLE
-    except httpx.HTTPError as error:
-        print(f"batchserve traffic: {args.url} cannot be reached: {error}", file=sys.stderr)
-        return EXIT_UNUSABLE
-    if response.status_code != 200:
-        print(f"batchserve traffic: {response.status_code}: {_message(response)}", file=sys.stderr)
-        return EXIT_REFUSED
-    sys.stdout.write(orjson.dumps(response.json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+    except AdminError as error:
+        print(f"batchserve traffic: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE if error.status == 0 else EXIT_REFUSED
+    sys.stdout.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
-
-
-def _message(response: httpx.Response) -> str:
-    """The server's error message (``{"error": {"message"}}``), else its body."""
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:500]
