@@ -336,7 +336,7 @@ async def test_tei_embed_applies_no_default_prompt(
     [
         ("/embed", {"inputs": ["a"] * (MAX_CLIENT_BATCH_SIZE + 1)}, 413, "Validation",
          "max_client_batch_size"),
-        ("/embed", {"inputs": []}, 422, "Validation", "inputs is empty"),
+        ("/embed", {"inputs": []}, 400, "Empty", "inputs is empty"),
         ("/embed", {"inputs": "a", "truncation_direction": "Up"}, 422, "Validation",
          "truncation_direction"),
         ("/embed", {"inputs": "a", "prompt_name": "nope"}, 422, "Validation", "prompt_name"),
@@ -350,7 +350,7 @@ async def test_tei_embed_applies_no_default_prompt(
          "input 0 is 13 tokens long"),
         ("/rerank", {"query": QUERY, "texts": TEXTS, "truncate": False}, 422, "Validation",
          "tokens long, more than the 12 this model reads"),
-        ("/rerank", {"query": QUERY, "texts": []}, 422, "Validation", "texts is empty"),
+        ("/rerank", {"query": QUERY, "texts": []}, 400, "Empty", "texts is empty"),
         ("/models/unit/rerank", {"query": QUERY, "texts": ["a"]}, 404, "Validation",
          "not a reranker"),
         ("/models/nope/embed", {"inputs": "a"}, 404, "Validation", "unknown model"),

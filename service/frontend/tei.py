@@ -23,9 +23,9 @@ or the ``Left``), refused with 422 when it is false, and cut as the version says
 ``truncate``, true unless packaged otherwise: TEI's ``--auto-truncate``) when it is absent.
 
 Errors come as TEI sends them, ``{"error": message, "error_type": kind}`` with TEI's names
-(``Validation``, ``Overloaded``, ``Unhealthy``, ``Backend``): 413 for too many inputs, 422
-for an invalid body or an input too long not to cut, 429 overloaded, 503 unhealthy, and the
-service's own statuses otherwise.
+(``Empty``, ``Validation``, ``Overloaded``, ``Unhealthy``, ``Backend``): 400 ``Empty`` for no
+input, 413 for too many inputs, 422 for an invalid body or an input too long not to cut, 429
+overloaded, 503 unhealthy, and the service's own statuses otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pydantic
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.errors import InvalidInputError, ServiceError
+from service.errors import BadRequestError, InvalidInputError, ServiceError
 from service.frontend.handlers.embedding import EmbeddingHandler
 from service.frontend.handlers.reranking import RerankHandler
 from service.frontend.handlers.text import Cut, TextHandler
@@ -97,9 +97,17 @@ class RerankRequest(BaseModel):
     truncation_direction: Direction = "Right"
 
 
-def error_type(status_code: int) -> str:
-    """TEI's ``error_type`` for an error of ``status_code``, as TEI writes it (its enum's
-    variant names)."""
+class EmptyInputsError(BadRequestError):
+    """No input to embed or rank: TEI answers 400 with the error type ``Empty``."""
+
+    code = "empty_inputs"
+
+
+def error_type(error: ServiceError) -> str:
+    """TEI's ``error_type`` for ``error``, as TEI writes it (its enum's variant names)."""
+    if isinstance(error, EmptyInputsError):
+        return "Empty"
+    status_code = error.status_code
     if status_code == 429:
         return "Overloaded"
     if status_code == 503:
@@ -114,7 +122,7 @@ def tei_error_response(error: ServiceError, request_id: str) -> Response:
     headers = dict(error.headers)
     if error.closes_connection:
         headers["Connection"] = "close"
-    content = {"error": error.message, "error_type": error_type(error.status_code)}
+    content = {"error": error.message, "error_type": error_type(error)}
     return json_response(content, status_code=error.status_code, headers=headers)
 
 
@@ -162,7 +170,7 @@ async def _embed(arrived: Arrived, name: str | None) -> Response:
     body = await _read(arrived, EmbedRequest)
     given = body.inputs
     if isinstance(given, list) and not given:
-        raise InvalidInputError("inputs is empty; send at least one text")
+        raise EmptyInputsError("inputs is empty; send at least one text")
     if body.prompt_name is not None and not _texts(given):
         raise InvalidInputError("prompt_name goes before texts: send texts, not token ids")
     own = model.manifest.output.shape[-1]
@@ -187,7 +195,7 @@ async def _rerank(arrived: Arrived, name: str | None) -> Response:
     model = arrived.model(RerankHandler, "a reranker", name)
     body = await _read(arrived, RerankRequest)
     if not body.texts:
-        raise InvalidInputError("texts is empty; send at least one text")
+        raise EmptyInputsError("texts is empty; send at least one text")
 
     def prepare(handler: RerankHandler) -> NamedArrays:
         how = cut(handler, body.truncate, body.truncation_direction)
