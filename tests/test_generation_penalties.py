@@ -19,7 +19,7 @@ from service.bridge.interface import GenerateRequest
 from service.engine.generation.admission import StepLimits
 from service.engine.generation.cohorts import CohortBatch
 from service.engine.generation.continuous_batch import ContinuousBatch
-from service.engine.generation.sampling import SamplingParams, penalised
+from service.engine.generation.sampling import SamplingParams
 from service.engine.generation.sequences import GenerationRequest, TokenEvent
 from service.errors import InvalidInputError, InvalidParameterError
 from service.frontend.generation.sampling import SamplingSettings
@@ -197,6 +197,8 @@ def test_penalised_and_plain_rows_of_encoder_decoder_cohorts_equal_their_referen
 
 
 def test_a_batch_without_penalties_is_not_copied_or_touched() -> None:
+    from service.engine.generation.sampling import penalised
+
     logits = torch.randn(3, VOCAB)
     plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5)] * 2
     assert penalised(logits, plain[:3], []) is logits
