@@ -261,7 +261,6 @@ def test_a_body_off_the_schema_is_one_400_naming_its_first_problem(
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"tools": [{"type": "function"}]}, "tools"),

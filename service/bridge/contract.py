@@ -116,6 +116,10 @@ class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unkno
     stream_deadline_s: float = float("inf")
     request_id: str = ""
     trace: str | None = None
+    # Last, so that a request without penalties sends none of them (trailing defaults).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def of(cls, call_id: int, request: GenerateRequest) -> Generate:
@@ -137,6 +141,9 @@ class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unkno
             request.stream_deadline_s,
             request.request_id,
             request.traceparent,
+            request.frequency_penalty,
+            request.presence_penalty,
+            request.repetition_penalty,
         )
 
     def request(self) -> GenerateRequest:
@@ -157,6 +164,9 @@ class Generate(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unkno
             stream_deadline_s=self.stream_deadline_s,
             request_id=self.request_id,
             traceparent=self.trace,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
 

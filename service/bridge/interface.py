@@ -236,6 +236,13 @@ class GenerateRequest:
     """Sampling with a seed gives the same tokens whatever the batch-mates."""
     logprobs: int | None = None
     """None: no log-probabilities; ``k >= 0``: the chosen token's, and the top ``k``."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: a token's logit less this for each time the sequence generated it."""
+    presence_penalty: float = 0.0
+    """OpenAI's: a token's logit less this once the sequence generated it."""
+    repetition_penalty: float = 1.0
+    """``transformers``': a seen token's positive logit divided by it, a negative one
+    multiplied."""
     stop_token_ids: tuple[int, ...] = ()
     """Ids that end the sequence beside the model's end-of-sequence ids (included in the
     output, as the end-of-sequence id is)."""

@@ -196,6 +196,9 @@ class GenerationLoop:
             seed=request.seed,
             logprobs=request.logprobs is not None,
             top_logprobs=request.logprobs or 0,
+            frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty,
+            repetition_penalty=request.repetition_penalty,
         )
         key = next(self._keys)
         generation = GenerationRequest(

@@ -31,6 +31,7 @@ must be named, or it is refused naming what is missing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -70,11 +71,22 @@ _UNSERVED_GENERATION = (
     ("min_new_tokens", 0),
     ("no_repeat_ngram_size", 0),
     ("encoder_no_repeat_ngram_size", 0),
-    ("repetition_penalty", 1.0),
+    ("encoder_repetition_penalty", 1.0),
     ("bad_words_ids", None),
     ("suppress_tokens", None),
     ("begin_suppress_tokens", None),
+    ("sequence_bias", None),
+    ("typical_p", 1.0),
+    ("min_p", 0.0),
+    ("epsilon_cutoff", 0.0),
+    ("eta_cutoff", 0.0),
+    ("penalty_alpha", 0.0),
+    ("exponential_decay_length_penalty", None),
+    ("forced_bos_token_id", None),
+    ("forced_eos_token_id", None),
 )
+#: Of those, what an encoder-decoder's cohorts apply (BART's checkpoints rely on them).
+_ENCODER_DECODER_APPLIES = frozenset({"forced_bos_token_id", "forced_eos_token_id"})
 #: A tokenizer's ``model_max_length`` above this is transformers' "no limit" placeholder.
 _NO_LIMIT_TOKENS = 1_000_000
 #: Keys of ``generation_config.json`` kept as the version's sampling defaults.
@@ -85,6 +97,7 @@ _GENERATION_DEFAULTS = (
     "top_p",
     "top_k",
     "do_sample",
+    "repetition_penalty",
 )
 #: Models whose positions start after the padding index (``padding_idx + 1``).
 _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer"})
@@ -463,11 +476,7 @@ def _encoder_decoder_version(
         left_out=left_out,
         metadata={"decoder_start_token_id": start}
         | _forced_tokens(generation_config, config, vocabulary),
-        not_applied=tuple(
-            f"{key}={generation_config[key]!r}"
-            for key, off in _UNSERVED_GENERATION
-            if generation_config.get(key, off) not in (off, None)
-        ),
+        applied=_ENCODER_DECODER_APPLIES,
     )
 
 
@@ -498,11 +507,18 @@ def _generating_version(
     files: tuple[Path, ...],
     left_out: tuple[str, ...],
     metadata: dict[str, Any] | None = None,
-    not_applied: tuple[str, ...] = (),
+    applied: frozenset[str] = frozenset(),
 ) -> HFVersion:
     """A generative version: prompt ids and their mask in, the next token's logits out (the
     tensor path); the engine generates from the metadata's end-of-sequence ids, context
-    length and ``generation_config.json``'s defaults (plus ``metadata``)."""
+    length and ``generation_config.json``'s defaults (plus ``metadata``). ``applied``: the
+    settings of ``_UNSERVED_GENERATION`` that this kind of model is served with."""
+    penalty = generation_config.get("repetition_penalty")
+    if penalty is not None and not _positive_number(penalty):
+        raise ValueError(
+            f"generation_config.json's repetition_penalty must be a number above 0 (1 for "
+            f"none), got {penalty!r}"
+        )
     ids, mask = _token_inputs(limits.context, limits.vocabulary, limits.pad_value)
     logits = TensorSpec(name="next_token_logits", dtype="float32", shape=(-1, limits.vocabulary))
     defaults = {
@@ -526,7 +542,23 @@ def _generating_version(
         }
         | (metadata or {}),
         left_out=left_out,
-        not_applied=not_applied,
+        not_applied=_not_applied(generation_config, applied),
+    )
+
+
+def _positive_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and value > 0
+
+
+def _not_applied(generation_config: dict[str, Any], applied: frozenset[str]) -> tuple[str, ...]:
+    """``generation_config.json``'s settings of ``generate`` set to anything but "off" that
+    serving does not apply (beyond ``applied``), as ``key=value``: the CLI names them."""
+    return tuple(
+        f"{key}={generation_config[key]!r}"
+        for key, off in _UNSERVED_GENERATION
+        if key not in applied and generation_config.get(key, off) not in (off, None)
     )
 
 

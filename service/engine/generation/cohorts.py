@@ -183,7 +183,9 @@ class CohortBatch:
         if not request.ignore_eos:
             stop_ids |= self._eos_ids
         generator = new_generator(request.sampling, self._device)
-        sequence = RunningSequence(request, max_new_tokens, stop_ids, generator)
+        sequence = RunningSequence(
+            request, max_new_tokens, stop_ids, generator, context_ids=(self._start_token_id,)
+        )
         line = [waiting.request.priority for waiting in self._waiting]
         self._waiting.insert(waiting_position(line, request.priority), sequence)
         self._known[request.request_id] = sequence

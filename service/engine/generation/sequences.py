@@ -45,7 +45,11 @@ class TokenEvent:
 
 
 class RunningSequence:
-    """A request's progress: how much of its prompt is cached, what it generated, its slot."""
+    """A request's progress: how much of its prompt is cached, what it generated, its slot.
+
+    ``context_ids``: the tokens before the generated ones that its ``repetition_penalty``
+    counts: its prompt (a causal LM's), or the decoder's start token (an encoder-decoder's,
+    whose prompt is the encoder's input: ``generate`` counts the decoder's tokens only)."""
 
     def __init__(
         self,
@@ -53,11 +57,13 @@ class RunningSequence:
         max_new_tokens: int,
         stop_ids: frozenset[int],
         generator: torch.Generator | None,
+        context_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.request = request
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.generator = generator
+        self.context_ids = request.prompt_ids if context_ids is None else context_ids
         self.slot = -1
         self.prefilled = 0
         self.generated: list[int] = []
@@ -99,11 +105,13 @@ def accept_next(sequences: list[RunningSequence], logits: torch.Tensor) -> list[
     # on every logit).
     finite: list[bool] = torch.isfinite(logits.sum(dim=-1)).tolist()
     good = [row for row, ok in enumerate(finite) if ok]
+    everyone = len(good) == len(finite)
     chosen = (
         choose(
-            logits if len(good) == len(finite) else logits[good],  # no copy when all are good
+            logits if everyone else logits[good],  # no copy when all are good
             [sequences[row].request.sampling for row in good],
             [sequences[row].generator for row in good],
+            sequences if everyone else [sequences[row] for row in good],
         )
         if good
         else []

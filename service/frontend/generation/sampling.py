@@ -3,12 +3,15 @@
 Checked once here for every route (OpenAI's and the generate extension's): the ranges are
 OpenAI's where it has one. Where a request sets nothing, the version's
 ``generation_config.json`` decides (``text_model.GenerationDefaults``), then OpenAI's
-defaults. ``n`` choices are ``n`` sequences; with a ``seed``, choice ``i`` samples with
-``seed + i``, so each choice is reproducible and the choices differ.
+defaults (a version's ``repetition_penalty`` applies to every request that sets none, as
+``transformers``' pipeline applies it). ``n`` choices are ``n`` sequences; with a ``seed``,
+choice ``i`` samples with ``seed + i``, so each choice is reproducible and the choices
+differ.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from service.bridge.interface import GenerateRequest
@@ -22,6 +25,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_FREQUENCY_PENALTY = 2.0
+"""OpenAI's bound on ``frequency_penalty`` and ``presence_penalty``, either sign."""
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,13 @@ class SamplingSettings:
     ignore_eos: bool = False
     logprobs: int | None = None
     """None: none; ``k``: each token's log-probability and the top ``k`` beside it."""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
 
     def check(self) -> None:
-        """422 for a value out of its range, naming it and the range."""
+        """422 for a value out of its range, naming it and the range (OpenAI's routes
+        answer it as 400)."""
         _at_least("max_tokens", self.max_tokens, 1)
         _within("temperature", self.temperature, 0.0, 2.0)
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -50,6 +59,21 @@ class SamplingSettings:
         _within("seed", self.seed, 0, MAX_SEED)
         _within("n", self.n, 1, MAX_CHOICES)
         _within("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        _within(
+            "frequency_penalty",
+            self.frequency_penalty,
+            -MAX_FREQUENCY_PENALTY,
+            MAX_FREQUENCY_PENALTY,
+        )
+        _within(
+            "presence_penalty", self.presence_penalty, -MAX_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY
+        )
+        penalty = self.repetition_penalty
+        if penalty is not None and not (math.isfinite(penalty) and penalty > 0.0):
+            raise InvalidParameterError(
+                "repetition_penalty",
+                f"repetition_penalty must be above 0 (1 for none), got {penalty}",
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParameterError(
                 "stop",
@@ -81,6 +105,7 @@ class SamplingSettings:
         defaults = text_model.defaults
         temperature = _first(self.temperature, defaults.temperature, 1.0)
         top_p = _first(self.top_p, defaults.top_p, 1.0)
+        repetition_penalty = _first(self.repetition_penalty, defaults.repetition_penalty, 1.0)
         max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = defaults.max_new_tokens
@@ -96,6 +121,9 @@ class SamplingSettings:
                 top_k=self.top_k if self.top_k is not None else defaults.top_k,
                 seed=None if self.seed is None else (self.seed + index) % (MAX_SEED + 1),
                 logprobs=self.logprobs,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                repetition_penalty=repetition_penalty,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 priority=priority,

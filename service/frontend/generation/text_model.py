@@ -46,6 +46,8 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    """As ``transformers``' pipeline applies it to every request that sets none."""
 
     @classmethod
     def from_document(cls, document: dict[str, Any]) -> GenerationDefaults:
@@ -62,6 +64,7 @@ class GenerationDefaults:
             # transformers' default top_k (50) applies only when sampling; 0 means none.
             top_k=int(top_k) if top_k else None,
             max_new_tokens=int(max_new) if max_new else None,
+            repetition_penalty=number("repetition_penalty"),
         )
 
 

@@ -3,7 +3,8 @@
 
 A request is ``{"text_input": "...", "parameters": {...}}``; the parameters are the sampling
 settings every generation route takes (``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``), and ``exclude_input_in_output``
+``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``frequency_penalty``,
+``presence_penalty``, ``repetition_penalty``), and ``exclude_input_in_output``
 (default true here: the answer holds the generated text only; false puts the prompt before
 it: the parameter of Triton's vLLM backend). ``generate`` answers
 ``{"model_name", "model_version", "text_output", "finish_reason"}``; ``generate_stream``
@@ -69,6 +70,9 @@ class GenerateParameters(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    frequency_penalty: StrictFloat | None = Field(default=None, description="-2 to 2.")
+    presence_penalty: StrictFloat | None = Field(default=None, description="-2 to 2.")
+    repetition_penalty: StrictFloat | None = Field(default=None, description="Above 0.")
     exclude_input_in_output: StrictBool = True
     stream: StrictBool | None = Field(
         default=None, description="Accepted as Triton's clients send it; the route decides."
@@ -148,6 +152,9 @@ async def serve_generate(
         stop=tuple(stop),
         stop_token_ids=tuple(parameters.stop_token_ids or ()),
         ignore_eos=parameters.ignore_eos,
+        frequency_penalty=parameters.frequency_penalty,
+        presence_penalty=parameters.presence_penalty,
+        repetition_penalty=parameters.repetition_penalty,
     )
     generation = Generation(model, text_model, [prompt], settings, request_id)
     choices = await generation.start(

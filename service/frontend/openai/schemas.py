@@ -3,7 +3,8 @@
 A field OpenAI defines that batchserve does not serve is refused (400, naming it) when it is
 set to anything but its neutral value, and a field OpenAI does not define is refused too:
 a client is never answered as if a setting it sent had been applied. Beside OpenAI's fields,
-three of vLLM's extensions: ``top_k``, ``ignore_eos`` and ``stop_token_ids``.
+four of vLLM's extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and
+``repetition_penalty``.
 """
 
 from __future__ import annotations
@@ -44,20 +45,27 @@ class GenerationFields(BaseModel):
         default=None, description="Sampling with a seed is reproducible (choice i: seed + i)."
     )
     user: StrictStr | None = Field(default=None, description="Accepted and ignored.")
-    frequency_penalty: StrictFloat | None = Field(default=None, description="0 only.")
-    presence_penalty: StrictFloat | None = Field(default=None, description="0 only.")
+    frequency_penalty: StrictFloat | None = Field(
+        default=None,
+        description="-2 to 2: a token's logit less this for each time the choice generated it.",
+    )
+    presence_penalty: StrictFloat | None = Field(
+        default=None,
+        description="-2 to 2: a token's logit less this once the choice generated it.",
+    )
     logit_bias: dict[str, StrictFloat] | None = Field(default=None, description="Empty only.")
     top_k: StrictInt | None = Field(default=None, description="vLLM's extension.")
     ignore_eos: StrictBool = Field(default=False, description="vLLM's extension.")
     stop_token_ids: list[StrictInt] | None = Field(default=None, description="vLLM's extension.")
+    repetition_penalty: StrictFloat | None = Field(
+        default=None,
+        description="vLLM's extension: above 0; a positive logit of a token of the prompt or "
+        "the choice divided by it, a negative one multiplied. Unset: the model's "
+        "generation_config.json's, else 1 (none).",
+    )
 
     def check_unsupported(self) -> None:
         """400 for a setting batchserve cannot apply."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidParameterError(
-                    name, f"{name} is not supported; send 0 or leave it out"
-                )
         if self.logit_bias:
             raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
@@ -82,6 +90,9 @@ class GenerationFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
 
