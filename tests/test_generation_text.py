@@ -4,7 +4,10 @@ checked and turned into engine requests, and server-sent events framed."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -15,6 +18,7 @@ from service.errors import HandlerError, InferenceError, InvalidInputError, Inva
 from service.frontend.generation.chat_template import TemplateRenderError, render_chat
 from service.frontend.generation.choices import ChoiceText
 from service.frontend.generation.sampling import SamplingSettings
+from service.frontend.generation.serving import text_model_of
 from service.frontend.generation.text_model import TextModel, load_text_model
 from service.frontend.openai.errors import invalid_request, openai_error_response
 from service.frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -322,3 +326,32 @@ def test_a_prompt_is_tokenized_whole_whatever_padding_or_truncation_was_saved(
     folder = ModelRepository(tmp_path).version_folder("writer", manifest.version)
     text = "the quick brown fox jumps over the lazy dog"
     assert load_text_model(manifest, folder).encode(text) == byte_level_bpe().encode(text).ids
+
+
+async def test_a_version_s_text_model_once_read_is_taken_without_a_handler_thread(
+    text_model: TextModel,
+) -> None:
+    """The first request of a version reads its tokenizer on a handler thread; the next ones
+    take it as it is, so a request beside busy streams waits for no thread hop."""
+    reads: list[str] = []
+    handler_pool = ThreadPoolExecutor(1)
+    cache: dict[str, TextModel] = {}
+
+    def text_model_for(model: Any) -> TextModel:
+        reads.append(model.manifest.version)
+        cache[model.manifest.version] = text_model
+        return text_model
+
+    frontend = SimpleNamespace(
+        handler_pool=handler_pool,
+        text_model_for=text_model_for,
+        loaded_text_model=lambda model: cache.get(model.manifest.version),
+    )
+    model = SimpleNamespace(manifest=SimpleNamespace(version="v1"))
+    try:
+        assert await text_model_of(cast(Any, frontend), cast(Any, model)) is text_model
+    finally:
+        handler_pool.shutdown()
+    # A shut pool refuses work: the second request never asks for a thread.
+    assert await text_model_of(cast(Any, frontend), cast(Any, model)) is text_model
+    assert reads == ["v1"]

@@ -71,7 +71,12 @@ def request_priority(scope: Scope) -> Priority:
 
 
 async def text_model_of(frontend: FrontendState, model: ModelInfo) -> TextModel:
-    """``model``'s tokenizer and chat template; 404 for a model that does not generate."""
+    """``model``'s tokenizer and chat template; 404 for a model that does not generate.
+    Read off the event loop the first time, then taken as it is: a request beside running
+    streams waits for no handler thread."""
+    loaded = frontend.loaded_text_model(model)
+    if loaded is not None:
+        return loaded
     return await off_loop(frontend, partial(frontend.text_model_for, model))
 
 
