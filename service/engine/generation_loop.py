@@ -160,7 +160,7 @@ class GenerationLoop:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._watched_step = 0
-        """The stall watch's number for the step running now (0: no steps are running)."""
+        """The stall watch's number for the step running now."""
         self._ttft = metrics.time_to_first_token.labels(model)
         self._itl = metrics.inter_token_latency.labels(model)
         self._tokens = metrics.generated_tokens.labels(model)
@@ -313,7 +313,6 @@ class GenerationLoop:
                         )
                     finally:
                         self._stall.finished(self._watched_step)
-                        self._watched_step = 0
             except Exception:
                 # Left running, the streams would wait forever; the batch keeps its sequences
                 # until the cancels queued here reach it.
@@ -346,10 +345,9 @@ class GenerationLoop:
     def _stepped(self, result: _StepResult) -> None:
         """A step's last events, on the loop: delivered, and the stall watch rearmed for the
         next step (a step that never ends marks the loop stalled, however many came
-        before it). A step that ends after its loop was stopped (``drain``) rearms nothing."""
-        if self._watched_step:
-            self._stall.finished(self._watched_step)
-            self._watched_step = self._stall.started(time.monotonic())
+        before it)."""
+        self._stall.finished(self._watched_step)
+        self._watched_step = self._stall.started(time.monotonic())
         self._deliver(result)
 
     def _take_inbox(self) -> list[tuple[Hashable, ServiceError]]:
