@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -306,46 +306,6 @@ async def test_one_tokens_frame_carries_a_steps_tokens_for_every_stream_of_a_fro
     assert sum(len(item.token_ids) for items in streams for item in items) == 80
     assert sum(frames) == 80  # each stream's token of each step, once
     assert len(frames) <= 12  # ten steps, and a joining step or two for the slow
-
-
-def loop_held_until(condition: Callable[[], bool]) -> bool:
-    """Poll ``condition`` without yielding (called from a coroutine, this holds the event
-    loop), for at most ``PROMPTLY_S``; whether it came true."""
-    deadline_s = time.monotonic() + PROMPTLY_S
-    while not condition() and time.monotonic() < deadline_s:
-        time.sleep(0.01)
-    return condition()
-
-
-async def test_the_device_thread_steps_on_while_the_event_loop_is_busy(
-    repository: Path, reference: Any
-) -> None:
-    """Once a stream runs, its next steps need nothing from the event loop: with the loop
-    held (a front end busy writing other streams' tokens), the device thread still decodes
-    the rest of the stream, and the tokens are all delivered, in order, once it is free."""
-    decodes = 0
-    async with started(repository) as engine:
-        version = engine.status().find("lm")
-        assert version is not None
-        loop = engine.generation_of("lm", version.manifest.version)
-        decode = loop.batch.decode
-
-        def counted() -> Any:
-            nonlocal decodes
-            decodes += 1
-            return decode()
-
-        loop.batch.decode = counted  # type: ignore[method-assign]
-        request = request_for(engine, (5, 6, 7), max_tokens=12, ignore_eos=True)
-        stream = engine.generate(request)
-        first = await anext(stream)
-        assert loop_held_until(lambda: decodes >= 11), (
-            f"{decodes} decode steps ran while the event loop was busy"
-        )
-        rest = [item async for item in stream]
-    tokens = [token for item in [first, *rest] for token in item.token_ids]
-    assert len(tokens) == 12
-    assert tokens == greedy_past_eos(reference, (5, 6, 7), 12)
 
 
 async def test_a_llama_shaped_model_generates_as_it_does_alone(tmp_path: Path) -> None:

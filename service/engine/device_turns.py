@@ -65,13 +65,6 @@ class DeviceTurns:
         """No model holds the device, waits for it, or keeps it (``ANTICIPATION_S``)."""
         return self._holder is None and self._kept_for is None and not self._waiting
 
-    @property
-    def wanted(self) -> bool:
-        """A model waits for the device. Read from any thread: a model that holds the device
-        across several batches (a generation loop's steps) asks between them, and hands the
-        device back when another wants it."""
-        return bool(self._waiting)
-
     def used_s(self, name: str) -> float:
         """Device time ``name`` has had (lifted when it came back from idle)."""
         return self._used_s.get(name, 0.0)
@@ -180,11 +173,6 @@ class ModelTurns:
     def __init__(self, turns: DeviceTurns, name: str) -> None:
         self._turns = turns
         self.name = name
-
-    @property
-    def wanted(self) -> bool:
-        """Another batch waits for the device (``DeviceTurns.wanted``)."""
-        return self._turns.wanted
 
     async def acquire(self) -> None:
         await self._turns.acquire(self.name)

@@ -4,13 +4,10 @@ thread, a device turn per step, and each request's tokens handed to its stream.
 The batch (``generation.ContinuousBatch``) is not thread-safe, so the event loop never touches
 it: submissions and cancellations go into a queue that the device thread drains at the start of
 each step (cancellations and submissions in the order they came, so a slot freed by a cancel is
-free for the request after it). A step runs the batch's prefill, then its decode; each half's
-events are sent to the event loop as soon as they exist, so that a new request's first token
-is handed out while the running streams' decode runs, not after it. The device thread runs
-steps back to back, within one device turn, while any sequence runs or waits and no other
-batch wants the device: the next step never waits for the event loop to hand out the last
-one's tokens (on a small model that wait was as long as a step). Each stream's token goes to
-its ``TokenSink``: an in-process caller's
+free for the request after it). A step runs the batch's prefill, then its decode; the prefill's
+events are sent to the event loop as soon as they exist and the decode's with the step's
+result, so that a new request's first token is handed out while the running streams' decode
+runs, not after it. Each stream's token goes to its ``TokenSink``: an in-process caller's
 ``bridge.streams.TokenQueue``, or a front end's bridge connection, which gathers the tokens of
 one delivery for all its streams into one frame.
 
@@ -112,10 +109,6 @@ class _StepResult:
     waiting: int
 
 
-_OnLoop = Callable[[Callable[[_StepResult], None], _StepResult], object]
-"""The event loop's ``call_soon_threadsafe``, as the device thread calls it."""
-
-
 def deadline_message(tokens: int) -> str:
     """What a stream whose deadline passed is told, once it had ``tokens`` tokens."""
     if not tokens:
@@ -159,8 +152,6 @@ class GenerationLoop:
         self._idle.set()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._watched_step = 0
-        """The stall watch's number for the step running now."""
         self._ttft = metrics.time_to_first_token.labels(model)
         self._itl = metrics.inter_token_latency.labels(model)
         self._tokens = metrics.generated_tokens.labels(model)
@@ -306,33 +297,27 @@ class GenerationLoop:
                 continue
             try:
                 async with self._turns.turn():
-                    self._watched_step = self._stall.started(time.monotonic())
+                    step = self._stall.started(time.monotonic())
                     try:
-                        await loop.run_in_executor(
-                            self._executor, self._steps, loop.call_soon_threadsafe
+                        result = await loop.run_in_executor(
+                            self._executor, self._step, loop.call_soon_threadsafe
                         )
                     finally:
-                        self._stall.finished(self._watched_step)
+                        self._stall.finished(step)
+                self._deliver(result)
             except Exception:
                 # Left running, the streams would wait forever; the batch keeps its sequences
                 # until the cancels queued here reach it.
                 logger.exception("generation_step_failed", extra={"model": self.model})
                 self._fail_all()
 
-    def _steps(self, on_loop: _OnLoop) -> None:
-        """Steps back to back on the device thread, while the batch or the inbox has work and
-        no other batch wants the device (then the turn is handed on between two steps)."""
-        batch = self.batch
-        while True:
-            self._step(on_loop)
-            if not (batch.running or batch.waiting or self._inbox) or self._turns.wanted:
-                return
-
-    def _step(self, on_loop: _OnLoop) -> None:
+    def _step(
+        self, on_loop: Callable[[Callable[[_StepResult], None], _StepResult], object]
+    ) -> _StepResult:
         """One iteration, on the device thread: the queued cancels and submissions, the
-        batch's prefill, then its decode; the events of each go to the event loop as soon as
-        they exist (``on_loop``: the loop's ``call_soon_threadsafe``, which keeps their
-        order). Cancels that come meanwhile wait for the next step."""
+        batch's prefill, whose events go to the event loop at once (``on_loop``: the loop's
+        ``call_soon_threadsafe``, so they are delivered before this step's result, while the
+        decode runs), then its decode. Cancels that come meanwhile wait for the next step."""
         refused = self._take_inbox()
         batch = self.batch
         if batch.prefill_due:
@@ -340,15 +325,7 @@ class GenerationLoop:
             if first or refused:
                 on_loop(self._deliver, self._result(first, refused))
                 refused = []
-        on_loop(self._stepped, self._result(batch.decode(), refused))
-
-    def _stepped(self, result: _StepResult) -> None:
-        """A step's last events, on the loop: delivered, and the stall watch rearmed for the
-        next step (a step that never ends marks the loop stalled, however many came
-        before it)."""
-        self._stall.finished(self._watched_step)
-        self._watched_step = self._stall.started(time.monotonic())
-        self._deliver(result)
+        return self._result(batch.decode(), refused)
 
     def _take_inbox(self) -> list[tuple[Hashable, ServiceError]]:
         """The queued cancels and submissions into the batch, in the order they came; the
