@@ -4,7 +4,12 @@ checked and turned into engine requests, and server-sent events framed."""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -15,6 +20,11 @@ from service.errors import HandlerError, InferenceError, InvalidInputError, Inva
 from service.frontend.generation.chat_template import TemplateRenderError, render_chat
 from service.frontend.generation.choices import ChoiceText
 from service.frontend.generation.sampling import SamplingSettings
+from service.frontend.generation.serving import (
+    SHORT_PROMPT_CHARS,
+    text_model_of,
+    tokenized_nearby,
+)
 from service.frontend.generation.text_model import TextModel, load_text_model
 from service.frontend.openai.errors import invalid_request, openai_error_response
 from service.frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -321,3 +331,89 @@ def test_a_prompt_is_tokenized_whole_whatever_padding_or_truncation_was_saved(
     folder = ModelRepository(tmp_path).version_folder("writer", manifest.version)
     text = "the quick brown fox jumps over the lazy dog"
     assert load_text_model(manifest, folder).encode(text) == byte_level_bpe().encode(text).ids
+
+
+async def test_a_version_s_text_model_once_read_is_taken_without_a_handler_thread(
+    text_model: TextModel,
+) -> None:
+    """The first request of a version reads its tokenizer on a handler thread; the next ones
+    take it as it is, so a request beside busy streams waits for no thread hop."""
+    reads: list[str] = []
+    handler_pool = ThreadPoolExecutor(1)
+    cache: dict[str, TextModel] = {}
+
+    def text_model_for(model: Any) -> TextModel:
+        reads.append(model.manifest.version)
+        cache[model.manifest.version] = text_model
+        return text_model
+
+    frontend = SimpleNamespace(
+        handler_pool=handler_pool,
+        text_model_for=text_model_for,
+        loaded_text_model=lambda model: cache.get(model.manifest.version),
+    )
+    model = SimpleNamespace(manifest=SimpleNamespace(version="v1"))
+    try:
+        assert await text_model_of(cast(Any, frontend), cast(Any, model)) is text_model
+    finally:
+        handler_pool.shutdown()
+    # A shut pool refuses work: the second request never asks for a thread.
+    assert await text_model_of(cast(Any, frontend), cast(Any, model)) is text_model
+    assert reads == ["v1"]
+
+
+def test_a_prompt_s_ids_are_the_tokenizer_s_with_and_without_special_tokens(
+    text_model: TextModel,
+) -> None:
+    text = "The quick brown fox, é and 汉字 <|endoftext|> again"
+    for special in (True, False):
+        expected = text_model.tokenizer.encode(text, add_special_tokens=special).ids
+        assert text_model.encode(text, add_special_tokens=special) == expected
+
+
+def test_tokenizing_a_long_prompt_leaves_other_threads_running(text_model: TextModel) -> None:
+    """A front end tokenizes on a handler thread so that the event loop goes on meanwhile:
+    the tokenizer must let go of the GIL while it works (``Tokenizer.encode`` does not; a
+    long prompt held every other thread for as long as it took)."""
+    text = "the cat sat on the mat and looked at the dog " * 40_000
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def ticking() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=ticking)
+    ticker.start()
+    try:
+        started_s = time.perf_counter()
+        text_model.encode(text)
+        took_s = time.perf_counter() - started_s
+    finally:
+        done.set()
+        ticker.join()
+    during = [tick for tick in ticks if started_s <= tick <= started_s + took_s]
+    longest_gap_s = max(
+        (
+            later - earlier
+            for earlier, later in zip(
+                [started_s, *during], [*during, started_s + took_s], strict=True
+            )
+        ),
+        default=took_s,
+    )
+    assert longest_gap_s < took_s / 2, (longest_gap_s, took_s)
+
+
+async def test_a_short_prompt_is_tokenized_on_the_event_loop_and_a_long_one_on_a_thread() -> None:
+    loop_thread = threading.get_ident()
+    handler_pool = ThreadPoolExecutor(1)
+    frontend = cast(Any, SimpleNamespace(handler_pool=handler_pool))
+    try:
+        short = await tokenized_nearby(frontend, SHORT_PROMPT_CHARS, threading.get_ident)
+        long = await tokenized_nearby(frontend, SHORT_PROMPT_CHARS + 1, threading.get_ident)
+    finally:
+        handler_pool.shutdown()
+    assert short == loop_thread
+    assert long != loop_thread

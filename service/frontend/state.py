@@ -185,6 +185,11 @@ class FrontendState:
             self._handlers[key] = handler
         return handler
 
+    def loaded_text_model(self, model: ModelInfo) -> TextModel | None:
+        """The version's ``text_model_for`` if it was read already (no files read: the
+        event loop may ask)."""
+        return self._text_models.get(model.manifest.version)
+
     def text_model_for(self, model: ModelInfo) -> TextModel:
         """A generative version's tokenizer, chat template and defaults (read once a version,
         from files checked against their hashes); 404 for a version that does not generate.

@@ -83,8 +83,11 @@ class TextModel:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``text``'s ids: with the tokenizer's special tokens for a plain prompt (as
         ``tokenizer(text)`` gives), without them for a rendered chat (its template wrote
-        them)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        them). ``encode_batch`` of the one text gives what ``encode`` gives, but lets go of
+        the GIL while it works (``encode`` holds it throughout): a long prompt tokenized on a
+        handler thread then leaves the event loop running."""
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

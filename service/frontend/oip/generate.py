@@ -38,10 +38,10 @@ from service.frontend.generation.serving import (
     Generation,
     collect,
     counted_while_streaming,
-    off_loop,
     read_request_body,
     request_priority,
     text_model_of,
+    tokenized_nearby,
 )
 from service.frontend.inference import answer_inference
 from service.frontend.oip.rest import error_response
@@ -138,7 +138,8 @@ async def serve_generate(
         )
     model = frontend.serving_model(name, version, routing)
     text_model = await text_model_of(frontend, model)
-    prompt = await off_loop(frontend, lambda: tuple(text_model.encode(request.text_input)))
+    text = request.text_input
+    prompt = await tokenized_nearby(frontend, len(text), lambda: tuple(text_model.encode(text)))
     if not prompt:
         raise InvalidParameterError("text_input", "text_input has no tokens")
     parameters = request.parameters

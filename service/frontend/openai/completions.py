@@ -26,7 +26,7 @@ from service.frontend.generation.serving import (
     Generation,
     collect,
     counted_while_streaming,
-    off_loop,
+    tokenized_nearby,
 )
 from service.frontend.generation.text_model import TextModel
 from service.frontend.openai.received import received
@@ -49,7 +49,10 @@ async def serve_completion(
     arrived = await received(frontend, scope, receive, CompletionRequest)
     request, model, text_model = arrived.request, arrived.model, arrived.text_model
     deadline, priority = arrived.deadline, arrived.priority
-    prompts = await off_loop(frontend, lambda: tokenized(text_model, request.prompt))
+    characters = sum(len(item) for item in prompt_items(request.prompt))
+    prompts = await tokenized_nearby(
+        frontend, characters, lambda: tokenized(text_model, request.prompt)
+    )
     if len(prompts) * request.n > MAX_SEQUENCES:
         raise InvalidParameterError(
             "n",
