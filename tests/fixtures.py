@@ -18,7 +18,9 @@ from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
 import uvicorn
+from asgi_lifespan import LifespanManager
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
 
 from service.bridge.interface import InferenceRequest, InferenceResult
 from service.config import BatchPolicy
@@ -650,3 +652,9 @@ class GatedDoublingEngine:
             return InferenceResult(NamedArrays(doubled), self.version)
 
         return compute
+
+
+def lifespan(app: ASGIApp) -> LifespanManager:
+    """``app``'s startup and shutdown, given the time a busy machine needs: asgi-lifespan's 5 s
+    default failed tests whose engine loaded and warmed up while other work shared the cores."""
+    return LifespanManager(app, startup_timeout=120, shutdown_timeout=60)

@@ -15,7 +15,6 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.grpc as triton_grpc_client
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -25,6 +24,7 @@ from service.config import Settings
 from service.logs import configure_logging
 from service.server.gunicorn_setup import logging_config
 from service.server.single import create_app
+from tests.fixtures import lifespan
 from tests.processes import (
     BATCHSERVE,
     Running,
@@ -43,7 +43,7 @@ DIGIT = np.linspace(0.0, 1.0, 64, dtype=np.float32).reshape(1, 8, 8)
 async def app_with_access_log(request: pytest.FixtureRequest) -> AsyncIterator[FastAPI]:
     settings = Settings(device="cpu", access_log=request.param)
     application = create_app(settings)
-    async with LifespanManager(application):
+    async with lifespan(application):
         await application.state.loading
         yield application
 
@@ -109,7 +109,7 @@ async def test_a_traced_request_has_its_trace_and_span_ids(
     tracing.start([SimpleSpanProcessor(exporter)], role="server")
     try:
         application = create_app(Settings(device="cpu", access_log=True))
-        async with LifespanManager(application):
+        async with lifespan(application):
             await application.state.loading
             transport = httpx.ASGITransport(app=application)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

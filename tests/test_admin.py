@@ -10,7 +10,6 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.bridge.published import PublishedVersion, publish, read_published
 from service.config import Settings
@@ -18,7 +17,7 @@ from service.processes import RUN_DIR_ENV
 from service.server.single import create_app
 from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
-from tests.fixtures import predict_scope, wait_until
+from tests.fixtures import lifespan, predict_scope, wait_until
 
 TOKEN = "s3cret-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -45,7 +44,7 @@ def repository(tmp_path: Path) -> tuple[Path, Versions]:
 
 async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
@@ -249,7 +248,7 @@ async def test_switching_versions_while_bodies_upload_fails_no_request(
 
         await app(predict_scope([(b"content-type", b"application/json")]), receive, send)
 
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as admin:

@@ -22,7 +22,7 @@ from service.engine.lifecycle import load_version, switch_to
 from service.engine.model_store import ModelStore
 from service.server.single import create_app
 from tests.apps import engine_of, frontend_of, registry_of, runner_of
-from tests.fixtures import sample_total, wait_until
+from tests.fixtures import lifespan, sample_total, wait_until
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 
@@ -34,7 +34,7 @@ def make_settings(**overrides: object) -> Settings:
 
 
 async def start(app: FastAPI) -> LifespanManager:
-    manager = LifespanManager(app)
+    manager = lifespan(app)
     await manager.__aenter__()
     await app.state.loading
     return manager

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.config import Settings
 from service.server.single import create_app
+from tests.fixtures import lifespan
 
 NPY = "application/x-npy"
 
@@ -26,7 +26,7 @@ def npy(array: np.ndarray) -> bytes:
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     app: FastAPI = create_app(Settings(device="cpu", max_wait_ms=2.0))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

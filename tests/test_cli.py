@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from asgi_lifespan import LifespanManager
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
@@ -17,6 +16,7 @@ from service.repository import sha256_of
 from service.server.cli import ACCURACY_KEY, main
 from service.server.single import create_app
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.torch_models import PaddingSensitiveEncoder
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
@@ -247,7 +247,7 @@ async def test_a_masked_transformer_without_max_length_warms_up_on_real_tokens(
     app = create_app(
         Settings(model_repository=tmp_path, model_name="encoder", device="cpu", max_batch_size=4)
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         served = engine_of(app).served

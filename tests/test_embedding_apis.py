@@ -16,12 +16,12 @@ import httpx
 import numpy as np
 import pytest
 import pytest_asyncio
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.server.cli import main
 from service.server.single import create_app
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.hf_folders import save_cross_encoder, save_sentence_transformer, save_text_model
 
 pytest.importorskip("sentence_transformers")
@@ -90,7 +90,7 @@ async def client(folders: dict[str, Path]) -> AsyncIterator[httpx.AsyncClient]:
             request_timeout_ms=60_000.0,
         )
     )
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

@@ -11,13 +11,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.server.cli import main
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of, runner_of
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 from tests.hf_folders import CORPUS, save_sentence_transformer, save_text_model
 
 pytest.importorskip("sentence_transformers")
@@ -73,7 +72,7 @@ async def test_a_request_of_256_texts_beside_64_one_text_requests(repository: Pa
         )
     )
     batches: list[tuple[int, int]] = []
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         runner = runner_of(app)

@@ -9,7 +9,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
@@ -21,6 +20,7 @@ from service.packaging.export import ATOL, RTOL, ExportError, export_version
 from service.packaging.package import Packager
 from service.server.cli import main
 from service.server.single import create_app
+from tests.fixtures import lifespan
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
 TEXTENC = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("textenc")
@@ -95,7 +95,7 @@ async def test_an_onnx_version_is_served_like_any_other(store: ModelStore) -> No
     images = np.random.default_rng(1).random((3, 8, 8), dtype=np.float32)
     want = outputs_of(store, DIGITS, {"image": torch.from_numpy(images)})["logits"]
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

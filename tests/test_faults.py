@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from safetensors.torch import save_file
 
@@ -26,7 +25,7 @@ from service.server.single import create_app
 from service.tensors import NamedArrays
 from service.types import Array
 from tests.apps import engine_of, registry_of
-from tests.fixtures import predict_scope, sample_total, wait_until
+from tests.fixtures import lifespan, predict_scope, sample_total, wait_until
 from tests.torch_models import FEATURES, HANG_ENTERED, HANG_RELEASE, HANG_VALUE
 
 PROMPTLY_S = 5.0
@@ -66,7 +65,7 @@ async def serving(
         ),
         on_stall=on_stall,
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

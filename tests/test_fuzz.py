@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,7 +26,7 @@ from hypothesis import strategies as st
 from service.config import Settings
 from service.server.single import create_app
 from tests.apps import frontend_of, registry_of
-from tests.fixtures import predict_scope, sample_total
+from tests.fixtures import lifespan, predict_scope, sample_total
 
 NPY = "application/x-npy"
 JSON = "application/json"
@@ -47,7 +46,7 @@ VALID_TOKENS = json.dumps({"instances": [[5, 17, 999], [1]]}).encode()
 @contextlib.asynccontextmanager
 async def serving(**overrides: Any) -> AsyncIterator[FastAPI]:
     app = create_app(Settings(device="cpu", max_wait_ms=1.0, **overrides))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert frontend_of(app).ready
         yield app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,15 +22,7 @@ from service.errors import InvalidInputError, QueueFullError
 from tests import generative_models
 from tests.generative_models import CONTEXT, EOS, VOCAB
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on a shared machine: a second intra-op thread only spins against the
-    other processes, many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -4,7 +4,7 @@ prompt alone, whoever started with it or left it."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
@@ -17,16 +17,10 @@ from service.errors import InvalidInputError, QueueFullError
 from tests import generative_models
 from tests.generative_models import VOCAB
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(temperature=0.0)
 MODELS: dict[str, Callable[[], Any]] = {"t5": generative_models.t5, "bart": generative_models.bart}
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def new_batch(model: Any, **settings: Any) -> CohortBatch:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from tests.generative_models import TEXTS, VOCAB, byte_level_bpe, save_folder
 pytest.importorskip("transformers")
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -64,14 +65,6 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, build in MODELS.items():
         package(save_folder(root / name, build()), root / "repo", name)
     return root / "repo"
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @contextlib.asynccontextmanager

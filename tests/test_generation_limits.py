@@ -10,11 +10,9 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from service.bridge.interface import EngineClient, GeneratedTokens
 from service.config import Settings
@@ -41,6 +39,7 @@ from tests.generative_models import CONTEXT, VOCAB, save_folder
 pytest.importorskip("transformers")
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -53,14 +52,6 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("generation")
     package(save_folder(root / "lm", generative_models.gpt2()), root / "repo", "lm")
     return root / "repo"
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("bridged", [False, True], ids=["in process", "over the bridge"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from tests.generative_models import EOS, VOCAB, save_folder
 pytest.importorskip("transformers")
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -50,14 +51,6 @@ PENALTIES: list[dict[str, float]] = [
 ]
 PROMPT_LENGTHS = (3, 1, 17, 40, 9, 64, 5, 100, 2, 30)
 MAX_TOKENS = (24, 12, 30, 20, 16, 8, 28, 18, 22, 10)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompts(seed: int, count: int = 10) -> list[tuple[tuple[int, ...], int]]:

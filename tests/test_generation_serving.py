@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from tests.hf_folders import save_text_model
 pytest.importorskip("transformers")
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -70,14 +70,6 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference() -> Any:
     """The same GPT-2 as ``lm``, in this process: what each stream must equal."""
     return generative_models.gpt2()
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 async def test_greedy_streams_equal_generate_alone_in_process(

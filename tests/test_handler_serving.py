@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -30,7 +29,7 @@ from service.manifest import Architecture, HandlerSpec, TensorSpec
 from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 from tests.processes import serve_with_engines, wait_until_serving
 from tests.torch_models import CharSum
 
@@ -52,7 +51,7 @@ async def serving(
     app = create_app(
         Settings(model_repository=repository, model_name=name, device="cpu", max_wait_ms=50.0)
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

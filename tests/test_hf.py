@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 from PIL import Image
 from tokenizers import Tokenizer
 
@@ -24,6 +23,7 @@ from service.packaging.export import export_version
 from service.server.cli import main
 from service.server.single import create_app
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.hf_folders import (
     IMAGE_LABELS,
     MAX_POSITIONS,
@@ -117,7 +117,7 @@ async def serving(repository: Path, *models: str) -> AsyncIterator[httpx.AsyncCl
         Settings(model_repository=repository, models=models, device="cpu", max_wait_ms=20.0)
     )
     # Four models load and warm up at start; the machine may be shared.
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

@@ -15,7 +15,6 @@ import numpy as np
 import orjson
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.engine.model_store import ModelStore
@@ -24,6 +23,7 @@ from service.packaging.export import export_version
 from service.server.cli import main
 from service.server.single import create_app
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.hf_folders import (
     save_cross_encoder,
     save_sentence_transformer,
@@ -129,7 +129,7 @@ async def serving(
             **settings,
         )
     )
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from asgi_lifespan import LifespanManager
 from PIL import Image
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
@@ -26,7 +25,7 @@ from service.manifest import HandlerSpec
 from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import engine_of
-from tests.fixtures import HANDLER_GATE
+from tests.fixtures import HANDLER_GATE, lifespan
 from tests.test_handler_serving import multipart, png
 
 STORE = ModelStore(BUNDLED_MODEL_REPOSITORY)
@@ -72,7 +71,7 @@ def gated_repository(tmp_path: Path) -> Path:
 async def serving(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(Settings(device="cpu", **settings))
     # Generous: starting takes seconds on a busy machine (the default 5 s timed out).
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=120):
+    async with lifespan(app, startup_timeout=120, shutdown_timeout=120):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

@@ -19,7 +19,6 @@ import numpy as np
 import orjson
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from loadtests import (
@@ -50,6 +49,7 @@ from service.engine.model_store import ModelStore
 from service.server.cli import serves_in_one_process
 from service.server.single import create_app
 from service.server.tuning.ceiling import create_ceiling_app
+from tests.fixtures import lifespan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: A hang guard, not a speed check: a sweep took 190 s beside other engineers' load.
@@ -335,7 +335,7 @@ def test_a_server_pool_goes_on_after_a_failed_start_and_stops_everything_on_ctrl
 
 
 async def post_json(app: FastAPI, bodies: list[bytes]) -> list[httpx.Response]:
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -369,7 +369,7 @@ async def test_what_the_benchmarks_send_is_answered_by_the_server() -> None:
         (f"/models/{w.model}/predict", w.bodies[0], {"Content-Type": w.content_type})
         for w in handlers.workloads(image_size=32)
     ]
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.server.single import create_app
+from tests.fixtures import lifespan
 from tests.processes import REPOSITORY_ROOT, require_tool
 from tests.promql import exported_names, metric_names
 
@@ -40,7 +40,7 @@ async def scrape_after_one_prediction() -> set[str]:
     app = create_app(
         Settings(device="cpu", max_wait_ms=1.0, response_cache_mb=1, response_cache_models=("*",))
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -19,7 +19,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from safetensors.torch import save_file
 
@@ -31,7 +30,7 @@ from service.metrics import resident_memory_bytes
 from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of
-from tests.fixtures import sample_total, wait_until
+from tests.fixtures import lifespan, sample_total, wait_until
 from tests.processes import serve_with_engines, wait_until_serving
 from tests.torch_models import FEATURES, HANG_ENTERED, HANG_RELEASE, HANG_VALUE
 
@@ -68,7 +67,7 @@ def package_affine(repository: Path, name: str, features: int, architecture: str
 
 async def serving(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

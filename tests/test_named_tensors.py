@@ -12,13 +12,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.config import Settings
 from service.server.single import create_app
 from tests.apps import engine_of, registry_of, runner_of
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 from tests.torch_models import package_pair_classifier
 
 
@@ -35,7 +34,7 @@ async def pairs(repository: Path) -> AsyncIterator[FastAPI]:
         model_repository=repository, model_name="pairs", device="cpu", max_wait_ms=50.0
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         yield app

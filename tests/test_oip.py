@@ -17,7 +17,6 @@ import orjson
 import pytest
 import tritonclient.grpc as triton_grpc_client
 import tritonclient.http as triton_http
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from tritonclient.utils import InferenceServerException
 
@@ -25,6 +24,7 @@ from service.config import Settings
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.processes import (
     BATCHSERVE,
     Running,
@@ -294,7 +294,7 @@ async def test_v2_and_predict_requests_share_batches(
 @pytest.fixture
 async def digits() -> AsyncIterator[FastAPI]:
     app = create_app(Settings(device="cpu", max_wait_ms=50.0, max_body_bytes=1 << 20))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         yield app
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.engine.engine import Engine
@@ -19,6 +18,7 @@ from service.errors import ModelNotFoundError, ModelRejectedError
 from service.server.single import create_app
 from tests.apps import engine_of
 from tests.digits_versions import DIGITS, add_digits_variant, copy_bundled_digits
+from tests.fixtures import lifespan
 
 DIGIT_ROWS = {"instances": [[[(row * 8 + col) / 64 for col in range(8)] for row in range(8)]] * 2}
 #: A shadow's copies are compared within this long of their served answer, on a busy machine.
@@ -34,7 +34,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     copy_bundled_digits(root)
     candidate = add_digits_variant(root, {3: 0.25})
     app = create_app(Settings(model_repository=root, model_version=DIGITS.version, device="cpu"))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

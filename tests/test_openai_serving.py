@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from tests.generative_models import CHATML_TEMPLATE, CONTEXT, TEXTS, byte_level_
 pytest.importorskip("transformers")
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -97,14 +98,6 @@ def greedy_text(reference: Any, prompt: str, max_tokens: int) -> str:
         )
     text: str = tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
     return text
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @contextlib.asynccontextmanager

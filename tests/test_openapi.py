@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from jsonschema import Draft202012Validator
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
@@ -26,6 +25,7 @@ from service.manifest import HandlerSpec, Manifest, TensorSpec
 from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
+from tests.fixtures import lifespan
 
 TOKEN = "openapi-test-admin-token"
 
@@ -39,7 +39,7 @@ def settings(**overrides: Any) -> Settings:
 @pytest.fixture
 async def app() -> AsyncIterator[FastAPI]:
     application = create_app(settings(max_instances_per_request=64))
-    async with LifespanManager(application):
+    async with lifespan(application):
         await application.state.loading
         yield application
 
@@ -125,7 +125,7 @@ async def test_the_document_is_built_once_a_version_and_again_after_a_switch(
     app = create_app(
         settings(model_repository=root, model_version=DIGITS.version, admin_token=TOKEN)
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         first = app.openapi()
         assert app.openapi() is first
@@ -154,7 +154,7 @@ async def test_a_version_with_a_handler_is_described_by_the_handler(tmp_path: Pa
         handler=HandlerSpec(import_path="service.frontend.handlers.base:Handler"),
     )
     app = create_app(settings(model_repository=root))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -19,7 +19,6 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.frontend.openapi import _tensor_request
@@ -27,6 +26,7 @@ from service.frontend.openapi_clients import for_clients, not_null
 from service.manifest import TensorSpec
 from service.server.single import create_app
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.test_handler_serving import drawn_digit, png
 
 VERSION_ID = re.compile(r"[0-9a-f]{12}")
@@ -54,7 +54,7 @@ def served() -> Any:
     @asynccontextmanager
     async def serving() -> AsyncIterator[httpx.AsyncClient]:
         app = create_app(Settings(models=MODELS, device="cpu", max_wait_ms=5.0))
-        async with LifespanManager(app, startup_timeout=120, shutdown_timeout=60):
+        async with lifespan(app):
             await app.state.loading
             assert engine_of(app).state.load_error is None
             transport = httpx.ASGITransport(app=app)

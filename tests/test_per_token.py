@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc.aio as triton_grpc
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from pydantic import ValidationError
 from safetensors.torch import save_file
@@ -34,7 +33,7 @@ from service.server import cli
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of, registry_of
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 from tests.processes import free_port, scraped, serve_with_engines, wait_until_serving
 from tests.torch_models import TAG_CLASSES, TokenTagger
 
@@ -197,7 +196,7 @@ async def tagger(tmp_path: Path) -> AsyncIterator[FastAPI]:
         max_wait_ms=50.0, host="127.0.0.1",
     )  # fmt: skip
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         yield app

@@ -22,7 +22,6 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
@@ -33,6 +32,7 @@ from service.server.cli import main
 from service.server.predicting.progress import BAR_WIDTH, Progress
 from service.server.single import create_app
 from tests.digits_versions import add_digits_version, copy_bundled_digits
+from tests.fixtures import lifespan
 from tests.torch_models import FEATURES, HANG_VALUE, package_hanging_model
 
 DIGITS = ModelStore(BUNDLED_MODEL_REPOSITORY).resolve("digits")
@@ -77,7 +77,7 @@ def served_answers(
         if repository is not None:
             values["model_repository"] = repository
         app = create_app(Settings(**values))
-        async with LifespanManager(app):
+        async with lifespan(app):
             await app.state.loading
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -9,13 +9,12 @@ from collections.abc import AsyncIterator
 import httpx
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.config import Settings
 from service.server.single import create_app
 from tests.apps import registry_of
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 
 IMAGE = {"name": "image", "datatype": "FP32", "shape": [1, 8, 8], "data": [0.5] * 64}
 INFER = "/v2/models/digits/infer"
@@ -27,7 +26,7 @@ TIMEOUT_RULE = "must be a whole number of microseconds from 1 up"
 async def digits() -> AsyncIterator[FastAPI]:
     app = create_app(Settings(device="cpu", max_wait_ms=20.0))
     # Generous: starting takes seconds on a busy machine (the default 5 s timed out).
-    async with LifespanManager(app, startup_timeout=120, shutdown_timeout=120):
+    async with lifespan(app, startup_timeout=120, shutdown_timeout=120):
         await app.state.loading
         yield app
 

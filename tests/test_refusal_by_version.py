@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.bridge.interface import InferenceRequest
 from service.config import Settings
@@ -17,6 +16,7 @@ from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of, frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
+from tests.fixtures import lifespan
 
 
 async def test_a_full_primary_queue_does_not_refuse_a_version_beside_it(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ async def test_a_full_primary_queue_does_not_refuse_a_version_beside_it(tmp_path
         max_instances_per_request=1,
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         engine, frontend = engine_of(app), frontend_of(app)
         await engine.split("digits", {DIGITS.version: 50, retrained: 50})

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.bridge.interface import InferenceResult
@@ -27,7 +26,7 @@ from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of, frontend_of, registry_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 
 IDENTICAL = 64
 #: Distinct inputs of the switching test, and how many answers its cache holds: fewer, so
@@ -64,7 +63,7 @@ async def served(root: Path) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]
         admin_token=ADMIN_TOKEN,
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -278,7 +277,7 @@ async def test_a_handlers_text_is_keyed_as_tokenized_and_answered_with_each_requ
         response_cache_models=("sentiment",),
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

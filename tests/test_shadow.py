@@ -15,12 +15,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.engine.model_store import ModelStore
 from service.server.single import create_app
 from tests.digits_versions import DIGITS, add_digits_variant, copy_bundled_digits
+from tests.fixtures import lifespan
 
 TOKEN = "shadow-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -41,7 +41,7 @@ async def client(repository: Path) -> AsyncIterator[httpx.AsyncClient]:
         model_repository=repository, model_version=DIGITS.version, device="cpu", admin_token=TOKEN
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.bridge.published import read_published
 from service.config import Settings
@@ -17,11 +16,12 @@ from service.processes import RUN_DIR_ENV
 from service.server.single import create_app
 from tests.apps import engine_of
 from tests.digits_versions import DIGITS, add_digits_variant, copy_bundled_digits
+from tests.fixtures import lifespan
 
 
 async def engine_serving(root: Path) -> AsyncIterator[Engine]:
     app = create_app(Settings(model_repository=root, model_version=DIGITS.version, device="cpu"))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         yield engine_of(app)
 

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from safetensors.torch import load_file, save_file
 from tokenizers import (
     Tokenizer,
@@ -36,6 +35,7 @@ from service.packaging.spec import check_handler, tensor_spec
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of
+from tests.fixtures import lifespan
 from tests.torch_models import MaskedTokenTagger
 
 SENTENCES = [
@@ -153,7 +153,7 @@ async def ner(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Tokenize
             model_repository=tmp_path / "models", model_name="ner", device="cpu", max_wait_ms=20
         )
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

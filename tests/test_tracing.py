@@ -14,7 +14,6 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.grpc as triton_grpc_client
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -25,6 +24,7 @@ from service import tracing
 from service.config import Settings
 from service.logs import JsonFormatter
 from service.server.single import create_app
+from tests.fixtures import lifespan
 from tests.otlp_receiver import OtlpReceiver, otlp_receiver
 from tests.processes import free_port, serve_with_engines, wait_for, wait_until_serving
 
@@ -57,7 +57,7 @@ async def client(exported: InMemorySpanExporter) -> AsyncIterator[httpx.AsyncCli
     # Fixed waits of 50 ms: concurrent requests share batches however slowly they arrive.
     settings = Settings(device="cpu", batch_policy="fixed", max_wait_ms=50.0, max_batch_size=64)
     app: FastAPI = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
@@ -169,7 +169,7 @@ async def test_a_request_split_over_batches_records_each_batch_and_its_rows(
 ) -> None:
     settings = Settings(device="cpu", max_wait_ms=2.0, max_batch_size=4)
     app: FastAPI = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

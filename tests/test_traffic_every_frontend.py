@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-from asgi_lifespan import LifespanManager
 
 from service.bridge.server import BridgeServer
 from service.config import Settings
@@ -18,6 +17,7 @@ from service.engine.engine import Engine
 from service.metrics import EngineMetrics
 from service.server.frontend_process import create_frontend_process_app
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
+from tests.fixtures import lifespan
 
 TOKEN = "traffic-every-frontend-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -28,7 +28,7 @@ DIGIT_ROWS = {"instances": [[[(row * 8 + col) / 64 for col in range(8)] for row 
 async def frontend(settings: Settings, socket_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """One front end (a gunicorn worker's app) reaching the engine through the bridge."""
     app = create_frontend_process_app(settings, [(socket_path, "cpu")])
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.config import Settings
 from service.errors import InvalidInputError
@@ -26,6 +25,7 @@ from service.traffic_split import (
 from service.traffic_window import TrafficWindow, VersionStats
 from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
+from tests.fixtures import lifespan
 
 TOKEN = "traffic-split-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -134,7 +134,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
         model_repository=root, model_version=DIGITS.version, device="cpu", admin_token=TOKEN
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -9,7 +9,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.buckets import batch_group, bucket_of, default_edges, resolve_edges
@@ -17,7 +16,7 @@ from service.config import Settings
 from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of, frontend_of, registry_of, runner_of
-from tests.fixtures import sample_total
+from tests.fixtures import lifespan, sample_total
 
 
 def sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -28,7 +27,7 @@ def sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
 @pytest.fixture
 async def textenc() -> AsyncIterator[FastAPI]:
     app = create_app(Settings(model_name="textenc", device="cpu", max_wait_ms=50.0))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         yield app
@@ -112,7 +111,7 @@ async def test_token_budget_limits_the_rows_of_a_batch() -> None:
     app = create_app(
         Settings(model_name="textenc", device="cpu", max_wait_ms=50.0, max_batch_tokens=256)
     )
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

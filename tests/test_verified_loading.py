@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 from safetensors.torch import save_file
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
@@ -26,6 +25,7 @@ from service.manifest import Architecture, Manifest, ModelFormat, TensorSpec
 from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import frontend_of
+from tests.fixtures import lifespan
 from tests.torch_models import AffineModel
 
 #: Wide enough (1 MiB of weights) that reading and hashing take long enough for a flip to
@@ -255,7 +255,7 @@ def test_a_damaged_file_leaves_no_private_copy_behind(tmp_path: Path) -> None:
 async def test_a_served_handler_reads_its_private_verified_copy(tmp_path: Path) -> None:
     store = copy_of_sentiment(tmp_path / "repo")
     app = create_app(Settings(model_repository=store.root, model_name="sentiment", device="cpu"))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

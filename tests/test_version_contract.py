@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from asgi_lifespan import LifespanManager
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.compatibility import interchangeable, request_contract
@@ -30,7 +29,7 @@ from service.manifest import Manifest, TensorSpec
 from service.packaging.package import Packager
 from service.server.single import create_app
 from tests.apps import frontend_of
-from tests.fixtures import ManualExecutor, wait_until
+from tests.fixtures import ManualExecutor, lifespan, wait_until
 from tests.processes import serve_with_engines, wait_until_serving
 
 TOKEN = "version-contract-admin-token-0123"
@@ -257,7 +256,7 @@ async def test_a_request_tokenized_before_a_switch_is_tokenized_again_for_the_ne
         warmup_batch_sizes=(1,),
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
@@ -288,7 +287,7 @@ async def test_one_process_never_answers_with_the_other_twins_tokens(twins: Twin
         warmup_batch_sizes=(1,),
     )
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

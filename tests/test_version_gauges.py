@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from asgi_lifespan import LifespanManager
 
 from service.bridge.interface import InferenceRequest
 from service.config import Settings
@@ -15,7 +14,7 @@ from service.server.single import create_app
 from service.tensors import NamedArrays
 from tests.apps import engine_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
-from tests.fixtures import wait_until
+from tests.fixtures import lifespan, wait_until
 
 
 async def test_each_version_loaded_shows_its_own_queue_depth(tmp_path: Path) -> None:
@@ -24,7 +23,7 @@ async def test_each_version_loaded_shows_its_own_queue_depth(tmp_path: Path) -> 
     retrained = add_digits_version(root, 0.5)
     settings = Settings(model_repository=root, model_version=DIGITS.version, device="cpu")
     app = create_app(settings)
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         engine = engine_of(app)
         await engine.split("digits", {DIGITS.version: 50, retrained: 50})

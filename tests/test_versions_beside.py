@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 from service.bridge.interface import EngineStatus
@@ -18,6 +17,7 @@ from service.processes import RUN_DIR_ENV
 from service.server.single import create_app
 from tests.apps import frontend_of
 from tests.digits_versions import DIGITS, add_digits_version, copy_bundled_digits
+from tests.fixtures import lifespan
 
 DIGIT_ROWS = {"instances": [[[(row * 8 + col) / 64 for col in range(8)] for row in range(8)]] * 3}
 
@@ -31,7 +31,7 @@ def repository(tmp_path: Path) -> tuple[Path, str]:
 
 async def serve(root: Path, version: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
     app = create_app(Settings(model_repository=root, model_version=version, device="cpu"))
-    async with LifespanManager(app):
+    async with lifespan(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
