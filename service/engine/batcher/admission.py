@@ -429,8 +429,13 @@ class Admission:
         chunks = self._chunks(Part(submission.payload, submission.group, submission.cost_per_row))
         for part in submission.more:
             chunks += self._chunks(part)
-        sizes = [(chunk.group, len(chunk.payload)) for chunk in chunks]
-        if sum(rows for _, rows in sizes) < 1:
+        sizes: list[tuple[Hashable, int]] = []
+        total_rows = 0
+        for chunk in chunks:
+            rows = len(chunk.payload)
+            sizes.append((chunk.group, rows))
+            total_rows += rows
+        if total_rows < 1:
             raise InvalidInputError("a request needs at least one instance")
         if len(chunks) > room:
             raise self._queue_full()
@@ -442,23 +447,25 @@ class Admission:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise refused
         ticket: Ticket[Any] = Ticket(self._queue, sink, submission.tag, submission.order)
-        entries = [
-            Entry(
-                ticket,
-                index,
-                chunk.payload,
-                rows=rows,
-                cost=rows * chunk.cost_per_row,
-                group=group,
-                priority=submission.priority,
-                arrival_s=arrival_s,
-                deadline_s=deadline_s,
-                request_id=submission.request_id,
-                source=source,
-                trace=submission.trace,
+        entries: list[Entry] = []
+        for index, chunk in enumerate(chunks):
+            rows = sizes[index][1]
+            entries.append(
+                Entry(
+                    ticket,
+                    index,
+                    chunk.payload,
+                    rows=rows,
+                    cost=rows * chunk.cost_per_row,
+                    group=chunk.group,
+                    priority=submission.priority,
+                    arrival_s=arrival_s,
+                    deadline_s=deadline_s,
+                    request_id=submission.request_id,
+                    source=source,
+                    trace=submission.trace,
+                )
             )
-            for index, (chunk, (group, rows)) in enumerate(zip(chunks, sizes, strict=True))
-        ]
         ticket.attach(entries)
         return ticket, entries
 
