@@ -15,8 +15,6 @@ import pytest
 from service.engine.batcher import estimates
 from service.engine.batcher.adaptive import AdaptivePolicy, target_rows
 from service.engine.batcher.admission import (
-    Submission,
-    WorkAhead,
     chunk_rows,
     chunks_of,
     estimated_wait_s,
@@ -210,60 +208,6 @@ def test_the_estimated_wait_counts_full_and_partial_batches_of_each_group() -> N
     wait = estimated_wait_s(queue, "normal", 0.25, 4, 0, tenth_per_row)
     assert wait == pytest.approx(0.25 + 0.4 + 0.2)
     assert estimated_wait_s(queue, "high", -1.0, 4, 0, tenth_per_row) == pytest.approx(0.1)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_a_frames_longest_wait_is_never_below_the_wait_any_of_its_requests_sees(
-    seed: int,
-) -> None:
-    """``WorkAhead.longest_s``, asked once a frame, against the exact wait after each of the
-    frame's requests is admitted, at either priority: random queues and frames, durations
-    that do not grow with the rows, with and without a token budget."""
-    rng = random.Random(seed)
-    groups = ["a", "b", "c"]
-    seconds = {(group, size): rng.choice([None, rng.uniform(0.001, 0.5)]) for group in groups
-               for size in range(1, 8)}  # fmt: skip
-
-    def estimate(group: Hashable, rows: int) -> float | None:
-        return seconds[(group, size_class(rows))]
-
-    row_limit, max_batch_cost = rng.choice([(8, 0), (16, 40), (4, 0), (8, 6)])
-    queue = queue_of(
-        *(
-            entry(
-                rng.randint(1, 5),
-                group=rng.choice(groups),
-                priority=rng.choice(["normal", "high"]),
-                cost=rng.choice([0, 3]),
-            )
-            for _ in range(rng.randint(0, 12))
-        )
-    )
-    frame = [
-        Submission(
-            [0] * rng.randint(1, 6),
-            rng.choice(groups),
-            rng.choice([0, 2]),
-            rng.choice(["normal", "high"]),
-        )
-        for _ in range(rng.randint(1, 20))
-    ]
-    ahead = WorkAhead(queue, rng.uniform(-0.1, 0.3), row_limit, max_batch_cost, estimate)
-    ahead.bound(frame)
-    for submission in frame:
-        rows = len(submission.payload)
-        ahead.add(
-            [
-                entry(
-                    rows,
-                    group=submission.group,
-                    priority=submission.priority,
-                    cost=rows * submission.cost_per_row,
-                )
-            ]
-        )
-        for priority in ("normal", "high"):
-            assert ahead.wait_s(priority) <= ahead.longest_s  # type: ignore[arg-type]
 
 
 @dataclass

@@ -199,20 +199,9 @@ class WorkAhead:
     """The work queued ahead of the next request of a frame: the queue's totals by group when
     the frame arrived, plus the frame's requests admitted before it (queued together after
     the last). Its ``wait_s`` is what ``estimated_wait_s`` of the queue would be had each
-    been queued as it was admitted: the same groups in the same order.
+    been queued as it was admitted: the same groups in the same order."""
 
-    ``longest_s`` is at least any ``wait_s`` a request of the frame can see, asked once for
-    the frame: a request that would be admitted after that much work ahead is admitted
-    without asking its own (``Admission._refusal``)."""
-
-    __slots__ = (
-        "_estimate",
-        "_groups",
-        "_max_batch_cost",
-        "_row_limit",
-        "_running_left_s",
-        "longest_s",
-    )
+    __slots__ = ("_estimate", "_groups", "_max_batch_cost", "_row_limit", "_running_left_s")
 
     def __init__(
         self,
@@ -230,28 +219,6 @@ class WorkAhead:
         self._row_limit = row_limit
         self._max_batch_cost = max_batch_cost
         self._estimate = estimate
-        self.longest_s = 0.0
-
-    def bound(self, frame: Sequence[Submission]) -> None:
-        """Set ``longest_s`` for the requests of ``frame``: every group with all of the
-        frame's rows queued (admitting a request only adds rows), in batches of the row limit
-        (of one row under a token budget, the fewest a batch holds), each as long as the
-        group's slowest size class up to the row limit. Rounded up by a part in a billion, more
-        than the rounding of either sum, so that it is never below ``wait_s``."""
-        rows = {key: (totals.rows, totals.cost) for key, totals in self._groups.items()}
-        for submission in frame:
-            # The first part is the submission's own payload, group and cost per row.
-            for payload, group, cost_per_row in (submission[:3], *submission.more):
-                queued_rows, cost = rows.get(group, (0, 0))
-                part_rows = len(payload)
-                rows[group] = (queued_rows + part_rows, cost + part_rows * cost_per_row)
-        sizes = range(1, size_class(self._row_limit) + 1)
-        longest_s = max(0.0, self._running_left_s)
-        for key, (group_rows, cost) in rows.items():
-            per_batch = 1 if self._max_batch_cost and cost else self._row_limit
-            slowest_s = max((self._estimate(key, 1 << (size - 1)) or 0.0) for size in sizes)
-            longest_s += -(-group_rows // per_batch) * slowest_s
-        self.longest_s = longest_s * (1 + 1e-9)
 
     def add(self, entries: Sequence[Entry]) -> None:
         """``entries`` were admitted: they count as queued from now on."""
@@ -380,11 +347,10 @@ class Admission:
         arrived together): for each, its ticket or why it was refused.
 
         The frame is admitted at once: the durations asked once per group and size class, the
-        work queued ahead bounded once for the whole frame and kept up to date as its requests
-        are admitted (``WorkAhead``) rather than summed over the queue for each, its entries
-        queued in one insert and their deadlines watched together. Each request still sees
-        the frame's requests before it as queued work, exactly as if they had been admitted
-        one by one."""
+        work queued ahead kept up to date as its requests are admitted (``WorkAhead``) rather
+        than summed over the queue for each, its entries queued in one insert and their
+        deadlines watched together. Each request still sees the frame's requests before it as
+        queued work, exactly as if they had been admitted one by one."""
         admitted: list[Admitted] = []
         entries: list[Entry] = []
         times = RememberedDurations(self._times)
@@ -395,7 +361,6 @@ class Admission:
             self._max_batch_cost,
             times.estimate,
         )
-        ahead.bound(submissions)
         room = self._max_queue_size - self._queue.entries
         for submission in submissions:
             try:
@@ -442,7 +407,7 @@ class Admission:
         deadline_s = submission.deadline_s
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
-        refused = self._refusal(sizes, deadline_s - arrival_s, times, ahead, submission.priority)
+        refused = refusal(sizes, deadline_s - arrival_s, times, ahead.wait_s, submission.priority)
         if refused is not None:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise refused
@@ -468,20 +433,6 @@ class Admission:
             )
         ticket.attach(entries)
         return ticket, entries
-
-    @staticmethod
-    def _refusal(
-        sizes: list[tuple[Hashable, int]],
-        left_s: float,
-        times: Durations,
-        ahead: WorkAhead,
-        priority: Priority,
-    ) -> ServiceError | None:
-        """``refusal`` of a request of a frame: with the frame's longest wait first, which
-        admits it when that is short enough (the common case), then with its own wait."""
-        if refusal(sizes, left_s, times, lambda _: ahead.longest_s, priority) is None:
-            return None
-        return refusal(sizes, left_s, times, ahead.wait_s, priority)
 
     def _chunks(self, part: Part) -> list[Part]:
         """``part`` in chunks that each fit in a batch (itself when it does)."""
