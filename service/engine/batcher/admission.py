@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from service.engine.batcher.clock import Clock, Deadlines
@@ -334,11 +335,20 @@ class Admission:
         self, submission: Submission, source: Hashable, sink: Sink | None, now_s: float
     ) -> Ticket[Any]:
         """Queue one request arrived at ``now_s``: its ticket. Raises why not
-        (``DynamicBatcher.enqueue``)."""
-        outcome = self.admit_frame([submission], source, sink, now_s)[0]
-        if isinstance(outcome, ServiceError):
-            raise outcome
-        return outcome
+        (``DynamicBatcher.enqueue``). Its wait is summed over the queue as it is: nothing of a
+        frame to keep up to date."""
+        ticket, entries = self._planned(
+            submission,
+            source,
+            sink,
+            now_s,
+            self._times,
+            partial(self._estimated_wait_s, self._times.estimate, now_s),
+            self._max_queue_size - self._queue.entries,
+        )
+        self._queue.add_all(entries)
+        self._deadlines.add_all(entries)
+        return ticket
 
     def admit_frame(
         self, submissions: list[Submission], source: Hashable, sink: Sink | None, now_s: float
@@ -365,7 +375,7 @@ class Admission:
         for submission in submissions:
             try:
                 ticket, chunks = self._planned(
-                    submission, source, sink, now_s, times, ahead, room - len(entries)
+                    submission, source, sink, now_s, times, ahead.wait_s, room - len(entries)
                 )
             except ServiceError as error:
                 # Kept without its traceback, whose frames hold this list: no reference cycle.
@@ -386,12 +396,14 @@ class Admission:
         sink: Sink | None,
         arrival_s: float,
         times: Durations,
-        ahead: WorkAhead,
+        wait_s: Callable[[Priority], float],
         room: int,
     ) -> tuple[Ticket[Any], list[Entry]]:
         """One request's ticket and entries (one per chunk), not queued yet; raises why it
-        cannot be. ``room``: entries the queue still has room for."""
-        chunks = self._chunks(Part(submission.payload, submission.group, submission.cost_per_row))
+        cannot be. ``wait_s``: the work queued ahead of it, by its priority; ``room``: entries
+        the queue still has room for."""
+        # The submission is its own first part (its payload, group and cost per row).
+        chunks = self._chunks(submission)
         for part in submission.more:
             chunks += self._chunks(part)
         sizes: list[tuple[Hashable, int]] = []
@@ -407,7 +419,7 @@ class Admission:
         deadline_s = submission.deadline_s
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
-        refused = refusal(sizes, deadline_s - arrival_s, times, ahead.wait_s, submission.priority)
+        refused = refusal(sizes, deadline_s - arrival_s, times, wait_s, submission.priority)
         if refused is not None:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise refused
@@ -434,7 +446,7 @@ class Admission:
         ticket.attach(entries)
         return ticket, entries
 
-    def _chunks(self, part: Part) -> list[Part]:
+    def _chunks(self, part: Part | Submission) -> list[Part | Submission]:
         """``part`` in chunks that each fit in a batch (itself when it does)."""
         total_rows = len(part.payload)
         if total_rows <= 1:  # the common case: one chunk
