@@ -300,3 +300,61 @@ async def test_a_frame_asks_each_batch_duration_once_per_group_and_size_class(
     assert asked
     assert len(asked) == len({(group, size_class(rows)) for group, rows in asked})
     await answered(batcher, device)
+
+
+def queued_work(batcher: Batcher) -> list[object]:
+    """Every queued entry, by group and lane in queue order, as what selection reads of it."""
+    return [
+        (
+            group.key,
+            priority,
+            [
+                (entry.payload, entry.rows, entry.cost, entry.arrival_s, entry.deadline_s)
+                for entry in lane
+            ],
+        )
+        for group in batcher._queue
+        for priority, lane in group.lanes.items()
+    ]
+
+
+@pytest.mark.parametrize("max_queue_size", [64, 5])
+async def test_a_frame_leaves_the_queue_as_one_by_one_submission_does(
+    make_batcher: BatcherFactory, max_queue_size: int
+) -> None:
+    """The differential check of a frame admitted at once: refused and admitted requests,
+    priorities, deadlines and chunked requests leave the same entries in the same lanes, in
+    the same order, with the same totals and estimated wait."""
+    framed, _, framed_device = await busy_twin(make_batcher, max_queue_size)
+    single, _, single_device = await busy_twin(make_batcher, max_queue_size)
+    frame = [*MIXED, *(Submission([row], "gh"[row % 2], tag=row) for row in range(12, 20))]
+    by_frame = framed.enqueue_frame(frame, source="fe", sink=None)
+    one_at_a_time = one_by_one(single, frame)
+    assert [type(outcome) for outcome in by_frame] == [type(outcome) for outcome in one_at_a_time]
+    assert queued_work(framed) == queued_work(single)
+    assert [(group.rows, group.cost, group.high_rows) for group in framed._queue] == [
+        (group.rows, group.cost, group.high_rows) for group in single._queue
+    ]
+    assert framed.queue_depth == single.queue_depth
+    for priority in ("normal", "high"):
+        assert framed.estimated_wait_s(priority) == single.estimated_wait_s(priority)
+    await answered(framed, framed_device)
+    await answered(single, single_device)
+
+
+async def test_the_requests_of_a_frame_arrive_at_one_instant() -> None:
+    """They arrived together: one arrival for them all (what their queue waits and their
+    default deadlines count from), read once, not one clock read each on a clock that runs."""
+    factory = BatcherFactory(SteppedClock())  # not frozen: each read is later
+    try:
+        batcher, _, device = await busy_twin(factory)
+        frame = [Submission([row], "gh"[row % 2]) for row in range(16)]  # the default deadline
+        frame.append(Submission([16, 17, 18], "g"))  # chunked
+        outcomes = batcher.enqueue_frame(frame, source="fe", sink=None)
+        assert not any(isinstance(outcome, ServiceError) for outcome in outcomes)
+        entries = [entry for _, _, lane in queued_work(batcher) for entry in lane]  # type: ignore[misc]
+        assert len(entries) == 18
+        assert len({arrival_s for _, _, _, arrival_s, _ in entries}) == 1
+        await answered(batcher, device)
+    finally:
+        await factory.aclose()

@@ -300,6 +300,7 @@ class Engine:
         for served, indexes, submissions in frames.values():
             name, version = served.manifest.name, served.manifest.version
             counted = self._counted(name)
+            shadowed = name in self._shadows  # rare: no call per request without a shadow
             admitted = served.batcher.enqueue_frame(
                 submissions, source=id(sink), sink=tap if counted else sink
             )
@@ -310,8 +311,9 @@ class Engine:
                 results[index] = (outcome, version)
                 if counted:
                     self._tally.received(outcome, name, version, received_s)
-                request, instances = requests[index]
-                self._shadow_chosen(served, outcome, instances, request.request_id)
+                if shadowed:
+                    request, instances = requests[index]
+                    self._shadow_chosen(served, outcome, instances, request.request_id)
         return results  # type: ignore[return-value]  # every one set
 
     def _serving(self, model: str, version: str) -> ServedModel | ServiceError:

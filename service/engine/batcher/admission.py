@@ -18,7 +18,7 @@ request withdrawn (its client left) stops counting at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -146,8 +146,21 @@ def chunks_of(
     return [payload[start : start + rows] for start in range(0, total_rows, rows)]
 
 
+class Totals(Protocol):
+    """A group's queued work, as the wait ahead reads it (``queue.Group``)."""
+
+    @property
+    def key(self) -> Hashable: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cost(self) -> int: ...
+    @property
+    def high_rows(self) -> int: ...
+
+
 def estimated_wait_s(
-    queue: BatchQueue,
+    queue: Iterable[Totals],
     priority: Priority,
     running_left_s: float,
     row_limit: int,
@@ -171,6 +184,64 @@ def estimated_wait_s(
         if rest:
             wait_s += estimate(group.key, rest) or 0.0
     return wait_s
+
+
+class _GroupTotals:
+    __slots__ = ("cost", "high_rows", "key", "rows")
+
+    def __init__(self, key: Hashable, rows: int = 0, cost: int = 0, high_rows: int = 0) -> None:
+        self.key = key
+        self.rows = rows
+        self.cost = cost
+        self.high_rows = high_rows
+
+
+class WorkAhead:
+    """The work queued ahead of the next request of a frame: the queue's totals by group when
+    the frame arrived, plus the frame's requests admitted before it (queued together after
+    the last). Its ``wait_s`` is what ``estimated_wait_s`` of the queue would be had each
+    been queued as it was admitted: the same groups in the same order."""
+
+    __slots__ = ("_estimate", "_groups", "_max_batch_cost", "_row_limit", "_running_left_s")
+
+    def __init__(
+        self,
+        queue: BatchQueue,
+        running_left_s: float,
+        row_limit: int,
+        max_batch_cost: int,
+        estimate: Estimate,
+    ) -> None:
+        self._groups = {
+            group.key: _GroupTotals(group.key, group.rows, group.cost, group.high_rows)
+            for group in queue
+        }
+        self._running_left_s = running_left_s
+        self._row_limit = row_limit
+        self._max_batch_cost = max_batch_cost
+        self._estimate = estimate
+
+    def add(self, entries: Sequence[Entry]) -> None:
+        """``entries`` were admitted: they count as queued from now on."""
+        for entry in entries:
+            totals = self._groups.get(entry.group)
+            if totals is None:
+                totals = self._groups[entry.group] = _GroupTotals(entry.group)
+            totals.rows += entry.rows
+            totals.cost += entry.cost
+            if entry.priority == "high":
+                totals.high_rows += entry.rows
+
+    def wait_s(self, priority: Priority) -> float:
+        """How long a request admitted now at ``priority`` would wait for the device."""
+        return estimated_wait_s(
+            self._groups.values(),
+            priority,
+            self._running_left_s,
+            self._row_limit,
+            self._max_batch_cost,
+            self._estimate,
+        )
 
 
 def refusal_of_any(ahead_s: float, left_s: float) -> ServiceError | None:
@@ -260,87 +331,122 @@ class Admission:
         self._max_queue_size = max_queue_size
         self._request_timeout_s = request_timeout_s
 
-    def admit(self, submission: Submission, source: Hashable, sink: Sink | None) -> Ticket[Any]:
-        """Queue one request now: its ticket. Raises why not (``DynamicBatcher.enqueue``)."""
-        ticket, entries = self._queued(submission, source, sink)
+    def admit(
+        self, submission: Submission, source: Hashable, sink: Sink | None, now_s: float
+    ) -> Ticket[Any]:
+        """Queue one request arrived at ``now_s``: its ticket. Raises why not
+        (``DynamicBatcher.enqueue``). Its wait is summed over the queue as it is: nothing of a
+        frame to keep up to date."""
+        ticket, entries = self._planned(
+            submission,
+            source,
+            sink,
+            now_s,
+            self._times,
+            partial(self._estimated_wait_s, self._times.estimate, now_s),
+            self._max_queue_size - self._queue.entries,
+        )
+        self._queue.add_all(entries)
         self._deadlines.add_all(entries)
         return ticket
 
     def admit_frame(
-        self, submissions: list[Submission], source: Hashable, sink: Sink | None
+        self, submissions: list[Submission], source: Hashable, sink: Sink | None, now_s: float
     ) -> list[Admitted]:
-        """Queue the requests of a frame in order, each as ``admit`` would: for each, its
-        ticket or why it was refused. Their deadlines are watched together."""
+        """Queue the requests of a frame in order, each as ``admit`` would at ``now_s`` (they
+        arrived together): for each, its ticket or why it was refused.
+
+        The frame is admitted at once: the durations asked once per group and size class, the
+        work queued ahead kept up to date as its requests are admitted (``WorkAhead``) rather
+        than summed over the queue for each, its entries queued in one insert and their
+        deadlines watched together. Each request still sees the frame's requests before it as
+        queued work, exactly as if they had been admitted one by one."""
         admitted: list[Admitted] = []
-        watched: list[Entry] = []
+        entries: list[Entry] = []
         times = RememberedDurations(self._times)
+        ahead = WorkAhead(
+            self._queue,
+            self._running.running_until_s - now_s,
+            self._row_limit.rows,
+            self._max_batch_cost,
+            times.estimate,
+        )
+        room = self._max_queue_size - self._queue.entries
         for submission in submissions:
             try:
-                ticket, entries = self._queued(submission, source, sink, times)
+                ticket, chunks = self._planned(
+                    submission, source, sink, now_s, times, ahead.wait_s, room - len(entries)
+                )
             except ServiceError as error:
                 # Kept without its traceback, whose frames hold this list: no reference cycle.
                 admitted.append(error.with_traceback(None))
                 continue
             admitted.append(ticket)
-            watched += entries
-        self._deadlines.add_all(watched)
+            entries += chunks
+            ahead.add(chunks)
+        if entries:
+            self._queue.add_all(entries)
+            self._deadlines.add_all(entries)
         return admitted
 
-    def _queued(
+    def _planned(
         self,
         submission: Submission,
         source: Hashable,
         sink: Sink | None,
-        times: Durations | None = None,
+        arrival_s: float,
+        times: Durations,
+        wait_s: Callable[[Priority], float],
+        room: int,
     ) -> tuple[Ticket[Any], list[Entry]]:
-        """Queue one request: its ticket and entries (one per chunk); raises why not.
-        ``times``: the durations to estimate by (the batcher's own when None)."""
-        times = self._times if times is None else times
-        chunks = self._chunks(Part(submission.payload, submission.group, submission.cost_per_row))
+        """One request's ticket and entries (one per chunk), not queued yet; raises why it
+        cannot be. ``wait_s``: the work queued ahead of it, by its priority; ``room``: entries
+        the queue still has room for."""
+        # The submission is its own first part (its payload, group and cost per row).
+        chunks = self._chunks(submission)
         for part in submission.more:
             chunks += self._chunks(part)
-        sizes = [(chunk.group, len(chunk.payload)) for chunk in chunks]
-        if sum(rows for _, rows in sizes) < 1:
+        sizes: list[tuple[Hashable, int]] = []
+        total_rows = 0
+        for chunk in chunks:
+            rows = len(chunk.payload)
+            sizes.append((chunk.group, rows))
+            total_rows += rows
+        if total_rows < 1:
             raise InvalidInputError("a request needs at least one instance")
-        if self._queue.entries + len(chunks) > self._max_queue_size:
+        if len(chunks) > room:
             raise self._queue_full()
-        arrival_s = self._clock.now()
         deadline_s = submission.deadline_s
         if deadline_s is None:
             deadline_s = arrival_s + self._request_timeout_s
-        refused = refusal(
-            sizes,
-            deadline_s - arrival_s,
-            times,
-            partial(self._estimated_wait_s, times.estimate, arrival_s),
-            submission.priority,
-        )
+        refused = refusal(sizes, deadline_s - arrival_s, times, wait_s, submission.priority)
         if refused is not None:
             self._metrics.dropped(DropReason.DEADLINE_UNREACHABLE).inc()
             raise refused
         ticket: Ticket[Any] = Ticket(self._queue, sink, submission.tag, submission.order)
-        entries = [
-            Entry(
-                ticket,
-                index,
-                chunk.payload,
-                rows=rows,
-                cost=rows * chunk.cost_per_row,
-                group=group,
-                priority=submission.priority,
-                arrival_s=arrival_s,
-                deadline_s=deadline_s,
-                request_id=submission.request_id,
-                source=source,
-                trace=submission.trace,
+        entries: list[Entry] = []
+        for index, chunk in enumerate(chunks):
+            rows = sizes[index][1]
+            entries.append(
+                Entry(
+                    ticket,
+                    index,
+                    chunk.payload,
+                    rows=rows,
+                    cost=rows * chunk.cost_per_row,
+                    group=chunk.group,
+                    priority=submission.priority,
+                    arrival_s=arrival_s,
+                    deadline_s=deadline_s,
+                    request_id=submission.request_id,
+                    source=source,
+                    trace=submission.trace,
+                )
             )
-            for index, (chunk, (group, rows)) in enumerate(zip(chunks, sizes, strict=True))
-        ]
         ticket.attach(entries)
-        self._queue.add_all(entries)
         return ticket, entries
 
-    def _chunks(self, part: Part) -> list[Part]:
+    def _chunks(self, part: Part | Submission) -> list[Part | Submission]:
         """``part`` in chunks that each fit in a batch (itself when it does)."""
         total_rows = len(part.payload)
         if total_rows <= 1:  # the common case: one chunk

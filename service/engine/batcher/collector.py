@@ -191,7 +191,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         rows), ``NotReadyError`` (draining, stalled); the ticket fails with
         ``DeadlineExceededError`` or ``InferenceError`` (the model failed on its input).
         """
-        self._policy.arrived(source, 1, self._clock.now())
+        now_s = self._clock.now()
+        self._policy.arrived(source, 1, now_s)
         if not self.accepting:
             raise self._admission.not_ready()
         was_empty = not self._queue
@@ -210,6 +211,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             ),
             source,
             sink,
+            now_s,
         )
         self._added(was_empty)
         return ticket
@@ -222,12 +224,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         sink: Sink | None = None,
     ) -> list[Admitted]:
         """Queue the requests of one frame from one front end, in order: for each, its ticket
-        or the error ``enqueue`` would have raised for it."""
-        self._policy.arrived(source, len(submissions), self._clock.now())
+        or the error ``enqueue`` would have raised for it. They arrived together: the clock
+        is read once for them all."""
+        now_s = self._clock.now()
+        self._policy.arrived(source, len(submissions), now_s)
         if not self.accepting:
             return [self._admission.not_ready() for _ in submissions]
         was_empty = not self._queue
-        admitted = self._admission.admit_frame(list(submissions), source, sink)
+        admitted = self._admission.admit_frame(list(submissions), source, sink, now_s)
         self._added(was_empty)
         return admitted
 

@@ -112,23 +112,21 @@ class Entry:
 
     def resolve(self, output: object) -> None:
         """Answer with ``output``, unless answered already (deadline, cancel)."""
-        if not self.done:
-            ticket = self._finish()
+        if not self.done:  # lets go of its payload and ticket
+            self.done = True
+            self.payload = None
+            ticket, self.ticket = self.ticket, None
             if ticket is not None:
                 ticket.answered(self.index, output)
 
     def reject(self, error: BaseException) -> None:
         """Answer with ``error``, unless answered already."""
         if not self.done:
-            ticket = self._finish()
+            self.done = True
+            self.payload = None
+            ticket, self.ticket = self.ticket, None
             if ticket is not None:
                 ticket.failed(self.index, error)
-
-    def _finish(self) -> Ticket[Any] | None:
-        self.done = True
-        self.payload = None
-        ticket, self.ticket = self.ticket, None
-        return ticket
 
 
 class Ticket(Generic[OutputT]):
