@@ -13,10 +13,10 @@ import orjson
 
 
 class AdminError(Exception):
-    """The admin API answered an error (or could not be reached)."""
+    """The admin API answered an error, or could not be reached (``status`` 0)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
+        super().__init__(message if status == 0 else f"{status}: {message}")
         self.status = status
 
 
