@@ -29,8 +29,10 @@ lint: install
 typecheck: install
 	$(BIN)/mypy service
 
+# Two workers (pytest-xdist), a test file each at a time so its module fixtures are built once:
+# most tests wait on a server process more than they use a core.
 unit: install
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 test: lint typecheck unit
 

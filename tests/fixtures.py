@@ -657,4 +657,4 @@ class GatedDoublingEngine:
 def lifespan(app: ASGIApp) -> LifespanManager:
     """``app``'s startup and shutdown, given the time a busy machine needs: asgi-lifespan's 5 s
     default failed tests whose engine loaded and warmed up while other work shared the cores."""
-    return LifespanManager(app, startup_timeout=120, shutdown_timeout=60)
+    return LifespanManager(app, startup_timeout=120, shutdown_timeout=120)

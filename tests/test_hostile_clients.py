@@ -71,7 +71,7 @@ def gated_repository(tmp_path: Path) -> Path:
 async def serving(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(Settings(device="cpu", **settings))
     # Generous: starting takes seconds on a busy machine (the default 5 s timed out).
-    async with lifespan(app, startup_timeout=120, shutdown_timeout=120):
+    async with lifespan(app):
         await app.state.loading
         assert engine_of(app).state.load_error is None
         transport = httpx.ASGITransport(app=app)

@@ -26,7 +26,7 @@ TIMEOUT_RULE = "must be a whole number of microseconds from 1 up"
 async def digits() -> AsyncIterator[FastAPI]:
     app = create_app(Settings(device="cpu", max_wait_ms=20.0))
     # Generous: starting takes seconds on a busy machine (the default 5 s timed out).
-    async with lifespan(app, startup_timeout=120, shutdown_timeout=120):
+    async with lifespan(app):
         await app.state.loading
         yield app
 
