@@ -55,9 +55,9 @@ async def off_loop(frontend: FrontendState, function: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(frontend.handler_pool, function)
 
 
-#: Prompts of up to this many characters are tokenized on the event loop, in tens of
-#: microseconds; a hop to a handler thread and back cost a median 1.6 to 2.4 ms beside 16
-#: busy streams (measured on 2 shared cores), as it waits behind their tokens both ways.
+#: Prompts of up to this many characters are tokenized on the event loop: beside busy streams,
+#: a hop to a handler thread and back costs far more than tokenizing them (measured in
+#: docs/generation.md, Performance).
 SHORT_PROMPT_CHARS = 512
 
 
