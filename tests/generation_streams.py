@@ -1,6 +1,6 @@
 """An engine serving a tiny GPT-2 (``lm``) for the generation tests, in process or behind a
-bridge socket; requests and their streams, each read whole and checked against
-``transformers``' greedy generation of its prompt alone."""
+bridge socket, or a whole server on a free port; requests and their streams, each read whole
+and checked against ``transformers``' greedy generation of its prompt alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from service.bridge.client import BridgeClient
@@ -21,6 +22,9 @@ from service.config import Settings
 from service.engine.engine import Engine
 from service.metrics import EngineMetrics
 from service.server.cli import main
+from service.server.draining import uvicorn_config
+from service.server.single import create_app
+from tests.fixtures import uvicorn_port
 from tests.generative_models import EOS, VOCAB
 
 PROMPTLY_S = 60.0
@@ -133,3 +137,28 @@ async def over_the_bridge(engine: Engine) -> AsyncIterator[BridgeClient]:
         finally:
             await client.close()
             await server.close()
+
+
+@contextlib.asynccontextmanager
+async def served(
+    repository: Path, models: tuple[str, ...], kv_cache_mb: int, ready_within_s: float = 120.0
+) -> AsyncIterator[str]:
+    """``models`` served by one process on a free port, once ready (loaded and warmed up):
+    its base URL."""
+    settings = Settings(
+        model_repository=repository,
+        models=models,
+        device="cpu",
+        torch_threads=1,
+        warmup_batch_sizes=(1,),
+        kv_cache_mb=kv_cache_mb,
+    )
+    config = uvicorn_config(create_app(settings), settings)
+    config.host, config.port = "127.0.0.1", 0
+    async with uvicorn_port(config) as port, httpx.AsyncClient() as client:
+        url = f"http://127.0.0.1:{port}"
+        deadline_s = asyncio.get_running_loop().time() + ready_within_s
+        while (await client.get(url + "/readyz")).status_code != 200:
+            assert asyncio.get_running_loop().time() < deadline_s, "not ready in time"
+            await asyncio.sleep(0.05)
+        yield url

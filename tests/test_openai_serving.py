@@ -8,9 +8,7 @@ client that leaves mid-stream frees its sequence."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +19,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.config import Settings
 from service.server.cli import main
-from service.server.draining import uvicorn_config
-from service.server.single import create_app
 from tests import generative_models
-from tests.fixtures import uvicorn_port
+from tests.generation_streams import served
 from tests.generative_models import CHATML_TEMPLATE, CONTEXT, TEXTS, byte_level_bpe
 
 pytest.importorskip("transformers")
@@ -42,7 +37,6 @@ pytestmark = [
 #: 16 prompts of mixed lengths, and as many max_tokens.
 PROMPTS = [(" ".join(TEXTS) * 3)[: 4 + 23 * index] for index in range(16)]
 MAX_TOKENS = [1, 3, 8, 17, 32, 5, 12, 2, 40, 9, 21, 6, 30, 4, 15, 11]
-READY_TIMEOUT_S = 120.0
 #: A step takes milliseconds; a loaded machine may pause the engine far longer.
 FREED_WITHIN_S = 10.0
 POLL_S = 0.05
@@ -100,31 +94,6 @@ def greedy_text(reference: Any, prompt: str, max_tokens: int) -> str:
     return text
 
 
-@contextlib.asynccontextmanager
-async def serving(repository: Path) -> AsyncIterator[str]:
-    """The model served by one process on a free port, once ready: its base URL."""
-    settings = Settings(
-        model_repository=repository,
-        models=("lm",),
-        device="cpu",
-        torch_threads=1,
-        warmup_batch_sizes=(1,),
-        kv_cache_mb=64,
-    )
-    config = uvicorn_config(create_app(settings), settings)
-    config.host, config.port = "127.0.0.1", 0
-    async with uvicorn_port(config) as port, httpx.AsyncClient() as client:
-        url = f"http://127.0.0.1:{port}"
-
-        for _ in range(int(READY_TIMEOUT_S / POLL_S)):  # models load and warm up
-            if (await client.get(url + "/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(POLL_S)
-        else:
-            raise AssertionError(f"the server was not ready within {READY_TIMEOUT_S} s")
-        yield url
-
-
 async def streamed_text(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
     pieces = []
     async for chunk in await client.completions.create(
@@ -147,7 +116,7 @@ async def test_the_openai_sdk_gets_greedy_parity_and_every_feature_in_one_proces
     caplog.set_level(logging.INFO, logger="service.frontend.generation.serving")
     expected = [greedy_text(reference, p, m) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
     async with (
-        serving(repository) as url,
+        served(repository, ("lm",), kv_cache_mb=64) as url,
         openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client,
     ):
         for way in (whole_text, streamed_text):

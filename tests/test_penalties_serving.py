@@ -8,9 +8,7 @@ serving does not apply."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +16,10 @@ import httpx
 import openai
 import pytest
 
-from service.config import Settings
 from service.engine.model_store import ModelStore
 from service.server.cli import main
-from service.server.draining import uvicorn_config
-from service.server.single import create_app
 from tests import generative_models
-from tests.fixtures import uvicorn_port
-from tests.generation_streams import package
+from tests.generation_streams import package, served
 from tests.generative_models import CHATML_TEMPLATE, CONTEXT, TEXTS, byte_level_bpe, save_folder
 from tests.test_generation_penalties import reference
 
@@ -39,8 +33,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 
-READY_TIMEOUT_S = 120.0
-POLL_S = 0.05
 #: The repetition_penalty ``lm-rp``'s generation_config.json sets.
 OWN_PENALTY = 1.6
 PROMPTS = [(" ".join(TEXTS) * 2)[: 6 + 31 * index] for index in range(10)]
@@ -80,27 +72,6 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ).save_pretrained(root / name)
         package(root / name, root / "repo", name)
     return root / "repo"
-
-
-@contextlib.asynccontextmanager
-async def serving(repository: Path) -> AsyncIterator[str]:
-    settings = Settings(
-        model_repository=repository,
-        models=("lm", "lm-rp"),
-        device="cpu",
-        torch_threads=1,
-        warmup_batch_sizes=(1,),
-        kv_cache_mb=32,
-    )
-    config = uvicorn_config(create_app(settings), settings)
-    config.host, config.port = "127.0.0.1", 0
-    async with uvicorn_port(config) as port, httpx.AsyncClient() as client:
-        url = f"http://127.0.0.1:{port}"
-        deadline_s = asyncio.get_running_loop().time() + READY_TIMEOUT_S
-        while (await client.get(url + "/readyz")).status_code != 200:  # loading, warming up
-            assert asyncio.get_running_loop().time() < deadline_s, "not ready in time"
-            await asyncio.sleep(POLL_S)
-        yield url
 
 
 def tokenizer() -> Any:
@@ -149,7 +120,7 @@ async def test_penalties_through_the_openai_sdk_the_generate_extension_and_defau
     )
     chat_penalties = {"frequency_penalty": 1.2, "presence_penalty": 0.5, "repetition_penalty": 1.4}
     async with (
-        serving(repository) as url,
+        served(repository, ("lm", "lm-rp"), kv_cache_mb=32) as url,
         openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client,
         httpx.AsyncClient(base_url=url) as http,
     ):
@@ -220,7 +191,7 @@ async def test_penalties_out_of_range_are_400_in_openai_s_shape_naming_the_field
 ) -> None:
     refusals = []
     async with (
-        serving(repository) as url,
+        served(repository, ("lm", "lm-rp"), kv_cache_mb=32) as url,
         openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client,
     ):
         for fields, param, words in OUT_OF_RANGE:
