@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import statistics
 import sys
 import tempfile
@@ -235,13 +236,14 @@ async def stream(
     server: Server,
     prompt: str,
     on_first: Callable[[], None] = lambda: None,
+    max_tokens: int = NEW_TOKENS,
 ) -> Stream:
-    """One streamed completion of ``NEW_TOKENS`` tokens, read event by event; ``on_first``
+    """One streamed completion of ``max_tokens`` tokens, read event by event; ``on_first``
     is called when its first text comes."""
     body = {
         "model": server.model,
         "prompt": prompt,
-        "max_tokens": NEW_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -281,6 +283,10 @@ class Load:
     probe: bool = False
     """Whether one more request at a time is sent and only its time to first token kept
     (the ``streams`` then run beside it)."""
+    stream_tokens: tuple[int, int] = (NEW_TOKENS, NEW_TOKENS)
+    """The ``max_tokens`` of each stream's requests, drawn in this range (seeded per stream);
+    a probe asks for ``NEW_TOKENS``. Equal bounds make every stream end and start again in
+    the same step, their prefills together."""
 
     @property
     def name(self) -> str:
@@ -340,13 +346,15 @@ async def run_load(
         async def one_client(offset: int) -> None:
             nonlocal sent
             turn = offset
+            lengths = random.Random(offset)
             while sent < MAX_REQUESTS and (
                 time.perf_counter() < end_s or (load.probe and not probed.is_set())
             ):
                 sent += 1
                 prompt = pool[turn % len(pool)]
                 try:
-                    done.append(await stream(session, server, prompt, on_first))
+                    max_tokens = lengths.randint(*load.stream_tokens)
+                    done.append(await stream(session, server, prompt, on_first, max_tokens))
                 except (RuntimeError, aiohttp.ClientError, TimeoutError) as error:
                     errors.append(str(error))
                 turn += load.streams
@@ -385,9 +393,10 @@ async def run_load(
     )
 
 
-def loads(streams: Sequence[int]) -> list[Load]:
-    measured = [Load(count) for count in streams]
-    return [*measured, Load(0, probe=True), Load(BACKGROUND_STREAMS, probe=True)]
+def loads(streams: Sequence[int], stream_tokens: tuple[int, int]) -> list[Load]:
+    measured = [Load(count, stream_tokens=stream_tokens) for count in streams]
+    beside = Load(BACKGROUND_STREAMS, probe=True, stream_tokens=stream_tokens)
+    return [*measured, Load(0, probe=True), beside]
 
 
 def compare_report(
@@ -396,6 +405,7 @@ def compare_report(
     rounds: int,
     duration_s: float,
     streams: Sequence[int],
+    stream_tokens: tuple[int, int] = (NEW_TOKENS, NEW_TOKENS),
 ) -> list[str]:
     results: dict[tuple[str, str], list[LoadResult]] = {}
     names: list[str] = []
@@ -411,7 +421,7 @@ def compare_report(
             print(f"{server.name}: warmed up", file=sys.stderr, flush=True)
             names.append(server.name)
         for round_index in range(rounds):
-            for load in loads(streams):
+            for load in loads(streams, stream_tokens):
                 for server in running:
                     result = asyncio.run(run_load(server, load, pool, duration_s))
                     results.setdefault((server.name, load.name), []).append(result)
@@ -422,16 +432,22 @@ def compare_report(
                         file=sys.stderr,
                         flush=True,
                     )
+    low, high = stream_tokens
+    new_tokens = (
+        str(NEW_TOKENS)
+        if low == high == NEW_TOKENS
+        else f"{low} to {high} (a stream's requests) or {NEW_TOKENS} (a new request)"
+    )
     lines = [
         f"{rounds} round(s) of {duration_s:.0f} s per load and server, medians over rounds; "
         f"closed-loop aiohttp streams on 127.0.0.1, prompts of {SHORTEST_PROMPT} to "
-        f"{LONGEST_PROMPT} tokens, {NEW_TOKENS} new tokens, greedy.",
+        f"{LONGEST_PROMPT} tokens, {new_tokens} new tokens, greedy.",
         "",
         "| load | server | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
         "| requests | tokens/request | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for load in loads(streams):
+    for load in loads(streams, stream_tokens):
         for name in names:
             runs = results.get((name, load.name))
             if not runs:
@@ -457,6 +473,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=5.0)
     parser.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
     parser.add_argument("--workers", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--stream-tokens",
+        type=int,
+        nargs=2,
+        default=[NEW_TOKENS, NEW_TOKENS],
+        metavar=("LOW", "HIGH"),
+        help="max_tokens of the streams' requests, drawn in [LOW, HIGH] (default: 32 32, "
+        "every stream in step); the new request asks for 32",
+    )
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -492,7 +517,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.vllm is not None:
             started.append(vllm_serve(args.vllm, folder, scratch))
         pool = prompts(folder, 256, seed=7)
-        lines = compare_report(started, pool, args.rounds, args.duration_s, args.streams)
+        lines = compare_report(
+            started,
+            pool,
+            args.rounds,
+            args.duration_s,
+            args.streams,
+            (args.stream_tokens[0], args.stream_tokens[1]),
+        )
     print("\n".join([f"# Generation ({args.model})", "", *lines]))
     return 0
 
