@@ -117,6 +117,27 @@ class HangsOnValue(nn.Module):
         return 2 * x + 1
 
 
+#: The order in which the ``Recorded*`` models ran their forwards, by model name (on the
+#: device thread, so a test reads the device's order, not the order its clients resumed in).
+FORWARD_ORDER: list[str] = []
+
+
+class RecordedHangsOnValue(HangsOnValue):
+    """``HangsOnValue`` that appends ``"slow"`` to ``FORWARD_ORDER`` at each forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        FORWARD_ORDER.append("slow")
+        return super().forward(x)
+
+
+class RecordedAffine(AffineModel):
+    """``AffineModel`` that appends ``"quick"`` to ``FORWARD_ORDER`` at each forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        FORWARD_ORDER.append("quick")
+        return super().forward(x)
+
+
 class HangsWhileFileExists(nn.Module):
     """Returns ``2x + 1``, but blocks like a deadlocked kernel while any input equals
     ``HANG_VALUE`` and the file ``gate`` exists (at most 60 s): a hang that a test can end
