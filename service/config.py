@@ -138,7 +138,8 @@ class Settings(BaseSettings):
     ``cuda:N``, or a list of devices (``cuda:0,cuda:2``); one engine serves each device."""
 
     precision: Precision = "fp32"
-    """``fp32``, or autocast to ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA only)."""
+    """``fp32``, or autocast to ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA only); a causal
+    language model generates with its weights cast to that dtype once, at load."""
 
     compile_mode: CompileMode = "off"
     """``off``, or a ``torch.compile`` mode; compiling happens at load, before readiness."""

@@ -43,7 +43,7 @@ from service.engine.generation.sequences import (
 )
 from service.errors import InvalidInputError, QueueFullError
 
-_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class ContinuousBatch:
@@ -54,7 +54,8 @@ class ContinuousBatch:
     and no more than ``limits.max_running_sequences``. ``max_waiting_sequences``: how many
     may wait for a slot when every slot is taken (0: refuse with 429 as soon as the cache is
     full). ``eos_token_ids``: what ends a sequence (``model_limits.eos_token_ids``).
-    ``precision``: as the runner's (``bf16`` and ``fp16`` autocast the forwards).
+    ``precision``: ``bf16`` and ``fp16`` hold the model's weights in that dtype, cast once
+    here (``hold_in_precision``).
     """
 
     def __init__(
@@ -70,16 +71,16 @@ class ContinuousBatch:
     ) -> None:
         # A boolean 4-D mask is what scaled_dot_product_attention takes as given.
         model.set_attn_implementation("sdpa")
+        hold_in_precision(model, precision)
         self._model = model
         self._device: torch.device = next(model.parameters()).device
-        self._precision = precision_context(precision, self._device)
         self.limits = limits
         self.max_waiting_sequences = max_waiting_sequences
         self._eos_ids = frozenset(eos_token_ids)
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.context_tokens = context_tokens(model.config)
         slot_tokens = min(tokens_per_slot or self.context_tokens, self.context_tokens)
-        layout = probe_kv_layout(model, self._precision)
+        layout = probe_kv_layout(model)
         slots = min(
             slots_for_budget(layout, kv_budget_bytes, slot_tokens), limits.max_running_sequences
         )
@@ -208,8 +209,7 @@ class ContinuousBatch:
         if not chunks:
             return []
         with torch.inference_mode():
-            with self._precision():
-                prefilled, logits = self._prefill(chunks)
+            prefilled, logits = self._prefill(chunks)
             events = accept_next(prefilled, logits) if prefilled else []
         self._settle(prefilled, events)
         for sequence in prefilled:
@@ -229,8 +229,7 @@ class ContinuousBatch:
             for sequence in decoding
         ]
         with torch.inference_mode():
-            with self._precision():
-                logits = self._forward(rows)
+            logits = self._forward(rows)
             events = accept_next(decoding, logits)
         self._settle(decoding, events)
         return events
@@ -269,7 +268,7 @@ class ContinuousBatch:
             use_cache=True,
             logits_to_keep=1,
         )
-        logits: torch.Tensor = output.logits[:, -1, :]
+        logits: torch.Tensor = output.logits[:, -1, :].float()
         return logits
 
     def _place(self, sequence: RunningSequence) -> None:
@@ -316,11 +315,21 @@ class ContinuousBatch:
         del self._known[sequence.request.request_id]
 
 
+def hold_in_precision(model: torch.nn.Module, precision: Precision) -> None:
+    """Cast ``model``'s weights to ``precision``'s dtype (nothing for fp32), as ``transformers``
+    and vLLM load a model in bf16 or fp16. Autocast would cast every weight again at every
+    step, and a decode step's matrix products are small beside its weights: it would cost
+    more than the step itself."""
+    dtype = _DTYPES.get(precision)
+    if dtype is not None:
+        model.to(dtype)
+
+
 def precision_context(
     precision: Precision, device: torch.device
 ) -> Callable[[], AbstractContextManager[object]]:
     """What a forward runs under: nothing for fp32, else autocast to the precision's dtype."""
-    dtype = _AUTOCAST_DTYPES.get(precision)
+    dtype = _DTYPES.get(precision)
     if dtype is None:
         return nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)

@@ -16,8 +16,6 @@ mask as given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +41,14 @@ class KVLayout:
         return sum(heads * (key + value) * element for heads, key, value in per_layer)
 
 
-def probe_kv_layout(
-    model: torch.nn.Module, precision: Callable[[], AbstractContextManager[object]]
-) -> KVLayout:
-    """Run ``model`` on one token with a ``DynamicCache`` (under ``precision``, the autocast
-    the forwards run under) and read the shapes and dtype of what it cached: no
-    per-architecture config names to know (``n_head`` or ``num_key_value_heads``,
-    ``head_dim``)."""
+def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
+    """Run ``model`` on one token with a ``DynamicCache`` and read the shapes and dtype of
+    what it cached: no per-architecture config names to know (``n_head`` or
+    ``num_key_value_heads``, ``head_dim``)."""
     device = next(model.parameters()).device
     probe = DynamicCache()
     token = torch.zeros((1, 1), dtype=torch.long, device=device)
-    with torch.inference_mode(), precision():
+    with torch.inference_mode():
         model(input_ids=token, cache=probe, use_cache=True)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
