@@ -14,16 +14,20 @@ from ``--vllm`` (their own dependencies, never this one's). For each round, each
 server: ``--duration-s`` of closed-loop streaming clients (aiohttp, one process) on OpenAI's
 ``/v1/completions`` with ``stream: true``, ``ignore_eos`` and ``max_tokens`` 32, prompts of
 16 to 32 tokens. Loads: 1, 16 and 64 streams; and the time to first token of one request at
-a time, alone and while 16 streams run. Reports tokens per second (the tokens the servers
-counted in ``usage``), time to first token and inter-token latency p50/p99 (a stream's time
-from its first text to its last over its tokens less one), medians over rounds.
+a time, alone and while 16 streams run (sent from a process of its own, so that its times are not
+those of the streams' client event loop, busy reading thousands of events a second). Reports
+tokens per second (the tokens the servers counted in ``usage``), time to first token and
+inter-token latency p50/p99 (a stream's time from its first text to its last over its tokens
+less one), medians over rounds, and the time to first token beside the streams over alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
+import multiprocessing
 import random
 import statistics
 import sys
@@ -322,12 +326,51 @@ def percentiles(values: Sequence[float]) -> tuple[float, float]:
     return float(p50), float(p99)
 
 
+def probe_requests(
+    server: Server, prompts: Sequence[str], duration_s: float
+) -> tuple[list[Stream], list[str]]:
+    """One request at a time for ``duration_s``, at least one (in the ``prober`` process, with
+    an event loop of its own); the streams and the errors."""
+
+    async def probing() -> tuple[list[Stream], list[str]]:
+        sent: list[Stream] = []
+        errors: list[str] = []
+        end_s = time.perf_counter() + duration_s
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            turn = 0
+            while turn == 0 or (time.perf_counter() < end_s and turn < MAX_REQUESTS):
+                try:
+                    sent.append(await stream(session, server, prompts[turn % len(prompts)]))
+                except (RuntimeError, aiohttp.ClientError, TimeoutError) as error:
+                    errors.append(str(error))
+                turn += 1
+        return sent, errors
+
+    return asyncio.run(probing())
+
+
+def new_prober() -> concurrent.futures.ProcessPoolExecutor:
+    """The process the new requests of the probe loads are sent from (started now, so that
+    its start is not in a load's time)."""
+    prober = concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn")
+    )
+    prober.submit(time.perf_counter).result()
+    return prober
+
+
 async def run_load(
-    server: Server, load: Load, pool: Sequence[str], duration_s: float
+    server: Server,
+    load: Load,
+    pool: Sequence[str],
+    duration_s: float,
+    prober: concurrent.futures.ProcessPoolExecutor | None = None,
 ) -> LoadResult:
     """``load.streams`` closed-loop streams for ``duration_s`` (``MAX_REQUESTS`` at most); with
-    ``probe``, one request at a time beside them, sent once every stream has its first text,
-    at least one, the streams running until the last has ended."""
+    ``probe``, one request at a time beside them from ``prober``'s process, sent once every
+    stream has its first text, at least one, the streams running until the last has
+    ended."""
     done: list[Stream] = []
     probes: list[Stream] = []
     errors: list[str] = []
@@ -366,13 +409,13 @@ async def run_load(
         async def one_probe() -> None:
             if load.streams:
                 await started.wait()
-            turn = 0
-            while turn == 0 or (time.perf_counter() < end_s and turn < MAX_REQUESTS):
-                try:
-                    probes.append(await stream(session, server, pool[-1 - turn % len(pool)]))
-                except (RuntimeError, aiohttp.ClientError, TimeoutError) as error:
-                    errors.append(str(error))
-                turn += 1
+            assert prober is not None
+            remaining_s = max(0.0, end_s - time.perf_counter())
+            sent_probes, failed = await asyncio.get_running_loop().run_in_executor(
+                prober, probe_requests, server, list(pool[::-1]), remaining_s
+            )
+            probes.extend(sent_probes)
+            errors.extend(failed)
             probed.set()
 
         tasks = [one_client(offset) for offset in range(load.streams)]
@@ -414,6 +457,7 @@ def compare_report(
     results: dict[tuple[str, str], list[LoadResult]] = {}
     names: list[str] = []
     with contextlib.ExitStack() as stack:
+        prober = stack.enter_context(new_prober())
         running: list[Server] = []
         for manager in started:
             try:
@@ -427,12 +471,12 @@ def compare_report(
         for round_index in range(rounds):
             for load in loads(streams, stream_tokens):
                 for server in running:
-                    result = asyncio.run(run_load(server, load, pool, duration_s))
+                    result = asyncio.run(run_load(server, load, pool, duration_s, prober))
                     results.setdefault((server.name, load.name), []).append(result)
                     print(
                         f"round {round_index} {server.name} {load.name}: "
                         f"{result.tokens_per_s:,.0f} tokens/s, "
-                        f"TTFT p50 {result.ttft_p50_ms:.0f} ms",
+                        f"TTFT p50 {result.ttft_p50_ms:.1f} ms",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -459,13 +503,37 @@ def compare_report(
             rate = statistics.median(r.tokens_per_s for r in runs)
             lines.append(
                 f"| {load.name} | {name} | {f'{rate:,.0f}' if load.streams else '-'} | "
-                f"{statistics.median(r.ttft_p50_ms for r in runs):.0f} | "
+                f"{statistics.median(r.ttft_p50_ms for r in runs):.1f} | "
                 f"{statistics.median(r.ttft_p99_ms for r in runs):.0f} | "
                 f"{statistics.median(r.itl_p50_ms for r in runs):.1f} | "
                 f"{statistics.median(r.itl_p99_ms for r in runs):.1f} | "
                 f"{sum(r.requests for r in runs)} | "
                 f"{statistics.median(r.tokens_per_request for r in runs):.1f} | "
                 f"{sum(r.errors for r in runs)} |"
+            )
+    lines += ["", *ttft_ratios(results, names, stream_tokens)]
+    return lines
+
+
+def ttft_ratios(
+    results: dict[tuple[str, str], list[LoadResult]],
+    names: Sequence[str],
+    stream_tokens: tuple[int, int],
+) -> list[str]:
+    """Per server, the time to first token (p50) of a new request beside the streams over its
+    time alone, round by round (the runs of one round are minutes apart at most, so the
+    machine's drift cancels) and their median."""
+    *_, alone_load, beside_load = loads([], stream_tokens)
+    lines = []
+    for name in names:
+        alone = results.get((name, alone_load.name), [])
+        beside = results.get((name, beside_load.name), [])
+        ratios = [b.ttft_p50_ms / a.ttft_p50_ms for a, b in zip(alone, beside, strict=False)]
+        if ratios:
+            rounds = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+            lines.append(
+                f"- {name}: TTFT p50 beside {beside_load.streams} streams over alone, per "
+                f"round {rounds}; median {statistics.median(ratios):.2f}x"
             )
     return lines
 

@@ -665,3 +665,5 @@ def test_the_generation_benchmark_measures_streams_of_the_tokens_asked(
         assert 0 < float(itl50) <= float(itl99) < 120_000, load
     assert float(rows[0][2].replace(",", "")) > 0
     assert float(rows[2][2].replace(",", "")) > 0
+    ratio = f"- batchserve: TTFT p50 beside {generation.BACKGROUND_STREAMS} streams over alone"
+    assert any(line.startswith(ratio) for line in report.splitlines())
