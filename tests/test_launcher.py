@@ -58,6 +58,14 @@ def test_flags_reach_every_process_as_environment_variables() -> None:
     }
 
 
+def test_a_list_reaches_a_process_as_the_settings_read_it() -> None:
+    for models in [(), ("digits",), ("digits", "textenc@ba5b32c1c5e8")]:
+        variables = settings_environment({"models": models})
+        assert Settings(_env_file=None, **{"models": variables["BATCHSERVE_MODELS"]}).models == (
+            models
+        )
+
+
 def test_gunicorn_waits_for_the_drain_and_the_longest_request() -> None:
     settings = Settings(request_timeout_ms=10_000, drain_delay_s=2.5)
     assert (

@@ -451,6 +451,59 @@ def test_a_run_stopped_leaves_only_valid_lines_and_resume_completes_it(
         assert_same_answer(got[index], answer)
 
 
+@pytest.mark.slow
+def test_an_engine_killed_mid_run_ends_it_with_its_answers_kept_and_no_row_failed(
+    tmp_path: Path,
+) -> None:
+    rows = digit_rows(10_000, seed=7)
+    source = tmp_path / "in.npy"
+    np.save(source, rows)
+    output = tmp_path / "out.jsonl"
+    command = [
+        sys.executable, "-m", "service.server.cli", "predict", "--model", "digits",
+        "--input", str(source), "--output", str(output),
+    ]  # fmt: skip
+    slow = {**os.environ, "BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_MAX_BATCH_SIZE": "1"}
+    run = subprocess.Popen(command, env=slow, stderr=subprocess.PIPE)
+    try:
+        deadline_s = time.monotonic() + 120
+        while not (output.exists() and output.read_bytes().count(b"\n") >= 100):
+            assert run.poll() is None, "the run ended before its engine could be killed"
+            assert time.monotonic() < deadline_s, "no 100 rows written within 120 s"
+            time.sleep(0.05)
+        (engine,) = child_pids(run.pid)
+        os.kill(engine, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=60)
+    finally:
+        run.kill()
+        run.wait()
+
+    assert run.returncode == 1, stderr.decode()
+    written = output.read_bytes()
+    lines = written.count(b"\n")
+    said = f"the engine process was killed (SIGKILL); {lines:,} rows in {output}, resume with"
+    assert said in stderr.decode()
+    got = records_of(written)  # every line whole, none an error of the engine's loss
+    assert [record["row"] for record in got] == list(range(lines))
+    assert all("prediction" in record for record in got)
+    assert lines < len(rows)
+
+
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            children.append(int(entry.name))
+    return children
+
+
 def records_of(data: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.splitlines()]
 

@@ -32,11 +32,14 @@ def test_chunks_are_read_while_the_event_loop_goes_on_running(tmp_path: Path) ->
     chunks = [ArrayRows(start, {"image": rows[start : start + 64]}) for start in (0, 64, 128)]
     path = tmp_path / "out.jsonl"
     output = OutputFile(path, resume=False, model="digits", version=DIGITS.version)
-    settings = Settings(device="cpu", model_name="digits", model_version=DIGITS.version)
+    overrides = {"device": "cpu", "model_name": "digits", "model_version": DIGITS.version}
+    settings = Settings(**overrides)
 
     async def run() -> SourceReadWhileTheLoopRuns:
         source = SourceReadWhileTheLoopRuns(chunks, asyncio.get_running_loop(), LOOP_TURN_LIMIT_S)
-        await predict_file(settings, source, "npy", output, Progress(150, 0, io.StringIO()))
+        await predict_file(
+            settings, overrides, source, "npy", output, Progress(150, 0, io.StringIO())
+        )
         return source
 
     source = asyncio.run(run())

@@ -17,8 +17,14 @@ from service.metrics import MULTIPROCESS_DIR_ENV
 
 
 def settings_environment(overrides: Mapping[str, object]) -> dict[str, str]:
-    """Command-line overrides as ``BATCHSERVE_*`` variables, for every process to read them."""
-    return {ENV_PREFIX + name.upper(): str(value) for name, value in overrides.items()}
+    """Command-line overrides as ``BATCHSERVE_*`` variables, for every process to read them
+    (a list as its items joined by commas, as ``models`` is written)."""
+    return {
+        ENV_PREFIX + name.upper(): (
+            ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
+        )
+        for name, value in overrides.items()
+    }
 
 
 def clear_multiprocess_dir(directory: Path) -> int:

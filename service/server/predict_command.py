@@ -1,5 +1,5 @@
-"""``batchserve predict``'s flags and its run: a file of inputs answered by the engine in this
-process (``service.server.predicting``, imported only when ``predict`` runs: it imports torch).
+"""``batchserve predict``'s flags and its run: a file of inputs answered by an engine process
+of its own (``service.server.predicting``), as ``batchserve serve --workers N`` runs it.
 The exit statuses are in the command's description; after a failure the output's complete
 lines are kept, and ``--resume`` continues it.
 """
@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from service.config import load_settings
+from service.config import ENV_PREFIX, load_settings
 from service.errors import ServiceError
 from service.processes import EXIT_STALLED
 from service.repository import ModelRepository
 from service.server.model_flags import add_model_flags
+from service.server.predicting.engine_process import EngineExitedError
 from service.server.predicting.output_file import OutputFile, OutputFileError
 from service.server.predicting.progress import Progress
+from service.server.predicting.run import ModelStalledError, predict_file
 from service.server.predicting.sources import (
     INPUT_FORMATS,
     InputFileError,
@@ -36,10 +37,10 @@ EXIT_INTERRUPTED = 130
 def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     predict = commands.add_parser(
         "predict",
-        help="answer a file of inputs with a model in this process (no HTTP): one JSON line "
-        "per row, in input order",
-        description="Runs the model as `batchserve serve` does (the same engine, batcher, "
-        "handler and validation, BATCHSERVE_* settings from the environment) over the rows "
+        help="answer a file of inputs with a model, no HTTP: one JSON line per row, in input order",
+        description="Runs the model as `batchserve serve` does (the same engine, in a process "
+        "of its own, batcher, handler and validation, BATCHSERVE_* settings from the "
+        "environment) over the rows "
         "of a file, and writes one JSON line per row: {row, model, version, prediction}, the "
         "prediction being what /predict answers that instance, or {row, model, version, "
         "error: {status, code, message}} for a row /predict would refuse. Input formats: "
@@ -47,7 +48,8 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "(rows along axis 0), npz (an array per input name), parquet (a column per input "
         "name, or one column; needs the batch extra). Exit status: 0 when every row was "
         "answered, 3 when some failed, 2 when a file cannot be used, 1 when the model cannot "
-        "be served, 70 when it hangs (stall_timeout_s), 130 when interrupted.",
+        "be served or its engine process was lost, 70 when it hangs (stall_timeout_s), 130 "
+        "when interrupted.",
     )
     add_model_flags(predict, "version (default: latest, the newest packaged one)")
     predict.add_argument("--input", type=Path, required=True, help="the file of inputs")
@@ -76,13 +78,16 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 def run_predict(args: argparse.Namespace) -> int:
     """Answer ``--input`` into ``--output``; the exit status (the command's description). The
-    model, the files and a resumed output are checked before torch is imported."""
+    model, the files and a resumed output are checked before the engine process starts."""
     overrides: dict[str, object] = {"model_name": args.model, "models": ()}
+    if ENV_PREFIX + "LOG_LEVEL" not in os.environ:
+        overrides["log_level"] = "warning"  # the engine's progress is not the command's
     if args.repository is not None:
-        overrides["model_repository"] = args.repository
+        overrides["model_repository"] = args.repository.resolve()
     settings = load_settings(**overrides)
     manifest = ModelRepository(settings.model_repository).resolve(args.model, args.version)
-    settings = load_settings(**overrides, model_version=manifest.version)
+    overrides["model_version"] = manifest.version
+    settings = load_settings(**overrides)
     with ExitStack() as resources:
         try:
             format = input_format(args.input, args.input_format)
@@ -100,24 +105,23 @@ def run_predict(args: argparse.Namespace) -> int:
                 EXIT_UNUSABLE_FILE,
             )
         progress = Progress(source.rows, output.tally.rows, sys.stderr)
-        from service.server.predicting.run import ModelStalledError, predict_file
 
         def kept() -> str:
             return f"; {output.tally.rows:,} rows in {args.output}, resume with --resume"
 
         summary = None
         try:
-            summary = asyncio.run(predict_file(settings, source, format, output, progress))
+            summary = asyncio.run(
+                predict_file(settings, overrides, source, format, output, progress)
+            )
         except InputFileError as error:
             return _say(f"{error}{kept()}", EXIT_UNUSABLE_FILE)
         except ServiceError as error:  # the version's handler cannot be loaded
             return _say(error.message, 1)
         except ModelStalledError as error:
-            _say(f"{error}{kept()}", EXIT_STALLED)
-            logging.shutdown()
-            # The device thread is stuck in the model and would keep the interpreter from
-            # exiting.
-            os._exit(EXIT_STALLED)
+            return _say(f"{error}{kept()}", EXIT_STALLED)
+        except EngineExitedError as error:
+            return _say(f"{error}{kept()}", 1)
         except KeyboardInterrupt:
             return _say(f"interrupted{kept()}", EXIT_INTERRUPTED)
         finally:

@@ -1,14 +1,13 @@
 """The feeder of ``batchserve predict``: one thread that reads, prepares and writes the rows,
-so that the event loop runs only the engine.
+so that the event loop only sends chunks to the engine and takes their answers.
 
 Everything a row costs outside the forward (reading it, parsing and checking it, turning its
 answer into a line and writing that line) holds the GIL for a while. On the event loop, that
-work delayed the start of each next batch until the loop's current step ended, and the device
-waited. Done in this thread, it no longer holds up the loop's steps: the loop, idle when a
-batch ends, starts the next one as soon as it gets the GIL, and the chunks queued keep a batch
-ready meanwhile. The rows still go through the engine's batcher one chunk a request
-(``run.ChunkAnswers``), so its policy, the handlers and the version recorded per row stay the
-path of ``/predict``.
+work would delay sending the next chunk and reading the answers until the loop's current
+step ended. Done in this thread, it no longer holds up the loop's steps, and the chunks in
+flight keep a batch queued in the engine meanwhile. The rows still go through the engine's
+batcher one chunk a request (``run.ChunkAnswers``), so its policy, the handlers and the
+version recorded per row stay the path of ``/predict``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
-"""A file's rows through the engine in this process, answered in order.
+"""A file's rows through an engine process, answered in order.
 
-The model is loaded as ``batchserve serve`` loads it in one process (``single.loaded``).
-Chunks of ``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body:
-by the feeder thread (``feeder``), or in the handler threads for a handler of the model's own.
+The model is loaded and run as ``batchserve serve --workers N`` runs it, by an engine process
+per device (``engine_process``); this process is their front end without HTTP. Chunks of
+``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body: by the
+feeder thread (``feeder``), or in the handler threads for a handler of the model's own.
 On the event loop, each is queued as one request through ``HeldRequest.infer``, the one path
 of every entry point (``ChunkAnswers``). A window of chunks is in flight at once: enough to
 keep the device's batches full while the next chunks are read and prepared, few enough that
 the queue never refuses them and the memory held is a few chunks, whatever the file's size.
 The feeder writes the answers as each oldest chunk completes, so the output is in input
-order. Rows have no deadline; a model that hangs is caught by ``stall_timeout_s``, which
-stops the feeder.
+order. Rows have no deadline; a model that hangs is caught by ``stall_timeout_s`` in its
+engine, which exits; an engine that ends stops the run, its answers written so far kept,
+and no row is written as failed for it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,16 +27,21 @@ from typing import Any, TypeVar
 
 from service.bridge.interface import InferenceResult, ModelInfo
 from service.config import Settings
-from service.errors import ServiceError
+from service.errors import EngineUnavailableError, ServiceError
 from service.frontend.preprocessing import handler_thread_count
 from service.frontend.requests import Deadline, HeldRequest
 from service.frontend.state import FrontendState
+from service.processes import EXIT_STALLED
+from service.server.predicting.engine_process import (
+    STOP_GRACE_S,
+    EngineExitedError,
+    engine_processes,
+)
 from service.server.predicting.feeder import Answered, Computed, Feeder, Refused
 from service.server.predicting.output_file import OutputFile
 from service.server.predicting.progress import Progress
 from service.server.predicting.rows import RowPreparer, RowsRequest
 from service.server.predicting.sources import Chunk, InputFileError, Source
-from service.server.single import loaded
 
 T = TypeVar("T")
 
@@ -73,19 +80,17 @@ def chunk_sizes(settings: Settings, prepared_in_threads: bool) -> tuple[int, int
 
 
 async def predict_file(
-    settings: Settings, source: Source, format: str, output: OutputFile, progress: Progress
+    settings: Settings,
+    overrides: Mapping[str, object],
+    source: Source,
+    format: str,
+    output: OutputFile,
+    progress: Progress,
 ) -> Summary:
-    """Answer the rows of ``source`` not in ``output`` yet, appending their lines."""
-    main = asyncio.current_task()
-    stalled: list[bool] = []
-
-    def on_stall() -> None:
-        stalled.append(True)
-        if main is not None:
-            main.cancel()
-
-    async with loaded(settings, on_stall) as app:
-        frontend: FrontendState = app.state.frontend
+    """Answer the rows of ``source`` not in ``output`` yet, appending their lines;
+    ``overrides``: the command's settings, for the engine processes."""
+    async with engine_processes(settings, overrides) as engines:
+        frontend = engines.frontend
         model = frontend.serving_model(settings.model_name)
         preparer = RowPreparer(frontend.handler_for(model), model.manifest)
         problem = preparer.unreadable(format)
@@ -100,23 +105,36 @@ async def predict_file(
         with ThreadPoolExecutor(1, thread_name_prefix="batchserve-feeder") as thread:
             feeding = loop.run_in_executor(thread, feeder.run, source, output, progress)
             try:
-                await asyncio.shield(feeding)
-            except asyncio.CancelledError:
-                feeder.stop()
-                await asyncio.wait([feeding])
-                if stalled:
-                    raise ModelStalledError(
-                        f"a batch of {model.manifest.label} ran longer than stall_timeout_s "
-                        f"({settings.stall_timeout_s:g} s): the model hangs"
-                    ) from None
-                raise
+                ending: list[asyncio.Future[Any]] = [feeding, *engines.exits]
+                await asyncio.wait(ending, return_when=asyncio.FIRST_COMPLETED)
+                if not feeding.done():  # an engine ended first
+                    raise _engine_ended(engines.exit_status(), model, settings)
+                try:
+                    feeding.result()
+                except EngineUnavailableError:  # its connection was lost: it ended, or hangs
+                    status = await engines.exit_status_within(STOP_GRACE_S)
+                    raise _engine_ended(status, model, settings) from None
             finally:
+                if not feeding.done():
+                    feeder.stop()
+                    await asyncio.wait([feeding])
                 await answering.settle()
         return Summary(
             model.manifest.label,
             output.tally.rows - output.resumed_rows,
             time.monotonic() - started_s,
         )
+
+
+def _engine_ended(status: int | None, model: ModelInfo, settings: Settings) -> Exception:
+    """The error to end the run with once the engine was lost (``status``: its exit status,
+    None while it still runs)."""
+    if status == EXIT_STALLED:
+        return ModelStalledError(
+            f"a batch of {model.manifest.label} ran longer than stall_timeout_s "
+            f"({settings.stall_timeout_s:g} s): the model hangs"
+        )
+    return EngineExitedError(status)
 
 
 class ChunkAnswers:
@@ -139,6 +157,8 @@ class ChunkAnswers:
             if isinstance(prepared, RowsRequest):
                 try:
                     return Answered(prepared, await self._infer(prepared))
+                except EngineUnavailableError:
+                    raise  # no row's fault: the run ends
                 except ServiceError:
                     pass  # some row, or the chunk as a whole, failed: each row is run alone
             return await self._alone(chunk)
@@ -163,6 +183,8 @@ class ChunkAnswers:
             return Refused(row, prepared)
         try:
             return Answered(prepared, await self._infer(prepared))
+        except EngineUnavailableError:
+            raise
         except ServiceError as error:
             return Refused(row, error)
 
