@@ -300,7 +300,33 @@ print(max(range(len(row)), key=row.__getitem__) if status == "200" else "none")'
     container=""
 }
 
+# A file of inputs through `batchserve predict` (its engine in a process of its own), as the
+# image's user: 100 rows of the zero, each answered as class 0.
+predict_a_file() {
+    container=$(buildah from --pull=never --name "batchserve-smoke-$$-predict" "$IMAGE")
+    local rows=100 lines
+    "$PYTHON" -c 'import json, sys
+row = json.loads(sys.argv[1])["instances"][0]
+sys.stdout.write((json.dumps(row) + "\n") * int(sys.argv[2]))' "$zero" "$rows" >"$work/in.jsonl"
+    lines=$(buildah run -e BATCHSERVE_DEVICE=cpu "$container" -- sh -c \
+        'cat >/tmp/in.jsonl && batchserve predict --model digits --input /tmp/in.jsonl \
+            --output /tmp/out.jsonl >&2 && cat /tmp/out.jsonl' <"$work/in.jsonl" 2>"$work/predict.log") || {
+        cat "$work/predict.log" >&2
+        die "batchserve predict failed in the image (log above)"
+    }
+    "$PYTHON" -c 'import json, sys
+records = [json.loads(line) for line in sys.argv[1].splitlines()]
+classes = {max(range(10), key=r["prediction"].__getitem__) for r in records}
+assert [r["row"] for r in records] == list(range(int(sys.argv[2]))), "rows out of order or missing"
+assert classes == {0}, f"classes {classes}"' "$lines" "$rows" ||
+        die "batchserve predict answered otherwise: ${lines:0:200}"
+    ok "predict: $rows rows of a file answered in the image, each class 0; $(tail -n 1 "$work/predict.log" | cut -c 1-100)"
+    buildah rm "$container" >/dev/null
+    container=""
+}
+
 serve_and_stop 1
 serve_and_stop 2
-say "PASSED in $((SECONDS - started_s)) s: built, served alone and with front ends, classified a 0, drained on SIGTERM"
+predict_a_file
+say "PASSED in $((SECONDS - started_s)) s: built, served alone and with front ends, classified a 0, drained on SIGTERM, answered a file"
 echo "container_smoke: $passed passed, 0 failed"

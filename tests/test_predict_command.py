@@ -405,23 +405,10 @@ def test_a_run_stopped_leaves_only_valid_lines_and_resume_completes_it(
     tmp_path: Path, stop: signal.Signals, status: int
 ) -> None:
     rows = digit_rows(10_000, seed=6)
-    source = tmp_path / "in.npy"
-    np.save(source, rows)
-    output = tmp_path / "out.jsonl"
-    command = [
-        sys.executable, "-m", "service.server.cli", "predict", "--model", "digits",
-        "--input", str(source), "--output", str(output),
-    ]  # fmt: skip
+    command, output = digits_command(tmp_path, rows)
     environment = {**os.environ, "BATCHSERVE_DEVICE": "cpu"}
-    # Batches of one row: slow enough that the run is stopped half-way through.
-    slow = {**environment, "BATCHSERVE_MAX_BATCH_SIZE": "1"}
-    run = subprocess.Popen(command, env=slow, stderr=subprocess.PIPE)
+    run = slow_run_under_way(command, output)
     try:
-        deadline_s = time.monotonic() + 120
-        while not (output.exists() and output.read_bytes().count(b"\n") >= 100):
-            assert run.poll() is None, "the run ended before it could be stopped"
-            assert time.monotonic() < deadline_s, "no 100 rows written within 120 s"
-            time.sleep(0.05)
         run.send_signal(stop)
         _, stderr = run.communicate(timeout=60)
     finally:
@@ -456,21 +443,9 @@ def test_an_engine_killed_mid_run_ends_it_with_its_answers_kept_and_no_row_faile
     tmp_path: Path,
 ) -> None:
     rows = digit_rows(10_000, seed=7)
-    source = tmp_path / "in.npy"
-    np.save(source, rows)
-    output = tmp_path / "out.jsonl"
-    command = [
-        sys.executable, "-m", "service.server.cli", "predict", "--model", "digits",
-        "--input", str(source), "--output", str(output),
-    ]  # fmt: skip
-    slow = {**os.environ, "BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_MAX_BATCH_SIZE": "1"}
-    run = subprocess.Popen(command, env=slow, stderr=subprocess.PIPE)
+    command, output = digits_command(tmp_path, rows)
+    run = slow_run_under_way(command, output)
     try:
-        deadline_s = time.monotonic() + 120
-        while not (output.exists() and output.read_bytes().count(b"\n") >= 100):
-            assert run.poll() is None, "the run ended before its engine could be killed"
-            assert time.monotonic() < deadline_s, "no 100 rows written within 120 s"
-            time.sleep(0.05)
         (engine,) = child_pids(run.pid)
         os.kill(engine, signal.SIGKILL)
         _, stderr = run.communicate(timeout=60)
@@ -487,6 +462,36 @@ def test_an_engine_killed_mid_run_ends_it_with_its_answers_kept_and_no_row_faile
     assert [record["row"] for record in got] == list(range(lines))
     assert all("prediction" in record for record in got)
     assert lines < len(rows)
+
+
+def digits_command(tmp_path: Path, rows: np.ndarray) -> tuple[list[str], Path]:
+    """``batchserve predict`` over ``rows`` saved as ``.npy``, and its output's path."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows)
+    output = tmp_path / "out.jsonl"
+    command = [
+        sys.executable, "-m", "service.server.cli", "predict", "--model", "digits",
+        "--input", str(source), "--output", str(output),
+    ]  # fmt: skip
+    return command, output
+
+
+def slow_run_under_way(command: list[str], output: Path) -> subprocess.Popen[bytes]:
+    """``command`` started with batches of one row, slow enough to be stopped half-way
+    through, once it has written 100 rows; killed if it cannot get there."""
+    slow = {**os.environ, "BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_MAX_BATCH_SIZE": "1"}
+    run = subprocess.Popen(command, env=slow, stderr=subprocess.PIPE)
+    try:
+        deadline_s = time.monotonic() + 120
+        while not (output.exists() and output.read_bytes().count(b"\n") >= 100):
+            assert run.poll() is None, "the run ended before it could be stopped"
+            assert time.monotonic() < deadline_s, "no 100 rows written within 120 s"
+            time.sleep(0.05)
+    except BaseException:
+        run.kill()
+        run.wait()
+        raise
+    return run
 
 
 def child_pids(parent: int) -> list[int]:
