@@ -438,6 +438,29 @@ def test_a_run_stopped_leaves_only_valid_lines_and_resume_completes_it(
         assert_same_answer(got[index], answer)
 
 
+def test_weights_that_fail_their_check_end_the_run_before_any_row_with_the_reason(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    repository = tmp_path / "models"
+    copy_bundled_digits(repository)
+    weights = repository / "digits" / DIGITS.version / DIGITS.artifact
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one byte of a tensor flipped: the file no longer has its hash
+    weights.write_bytes(bytes(data))
+    source = write_jsonl(tmp_path / "in.jsonl", digit_rows(3).tolist())
+    output = tmp_path / "out.jsonl"
+
+    status = predict("--model", "digits", "--repository", repository, "--input", source,
+                     "--output", output)  # fmt: skip
+
+    assert status == 1
+    assert not output.exists()
+    printed = capfd.readouterr()
+    assert printed.out == ""  # the engine logs on stderr: stdout may be the output itself
+    assert "refusing to load" in printed.err  # the engine's log line: which file, which hash
+    assert "the engine process exited before it served the model" in printed.err
+
+
 @pytest.mark.slow
 def test_an_engine_killed_mid_run_ends_it_with_its_answers_kept_and_no_row_failed(
     tmp_path: Path,

@@ -2,11 +2,10 @@
 
 With the engine in the same process, the device thread shared one interpreter lock with the
 feeder and the event loop: each of the model's operators lets the lock go while it computes
-and then waits to take it back from whichever thread reads, prepares or writes rows, so a
-model of many small operators ran far slower than alone. Here the engine runs as
-``batchserve serve --workers N`` runs it (``service.engine.process``, one per device, the
-same settings), and this process, a front end without HTTP, only reads, prepares and writes:
-the forward has an interpreter to itself.
+and then waits to take it back from whichever thread reads, parses or writes rows. Here the
+engine runs as ``batchserve serve --workers N`` runs it (``service.engine.process``, one per
+device, the same settings), and this process, a front end without HTTP, reads, prepares and
+writes: the forward shares its interpreter only with the engine's own event loop.
 """
 
 from __future__ import annotations
@@ -42,6 +41,9 @@ from service.server.devices import count_cuda_devices, engine_devices
 from service.server.launcher import settings_environment
 from service.server.supervisor import engine_command
 
+#: This process's standard error, where the engines' logs go (its ``sys.stderr`` may be a
+#: stream without a file descriptor of its own).
+STDERR_FD = 2
 #: How long an engine asked to stop may take to drain before it is killed.
 STOP_GRACE_S = 10.0
 
@@ -83,8 +85,8 @@ async def engine_processes(
     settings: Settings, overrides: Mapping[str, object]
 ) -> AsyncIterator[EngineProcesses]:
     """An engine process per device serving the models of ``settings`` (``overrides``: the
-    command's own settings, passed on as ``BATCHSERVE_*`` variables), connected once every
-    one is ready; stopped on exit. ``ModelLoadError`` when the model cannot be loaded."""
+    command's own settings, passed on as ``BATCHSERVE_*`` variables), connected once one is
+    ready; stopped on exit. ``ModelLoadError`` when the model cannot be loaded."""
     run_dir = Path(tempfile.mkdtemp(prefix="batchserve-predict-"))
     environ = dict(os.environ) | settings_environment(overrides) | {RUN_DIR_ENV: str(run_dir)}
     devices = engine_devices(settings.device, count_cuda_devices)
@@ -110,6 +112,8 @@ async def engine_processes(
                     env=environ | variables,
                     preexec_fn=die_with_parent,
                     stdin=asyncio.subprocess.DEVNULL,
+                    # Its log on this command's stderr: stdout may be the output itself.
+                    stdout=STDERR_FD,
                     # Its own session: a terminal's Ctrl-C interrupts the run here, which then
                     # stops the engine (SIGTERM), rather than killing both at once.
                     start_new_session=True,
@@ -121,7 +125,9 @@ async def engine_processes(
         await asyncio.wait([settled, *exits], return_when=asyncio.FIRST_COMPLETED)
         if not settled.done():
             settled.cancel()
-            raise ModelLoadError("the engine process exited before it served the model")
+            raise ModelLoadError(
+                "the engine process exited before it served the model (its log above says why)"
+            )
         status = settled.result()
         if not status.ready:
             raise ModelLoadError(status.detail or "the model cannot be served")
