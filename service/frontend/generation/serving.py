@@ -57,7 +57,7 @@ async def off_loop(frontend: FrontendState, function: Callable[[], T]) -> T:
 
 #: Prompts of up to this many characters are tokenized on the event loop: beside busy streams,
 #: a hop to a handler thread and back costs far more than tokenizing them (measured in
-#: docs/generation.md, Performance).
+#: docs/bench/generation.md).
 SHORT_PROMPT_CHARS = 512
 
 
