@@ -70,13 +70,11 @@ def create_app(
 
 
 @contextlib.asynccontextmanager
-async def loaded(
-    settings: Settings, on_stall: Callable[[], None] | None = None
-) -> AsyncIterator[FastAPI]:
-    """``create_app``'s app with its models loaded and warmed up, as it serves, for the
-    commands that use it without HTTP (``predict``, ``tune``); shut down on exit.
+async def loaded(settings: Settings) -> AsyncIterator[FastAPI]:
+    """``create_app``'s app with its models loaded and warmed up, as it serves, for a command
+    that uses it without HTTP (``tune``'s model limit); shut down on exit.
     ``ModelLoadError`` when a model cannot be loaded."""
-    app = create_app(settings, on_stall=on_stall)
+    app = create_app(settings)
     async with app.router.lifespan_context(app):
         await app.state.loading
         engine: Engine = app.state.engine
