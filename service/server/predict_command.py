@@ -1,5 +1,6 @@
 """``batchserve predict``'s flags and its run: a file of inputs answered by an engine process
-of its own (``service.server.predicting``), as ``batchserve serve --workers N`` runs it.
+of its own (``service.server.predicting``, whose run is imported only when ``predict`` runs),
+as ``batchserve serve --workers N`` runs it.
 The exit statuses are in the command's description; after a failure the output's complete
 lines are kept, and ``--resume`` continues it.
 """
@@ -18,10 +19,8 @@ from service.errors import ServiceError
 from service.processes import EXIT_STALLED
 from service.repository import ModelRepository
 from service.server.model_flags import add_model_flags
-from service.server.predicting.engine_process import EngineExitedError
 from service.server.predicting.output_file import OutputFile, OutputFileError
 from service.server.predicting.progress import Progress
-from service.server.predicting.run import ModelStalledError, predict_file
 from service.server.predicting.sources import (
     INPUT_FORMATS,
     InputFileError,
@@ -105,6 +104,10 @@ def run_predict(args: argparse.Namespace) -> int:
                 EXIT_UNUSABLE_FILE,
             )
         progress = Progress(source.rows, output.tally.rows, sys.stderr)
+        # Imported only now: the front end's modules they bring take a tenth of a second,
+        # which every other command would pay at start-up.
+        from service.server.predicting.engine_process import EngineExitedError
+        from service.server.predicting.run import ModelStalledError, predict_file
 
         def kept() -> str:
             return f"; {output.tally.rows:,} rows in {args.output}, resume with --resume"
