@@ -191,6 +191,14 @@ class Settings(BaseSettings):
     measured cost to the long ones (see Benchmarks); a GPU's batches rarely reach it. 0: no
     quantum, batches bounded by ``max_batch_size`` and ``max_batch_tokens`` only."""
 
+    max_run_ms: float = Field(default=20.0, ge=0.0, le=10_000.0)
+    """While every group queued holds a full batch (an overload, or a file given to
+    ``batchserve predict``), the device is handed several of those batches at once, to run
+    back to back for up to this many milliseconds by their measured times: between them it
+    waits for no turn of the event loop, and the event loop does not share the interpreter
+    with the forward. A request that arrives meanwhile waits for the rest of the run. A group
+    still filling ends the run. With one device instance only. 0: one batch at a time."""
+
     max_queue_size: int = Field(default=2048, ge=1, le=1_000_000)
     """Most requests waiting in the queue; one more is answered 429 at once."""
 

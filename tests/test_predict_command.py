@@ -30,6 +30,7 @@ from service.packaging.package import Packager
 from service.processes import EXIT_STALLED
 from service.server.cli import main
 from service.server.predicting.progress import BAR_WIDTH, Progress
+from service.server.predicting.run import BATCHES_PER_CHUNK
 from service.server.single import create_app
 from tests.digits_versions import add_digits_version, copy_bundled_digits
 from tests.fixtures import lifespan
@@ -573,14 +574,21 @@ def test_a_model_that_hangs_ends_the_run_with_the_stalled_status(tmp_path: Path)
     gate = tmp_path / "gate"  # the model hangs on HANG_VALUE while this file exists
     gate.touch()
     package_hanging_model(repository, gate)
-    rows = [[1.0] * FEATURES] * 100 + [[HANG_VALUE] * FEATURES] + [[2.0] * FEATURES] * 10
+    chunk = BATCHES_PER_CHUNK * Settings().max_batch_size  # a request: answered at once
+    rows = [[1.0] * FEATURES] * (chunk + 100) + [[HANG_VALUE] * FEATURES] + [[2.0] * FEATURES] * 10
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     output = tmp_path / "out.jsonl"
     command = [
         sys.executable, "-m", "service.server.cli", "predict", "--model", "hangs",
         "--repository", str(repository), "--input", str(source), "--output", str(output),
     ]  # fmt: skip
-    environment = {**os.environ, "BATCHSERVE_DEVICE": "cpu", "BATCHSERVE_STALL_TIMEOUT_S": "1"}
+    environment = {
+        **os.environ,
+        "BATCHSERVE_DEVICE": "cpu",
+        "BATCHSERVE_STALL_TIMEOUT_S": "1",
+        # A batch at a time: a run of batches would hold the first chunk's with the hanging one.
+        "BATCHSERVE_MAX_RUN_MS": "0",
+    }
     try:
         run = subprocess.run(command, env=environment, capture_output=True, timeout=120)
     finally:
@@ -588,11 +596,11 @@ def test_a_model_that_hangs_ends_the_run_with_the_stalled_status(tmp_path: Path)
 
     assert run.returncode == EXIT_STALLED, run.stderr.decode()
     assert (
-        f"ran longer than stall_timeout_s (1 s): the model hangs; 64 rows in {output}, "
+        f"ran longer than stall_timeout_s (1 s): the model hangs; {chunk:,} rows in {output}, "
         "resume with --resume"
     ) in run.stderr.decode()
     got = records(output)  # the chunk before the hanging row's, whole
-    assert [record["row"] for record in got] == list(range(64))
+    assert [record["row"] for record in got] == list(range(chunk))
     assert {tuple(record["prediction"]) for record in got} == {(3.0,) * FEATURES}
 
 

@@ -65,6 +65,10 @@ class DeviceTurns:
         """No model holds the device, waits for it, or keeps it (``ANTICIPATION_S``)."""
         return self._holder is None and self._kept_for is None and not self._waiting
 
+    def waiting_besides(self, name: str) -> bool:
+        """A model other than ``name`` waits for the device."""
+        return any(waiting != name for waiting, _ in self._waiting)
+
     def used_s(self, name: str) -> float:
         """Device time ``name`` has had (lifted when it came back from idle)."""
         return self._used_s.get(name, 0.0)
@@ -180,6 +184,11 @@ class ModelTurns:
     def release(self) -> None:
         self._turns.release(self.name)
 
+    @property
+    def contended(self) -> bool:
+        """Another model waits for the device."""
+        return self._turns.waiting_besides(self.name)
+
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
         await self.acquire()
@@ -205,6 +214,11 @@ class HeldTurn:
         await self._turns.acquire()
         self._holding = True
         return True
+
+    @property
+    def contended(self) -> bool:
+        """Another model waits for the device."""
+        return self._turns is not None and self._turns.contended
 
     def release(self) -> None:
         if self._holding:

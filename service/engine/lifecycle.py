@@ -148,6 +148,7 @@ async def load_version(
         request_timeout_ms=settings.request_timeout_ms,
         max_batch_cost=settings.max_batch_tokens if edges else 0,
         max_batch_ms=settings.max_batch_ms,
+        max_run_ms=settings.max_run_ms,
         quantum_floor_cost=max((batch_group(manifest, b, edges)[1] for b in batches), default=0),
         stall_timeout_s=settings.stall_timeout_s,
         on_stall=state.report_stall,

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -75,12 +76,22 @@ def add_predict_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
     )
 
 
+def file_defaults(environ: Mapping[str, str]) -> dict[str, object]:
+    """The settings ``predict`` changes from the server's, unless ``environ`` sets them: the
+    engine logs warnings only (its progress is not the command's), and a partial batch never
+    waits for batch-mates (``max_wait_ms`` 0): the rows come a chunk of many batches at a time,
+    so those batch-mates are queued already, or not coming (the file's last rows)."""
+    defaults: dict[str, object] = {"log_level": "warning", "max_wait_ms": 0.0}
+    return {
+        name: value for name, value in defaults.items() if ENV_PREFIX + name.upper() not in environ
+    }
+
+
 def run_predict(args: argparse.Namespace) -> int:
     """Answer ``--input`` into ``--output``; the exit status (the command's description). The
     model, the files and a resumed output are checked before the engine process starts."""
     overrides: dict[str, object] = {"model_name": args.model, "models": ()}
-    if ENV_PREFIX + "LOG_LEVEL" not in os.environ:
-        overrides["log_level"] = "warning"  # the engine's progress is not the command's
+    overrides |= file_defaults(os.environ)
     if args.repository is not None:
         overrides["model_repository"] = args.repository.resolve()
     settings = load_settings(**overrides)

@@ -15,7 +15,7 @@ passed, is removed from the queue and never computed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Generic
 
@@ -40,6 +40,22 @@ from service.metrics import ModelMetrics
 from service.types import Priority
 
 
+def max_estimate(estimates: Iterable[float | None]) -> float | None:
+    """The longest of ``estimates``; None when any is unknown."""
+    longest = 0.0
+    for seconds in estimates:
+        if seconds is None:
+            return None
+        longest = max(longest, seconds)
+    return longest
+
+
+def joins_run(run_s: float | None, next_s: float | None, max_run_s: float) -> bool:
+    """Whether a batch expected to take ``next_s`` joins a run expected to take ``run_s``:
+    only while both are known and together they end within ``max_run_s``."""
+    return run_s is not None and next_s is not None and run_s + next_s <= max_run_s
+
+
 class DynamicBatcher(Generic[PayloadT, OutputT]):
     """Queues requests and runs them in batches through ``run_batch`` on ``executor``."""
 
@@ -62,12 +78,15 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         instances: int = 1,
         max_batch_ms: float = 0.0,
         quantum_floor_cost: int = 0,
+        max_run_ms: float = 0.0,
     ) -> None:
         """``policy``: when a batch goes (``policy.py``). ``turns``: this model's turns on a
         device shared with other models; a batch is taken once its turn has come, and runs
         within it. ``instances``: batches that may run at once (``instances.py``: the
         executor's threads). ``quantum_floor_cost``: padded positions a batch always may hold
-        whatever ``max_batch_ms`` says (one longest row)."""
+        whatever ``max_batch_ms`` says (one longest row). ``max_run_ms``: how long
+        full batches run back to back in one hand-off may be expected to take (0: one batch a
+        hand-off); with one instance only, so that each instance gets a batch of its own."""
         if max_batch_size < 1 or max_queue_size < 1:
             raise ValueError(
                 f"max_batch_size and max_queue_size must be at least 1, "
@@ -76,6 +95,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._clock = clock or MonotonicClock()
         self._policy = policy
         self._instances = instances
+        self._max_run_s = max_run_ms / 1e3 if instances == 1 else 0.0
         self._metrics = metrics
         self._max_batch_cost = max_batch_cost
         self._turn = HeldTurn(turns)
@@ -263,15 +283,19 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         running: set[asyncio.Task[None]] = set()
         try:
             while True:
-                while len(running) >= self._instances:  # collect once an instance is free
+                # Collect once an instance is free, or to queue the next run behind one.
+                while len(running) >= self._instances and not (
+                    len(running) == 1 and self._queues_ahead()
+                ):
                     await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 batch = await self._next_batch()
                 if batch is None:
                     break
-                if self._instances == 1:
-                    await self._run_and_release(batch)
+                run = self._run_of(batch)
+                if self._instances == 1 and not running and not self._queues_ahead():
+                    await self._run_and_release(run)
                 else:
-                    task = asyncio.get_running_loop().create_task(self._run_and_release(batch))
+                    task = asyncio.get_running_loop().create_task(self._run_and_release(run))
                     running.add(task)
                     task.add_done_callback(running.discard)
             if running:
@@ -282,12 +306,49 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             self._cancel_wakeup_timer()
             self._stall.close()
 
-    async def _run_and_release(self, batch: list[Entry]) -> None:
+    async def _run_and_release(self, run: list[list[Entry]]) -> None:
         try:
-            await self._run.run(batch)
+            await self._run.run(run)
         finally:
-            self._policy.answered(batch, self._clock.now())
+            self._policy.answered([entry for batch in run for entry in batch], self._clock.now())
             self._turn.release()
+
+    def _queues_ahead(self) -> bool:
+        """Whether the next run is handed to the device while one runs, to wait there: so the
+        device goes on to it at once, not after a turn of the event loop that answers the run
+        before. With runs (``max_run_ms``, one instance), while every group queued is ready
+        and no other model waits for the device."""
+        return (
+            self._max_run_s > 0
+            and bool(self._queue)
+            and not self._turn.contended
+            and all(self._policy.is_ready(g, self._target, self._limits) for g in self._queue)
+        )
+
+    def _run_of(self, first: list[Entry]) -> list[list[Entry]]:
+        """``first``, then more batches while every group queued is ready (full) and the run is
+        expected to end within ``max_run_ms``: the device runs them back to back in one
+        hand-off, without a turn of the event loop between them (``run.BatchRun``). A group
+        still filling stops the run, so that it never waits for more than one batch and the
+        run's time once it is due."""
+        run = [first]
+        if self._max_run_s <= 0:
+            return run
+        run_s = self.times.estimate(first[0].group, sum(entry.rows for entry in first))
+        while self._queue:
+            ready = [g for g in self._queue if self._policy.is_ready(g, self._target, self._limits)]
+            if len(ready) < len(self._queue.groups):  # one waits for rows: it may soon be due
+                break
+            rows = self._limits.row_limit
+            next_s = max_estimate(self.times.estimate(g.key, min(g.rows, rows)) for g in ready)
+            if not joins_run(run_s, next_s, self._max_run_s):
+                break
+            batch = self._take(ready, self._limits)
+            run.append(batch)
+            run_s = (run_s or 0.0) + (
+                self.times.estimate(batch[0].group, sum(entry.rows for entry in batch)) or 0.0
+            )
+        return run
 
     async def _next_batch(self) -> list[Entry] | None:
         """Wait for a batch worth running; ``None`` once draining and the queue is empty."""

@@ -13,18 +13,18 @@ the process can be replaced.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Generic, Protocol, Self, TypeVar
 
 from service import tracing
 from service.engine.batcher.clock import Clock, Timer
 from service.engine.batcher.estimates import BatchTimes
 from service.engine.batcher.queue import Entry, Outbox
-from service.engine.batcher.spans import BatchTracer
+from service.engine.batcher.spans import BatchTimings, BatchTracer
 from service.errors import (
     DeviceOutOfMemoryError,
     InferenceError,
@@ -106,6 +106,13 @@ class StallWatch:
                 self._timer = self._clock.call_at(now_s + self.stall_timeout_s, self._check)
         return self._batches
 
+    def began(self, batch: int, now_s: float) -> None:
+        """The batch numbered ``batch``, or the next batch of its run, began on the device at
+        ``now_s``: later than it was handed over when it waited there for another run. Called
+        from the device thread (a key already in the dict is set, under the GIL)."""
+        if batch in self._started_s:
+            self._started_s[batch] = now_s
+
     def finished(self, batch: int) -> None:
         """The batch numbered ``batch`` came back (or failed)."""
         self._started_s.pop(batch, None)
@@ -158,8 +165,30 @@ def failure_for(rows: int, request_id: str, error: Exception) -> ServiceError:
     return failure
 
 
+@dataclass(frozen=True, slots=True)
+class Ran(Generic[OutputT]):
+    """One batch of a run, as the device thread ran it."""
+
+    outputs: Sequence[OutputT | Exception] | Exception
+    """One output per payload, or what the batch as a whole raised."""
+    seconds: float
+    """Its forward, timed on the device thread: several models share that thread, so the time
+    a batch waited there for another model's is not its own."""
+    start_ns: int
+    end_ns: int
+    timings: BatchTimings | None
+    """The runner's timings of the batch it ran last, read just after this one."""
+
+
 class BatchRun(Generic[PayloadT, OutputT]):
-    """Runs batches of entries through ``run_batch`` on ``executor`` and answers them."""
+    """Runs batches of entries through ``run_batch`` on ``executor`` and answers them.
+
+    The collector hands over a run: one batch, or several full ones that the device runs back
+    to back in one hand-off (``collector.DynamicBatcher._run_of``), so that the device does not
+    wait for a turn of the event loop between them, and the event loop does not share the
+    interpreter with a forward between each. Each batch of a run is recorded, traced and
+    answered as a batch of its own; a batch that fails ends the run, and the batches after it
+    run afterwards each alone."""
 
     def __init__(
         self,
@@ -183,96 +212,148 @@ class BatchRun(Generic[PayloadT, OutputT]):
         self._stall = stall
         self._tracer = tracer
         self._outbox = outbox
-        self.running_until_s = 0.0
-        """When the batch running now should end, by its estimate (0: none running)."""
+        self._ends_s: dict[int, float] = {}
+        """When each run handed to the device should end, by its estimate, by its number."""
+        self._runs = 0
 
-    async def run(self, batch: list[Entry]) -> None:
-        """Run ``batch`` and answer each of its entries; never raises but ``CancelledError``."""
-        if not batch:
+    @property
+    def running_until_s(self) -> float:
+        """When the runs handed to the device should end, by their estimates (0: none)."""
+        return max(self._ends_s.values(), default=0.0)
+
+    async def run(self, batches: list[list[Entry]]) -> None:
+        """Run ``batches`` in order in one hand-off and answer each of their entries; never
+        raises but ``CancelledError``. Every entry's queue wait ends when the run starts."""
+        entries = [entry for batch in batches for entry in batch]
+        if not entries:
             return
         try:
             started_s = self._clock.now()
-            self._observe_queue_waits(batch, started_s)
+            self._observe_queue_waits(entries, started_s)
             if self._tracer is not None:
-                self._tracer.queue_waits(batch, started_s)
-            self._metrics.batch_sources.observe(len({entry.source for entry in batch}))
-            await self._isolating_failures(batch, started_s)
+                self._tracer.queue_waits(entries, started_s)
+            for batch in batches:
+                self._metrics.batch_sources.observe(len({entry.source for entry in batch}))
+            await self._isolating_failures(batches, started_s)
         except Exception:  # never let one batch stop the collector
             logger.exception("batch_failed_unexpectedly")
             with self._outbox:
-                for entry in batch:
+                for entry in entries:
                     entry.reject(InferenceError("internal error while running the batch"))
 
-    def _observe_queue_waits(self, batch: list[Entry], started_s: float) -> None:
+    def _observe_queue_waits(self, entries: list[Entry], started_s: float) -> None:
         queue_wait = self._metrics.queue_wait
-        for entry in batch:
+        for entry in entries:
             exemplar = None if entry.trace is None else tracing.exemplar_of(entry.trace)
             queue_wait.observe(started_s - entry.arrival_s, exemplar)
 
-    async def _isolating_failures(self, batch: list[Entry], now_s: float | None = None) -> None:
-        """Run ``batch``; if the forward raises, retry each half so only the culprit fails.
-        ``now_s``: the time the batch started, if just read (not for a retried half)."""
-        batch = [entry for entry in batch if not entry.done]
-        if not batch:
+    async def _isolating_failures(
+        self, batches: list[list[Entry]], now_s: float | None = None
+    ) -> None:
+        """Run ``batches``; if one raises, retry each half of it so only the culprit fails.
+        ``now_s``: the time the run started, if just read (not for a retry)."""
+        batches = [live for live in ([e for e in b if not e.done] for b in batches) if live]
+        if not batches:
             return
-        rows = sum(entry.rows for entry in batch)
-        self._metrics.batch_size.observe(rows)
-        traced = self._tracer.batch(batch, rows) if self._tracer else contextlib.nullcontext()
-        started_s = time.perf_counter()
-        try:
-            with traced:
-                outputs = await self._forward(
-                    [entry.payload for entry in batch], rows, batch[0].group, now_s
+        rows = [sum(entry.rows for entry in batch) for batch in batches]
+        for count in rows:
+            self._metrics.batch_size.observe(count)
+        ran = await self._forward(batches, rows, now_s)
+        for batch, count, result in zip(batches, rows, ran, strict=False):
+            if result is None:  # every request in it was answered before it ran
+                continue
+            outputs = result.outputs
+            if not isinstance(outputs, Exception) and len(outputs) != len(batch):
+                outputs = RuntimeError(
+                    f"run_batch returned {len(outputs)} outputs for {len(batch)}"
                 )
-            if len(outputs) != len(batch):
-                raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)}")
-        except Exception as error:
-            self._metrics.inference_latency.observe(time.perf_counter() - started_s)
-            if isinstance(error, DeviceOutOfMemoryError):
-                self._metrics.out_of_memory.inc()
-                self._row_limit.shrink(rows, self._clock.now())
-            if len(batch) == 1:
-                entry = batch[0]
-                with self._outbox:
-                    entry.reject(failure_for(entry.rows, entry.request_id, error))
-                return
-            self._metrics.batch_failures.inc()
-            middle = len(batch) // 2
-            await self._isolating_failures(batch[:middle])
-            await self._isolating_failures(batch[middle:])
+            self._metrics.inference_latency.observe(result.seconds)
+            if self._tracer is not None:
+                error = outputs if isinstance(outputs, Exception) else None
+                self._tracer.ran(
+                    batch, count, result.start_ns, result.end_ns, result.timings, error
+                )
+            if isinstance(outputs, Exception):
+                await self._failed(batch, count, outputs)
+                continue
+            self._times.record(batch[0].group, count, result.seconds)
+            with self._outbox:  # each front end's answers of this batch in one delivery
+                for entry, output in zip(batch, outputs, strict=True):
+                    if isinstance(output, Exception):  # a row the model failed on alone
+                        entry.reject(output)
+                    else:
+                        entry.resolve(output)
+        for batch in batches[len(ran) :]:  # not run: a batch before it failed
+            await self._isolating_failures([batch])
+
+    async def _failed(self, batch: list[Entry], rows: int, error: Exception) -> None:
+        """``batch`` raised ``error``: its one request is answered with it, or each half of
+        the batch runs again."""
+        if isinstance(error, DeviceOutOfMemoryError):
+            self._metrics.out_of_memory.inc()
+            self._row_limit.shrink(rows, self._clock.now())
+        if len(batch) == 1:
+            entry = batch[0]
+            with self._outbox:
+                entry.reject(failure_for(entry.rows, entry.request_id, error))
             return
-        self._metrics.inference_latency.observe(time.perf_counter() - started_s)
-        with self._outbox:  # each front end's answers of this batch in one delivery
-            for entry, output in zip(batch, outputs, strict=True):
-                if isinstance(output, Exception):  # a row the model failed on alone
-                    entry.reject(output)
-                else:
-                    entry.resolve(output)
+        self._metrics.batch_failures.inc()
+        middle = len(batch) // 2
+        await self._isolating_failures([batch[:middle]])
+        await self._isolating_failures([batch[middle:]])
 
     async def _forward(
-        self, payloads: list[PayloadT], rows: int, group: Hashable, now_s: float | None
-    ) -> Sequence[OutputT | Exception]:
-        """``run_batch`` in the executor, watched for a batch that never comes back."""
-        estimate_s = self._times.estimate(group, rows)
+        self, batches: list[list[Entry]], rows: list[int], now_s: float | None
+    ) -> list[Ran[OutputT] | None]:
+        """The run in the executor, watched for a batch that never comes back: a result for
+        each batch up to the first that failed (``_on_device``). The executor failing to run
+        it at all counts as its first batch failing."""
+        estimates_s = (
+            self._times.estimate(b[0].group, n) for b, n in zip(batches, rows, strict=True)
+        )
         if now_s is None:
             now_s = self._clock.now()
-        self.running_until_s = now_s + (estimate_s or 0.0)
-        # Cancelled (the collector stopped) before the device took it: it never runs.
-        running = asyncio.wrap_future(self._executor.submit(self._timed_run_batch, payloads))
+        self._runs += 1
+        number = self._runs
+        # A run handed over while another runs (``collector``) begins when that one ends.
+        begins_s = max(now_s, self.running_until_s)
+        self._ends_s[number] = begins_s + sum(seconds or 0.0 for seconds in estimates_s)
+        payloads = [[entry.payload for entry in batch] for batch in batches]
         watched = self._stall.started(now_s)
         try:
-            outputs, seconds = await running
+            # Cancelled (the collector stopped) before the device took it: it never runs.
+            running = self._executor.submit(self._on_device, batches, payloads, watched)
+            return await asyncio.wrap_future(running)
+        except Exception as error:
+            now_ns = time.time_ns()
+            return [Ran(error, 0.0, now_ns, now_ns, None)]
         finally:
-            self.running_until_s = 0.0
+            del self._ends_s[number]
             self._stall.finished(watched)
-        self._times.record(group, rows, seconds)
-        return outputs
 
-    def _timed_run_batch(
-        self, payloads: list[PayloadT]
-    ) -> tuple[Sequence[OutputT | Exception], float]:
-        """``run_batch`` and its duration, timed on the device thread: several models share
-        that thread, so the time a batch waited there for another model's is not its own."""
-        started_s = self._clock.now()
-        outputs = self._run_batch(payloads)
-        return outputs, self._clock.now() - started_s
+    def _on_device(
+        self, batches: list[list[Entry]], payloads: list[list[PayloadT]], watched: int
+    ) -> list[Ran[OutputT] | None]:
+        """Each batch through ``run_batch`` in turn, on the device thread, until one raises;
+        None for a batch whose every request was answered meanwhile (cancelled, past its
+        deadline, or failed in an earlier batch), which is not run. The stall watch's clock
+        (``watched``) starts again at each batch."""
+        ran: list[Ran[OutputT] | None] = []
+        for batch, inputs in zip(batches, payloads, strict=True):
+            if all(entry.done for entry in batch):
+                ran.append(None)
+                continue
+            start_ns = time.time_ns()
+            started_s = self._clock.now()
+            self._stall.began(watched, started_s)
+            outputs: Sequence[OutputT | Exception] | Exception
+            try:
+                outputs = self._run_batch(inputs)
+            except Exception as error:
+                outputs = error
+            timings = self._tracer.timings() if self._tracer is not None else None
+            seconds = self._clock.now() - started_s
+            ran.append(Ran(outputs, seconds, start_ns, time.time_ns(), timings))
+            if isinstance(outputs, Exception):
+                break
+        return ran

@@ -9,9 +9,8 @@ the request span. Nothing is recorded for a batch in which no request was sample
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,8 +18,6 @@ from opentelemetry import trace
 
 from service import tracing
 from service.manifest import Manifest
-
-_NOT_TRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,28 +97,27 @@ class BatchTracer:
             )
             span.end(end_time=started_ns)
 
-    def batch(
-        self, batch: Sequence[TracedWork], rows: int
-    ) -> contextlib.AbstractContextManager[None]:
-        """Around one forward of ``batch``: its span, current meanwhile (so log lines carry
-        it), linked to each sampled request in it; nothing when none is sampled."""
+    def ran(
+        self,
+        batch: Sequence[TracedWork],
+        rows: int,
+        start_ns: int,
+        end_ns: int,
+        timings: BatchTimings | None,
+        error: Exception | None,
+    ) -> None:
+        """The span of one forward of ``batch``, from ``start_ns`` to ``end_ns`` as the device
+        thread timed it, linked to each sampled request in it, with the runner's ``timings``
+        of it and the ``error`` it raised; nothing when none is sampled."""
         if tracing.current is None:
-            return _NOT_TRACED
+            return
         sampled = [work for work in batch if work.trace and tracing.is_sampled(work.trace)]
         if not sampled:
-            return _NOT_TRACED
-        return self._batch_span(batch, sampled, rows)
-
-    @contextlib.contextmanager
-    def _batch_span(
-        self, batch: Sequence[TracedWork], sampled: list[TracedWork], rows: int
-    ) -> Iterator[None]:
-        assert tracing.current is not None
+            return
         links = [
             trace.Link(tracing.span_context_from(work.trace or ""), {"batchserve.rows": work.rows})
             for work in sampled
         ]
-        start_ns = time.time_ns()
         span = tracing.current.engine_tracer.start_span(
             "batch",
             context=trace.set_span_in_context(trace.INVALID_SPAN),
@@ -139,17 +135,18 @@ class BatchTracer:
         traceparent = tracing.traceparent_of(span) or ""
         for work in sampled:
             work.batches += ((traceparent, work.rows),)
-        try:
-            with trace.use_span(span, end_on_exit=False, record_exception=True):
-                yield
-            self._record_phases(span, start_ns)
-        finally:
-            span.end()
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(
+                trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
+            )
+        elif timings is not None:
+            self._record_phases(span, timings, start_ns)
+        span.end(end_time=end_ns)
 
-    def _record_phases(self, span: trace.Span, start_ns: int) -> None:
+    def _record_phases(self, span: trace.Span, timings: BatchTimings, start_ns: int) -> None:
         """Child spans for the runner's phases, when the batch it ran last is this one."""
-        timings = self.timings()
-        if tracing.current is None or timings is None or timings.collate_ns < start_ns:
+        if tracing.current is None or timings.collate_ns < start_ns:
             return
         span.set_attribute("batchserve.batch.padded_rows", timings.padded_rows)
         span.set_attribute("batchserve.batch.padded_tokens", timings.padded_tokens)

@@ -2,7 +2,7 @@
 
 The model is loaded and run as ``batchserve serve --workers N`` runs it, by an engine process
 per device (``engine_process``); this process is their front end without HTTP. Chunks of
-``max_batch_size`` rows are prepared (``rows``) where ``/predict`` prepares a body: by the
+several batches of rows are prepared (``rows``) where ``/predict`` prepares a body: by the
 feeder thread (``feeder``), or in the handler threads for a handler of the model's own.
 On the event loop, each is queued as one request through ``HeldRequest.infer``, the one path
 of every entry point (``ChunkAnswers``). A window of chunks is in flight at once: enough to
@@ -45,9 +45,12 @@ from service.server.predicting.sources import Chunk, InputFileError, Source
 
 T = TypeVar("T")
 
+#: Batches of rows per chunk (a request), within ``max_instances_per_request``: the engine's
+#: event loop reads, admits and answers a request once for all its batches, and its queue holds
+#: full batches enough to run several in one hand-off (``max_run_ms``).
+BATCHES_PER_CHUNK = 16
 #: Chunks in flight per device instance: one running, and the next ones queued, so that a batch
-#: is ready when one ends even while the feeder waits for a core to submit the next chunk
-#: (four served more rows/s than two or three: see docs/bench/batching.md).
+#: is ready when one ends even while the feeder waits for a core to submit the next chunk.
 CHUNKS_PER_INSTANCE = 4
 #: A row's deadline: none (``HeldRequest`` names this source should one ever be reported).
 NO_DEADLINE = Deadline(math.inf, math.inf, "batchserve predict")
@@ -68,10 +71,11 @@ class Summary:
 
 
 def chunk_sizes(settings: Settings, prepared_in_threads: bool) -> tuple[int, int]:
-    """Rows per chunk (a batch), and chunks in flight: those the device instances run and
-    queue, and (``prepared_in_threads``: a handler's own preprocess) one being prepared in
-    each handler thread; never more than the queue holds if every row of them runs alone."""
-    rows = min(settings.max_batch_size, settings.max_instances_per_request)
+    """Rows per chunk (``BATCHES_PER_CHUNK`` batches), and chunks in flight: those the device
+    instances run and queue, and (``prepared_in_threads``: a handler's own preprocess) one
+    being prepared in each handler thread; never more than the queue holds if every row of
+    them runs alone."""
+    rows = min(settings.max_batch_size * BATCHES_PER_CHUNK, settings.max_instances_per_request)
     rows = min(rows, settings.max_queue_size)
     window = CHUNKS_PER_INSTANCE * settings.device_instances
     if prepared_in_threads:
