@@ -29,6 +29,7 @@ from service.manifest import HandlerSpec
 from service.packaging.package import Packager
 from service.processes import EXIT_STALLED
 from service.server.cli import main
+from service.server.predict_command import file_defaults
 from service.server.predicting.progress import BAR_WIDTH, Progress
 from service.server.predicting.run import BATCHES_PER_CHUNK
 from service.server.single import create_app
@@ -676,3 +677,9 @@ def test_parquet_columns_that_miss_an_input_are_refused_before_any_run(
     assert status == 2
     assert "has columns ['input_ids'] but not ['attention_mask']" in capsys.readouterr().err
     assert not output.exists()
+
+
+def test_predict_logs_warnings_and_never_waits_for_batch_mates_unless_told_otherwise() -> None:
+    assert file_defaults({}) == {"log_level": "warning", "max_wait_ms": 0.0}
+    assert file_defaults({"BATCHSERVE_MAX_WAIT_MS": "5"}) == {"log_level": "warning"}
+    assert file_defaults({"BATCHSERVE_LOG_LEVEL": "info", "BATCHSERVE_MAX_WAIT_MS": "5"}) == {}

@@ -52,8 +52,10 @@ def max_estimate(estimates: Iterable[float | None]) -> float | None:
 
 def joins_run(run_s: float | None, next_s: float | None, max_run_s: float) -> bool:
     """Whether a batch expected to take ``next_s`` joins a run expected to take ``run_s``:
-    only while both are known and together they end within ``max_run_s``."""
-    return run_s is not None and next_s is not None and run_s + next_s <= max_run_s
+    only while both are known and together they end within ``max_run_s`` (0: no runs)."""
+    if run_s is None or next_s is None:
+        return False
+    return max_run_s > 0 and run_s + next_s <= max_run_s
 
 
 class DynamicBatcher(Generic[PayloadT, OutputT]):
