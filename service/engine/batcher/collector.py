@@ -318,11 +318,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
     def _queues_ahead(self) -> bool:
         """Whether the next run is handed to the device while one runs, to wait there: so the
         device goes on to it at once, not after a turn of the event loop that answers the run
-        before. With runs (``max_run_ms``, one instance), while every group queued is ready
-        and no other model waits for the device."""
+        before. With runs (``max_run_ms``, one instance), while every group queued is ready,
+        no other model waits for the device, and the run on it is expected to end within
+        ``max_run_ms``: a batch is chosen (deadlines, priorities) at most that long before it
+        starts, and never behind a long batch, where the turn of the event loop costs little."""
         return (
             self._max_run_s > 0
             and bool(self._queue)
+            and self._run.running_until_s - self._clock.now() <= self._max_run_s
             and not self._turn.contended
             and all(self._policy.is_ready(g, self._target, self._limits) for g in self._queue)
         )
