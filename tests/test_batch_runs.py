@@ -213,3 +213,22 @@ async def test_another_model_waiting_for_the_device_is_seen_as_contention() -> N
     await waiting
     assert not mine.contended
     other.release()
+
+
+async def test_nothing_is_queued_behind_a_batch_longer_than_max_run_ms(
+    make_batcher: BatcherFactory,
+) -> None:
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    half_a_batch_ms = MEASURED_FORWARD_S * 1e3 / 2
+    batcher = make_batcher(model, executor=device, max_batch_size=2, max_run_ms=half_a_batch_ms)
+    tickets = [batcher.enqueue([row], group="g") for row in range(1, 7)]
+    for handed in range(3):  # a batch at a time, each chosen once the one before is back
+        await wait_until(lambda: device.pending == 1)
+        for _ in range(10):  # turns of the event loop: the collector would act in them
+            await asyncio.sleep(0)
+        assert device.pending == 1
+        assert batcher.queue_depth == 4 - 2 * handed
+        device.finish_next()
+    await wait_until(lambda: all(ticket.done for ticket in tickets))
+    assert model.batch_rows == [2, 2, 2]

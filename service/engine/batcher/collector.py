@@ -98,6 +98,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         self._policy = policy
         self._instances = instances
         self._max_run_s = max_run_ms / 1e3 if instances == 1 else 0.0
+        self._handed_s: float | None = None
+        """The expected time of the run handed to the device last (None: unknown)."""
         self._metrics = metrics
         self._max_batch_cost = max_batch_cost
         self._turn = HeldTurn(turns)
@@ -319,13 +321,14 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         """Whether the next run is handed to the device while one runs, to wait there: so the
         device goes on to it at once, not after a turn of the event loop that answers the run
         before. With runs (``max_run_ms``, one instance), while every group queued is ready,
-        no other model waits for the device, and the run on it is expected to end within
-        ``max_run_ms``: a batch is chosen (deadlines, priorities) at most that long before it
-        starts, and never behind a long batch, where the turn of the event loop costs little."""
+        no other model waits for the device, and the run handed over last is expected to take
+        at most ``max_run_ms``: a batch is chosen (deadlines, priorities) at most that long
+        before it starts, and never behind a long batch, where the turn of the event loop costs
+        little."""
         return (
-            self._max_run_s > 0
+            self._handed_s is not None
+            and self._handed_s <= self._max_run_s
             and bool(self._queue)
-            and self._run.running_until_s - self._clock.now() <= self._max_run_s
             and not self._turn.contended
             and all(self._policy.is_ready(g, self._target, self._limits) for g in self._queue)
         )
@@ -335,8 +338,9 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         expected to end within ``max_run_ms``: the device runs them back to back in one
         hand-off, without a turn of the event loop between them (``run.BatchRun``). A group
         still filling stops the run, so that it never waits for more than one batch and the
-        run's time once it is due."""
+        run's time once it is due. Keeps the run's expected time (``_handed_s``)."""
         run = [first]
+        self._handed_s = None
         if self._max_run_s <= 0:
             return run
         run_s = self.times.estimate(first[0].group, sum(entry.rows for entry in first))
@@ -353,6 +357,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             run_s = (run_s or 0.0) + (
                 self.times.estimate(batch[0].group, sum(entry.rows for entry in batch)) or 0.0
             )
+        self._handed_s = run_s
         return run
 
     async def _next_batch(self) -> list[Entry] | None:
