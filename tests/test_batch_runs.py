@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from service.engine.batcher.adaptive import AdaptivePolicy
 from service.engine.batcher.collector import joins_run, max_estimate
+from service.engine.batcher.policy import Target
 from service.engine.batcher.run import StallWatch
 from service.engine.device_turns import DeviceTurns
-from service.errors import InferenceError
+from service.errors import InferenceError, ServiceError
 from tests.fixtures import (
     MEASURED_FORWARD_S,
     BatcherFactory,
@@ -232,3 +234,72 @@ async def test_nothing_is_queued_behind_a_batch_longer_than_max_run_ms(
         device.finish_next()
     await wait_until(lambda: all(ticket.done for ticket in tickets))
     assert model.batch_rows == [2, 2, 2]
+
+
+async def test_a_run_whose_first_batch_came_out_empty_keeps_the_collector_serving() -> None:
+    """Every head of the ready group is too late to finish even alone when the device frees:
+    the batch taken is empty (they are answered 504), and the next requests are served."""
+    clock = SteppedClock()
+    factory = BatcherFactory(clock)
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = factory(model, executor=device, max_batch_size=2, max_run_ms=THREE_BATCHES_MS)
+    try:
+        first = asyncio.create_task(batcher.submit([100], group="g"))
+        await wait_until(lambda: device.pending == 1)
+        soon_s = clock.now() + 0.05
+        late = [batcher.enqueue([row], group="g", deadline_s=soon_s) for row in range(1, 5)]
+        clock.advance(0.05 - MEASURED_FORWARD_S / 2)  # not expired; too late to run (1 ms)
+        device.finish_next()
+        await first
+        await wait_until(lambda: all(ticket.done for ticket in late))
+        for ticket in late:
+            with pytest.raises(ServiceError) as refused:
+                await ticket.wait()
+            assert refused.value.status_code == 504
+        after = asyncio.create_task(batcher.submit([7], group="g"))
+        await device.finish_until(after.done)
+        assert await after == [[14]]
+        assert model.computed_rows == [100, 7]
+    finally:
+        await factory.aclose()
+
+
+class _BrokenPolicy(AdaptivePolicy):
+    """Chooses the first batch, then fails: a mistake in choosing batches."""
+
+    def __init__(self) -> None:
+        super().__init__(0.005)
+        self.targets = 0
+
+    def target(self, row_limit: int) -> Target:
+        self.targets += 1
+        if self.targets > 1:
+            raise RuntimeError("a bug in the policy")
+        return super().target(row_limit)
+
+
+async def test_a_collector_that_fails_reports_the_batcher_stalled_and_answers_the_queue(
+    make_batcher: BatcherFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    stalls: list[str] = []
+    model = RecordingDoubler()
+    device = ManualExecutor()
+    batcher = make_batcher(
+        model,
+        executor=device,
+        policy=_BrokenPolicy(),
+        on_stall=lambda: stalls.append("stalled"),
+    )
+    first = asyncio.create_task(batcher.submit([1], group="g"))
+    await wait_until(lambda: device.pending == 1)
+    queued = batcher.enqueue([2], group="g")
+    device.finish_next()
+    assert await first == [[2]]
+    with pytest.raises(ServiceError) as refused:
+        await queued.wait()
+    assert refused.value.status_code == 503
+    assert stalls == ["stalled"]
+    assert batcher.stalled
+    assert not batcher.accepting
+    assert "collector_failed" in caplog.text

@@ -15,6 +15,7 @@ passed, is removed from the queue and never computed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Generic
@@ -38,6 +39,8 @@ from service.engine.device_turns import HeldTurn, ModelTurns
 from service.errors import ServiceError
 from service.metrics import ModelMetrics
 from service.types import Priority
+
+logger = logging.getLogger("service.engine.batching")
 
 
 def max_estimate(estimates: Iterable[float | None]) -> float | None:
@@ -304,6 +307,17 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
                     task.add_done_callback(running.discard)
             if running:
                 await asyncio.wait(running)
+        except Exception:
+            # A mistake in choosing batches must not leave the queue unserved for ever: the
+            # batcher reports itself stalled, as with a hung model, so its process is replaced.
+            logger.exception("collector_failed")
+            self._stall.report()
+            queued = [
+                entry for group in self._queue for lane in group.lanes.values() for entry in lane
+            ]
+            with self._queue.outbox:
+                for entry in queued:
+                    entry.reject(self._admission.not_ready())
         finally:
             self._turn.release()
             self._deadlines.close()
@@ -341,7 +355,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
         run's time once it is due. Keeps the run's expected time (``_handed_s``)."""
         run = [first]
         self._handed_s = None
-        if self._max_run_s <= 0:
+        if self._max_run_s <= 0 or not first:  # empty: its heads were all gone or late
             return run
         run_s = self.times.estimate(first[0].group, sum(entry.rows for entry in first))
         while self._queue:
@@ -353,6 +367,8 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             if not joins_run(run_s, next_s, self._max_run_s):
                 break
             batch = self._take(ready, self._limits)
+            if not batch:
+                break
             run.append(batch)
             run_s = (run_s or 0.0) + (
                 self.times.estimate(batch[0].group, sum(entry.rows for entry in batch)) or 0.0

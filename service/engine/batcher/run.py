@@ -129,11 +129,12 @@ class StallWatch:
             return
         due_s = min(self._started_s.values()) + self.stall_timeout_s
         if self._clock.now() >= due_s:
-            self._report()
+            self.report()
         else:  # the batch it was armed for came back: watch the oldest still running
             self._timer = self._clock.call_at(due_s, self._check)
 
-    def _report(self) -> None:
+    def report(self) -> None:
+        """Mark the batcher stalled (once), and tell its owner, who replaces the process."""
         if self.stalled:
             return
         self.stalled = True
