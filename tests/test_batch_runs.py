@@ -17,8 +17,10 @@ from service.engine.device_turns import DeviceTurns
 from service.errors import InferenceError, ServiceError
 from tests.fixtures import (
     MEASURED_FORWARD_S,
+    Batcher,
     BatcherFactory,
     ManualExecutor,
+    Payload,
     PoisonModel,
     RecordingDoubler,
     SteppedClock,
@@ -34,6 +36,18 @@ async def make_batcher() -> AsyncIterator[BatcherFactory]:
     factory = BatcherFactory()
     yield factory
     await factory.aclose()
+
+
+async def busy_device(
+    make_batcher: BatcherFactory, model: RecordingDoubler
+) -> tuple[Batcher, ManualExecutor, asyncio.Task[list[Payload]]]:
+    """A batcher of 2-row batches and runs of up to three, its device busy with a first
+    request ([100]) until the test finishes it."""
+    device = ManualExecutor()
+    batcher = make_batcher(model, executor=device, max_batch_size=2, max_run_ms=THREE_BATCHES_MS)
+    first = asyncio.create_task(batcher.submit([100], group="g"))
+    await wait_until(lambda: device.pending == 1)
+    return batcher, device, first
 
 
 def test_a_batch_joins_a_run_only_while_both_are_known_and_end_within_the_bound() -> None:
@@ -52,10 +66,7 @@ async def test_full_batches_queued_behind_the_device_run_in_one_hand_off(
     make_batcher: BatcherFactory,
 ) -> None:
     model = RecordingDoubler()
-    device = ManualExecutor()
-    batcher = make_batcher(model, executor=device, max_batch_size=2, max_run_ms=THREE_BATCHES_MS)
-    first = asyncio.create_task(batcher.submit([100], group="g"))
-    await wait_until(lambda: device.pending == 1)
+    batcher, device, first = await busy_device(make_batcher, model)
     queued = [asyncio.create_task(batcher.submit([row], group="g")) for row in range(1, 9)]
     await wait_until(lambda: batcher.queue_depth == 8)
 
@@ -136,10 +147,7 @@ async def test_a_batch_that_fails_in_a_run_fails_only_its_culprit_and_the_rest_a
     make_batcher: BatcherFactory,
 ) -> None:
     model = PoisonModel(poison=3)
-    device = ManualExecutor()
-    batcher = make_batcher(model, executor=device, max_batch_size=2, max_run_ms=THREE_BATCHES_MS)
-    first = asyncio.create_task(batcher.submit([100], group="g"))
-    await wait_until(lambda: device.pending == 1)
+    batcher, device, first = await busy_device(make_batcher, model)
     tickets = [batcher.enqueue([row], group="g") for row in range(1, 7)]
     device.finish_next()
     await device.finish_until(lambda: all(ticket.done for ticket in tickets))
@@ -159,10 +167,7 @@ async def test_a_batch_of_a_run_whose_requests_all_went_is_not_computed(
     make_batcher: BatcherFactory,
 ) -> None:
     model = RecordingDoubler()
-    device = ManualExecutor()
-    batcher = make_batcher(model, executor=device, max_batch_size=2, max_run_ms=THREE_BATCHES_MS)
-    first = asyncio.create_task(batcher.submit([100], group="g"))
-    await wait_until(lambda: device.pending == 1)
+    batcher, device, first = await busy_device(make_batcher, model)
     tickets = [batcher.enqueue([row], group="g") for row in range(1, 7)]
     device.finish_next()
     await wait_until(lambda: first.done() and device.pending == 1 and batcher.queue_depth == 0)
