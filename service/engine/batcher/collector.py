@@ -344,8 +344,12 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             and self._handed_s <= self._max_run_s
             and bool(self._queue)
             and not self._turn.contended
-            and all(self._policy.is_ready(g, self._target, self._limits) for g in self._queue)
+            and len(self._ready_groups()) == len(self._queue.groups)
         )
+
+    def _ready_groups(self) -> list[Group]:
+        """The queued groups that go at once (``DispatchPolicy.is_ready``)."""
+        return [g for g in self._queue if self._policy.is_ready(g, self._target, self._limits)]
 
     def _run_of(self, first: list[Entry]) -> list[list[Entry]]:
         """``first``, then more batches while every group queued is ready (full) and the run is
@@ -359,7 +363,7 @@ class DynamicBatcher(Generic[PayloadT, OutputT]):
             return run
         run_s = self.times.estimate(first[0].group, sum(entry.rows for entry in first))
         while self._queue:
-            ready = [g for g in self._queue if self._policy.is_ready(g, self._target, self._limits)]
+            ready = self._ready_groups()
             if len(ready) < len(self._queue.groups):  # one waits for rows: it may soon be due
                 break
             rows = self._limits.row_limit
