@@ -12,11 +12,14 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from service.config import BUNDLED_MODEL_REPOSITORY, Settings
 from service.engine.model_store import ModelStore
 from service.server.predicting.output_file import OutputFile, answer_lines
 from service.server.predicting.progress import Progress
+from service.server.predicting.rows import _balanced_without_strings
 from service.server.predicting.run import predict_file
 from service.server.predicting.sources import ArrayRows
 from tests.fixtures import SourceReadWhileTheLoopRuns
@@ -74,3 +77,37 @@ def test_lines_in_bulk_are_the_records_serialized_one_by_one(predictions: list[A
         )
         for row, prediction in enumerate(predictions, start=41)
     ]
+
+
+#: Pieces of lines: numbers, brackets, braces, quotes, blanks; lines of them are mostly not
+#: JSON, which is the point: the check must hold on any bytes.
+_PIECES = st.sampled_from(
+    [b"[", b"]", b"{", b"}", b'"', b"0.5", b",", b" ", b"\r", b"\n", b"7", b"[[0.25, 1]]", b""]
+)
+
+
+def _counted(line: bytes) -> bool:
+    """The check written out: a bracket or brace, no quote, each kind as often closed as
+    opened."""
+    return (
+        any(bracket in line for bracket in (b"[", b"]", b"{", b"}"))
+        and b'"' not in line
+        and line.count(b"[") == line.count(b"]")
+        and line.count(b"{") == line.count(b"}")
+    )
+
+
+@given(st.lists(st.lists(_PIECES, max_size=10).map(b"".join), min_size=1, max_size=20))
+def test_a_line_read_from_its_skeleton_is_checked_as_its_counts_say(lines: list[bytes]) -> None:
+    """Lines proved one value by their brackets (skeletons remembered from line to line)."""
+    for line in lines:
+        assert _balanced_without_strings(line) == _counted(line), line
+
+
+def test_lines_without_brackets_or_left_open_are_left_to_json() -> None:
+    row = orjson.dumps(np.full((8, 8), 0.5).tolist()) + b"\n"
+    assert _balanced_without_strings(row)
+    assert not _balanced_without_strings(b"[[0.5,\n")  # a list left open
+    assert not _balanced_without_strings(b'["a"]\n')
+    assert not _balanced_without_strings(b"\n")  # blank: orjson refuses it
+    assert not _balanced_without_strings(b"5\n")  # a bare number: orjson reads it
