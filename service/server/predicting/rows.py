@@ -165,9 +165,10 @@ def _balanced_without_strings(line: bytes) -> bool:
 _NOT_SKELETON = bytes(sorted(set(range(256)) - set(b'[]{}"')))
 
 
-#: Few: a skeleton is as long as the line's brackets, and the chunk's lines are held anyway.
 @functools.lru_cache(maxsize=64)
 def _balanced_skeleton(skeleton: bytes) -> bool:
+    """The counts of ``_balanced_without_strings``, remembered for a few skeletons (each as
+    long as its line's brackets: never more than the lines of a chunk, held anyway)."""
     return (
         b'"' not in skeleton
         and skeleton.count(b"[") == skeleton.count(b"]")
