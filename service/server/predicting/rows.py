@@ -167,8 +167,8 @@ _NOT_SKELETON = bytes(sorted(set(range(256)) - set(b'[]{}"')))
 
 @functools.lru_cache(maxsize=64)
 def _balanced_skeleton(skeleton: bytes) -> bool:
-    """The counts of ``_balanced_without_strings``, remembered for a few skeletons (each as
-    long as its line's brackets: never more than the lines of a chunk, held anyway)."""
+    """The counts of ``_balanced_without_strings``, remembered for a few skeletons (each no
+    larger than its line, which a chunk held already: the cache never raises the peak)."""
     return (
         b'"' not in skeleton
         and skeleton.count(b"[") == skeleton.count(b"]")
