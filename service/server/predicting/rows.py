@@ -167,8 +167,8 @@ _NOT_SKELETON = bytes(sorted(set(range(256)) - set(b'[]{}"')))
 
 @functools.lru_cache(maxsize=64)
 def _balanced_skeleton(skeleton: bytes) -> bool:
-    """The counts of ``_balanced_without_strings``, remembered for a few skeletons (each no
-    larger than its line, which a chunk held already: the cache never raises the peak)."""
+    """The counts of ``_balanced_without_strings``, remembered for a few skeletons: what the
+    cache holds is at most 64 of them, each no larger than the line it came from."""
     return (
         b'"' not in skeleton
         and skeleton.count(b"[") == skeleton.count(b"]")
