@@ -13,9 +13,9 @@ saves.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from typing import Any
 
 import numpy as np
 import simdjson
@@ -45,49 +45,37 @@ def plain_float_rows(
 
     simdjson parses the body and writes its numbers into a buffer of doubles (``as_buffer``,
     which flattens nested arrays in document order). What proves the general path would read
-    the body alike: it is ASCII (simdjson skips a byte-order mark that orjson refuses) and
-    holds no string but its key and no literal (``_numbers_and_lists``); simdjson checks the
-    whole document's grammar, as strictly as orjson, and rounds every number correctly, as
-    orjson does (``-0`` is the integer 0 in both); the instances are ``count`` arrays, every
-    array down to the innermost axis's rows is an array of its axis's length, and the body's
-    ``[`` are exactly those arrays and the instances' (so no element of an innermost row is a
-    list, which ``as_buffer`` would flatten; it refuses an object); and the values are within
-    ``_MAX_MAGNITUDE`` and the caller's range.
+    the body alike: it is ASCII (simdjson skips a byte-order mark that orjson refuses);
+    simdjson checks the whole document's grammar, as strictly as orjson, and rounds every
+    number correctly, as orjson does (``-0`` is the integer 0 in both); the body's skeleton
+    is that of ``count`` instances of the shape (``_instance_count``), so its one string is
+    the key, it holds no object, and every array is one of the shape's, with its axis's
+    count of elements (an innermost row of one element shows as ``[]``, as an empty one
+    would: the count of numbers ``as_buffer`` writes tells them apart); the key is
+    ``instances``; ``as_buffer`` refuses a ``true``, ``false`` or ``null`` where a number
+    stands; and the values are within ``_MAX_MAGNITUDE`` and the caller's range.
     """
-    if 0 in instance_shape or not (body.isascii() and _numbers_and_lists(body)):
+    if 0 in instance_shape or not body.isascii():
+        return None
+    count = _instance_count(body.translate(None, _NOT_SKELETON), instance_shape)
+    if count is None or count > max_rows:
         return None
     parser = _parsers.__dict__.get("parser")
     if parser is None:
         parser = _parsers.parser = simdjson.Parser()
-    innermost = len(instance_shape) - 1
     try:
         document = parser.parse(body)
-        rows = document.get("instances") if isinstance(document, simdjson.Object) else None
+        rows = document.get("instances")
         if not isinstance(rows, simdjson.Array):
             return None
-        count = len(rows)
-        if not 0 < count <= max_rows:
-            return None
-        bracket = body.find(b"[")  # the instances'
-        level: Any = rows  # the arrays of one axis, instances first
-        for axis, size in enumerate(instance_shape):
-            inner: list[Any] = []  # the next axis's arrays (not the innermost rows' numbers)
-            for node in level:
-                if type(node) is not simdjson.Array or len(node) != size:
-                    return None
-                bracket = body.find(b"[", bracket + 1)  # its own (a list's opens in it)
-                if axis < innermost:
-                    inner.extend(node)
-            level = inner
-        if body.find(b"[", bracket + 1) >= 0:
-            return None  # more [ than arrays walked: a list inside an innermost row
         packed = rows.as_buffer(of_type="d")
     except (ValueError, TypeError, KeyError, RuntimeError):
-        return None  # not JSON, not this object, a number simdjson does not hold: the general path
+        return None  # not JSON, a number simdjson does not hold: the general path
     finally:
         # The parser parses the next body once its proxies are gone.
-        document = rows = level = node = None
-        inner = []
+        document = rows = None
+    if memoryview(packed).nbytes != count * math.prod(instance_shape) * 8:
+        return None  # an empty innermost row where the shape has one element
     array = np.frombuffer(packed, np.float64).reshape(count, *instance_shape)
     # As Python floats: four comparisons of plain floats, not of numpy scalars.
     top, bottom = float(_max(array, None)), float(_min(array, None))
@@ -101,18 +89,31 @@ def plain_float_rows(
 _parsers = threading.local()
 
 
-def _numbers_and_lists(body: bytes) -> bool:
-    """Whether ``body``, a JSON object whose only key is ``instances``, holds no other
-    string (its two quotes are the key's) and no ``true``, ``false`` or ``null`` (a ``u`` or
-    an ``l``; the key has neither): numbers, lists and empty objects are left, which the walk
-    of ``plain_float_rows`` and ``as_buffer`` tell apart. Single-byte searches (``find``:
-    ``in`` first tries the byte as an integer, and fails)."""
-    first = body.find(b'"')
-    second = body.find(b'"', first + 1)
-    return (
-        first >= 0
-        and second > first
-        and body.find(b'"', second + 1) < 0
-        and body.find(b"u") < 0
-        and body.find(b"l") < 0
-    )
+#: Every byte but brackets, braces, commas and quotes: what ``bytes.translate`` deletes to
+#: leave a body's skeleton.
+_NOT_SKELETON = bytes(sorted(set(range(256)) - set(b'[]{},"')))
+
+
+def _instance_count(skeleton: bytes, instance_shape: tuple[int, ...]) -> int | None:
+    """How many instances of ``instance_shape`` a body of skeleton ``skeleton`` holds, when
+    it is exactly ``{"instances": [...]}`` of them; else None.
+
+    In valid JSON with no string but the key, the skeleton fixes every array's place and,
+    past one element, its count of elements (a ``true``, ``false`` or ``null`` would stand
+    where a number does, and ``as_buffer`` refuses it): an instance of shape (2, 3)
+    is ``[[,,],[,,]]``, and a body of two of them ``{""[[[,,],[,,]],[[,,],[,,]]]}``."""
+    instance = _instance_skeleton(instance_shape)
+    count, rest = divmod(len(skeleton) - len(b'{""[]}') + 1, len(instance) + 1)
+    if rest or count < 1:
+        return None
+    expected = b'{""[' + b",".join([instance] * count) + b"]}"
+    return count if skeleton == expected else None
+
+
+@functools.lru_cache(maxsize=16)
+def _instance_skeleton(instance_shape: tuple[int, ...]) -> bytes:
+    """The skeleton of one instance of ``instance_shape`` (``_instance_count``)."""
+    skeleton = b""
+    for size in reversed(instance_shape):
+        skeleton = b"[" + b",".join([skeleton] * size) + b"]"
+    return skeleton
