@@ -65,7 +65,7 @@ def plain_float_rows(
         parser = _parsers.parser = simdjson.Parser()
     try:
         document = parser.parse(body)
-        rows = document.get("instances")
+        rows = document.get("instances") if isinstance(document, simdjson.Object) else None
         if not isinstance(rows, simdjson.Array):
             return None
         packed = rows.as_buffer(of_type="d")
