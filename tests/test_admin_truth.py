@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Hashable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -83,6 +84,9 @@ class EngineKilledAtCommit:
 
     def enqueue(self, request: InferenceRequest, source: Hashable) -> tuple[QueuedRequest, str]:
         return self.engine.enqueue(request, source)
+
+    def frontend_left(self, sink: Any) -> None:
+        self.engine.frontend_left(sink)
 
     async def prepare(self, name: str, version: str) -> Manifest:
         return await self.engine.prepare(name, version)

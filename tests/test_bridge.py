@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -48,10 +50,15 @@ from tests.torch_models import (
 PROMPTLY_S = 5.0
 
 
-def package(repository: Path, architecture: str, labels: tuple[str, ...] | None = None) -> str:
+def package(
+    repository: Path, architecture: str, labels: tuple[str, ...] | None = None, retrained: str = ""
+) -> str:
+    """``architecture`` packaged as ``fault``; ``retrained``: its weights file differs (in its
+    metadata), nothing else does."""
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "empty.safetensors"
-        save_file({}, str(weights), metadata={"architecture": architecture})
+        metadata = {"architecture": architecture} | ({"retrained": retrained} if retrained else {})
+        save_file({}, str(weights), metadata=metadata)
         return (
             Packager(repository)
             .package(
@@ -278,6 +285,39 @@ async def test_a_front_end_that_disconnects_has_its_queued_requests_dropped(
                 await blocker  # its own client has closed too
         rows = sample_total(engine.state.metrics.registry, "batchserve_batch_size_rows_sum")
         assert rows == 1
+
+
+@pytest.mark.parametrize("shadowed", [False, True])
+async def test_a_front_end_that_left_is_not_kept_by_the_engine(
+    socket_path: Path, repository: Path, shadowed: bool
+) -> None:
+    """Its connection (buffers and all) is freed once it left, however many came and went,
+    also while a shadow copies its requests; its load no longer counts."""
+    served = package(repository, "tests.torch_models:HangsOnValue")  # the fixture's, again
+    candidate = package(repository, "tests.torch_models:HangsOnValue", retrained="yes")
+    async with engine_behind_a_socket(socket_path, repository, model_version=served) as (
+        engine,
+        server,
+    ):
+        if shadowed:
+            await engine.start_shadow("fault", candidate, 100)
+        left: list[weakref.ref[object]] = []
+        for value in (1.0, 2.0, 3.0):
+            async with client_of(socket_path) as client:
+                answer = await client.infer(request(client, value_rows(value)))
+                np.testing.assert_array_equal(answer.outputs["y"], 2 * value_rows(value) + 1)
+                (connection,) = server._connections
+                left.append(weakref.ref(connection))
+                del connection
+            await wait_until(lambda: not server._connections)
+        registry = engine.state.metrics.registry
+        copied = 3 if shadowed else 0  # each through a tap of its front end's
+        await wait_until(
+            lambda: sample_total(registry, "batchserve_shadow_compared_total") == copied
+        )
+        gc.collect()
+        assert [ref() for ref in left] == [None, None, None]
+        assert engine.state.frontend_loads == {}
 
 
 async def test_a_lost_engine_fails_what_waits_on_it_at_once_and_its_replacement_serves(

@@ -108,6 +108,10 @@ class EngineBackend(Protocol):
         when answered: for each, in order, its queued request and version, or its refusal."""
         ...
 
+    def frontend_left(self, sink: Any) -> None:
+        """The front end ``sink`` (of ``enqueue_frame``) closed its connection."""
+        ...
+
     async def prepare(self, name: str, version: str) -> Manifest: ...
 
     async def prepare_split(self, name: str, weights: dict[str, int]) -> Manifest: ...
@@ -233,6 +237,7 @@ class BridgeServer:
 
     def connection_closed(self, connection: _Connection) -> None:
         self._connections.discard(connection)
+        self.backend.frontend_left(connection)
         if not self._connections:
             self._all_closed.set()
         if self._prepared_by is connection:

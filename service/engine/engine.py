@@ -254,6 +254,18 @@ class Engine:
         self._shadow_chosen(served, ticket, request.instances, request.request_id)
         return ticket, manifest.version
 
+    def frontend_left(self, sink: Sink) -> None:
+        """The front end ``sink`` closed its connection: the engine lets go of what it kept
+        for it (its load, and the taps its answers pass through to the tally and the
+        shadows), which would otherwise keep every front end that ever connected. Its
+        requests still running keep their own taps."""
+        self.state.frontend_loads.pop(id(sink), None)
+        tap = self._tally.forget(sink)
+        for shadow in self._shadows.values():  # its requests were queued with either
+            shadow.forget(sink)
+            if tap is not None:
+                shadow.forget(tap)
+
     def enqueue_frame(
         self, requests: Sequence[FrameRequest], frontend_load: int, sink: Sink
     ) -> list[Queued]:

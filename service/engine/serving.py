@@ -78,6 +78,9 @@ class _StartedEngine:
     ) -> list[Queued]:
         return self._engine.enqueue_frame(requests, frontend_load, sink)
 
+    def frontend_left(self, sink: Any) -> None:
+        self._engine.frontend_left(sink)
+
     def generation_of(self, model: str, version: str) -> TalliedStreams:
         return self._engine.streams_of(model, version)
 

@@ -148,6 +148,10 @@ class Shadow:
         ticket.sink = tap
         self._watched[id(ticket)] = _Watched(instances, request_id, self._clock())
 
+    def forget(self, sink: Sink | None) -> None:
+        """``sink``'s tap is no longer handed out (its front end left)."""
+        self._taps.pop(id(sink), None)
+
     def served_answered(self, ticket: Ticket[Any]) -> None:
         """A watched request was answered (its client has its answer): queue its copy."""
         watched = self._watched.pop(id(ticket), None)

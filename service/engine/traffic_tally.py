@@ -40,6 +40,10 @@ class TrafficTally:
             tap = self._taps[id(sink)] = TallySink(self, sink)
         return tap
 
+    def forget(self, sink: Sink) -> TallySink | None:
+        """``sink``'s tap, no longer handed out (its front end left), if it had one."""
+        return self._taps.pop(id(sink), None)
+
     def received(self, ticket: Ticket[Any], model: str, version: str, at_s: float) -> None:
         """``ticket`` (queued with a tap of ``sink_for``) is a request to ``model@version``
         received at ``at_s``."""
