@@ -57,8 +57,8 @@ def plain_float_rows(
     """
     if 0 in instance_shape or not body.isascii():
         return None
-    count = _instance_count(body.translate(None, _NOT_SKELETON), instance_shape)
-    if count is None or count > max_rows:
+    count = _instance_count(body.translate(None, _NOT_SKELETON), instance_shape, max_rows)
+    if count is None:
         return None
     parser = _parsers.__dict__.get("parser")
     if parser is None:
@@ -94,9 +94,9 @@ _parsers = threading.local()
 _NOT_SKELETON = bytes(sorted(set(range(256)) - set(b'[]{},"')))
 
 
-def _instance_count(skeleton: bytes, instance_shape: tuple[int, ...]) -> int | None:
+def _instance_count(skeleton: bytes, instance_shape: tuple[int, ...], max_rows: int) -> int | None:
     """How many instances of ``instance_shape`` a body of skeleton ``skeleton`` holds, when
-    it is exactly ``{"instances": [...]}`` of them; else None.
+    it is exactly ``{"instances": [...]}`` of 1 to ``max_rows`` of them; else None.
 
     In valid JSON with no string but the key, the skeleton fixes every array's place and,
     past one element, its count of elements (a ``true``, ``false`` or ``null`` would stand
@@ -104,7 +104,7 @@ def _instance_count(skeleton: bytes, instance_shape: tuple[int, ...]) -> int | N
     is ``[[,,],[,,]]``, and a body of two of them ``{""[[[,,],[,,]],[[,,],[,,]]]}``."""
     instance = _instance_skeleton(instance_shape)
     count, rest = divmod(len(skeleton) - len(b'{""[]}') + 1, len(instance) + 1)
-    if rest or count < 1:
+    if rest or not 0 < count <= max_rows:
         return None
     expected = b'{""[' + b",".join([instance] * count) + b"]}"
     return count if skeleton == expected else None
