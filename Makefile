@@ -27,7 +27,7 @@ lint: install
 	$(BIN)/hadolint Dockerfile
 
 typecheck: install
-	$(BIN)/mypy service
+	$(BIN)/mypy service loadtests
 
 # Two workers (pytest-xdist), a test file each at a time so its module fixtures are built once:
 # most tests wait on a server process more than they use a core.

@@ -94,8 +94,8 @@ def save_folder(root: Path, model: str) -> Path:
     )
     torch.manual_seed(0)
     bert = root / "bert"
-    BertModel(config).eval().save_pretrained(bert)
-    PreTrainedTokenizerFast(
+    BertModel(config).eval().save_pretrained(bert)  # type: ignore[no-untyped-call]
+    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=trained,
         unk_token="[UNK]",
         pad_token="[PAD]",

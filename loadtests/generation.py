@@ -88,8 +88,8 @@ def save_folder(root: Path, model: str) -> Path:
     )
     torch.manual_seed(0)
     folder = root / model
-    GPT2LMHeadModel(config).eval().save_pretrained(folder)
-    PreTrainedTokenizerFast(
+    GPT2LMHeadModel(config).eval().save_pretrained(folder)  # type: ignore[no-untyped-call]
+    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=trained, eos_token="<|endoftext|>", model_max_length=CONTEXT
     ).save_pretrained(folder)
     return folder

@@ -40,7 +40,7 @@ def _digit_bodies(seed: int = 0) -> list[bytes]:
 BODIES = _digit_bodies()
 
 
-@events.test_start.add_listener
+@events.test_start.add_listener  # type: ignore[untyped-decorator]  # locust's is untyped
 def _refuse_remote_hosts(environment: Environment, **_: Any) -> None:
     host = urlsplit(environment.host or "").hostname
     if host not in LOOPBACK_HOSTS:
@@ -63,7 +63,10 @@ class DigitsUser(FastHttpUser):
         body = BODIES[self.next_body]
         self.next_body = (self.next_body + 1) % BODY_COUNT
         with self.client.post(
-            "/predict", data=body, headers=HEADERS, catch_response=True
+            "/predict",
+            data=body,  # type: ignore[arg-type]  # bytes are sent as they are; its hint omits them
+            headers=HEADERS,
+            catch_response=True,
         ) as response:
             if response.status_code != 200:
                 response.failure(f"status {response.status_code}: {(response.text or '')[:200]}")
