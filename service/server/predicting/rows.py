@@ -12,10 +12,8 @@ a body holding that row alone.
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
@@ -24,14 +22,11 @@ from service.errors import BadRequestError, HandlerError, ServiceError
 from service.frontend import per_token
 from service.frontend.bodies import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE
 from service.frontend.handlers.base import Handler, HandlerRequest
+from service.frontend.predict import handled
 from service.manifest import Manifest
 from service.server.predicting.sources import ArrayRows, Chunk
 from service.tensors import NamedArrays
 from service.types import Array
-
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +93,7 @@ class RowPreparer:
     def answers(self, request: RowsRequest, result: InferenceResult) -> list[Any]:
         """One JSON value per row, as ``/predict`` answers its instances."""
         result = per_token.at_own_lengths(result, request.instances, self.manifest)
-        values = _handled(self.handler.postprocess, result.outputs, request.handler_request)
+        values = handled(self.handler.postprocess, result.outputs, request.handler_request)
         if len(values) != request.rows:
             raise HandlerError(
                 f"the model's handler answered {len(values)} values for {request.rows} instances"
@@ -139,7 +134,7 @@ class RowPreparer:
         request = HandlerRequest(
             body=body, media_type=JSON_MEDIA_TYPE, content_type=JSON_MEDIA_TYPE
         )
-        instances = _handled(self.handler.preprocess, request)
+        instances = handled(self.handler.preprocess, request)
         return RowsRequest(start, len(values), instances, request)
 
     def _arrays(self, start: int, arrays: dict[str, Array]) -> RowsRequest:
@@ -174,17 +169,3 @@ def _balanced_skeleton(skeleton: bytes) -> bool:
         and skeleton.count(b"[") == skeleton.count(b"]")
         and skeleton.count(b"{") == skeleton.count(b"}")
     )
-
-
-def _handled(step: Callable[..., T], *args: object) -> T:
-    """The handler's result; what it raises other than a ``ServiceError`` (a mistake in the
-    row) is logged and becomes a 500 for these rows alone, as ``/predict`` answers it."""
-    try:
-        return step(*args)
-    except ServiceError:
-        raise
-    except Exception as error:
-        logger.error("handler_failed", exc_info=error)
-        raise HandlerError(
-            f"the model's handler failed on this request ({type(error).__name__}: {error})"
-        ) from error
