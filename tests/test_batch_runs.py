@@ -15,6 +15,7 @@ from service.engine.batcher.policy import Target
 from service.engine.batcher.run import StallWatch
 from service.engine.device_turns import DeviceTurns
 from service.errors import InferenceError, ServiceError
+from service.metrics import EngineMetrics
 from tests.fixtures import (
     MEASURED_FORWARD_S,
     Batcher,
@@ -24,6 +25,7 @@ from tests.fixtures import (
     PoisonModel,
     RecordingDoubler,
     SteppedClock,
+    sample,
     wait_until,
 )
 
@@ -81,6 +83,45 @@ async def test_full_batches_queued_behind_the_device_run_in_one_hand_off(
     assert model.batch_rows == [1, 2, 2, 2, 2]
     assert [await task for task in queued] == [[[2 * row]] for row in range(1, 9)]
     assert await first == [[200]]
+
+
+class ClockAdvancingDoubler(RecordingDoubler):
+    """Each batch takes ``seconds`` of the batcher's clock (the device's time passing)."""
+
+    def __init__(self, clock: SteppedClock, seconds: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.seconds = seconds
+
+    def __call__(self, payloads: list[Payload]) -> list[Payload]:
+        self.clock.advance(self.seconds)
+        return super().__call__(payloads)
+
+
+async def test_each_batch_of_a_run_ends_its_requests_queue_wait_when_the_device_begins_it() -> None:
+    clock = SteppedClock()
+    clock.freeze()
+    factory = BatcherFactory(clock)
+    metrics = EngineMetrics()
+    device = ManualExecutor()
+    batcher = factory(
+        ClockAdvancingDoubler(clock, 0.002),
+        metrics=metrics,
+        executor=device,
+        max_batch_size=2,
+        max_run_ms=THREE_BATCHES_MS,
+    )
+    try:
+        tickets = [batcher.enqueue([row], group="g") for row in range(1, 7)]
+        await wait_until(lambda: device.pending == 1)  # one run of three batches, at 0 s
+        device.finish_next()  # the device begins them at 0, 2 and 4 ms
+        await wait_until(lambda: all(ticket.done for ticket in tickets))
+
+        name = "batchserve_queue_wait_seconds"
+        assert sample(metrics, f"{name}_count") == 6
+        assert sample(metrics, f"{name}_sum") == pytest.approx(2 * (0 + 0.002 + 0.004))
+    finally:
+        await factory.aclose()
 
 
 async def test_the_next_run_is_queued_behind_the_running_one_while_full_batches_wait(

@@ -299,7 +299,7 @@ def test_a_queued_request_gets_504_at_its_deadline_while_a_batch_runs_past_its_e
                 started_s = time.monotonic()
                 while time.monotonic() - started_s < 10:  # until the blocker's batch started
                     metrics = (await http.get("/metrics")).text
-                    if value(metrics, "batchserve_queue_wait_seconds_count") >= 1:
+                    if value(metrics, "batchserve_batch_size_rows_count") >= 1:
                         break
                     await asyncio.sleep(0.01)
                 probe = await post(probe_connection, probe_body)
@@ -383,7 +383,7 @@ def test_a_client_resending_before_retry_after_is_held_until_it_passes(tmp_path:
                 started_s = time.monotonic()
                 while time.monotonic() - started_s < 10:  # the blocker's batch has started
                     metrics = (await http.get("/metrics")).text
-                    if value(metrics, "batchserve_queue_wait_seconds_count") >= 1:
+                    if value(metrics, "batchserve_batch_size_rows_count") >= 1:
                         break
                     await asyncio.sleep(0.01)
             waiting = asyncio.create_task(post(queued, body))

@@ -179,6 +179,8 @@ class Ran(Generic[OutputT]):
     end_ns: int
     timings: BatchTimings | None
     """The runner's timings of the batch it ran last, read just after this one."""
+    started_s: float
+    """When the device began it, by the batcher's clock: where its requests' queue wait ends."""
 
 
 class BatchRun(Generic[PayloadT, OutputT]):
@@ -224,18 +226,16 @@ class BatchRun(Generic[PayloadT, OutputT]):
 
     async def run(self, batches: list[list[Entry]]) -> None:
         """Run ``batches`` in order in one hand-off and answer each of their entries; never
-        raises but ``CancelledError``. Every entry's queue wait ends when the run starts."""
+        raises but ``CancelledError``. Each entry's queue wait ends when the device begins
+        the first batch holding it (for a run queued behind another, and for each batch
+        after a run's first, later than the hand-off)."""
         entries = [entry for batch in batches for entry in batch]
         if not entries:
             return
         try:
-            started_s = self._clock.now()
-            self._observe_queue_waits(entries, started_s)
-            if self._tracer is not None:
-                self._tracer.queue_waits(entries, started_s)
             for batch in batches:
                 self._metrics.batch_sources.observe(len({entry.source for entry in batch}))
-            await self._isolating_failures(batches, started_s)
+            await self._isolating_failures(batches, self._clock.now(), first=True)
         except Exception:  # never let one batch stop the collector
             logger.exception("batch_failed_unexpectedly")
             with self._outbox:
@@ -249,10 +249,11 @@ class BatchRun(Generic[PayloadT, OutputT]):
             queue_wait.observe(started_s - entry.arrival_s, exemplar)
 
     async def _isolating_failures(
-        self, batches: list[list[Entry]], now_s: float | None = None
+        self, batches: list[list[Entry]], now_s: float | None = None, *, first: bool
     ) -> None:
         """Run ``batches``; if one raises, retry each half of it so only the culprit fails.
-        ``now_s``: the time the run started, if just read (not for a retry)."""
+        ``now_s``: the time the run started, if just read (not for a retry); ``first``: no
+        batch holding these entries began before (their queue waits end as theirs begin)."""
         batches = [live for live in ([e for e in b if not e.done] for b in batches) if live]
         if not batches:
             return
@@ -263,6 +264,10 @@ class BatchRun(Generic[PayloadT, OutputT]):
         for batch, count, result in zip(batches, rows, ran, strict=False):
             if result is None:  # every request in it was answered before it ran
                 continue
+            if first:
+                self._observe_queue_waits(batch, result.started_s)
+                if self._tracer is not None:
+                    self._tracer.queue_waits(batch, result.start_ns)
             outputs = result.outputs
             if not isinstance(outputs, Exception) and len(outputs) != len(batch):
                 outputs = RuntimeError(
@@ -285,7 +290,7 @@ class BatchRun(Generic[PayloadT, OutputT]):
                     else:
                         entry.resolve(output)
         for batch in batches[len(ran) :]:  # not run: a batch before it failed
-            await self._isolating_failures([batch])
+            await self._isolating_failures([batch], first=first)
 
     async def _failed(self, batch: list[Entry], rows: int, error: Exception) -> None:
         """``batch`` raised ``error``: its one request is answered with it, or each half of
@@ -300,8 +305,8 @@ class BatchRun(Generic[PayloadT, OutputT]):
             return
         self._metrics.batch_failures.inc()
         middle = len(batch) // 2
-        await self._isolating_failures([batch[:middle]])
-        await self._isolating_failures([batch[middle:]])
+        await self._isolating_failures([batch[:middle]], first=False)
+        await self._isolating_failures([batch[middle:]], first=False)
 
     async def _forward(
         self, batches: list[list[Entry]], rows: list[int], now_s: float | None
@@ -327,7 +332,7 @@ class BatchRun(Generic[PayloadT, OutputT]):
             return await asyncio.wrap_future(running)
         except Exception as error:
             now_ns = time.time_ns()
-            return [Ran(error, 0.0, now_ns, now_ns, None)]
+            return [Ran(error, 0.0, now_ns, now_ns, None, self._clock.now())]
         finally:
             del self._ends_s[number]
             self._stall.finished(watched)
@@ -354,7 +359,7 @@ class BatchRun(Generic[PayloadT, OutputT]):
                 outputs = error
             timings = self._tracer.timings() if self._tracer is not None else None
             seconds = self._clock.now() - started_s
-            ran.append(Ran(outputs, seconds, start_ns, time.time_ns(), timings))
+            ran.append(Ran(outputs, seconds, start_ns, time.time_ns(), timings, started_s))
             if isinstance(outputs, Exception):
                 break
         return ran

@@ -77,14 +77,13 @@ class BatchTracer:
     timings: Callable[[], BatchTimings | None]
     """The runner's timings of the batch it ran last."""
 
-    def queue_waits(self, batch: Sequence[TracedWork], started_s: float) -> None:
-        """A ``queue_wait`` span, from arrival to ``started_s`` (``time.monotonic()``), for
-        each sampled request in ``batch``."""
+    def queue_waits(self, batch: Sequence[TracedWork], started_ns: int) -> None:
+        """A ``queue_wait`` span, from arrival to ``started_ns`` (the wall-clock start of the
+        batch's own span), for each sampled request in ``batch``."""
         if tracing.current is None:
             return
         tracer = tracing.current.engine_tracer
         wall_ns = time.time_ns() - time.monotonic_ns()  # a monotonic time's wall-clock time
-        started_ns = wall_ns + int(started_s * 1e9)
         for work in batch:
             if work.trace is None or not tracing.is_sampled(work.trace):
                 continue
