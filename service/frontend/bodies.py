@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import zipfile
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import orjson
@@ -167,13 +167,7 @@ def check_npy_data_size(body: bytes) -> None:
     if not body.startswith(npy_format.MAGIC_PREFIX):
         return  # not a .npy file; np.load says why
     stream = io.BytesIO(body)
-    version = npy_format.read_magic(stream)
-    if version == (1, 0):
-        shape, _, dtype = npy_format.read_array_header_1_0(stream)
-    elif version == (2, 0):
-        shape, _, dtype = npy_format.read_array_header_2_0(stream)
-    else:
-        raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    shape, _, dtype = npy_header(stream)
     if dtype.hasobject:
         return  # np.load refuses object arrays before allocating
     declared = math.prod(shape) * dtype.itemsize
@@ -183,6 +177,17 @@ def check_npy_data_size(body: bytes) -> None:
             f"the header declares shape {shape} of {dtype.name} ({declared} bytes), "
             f"but only {present} bytes of data follow"
         )
+
+
+def npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """The shape, Fortran order and dtype the ``.npy`` header at the start of ``stream``
+    declares, read past it; ``ValueError`` when numpy reads no header there."""
+    version = npy_format.read_magic(stream)
+    if version == (1, 0):
+        return npy_format.read_array_header_1_0(stream)
+    if version == (2, 0):
+        return npy_format.read_array_header_2_0(stream)
+    raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
 
 
 def json_type(value: object) -> str:

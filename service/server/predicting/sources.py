@@ -22,9 +22,9 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 import orjson
-from numpy.lib import format as npy_format
 
 from service.errors import BadRequestError, ServiceError
+from service.frontend.bodies import npy_header
 from service.manifest import Manifest, TensorSpec
 from service.types import Array
 
@@ -181,13 +181,7 @@ class NpyStream:
         self.stream = stream
         self.where = where
         try:
-            version = npy_format.read_magic(stream)
-            if version == (1, 0):
-                shape, fortran_order, dtype = npy_format.read_array_header_1_0(stream)
-            elif version == (2, 0):
-                shape, fortran_order, dtype = npy_format.read_array_header_2_0(stream)
-            else:
-                raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+            shape, fortran_order, dtype = npy_header(stream)
         except ValueError as error:
             raise InputFileError(f"{where}: not a .npy array: {error}") from None
         if dtype.hasobject:
