@@ -160,11 +160,8 @@ class BridgeClient:
         connection = self._pick()
         call_id, stream = connection.generate(request)
         try:
-            while True:
-                item = await stream.next()
+            async for item in stream.until_finished():
                 yield item
-                if item.finish_reason is not None:
-                    return
         finally:
             connection.cancel(call_id)  # nothing is sent once it finished
 

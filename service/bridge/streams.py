@@ -7,6 +7,7 @@ the bridge client for a stream whose tokens arrive in frames."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from service.bridge.interface import GeneratedTokens
 from service.errors import ServiceError
@@ -40,3 +41,11 @@ class TokenQueue:
             return GeneratedTokens.joined(items)
         assert self._error is not None
         raise self._error
+
+    async def until_finished(self) -> AsyncIterator[GeneratedTokens]:
+        """``next`` after ``next``, up to the item that finishes the stream."""
+        while True:
+            item = await self.next()
+            yield item
+            if item.finish_reason is not None:
+                return

@@ -355,11 +355,8 @@ class Engine:
         stream = TokenQueue()
         key = generation.submit(request, stream)
         try:
-            while True:
-                item = await stream.next()
+            async for item in stream.until_finished():
                 yield item
-                if item.finish_reason is not None:
-                    return
         finally:
             generation.cancel(key)  # nothing happens once it finished
 
