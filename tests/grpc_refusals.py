@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import InferenceRequest, InferenceResult
 from service.config import Settings
@@ -29,7 +28,6 @@ from service.frontend.oip.grpc_server import INFER_ROUTE, InferenceServicer
 from service.frontend.oip.proto import grpc_predict_v2_pb2 as pb
 from service.frontend.oip.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from service.frontend.state import FrontendState
-from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from tests.test_requests import EngineAnsweringLate, tokens_model
 
@@ -60,16 +58,11 @@ async def serving(
     engine: EngineRefusingForLoad, hold_ms: float
 ) -> AsyncIterator[tuple[FrontendState, str]]:
     """A gRPC server over ``engine`` holding refusals up to ``hold_ms``, and its address."""
-    registry = CollectorRegistry()
     with tempfile.TemporaryDirectory() as folder:
-        frontend = FrontendState(
-            settings=Settings(request_timeout_ms=60_000, refusal_hold_ms=hold_ms),
-            metrics=FrontendMetrics(registry),
-            process_metrics=ProcessMetrics("frontend", registry),
-            registry=registry,
-            engine=engine,
+        frontend = FrontendState.over(
+            engine,
+            Settings(request_timeout_ms=60_000, refusal_hold_ms=hold_ms),
             repository=ModelRepository(Path(folder)),
-            engine_in_process=False,
         )
         server = grpc.aio.server()
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]

@@ -19,7 +19,6 @@ from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from prometheus_client import CollectorRegistry
 
 from service import tracing
 from service.bridge.interface import EngineStatus, ModelInfo
@@ -29,7 +28,6 @@ from service.frontend.app import create_frontend_app
 from service.frontend.generation.chat_template import render_chat
 from service.frontend.state import FrontendState
 from service.manifest import Manifest
-from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from tests.fixtures import EchoingGenerator, uvicorn_port, wait_until
 from tests.generative_models import CHATML_TEMPLATE, byte_level_bpe, write_text_generation_version
@@ -55,15 +53,10 @@ class Served:
         self.engine = EchoingGenerator(
             self.model, tokens_model(), tokens_per_event=tokens_per_event
         )
-        registry = CollectorRegistry()
-        self.frontend = FrontendState(
-            settings=Settings(request_timeout_ms=5000),
-            metrics=FrontendMetrics(registry),
-            process_metrics=ProcessMetrics("frontend", registry),
-            registry=registry,
-            engine=self.engine,  # type: ignore[arg-type]
+        self.frontend = FrontendState.over(
+            self.engine,  # type: ignore[arg-type]
+            Settings(request_timeout_ms=5000),
             repository=ModelRepository(tmp_path),
-            engine_in_process=False,
         )
         self.app: FastAPI = create_frontend_app(self.frontend, no_lifespan)
 

@@ -16,7 +16,6 @@ import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 from starlette.types import Message, Scope
 
 from service.bridge.interface import (
@@ -39,7 +38,6 @@ from service.frontend.requests import (
 )
 from service.frontend.state import FrontendState
 from service.manifest import Architecture, Manifest, TensorSpec
-from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.tensors import NamedArrays
 from service.types import Priority
@@ -115,16 +113,7 @@ class EngineAnsweringLate:
 
 
 def frontend_with(engine: EngineAnsweringLate, tmp_path: Path) -> FrontendState:
-    registry = CollectorRegistry()
-    return FrontendState(
-        settings=SETTINGS,
-        metrics=FrontendMetrics(registry),
-        process_metrics=ProcessMetrics("frontend", registry),
-        registry=registry,
-        engine=engine,
-        repository=ModelRepository(tmp_path),
-        engine_in_process=False,
-    )
+    return FrontendState.over(engine, SETTINGS, repository=ModelRepository(tmp_path))
 
 
 def tokens_model() -> ModelInfo:

@@ -21,7 +21,6 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import InferenceRequest, InferenceResult, ModelInfo
 from service.config import Settings
@@ -29,8 +28,6 @@ from service.errors import QueueFullError
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
 from service.manifest import Architecture, Manifest, TensorSpec
-from service.metrics import FrontendMetrics, ProcessMetrics
-from service.repository import ModelRepository
 from service.server.draining import uvicorn_config
 from service.server.tuning.ceiling import ZeroEngine
 from tests.fixtures import uvicorn_port
@@ -73,15 +70,9 @@ VERSION = wide_model().manifest.version
 
 
 def frontend_app(folder: Path) -> FastAPI:
-    registry = CollectorRegistry()
-    frontend = FrontendState(
-        settings=Settings(model_repository=folder, max_body_bytes=64 * 1024),
-        metrics=FrontendMetrics(registry),
-        process_metrics=ProcessMetrics("frontend", registry),
-        registry=registry,
-        engine=EngineAnsweringZerosOrQueueFull(wide_model()),
-        repository=ModelRepository(folder),
-        engine_in_process=False,
+    frontend = FrontendState.over(
+        EngineAnsweringZerosOrQueueFull(wide_model()),
+        Settings(model_repository=folder, max_body_bytes=64 * 1024),
     )
 
     @contextlib.asynccontextmanager

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -66,6 +66,36 @@ class FrontendState:
     _handlers: dict[str, Handler] = field(default_factory=dict)
     _text_models: dict[str, TextModel] = field(default_factory=dict)
     _handler_pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def over(
+        cls,
+        engine: EngineClient,
+        settings: Settings,
+        *,
+        engine_in_process: bool = False,
+        registry: CollectorRegistry | None = None,
+        metrics: FrontendMetrics | None = None,
+        repository: ModelRepository | None = None,
+        gauge_refreshers: Sequence[Callable[[], None]] = (),
+    ) -> FrontendState:
+        """A front end over ``engine``: its metrics in ``registry`` (a new one unless given;
+        ``metrics`` when already made there), this process counted as the server when the
+        engine runs in it and as a front end otherwise, and ``settings``' model repository
+        unless another is given."""
+        registry = CollectorRegistry() if registry is None else registry
+        return cls(
+            settings=settings,
+            metrics=FrontendMetrics(registry) if metrics is None else metrics,
+            process_metrics=ProcessMetrics("server" if engine_in_process else "frontend", registry),
+            registry=registry,
+            engine=engine,
+            repository=(
+                ModelRepository(settings.model_repository) if repository is None else repository
+            ),
+            engine_in_process=engine_in_process,
+            gauge_refreshers=list(gauge_refreshers),
+        )
 
     def __post_init__(self) -> None:
         self.request_tally = RequestTally(self.metrics)

@@ -21,9 +21,8 @@ from service.bridge.interface import EngineStatus
 from service.config import Settings, load_settings
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
-from service.metrics import FrontendMetrics, ProcessMetrics
+from service.metrics import FrontendMetrics
 from service.processes import ENGINES_ENV
-from service.repository import ModelRepository
 
 
 def engines_from_environment() -> list[tuple[Path, str]]:
@@ -57,15 +56,7 @@ def create_frontend_process_app(settings: Settings, engines: list[tuple[Path, st
         on_status=refresh,
         on_takeover=taken_over,
     )
-    frontend = FrontendState(
-        settings=settings,
-        metrics=metrics,
-        process_metrics=ProcessMetrics("frontend", registry),
-        registry=registry,
-        engine=client,
-        repository=ModelRepository(settings.model_repository),
-        engine_in_process=False,
-    )
+    frontend = FrontendState.over(client, settings, registry=registry, metrics=metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

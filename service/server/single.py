@@ -20,9 +20,8 @@ from service.engine.engine import Engine
 from service.errors import ModelLoadError
 from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
-from service.metrics import EngineMetrics, FrontendMetrics, ProcessMetrics
+from service.metrics import EngineMetrics
 from service.processes import EXIT_STALLED
-from service.repository import ModelRepository
 from service.server.draining import DrainingServer, uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -43,14 +42,11 @@ def create_app(
     engine = Engine(
         settings, EngineMetrics(registry), on_load_failure=on_load_failure, on_stall=on_stall
     )
-    frontend = FrontendState(
-        settings=settings,
-        metrics=FrontendMetrics(registry),
-        process_metrics=ProcessMetrics("server", registry),
-        registry=registry,
-        engine=engine,
-        repository=ModelRepository(settings.model_repository),
+    frontend = FrontendState.over(
+        engine,
+        settings,
         engine_in_process=True,
+        registry=registry,
         gauge_refreshers=[engine.state.refresh_device_memory],
     )
 

@@ -20,13 +20,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
 from service.bridge.client import BridgeClient
 from service.config import Settings
 from service.errors import ModelLoadError
 from service.frontend.state import FrontendState
-from service.metrics import FrontendMetrics, ProcessMetrics
 from service.processes import (
     ENGINE_DEVICE_ENV,
     ENGINE_GENERATION_ENV,
@@ -35,7 +32,6 @@ from service.processes import (
     ENGINE_STANDBY_ENV,
     RUN_DIR_ENV,
 )
-from service.repository import ModelRepository
 from service.server.child_processes import die_with_parent
 from service.server.devices import count_cuda_devices, engine_devices
 from service.server.launcher import settings_environment
@@ -131,16 +127,7 @@ async def engine_processes(
         status = settled.result()
         if not status.ready:
             raise ModelLoadError(status.detail or "the model cannot be served")
-        registry = CollectorRegistry()
-        frontend = FrontendState(
-            settings=settings,
-            metrics=FrontendMetrics(registry),
-            process_metrics=ProcessMetrics("frontend", registry),
-            registry=registry,
-            engine=client,
-            repository=ModelRepository(settings.model_repository),
-            engine_in_process=False,
-        )
+        frontend = FrontendState.over(client, settings)
         yield EngineProcesses(frontend, exits)
     finally:
         await client.close()

@@ -31,7 +31,6 @@ from types import FrameType
 
 import numpy as np
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 
 from service.bridge.interface import (
     EngineStatus,
@@ -50,7 +49,6 @@ from service.frontend.app import create_frontend_app
 from service.frontend.state import FrontendState
 from service.logs import configure_logging
 from service.manifest import TensorSpec
-from service.metrics import FrontendMetrics, ProcessMetrics
 from service.repository import ModelRepository
 from service.server.child_processes import die_with_parent
 from service.server.cli import serves_in_one_process
@@ -157,17 +155,8 @@ def model_info(settings: Settings) -> ModelInfo:
 def create_ceiling_app(settings: Settings, *, in_process: bool) -> FastAPI:
     """The real front-end app over a ``ZeroEngine``. ``app.state.loading`` is done at once
     (the gunicorn worker awaits it before it accepts connections)."""
-    registry = CollectorRegistry()
     engine = ZeroEngine(model_info(settings))
-    frontend = FrontendState(
-        settings=settings,
-        metrics=FrontendMetrics(registry),
-        process_metrics=ProcessMetrics("server" if in_process else "frontend", registry),
-        registry=registry,
-        engine=engine,
-        repository=ModelRepository(settings.model_repository),
-        engine_in_process=in_process,
-    )
+    frontend = FrontendState.over(engine, settings, engine_in_process=in_process)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
